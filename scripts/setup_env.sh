@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates .venv (once) and installs the pinned stack plus this package in editable mode.
+# Idempotent: a second run only re-checks the pins. Usage: scripts/setup_env.sh [--test]
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="${VTOKEN_VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[setup] creating virtual environment $venv"
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+stamp="$venv/.vtoken-installed"
+want="$(cat requirements/pinned.txt requirements/test.txt pyproject.toml | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing pinned packages (torch==2.13.0 CPU wheel, numpy, tqdm, pytest, hypothesis)"
+  "${pip[@]}" install -r requirements/pinned.txt -r requirements/test.txt
+  "${pip[@]}" install --no-deps -e .
+  echo "$want" > "$stamp"
+fi

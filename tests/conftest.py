@@ -1,0 +1,19 @@
+# SPDX-License-Identifier: Apache-2.0
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests skip cleanly without CUDA; TensorRT-LLM tests without tensorrt_llm."""
+    import importlib.util
+
+    import torch
+
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    skip_trtllm = pytest.mark.skip(reason="needs tensorrt_llm importable")
+    for item in items:
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_cuda)
+        if "trtllm" in item.keywords and importlib.util.find_spec("tensorrt_llm") is None:
+            item.add_marker(skip_trtllm)

@@ -1,0 +1,365 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The token table: per request, logical token id -> (block, offset) plus a liveness bit.
+
+Policies speak logical ids (``evict_tokens``); engines speak blocks (``sync_new_tokens``); the
+reclamation backend moves KV and then tells the table (``apply_moves``, ``truncate``,
+``release_blocks``). Logical ids are assigned in write order from 0, so a token's logical id is
+also its original position: RoPE positions are read from here and never re-rotated.
+
+Every public mutation validates all of its input before changing anything: bad input raises
+ValueError (KeyError for an unknown request) and leaves the table as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence as SequenceOf
+
+import numpy as np
+
+from trtllm_vtoken.core.sequence import NO_SLOT, NO_TOKEN, Sequence
+
+__all__ = ["NO_SLOT", "NO_TOKEN", "TokenTable"]
+
+
+class TokenTable:
+    """Token tables of all requests served from one block pool.
+
+    Args:
+        tokens_per_block: Slots per block, as TensorRT-LLM's ``tokens_per_block``.
+        is_shared: Tells whether a block is referenced by several requests (prefix caching).
+            Tokens in such blocks are protected: they can be neither evicted nor moved.
+    """
+
+    def __init__(self, tokens_per_block: int, is_shared: Callable[[int], bool] | None = None) -> None:
+        if tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
+        self.tokens_per_block = tokens_per_block
+        self.is_shared = is_shared or (lambda block_id: False)
+        self._seqs: dict[int, Sequence] = {}
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, req_id: int) -> None:
+        if req_id in self._seqs:
+            raise ValueError(f"request {req_id} is already in the token table")
+        self._seqs[req_id] = Sequence()
+
+    def remove_request(self, req_id: int) -> list[int]:
+        """Forgets the request. Returns its block list, which the caller frees in the pool."""
+        self.seq(req_id)
+        return self._seqs.pop(req_id).block_ids
+
+    def request_ids(self) -> list[int]:
+        return list(self._seqs)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._seqs
+
+    def seq(self, req_id: int) -> Sequence:
+        """The request's arrays, for planners and checks inside the package. Do not mutate."""
+        try:
+            return self._seqs[req_id]
+        except KeyError:
+            raise KeyError(f"unknown request {req_id}") from None
+
+    # ---- the contract ----------------------------------------------------------------------------
+    def sync_new_tokens(self, req_id: int, block_ids: SequenceOf[int], total_len: int) -> range:
+        """Registers the tokens the engine wrote at positions ``[kv_len, total_len)``.
+
+        Args:
+            block_ids: The request's whole block list now: the current list, unchanged, plus any
+                newly allocated blocks at its end.
+            total_len: The new physical KV length; the new tokens get the next logical ids.
+        Returns:
+            The logical ids of the new tokens.
+        """
+        seq, tpb = self.seq(req_id), self.tokens_per_block
+        known = len(seq.block_ids)
+        if len(block_ids) < known or list(block_ids[:known]) != seq.block_ids:
+            raise ValueError(
+                f"request {req_id}: block list must extend the current one {seq.block_ids}, "
+                f"got {list(block_ids)}"
+            )
+        added = [int(b) for b in block_ids[known:]]
+        if len(set(added)) != len(added) or any(b in seq.block_index or b < 0 for b in added):
+            raise ValueError(f"request {req_id}: new blocks {added} repeat a block or are negative")
+        if not seq.kv_len <= total_len <= len(block_ids) * tpb:
+            raise ValueError(
+                f"request {req_id}: total_len {total_len} must lie in [{seq.kv_len}, "
+                f"{len(block_ids) * tpb}] (current length, capacity of {len(block_ids)} blocks)"
+            )
+        num_new = total_len - seq.kv_len
+        first_id = seq.num_tokens
+        seq.reserve_tokens(first_id + num_new)
+        seq.reserve_blocks(len(block_ids), tpb)
+        for block_id in added:
+            seq.block_index[block_id] = len(seq.block_ids)
+            seq.block_ids.append(block_id)
+        if num_new == 1:  # the decode step: scalar writes beat building arrays
+            pos = seq.kv_len
+            block_idx = pos // tpb
+            seq.slot_of[first_id] = seq.block_ids[block_idx] * tpb + pos % tpb
+            seq.token_at[pos] = first_id
+            seq.live_per_block[block_idx] += 1
+        elif num_new:
+            positions = np.arange(seq.kv_len, total_len)
+            blocks = np.asarray(seq.block_ids, dtype=np.int64)
+            seq.slot_of[first_id : first_id + num_new] = blocks[positions // tpb] * tpb + positions % tpb
+            seq.token_at[seq.kv_len : total_len] = np.arange(first_id, first_id + num_new)
+            np.add.at(seq.live_per_block, positions // tpb, 1)
+        seq.live[first_id : first_id + num_new] = 1
+        seq.num_tokens += num_new
+        seq.num_live += num_new
+        seq.kv_len = total_len
+        seq.version += 1
+        return range(first_id, first_id + num_new)
+
+    def evict_token(self, req_id: int, token_id: int) -> None:
+        """Marks one token dead. No KV moves; attention excludes it from the next step on."""
+        self.evict_tokens(req_id, (token_id,))
+
+    def evict_tokens(self, req_id: int, token_ids: Iterable[int]) -> None:
+        """Marks tokens dead (the batched form of ``evict_token``).
+
+        Raises ValueError, evicting none, if an id is out of range, repeated, already dead, or
+        protected (its block is shared by several requests).
+        """
+        seq, tpb = self.seq(req_id), self.tokens_per_block
+        ids = [int(t) for t in token_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"request {req_id}: token ids to evict repeat: {ids}")
+        positions = []
+        for token_id in ids:
+            if not 0 <= token_id < seq.num_tokens:
+                raise ValueError(f"request {req_id}: token id {token_id} out of range [0, {seq.num_tokens})")
+            if not seq.live[token_id]:
+                raise ValueError(f"request {req_id}: token {token_id} is already dead")
+            slot = int(seq.slot_of[token_id])
+            if self.is_shared(slot // tpb):
+                raise ValueError(
+                    f"request {req_id}: token {token_id} is protected: block {slot // tpb} is shared"
+                )
+            positions.append(seq.block_index[slot // tpb] * tpb + slot % tpb)
+        for token_id, pos in zip(ids, positions):
+            seq.live[token_id] = 0
+            seq.live_per_block[pos // tpb] -= 1
+        seq.pending_dead.extend(positions)
+        seq.num_live -= len(ids)
+        seq.version += 1
+
+    def apply_moves(self, req_id: int, token_ids: SequenceOf[int], dst_slots: SequenceOf[int]) -> None:
+        """After a copy has completed: points each token at its new slot and clears the source.
+
+        A destination must be a slot of this request's unshared blocks inside ``[0, kv_len)``
+        that holds no live token (empty, or a dead token, which then loses its slot) and is not
+        the source of another move. Liveness is unchanged.
+        """
+        seq, tpb = self.seq(req_id), self.tokens_per_block
+        ids, dsts = [int(t) for t in token_ids], [int(s) for s in dst_slots]
+        if len(ids) != len(dsts):
+            raise ValueError(f"request {req_id}: {len(ids)} tokens but {len(dsts)} destination slots")
+        if len(set(ids)) != len(ids) or len(set(dsts)) != len(dsts):
+            raise ValueError(f"request {req_id}: a token or a destination slot repeats in the moves")
+        src_pos = [self._position_of_token(req_id, seq, t) for t in ids]
+        dst_pos = [self._writable_position(req_id, seq, s) for s in dsts]
+        moving_from = set(src_pos)
+        for token_id, dst, pos in zip(ids, dsts, dst_pos):
+            if pos in moving_from:
+                raise ValueError(f"request {req_id}: slot {dst} is the source of another move")
+            occupant = int(seq.token_at[pos])
+            if occupant != NO_TOKEN and seq.live[occupant]:
+                raise ValueError(f"request {req_id}: slot {dst} is occupied by live token {occupant}")
+            if self.is_shared(int(seq.slot_of[token_id]) // tpb):
+                raise ValueError(f"request {req_id}: token {token_id} sits in a shared block")
+        for token_id, dst, src, pos in zip(ids, dsts, src_pos, dst_pos):
+            occupant = int(seq.token_at[pos])
+            if occupant != NO_TOKEN:
+                seq.slot_of[occupant] = NO_SLOT
+            seq.token_at[src] = NO_TOKEN
+            seq.token_at[pos] = token_id
+            seq.slot_of[token_id] = dst
+            if seq.live[token_id]:
+                seq.live_per_block[src // tpb] -= 1
+                seq.live_per_block[pos // tpb] += 1
+        seq.pending_dead.extend(src_pos)
+        seq.version += 1
+
+    def truncate(self, req_id: int, new_kv_len: int) -> list[int]:
+        """Shortens the request to positions ``[0, new_kv_len)`` and drops the blocks past it.
+
+        Dead tokens beyond the new length lose their slots. Returns the released block ids (the
+        caller frees them in the pool). Raises ValueError if a live token lies beyond the new
+        length or a released block is shared.
+        """
+        seq, tpb = self.seq(req_id), self.tokens_per_block
+        if not 0 <= new_kv_len <= seq.kv_len:
+            raise ValueError(f"request {req_id}: new length {new_kv_len} not in [0, {seq.kv_len}]")
+        tail = np.arange(new_kv_len, seq.kv_len)
+        if seq.live_at(tail).any():
+            raise ValueError(f"request {req_id}: live tokens beyond new length {new_kv_len}")
+        keep_blocks = -(-new_kv_len // tpb)
+        released = seq.block_ids[keep_blocks:]
+        shared = [b for b in released if self.is_shared(b)]
+        if shared:
+            raise ValueError(f"request {req_id}: cannot release shared blocks {shared}")
+        dead = seq.token_at[new_kv_len : seq.kv_len]
+        seq.slot_of[dead[dead != NO_TOKEN]] = NO_SLOT
+        seq.token_at[new_kv_len : seq.kv_len] = NO_TOKEN
+        for block_id in released:
+            del seq.block_index[block_id]
+        del seq.block_ids[keep_blocks:]
+        seq.live_per_block[keep_blocks : keep_blocks + len(released)] = 0
+        seq.kv_len = new_kv_len
+        seq.pending_dead = [p for p in seq.pending_dead if p < new_kv_len]
+        seq.version += 1
+        return released
+
+    def release_blocks(self, req_id: int, block_ids: Iterable[int]) -> None:
+        """Removes blocks that hold no live token from anywhere in the request's block list.
+
+        Later positions shift down by ``tokens_per_block`` per removed block (slots do not
+        change). Used by lazy compaction with masked attention; TensorRT-LLM's V1 manager can only
+        release tail blocks, which ``truncate`` covers.
+        """
+        seq, tpb = self.seq(req_id), self.tokens_per_block
+        blocks = [int(b) for b in block_ids]
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"request {req_id}: blocks to release repeat: {blocks}")
+        for block_id in blocks:
+            if block_id not in seq.block_index:
+                raise ValueError(f"request {req_id}: block {block_id} is not one of its blocks")
+            if self.is_shared(block_id):
+                raise ValueError(f"request {req_id}: cannot release shared block {block_id}")
+            if seq.live_per_block[seq.block_index[block_id]]:
+                raise ValueError(f"request {req_id}: block {block_id} still holds live tokens")
+        if not blocks:
+            return
+        drop = np.array(sorted(seq.block_index[b] for b in blocks))
+        positions = (drop[:, None] * tpb + np.arange(tpb)).ravel()
+        dead = seq.token_at[positions]
+        seq.slot_of[dead[dead != NO_TOKEN]] = NO_SLOT
+        old_len, num_blocks = seq.kv_len, len(seq.block_ids)
+        keep = np.ones(num_blocks, dtype=bool)
+        keep[drop] = False
+        rows = seq.token_at[: num_blocks * tpb].reshape(num_blocks, tpb)[keep].ravel().copy()
+        seq.token_at[: num_blocks * tpb] = NO_TOKEN
+        seq.token_at[: rows.size] = rows
+        counts = seq.live_per_block[:num_blocks][keep].copy()
+        seq.live_per_block[:num_blocks] = 0
+        seq.live_per_block[: counts.size] = counts
+        # Each dropped block removes the part of [0, kv_len) it covered.
+        covered = np.clip(old_len - drop * tpb, 0, tpb)
+        seq.kv_len = old_len - int(covered.sum())
+        seq.block_ids = [b for i, b in enumerate(seq.block_ids) if keep[i]]
+        seq.block_index = {b: i for i, b in enumerate(seq.block_ids)}
+        shift = np.searchsorted(drop, np.asarray(seq.pending_dead, dtype=np.int64) // tpb, side="right")
+        seq.pending_dead = [
+            int(p - s * tpb) for p, s in zip(seq.pending_dead, shift) if keep[p // tpb]
+        ]
+        seq.version += 1
+
+    # ---- lookups -------------------------------------------------------------------------------
+    def lookup(self, req_id: int, token_id: int) -> tuple[int, int] | None:
+        """(block_id, offset) of a token, or None if its KV no longer exists."""
+        seq = self.seq(req_id)
+        if not 0 <= token_id < seq.num_tokens:
+            raise ValueError(f"request {req_id}: token id {token_id} out of range [0, {seq.num_tokens})")
+        slot = int(seq.slot_of[token_id])
+        return None if slot == NO_SLOT else divmod(slot, self.tokens_per_block)
+
+    def token_at_slot(self, req_id: int, slot: int) -> int | None:
+        """Logical id held by a slot of this request (live or dead), or None if it holds none."""
+        seq = self.seq(req_id)
+        block_id, offset = divmod(slot, self.tokens_per_block)
+        if block_id not in seq.block_index:
+            raise ValueError(f"request {req_id}: slot {slot} is not in one of its blocks")
+        token = int(seq.token_at[seq.block_index[block_id] * self.tokens_per_block + offset])
+        return None if token == NO_TOKEN else token
+
+    def block_ids(self, req_id: int) -> list[int]:
+        return list(self.seq(req_id).block_ids)
+
+    def kv_len(self, req_id: int) -> int:
+        return self.seq(req_id).kv_len
+
+    def num_tokens(self, req_id: int) -> int:
+        return self.seq(req_id).num_tokens
+
+    def num_live(self, req_id: int) -> int:
+        return self.seq(req_id).num_live
+
+    def version(self, req_id: int) -> int:
+        return self.seq(req_id).version
+
+    def live_ids(self, req_id: int) -> np.ndarray:
+        """Live logical ids, ascending. Shape: (num_live,), int64."""
+        seq = self.seq(req_id)
+        return np.flatnonzero(seq.live[: seq.num_tokens])
+
+    def slots_of(self, req_id: int, token_ids: np.ndarray) -> np.ndarray:
+        """Flat slots (block_id * tokens_per_block + offset) of tokens; NO_SLOT where none."""
+        return self.seq(req_id).slot_of[np.asarray(token_ids, dtype=np.int64)].astype(np.int64)
+
+    def live_counts_per_block(self, req_id: int) -> np.ndarray:
+        """Live tokens in each block of the request, aligned with ``block_ids``."""
+        seq = self.seq(req_id)
+        return seq.live_per_block[: len(seq.block_ids)].copy()
+
+    def position_live_mask(self, req_id: int) -> np.ndarray:
+        """Per position in ``[0, kv_len)``: holds a live token. The validity mask for attention."""
+        seq = self.seq(req_id)
+        return seq.live_at(np.arange(seq.kv_len))
+
+    def protected_ids(self, req_id: int) -> np.ndarray:
+        """Live ids in shared blocks: no policy may evict them. Ascending, int64."""
+        seq, tpb = self.seq(req_id), self.tokens_per_block
+        shared = [i for i, b in enumerate(seq.block_ids) if self.is_shared(b)]
+        if not shared:
+            return np.zeros(0, dtype=np.int64)
+        tokens = seq.token_at[(np.array(shared)[:, None] * tpb + np.arange(tpb)).ravel()]
+        return np.sort(tokens[tokens != NO_TOKEN]).astype(np.int64)
+
+    def hole_positions(self, req_id: int) -> list[int]:
+        """Positions in ``[0, kv_len)`` holding a dead token or nothing, ascending."""
+        seq = self.seq(req_id)
+        holes = sorted({p for p in seq.pending_dead if p < seq.kv_len})
+        holes = [p for p in holes if seq.token_at[p] == NO_TOKEN or not seq.live[seq.token_at[p]]]
+        seq.pending_dead = holes  # drop stale hints (filled or truncated positions)
+        return holes
+
+    def metadata_bytes_per_token(self) -> float:
+        """Table bytes over logical tokens, all requests together: O(1) per token."""
+        seqs = self._seqs.values()
+        tokens = sum(s.num_tokens for s in seqs)
+        return sum(s.metadata_bytes(self.tokens_per_block) for s in seqs) / max(tokens, 1)
+
+    # ---- invariants ----------------------------------------------------------------------------
+    def check_integrity(self, req_id: int | None = None) -> None:
+        """I2 (unique mapping) plus bookkeeping; raises RuntimeError naming the first violation."""
+        from trtllm_vtoken.core.integrity import check_sequence, check_blocks_disjoint
+
+        ids = self.request_ids() if req_id is None else [req_id]
+        for rid in ids:
+            check_sequence(rid, self.seq(rid), self.tokens_per_block)
+        if req_id is None:
+            check_blocks_disjoint({rid: s.block_ids for rid, s in self._seqs.items()}, self.is_shared)
+
+    # ---- private -------------------------------------------------------------------------------
+    def _position_of_token(self, req_id: int, seq: Sequence, token_id: int) -> int:
+        if not 0 <= token_id < seq.num_tokens:
+            raise ValueError(f"request {req_id}: token id {token_id} out of range [0, {seq.num_tokens})")
+        slot = int(seq.slot_of[token_id])
+        if slot == NO_SLOT:
+            raise ValueError(f"request {req_id}: token {token_id} holds no slot to move from")
+        block_id, offset = divmod(slot, self.tokens_per_block)
+        return seq.block_index[block_id] * self.tokens_per_block + offset
+
+    def _writable_position(self, req_id: int, seq: Sequence, slot: int) -> int:
+        block_id, offset = divmod(slot, self.tokens_per_block)
+        if slot < 0 or block_id not in seq.block_index:
+            raise ValueError(f"request {req_id}: slot {slot} is not in one of its blocks")
+        if self.is_shared(block_id):
+            raise ValueError(f"request {req_id}: slot {slot} is in shared block {block_id}")
+        pos = seq.block_index[block_id] * self.tokens_per_block + offset
+        if pos >= seq.kv_len:
+            raise ValueError(f"request {req_id}: slot {slot} lies beyond kv_len {seq.kv_len}")
+        return pos

@@ -1,0 +1,40 @@
+# SPDX-License-Identifier: Apache-2.0
+"""H2O: keep heavy hitters (most accumulated attention) plus a recent window.
+
+Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
+Models", NeurIPS 2023 (https://arxiv.org/abs/2306.14048).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trtllm_vtoken.policies.base import POLICIES, PolicyView, ScorePolicy
+from trtllm_vtoken.policies.stats import PerTokenAccumulator
+
+
+@POLICIES.register("h2o")
+@dataclass
+class H2OPolicy(ScorePolicy):
+    recent_ratio: float = 0.5
+    """Share of the budget given to the most recent tokens; the rest goes to heavy hitters."""
+    _mass: PerTokenAccumulator = field(default_factory=PerTokenAccumulator, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.recent_ratio <= 1.0:
+            raise ValueError(f"recent_ratio must lie in [0, 1], got {self.recent_ratio}")
+
+    def recent_tokens(self, target: int) -> int:
+        return max(self.recent_window, int(target * self.recent_ratio))
+
+    def observe(self, req_id: int, token_ids: np.ndarray, attention: np.ndarray) -> None:
+        self._mass.add(req_id, token_ids, attention)
+
+    def forget(self, req_id: int) -> None:
+        self._mass.forget(req_id)
+
+    def score(self, view: PolicyView) -> np.ndarray:
+        return self._mass.get(view.req_id, view.live_ids)

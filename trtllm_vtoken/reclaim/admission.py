@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Headroom-aware admission: admit a request only if every running request can still reach its
+peak block demand, with what reclamation frees credited and its headroom reserved.
+
+Each running request ``r`` reserves ``max(0, peak(r) - held(r))`` blocks of the free pool, where
+``peak`` is the most blocks it can ever hold from now on:
+
+    native, naive-evict   ceil((logical_len + remaining) / B)      no block is guaranteed to die
+    vtoken dense          ceil(min(live + remaining, max(live, budget) + 1) / B)
+                          (live never exceeds the budget by more than the token written before the
+                          step's eviction; compaction keeps exactly ceil(live / B) blocks)
+    vtoken lazy           as dense + fragmentation_threshold blocks
+                          (holes are tolerated up to the threshold before compaction runs)
+
+plus ``evacuation_headroom`` blocks kept free for the whole pool, so a relocation never needs a
+block that is not there. Because ``peak`` follows the eviction budget, blocks that compaction
+returns to the pool are credited to admission at once, instead of being re-reserved as in a
+reservation based on the logical length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from trtllm_vtoken.core.block_pool import BlockPool
+
+Variant = Literal["native", "naive-evict", "vtoken"]
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    variant: Variant = "vtoken"
+    mode: Literal["dense", "lazy"] = "dense"
+    fragmentation_threshold: int = 1
+    """Lazy mode: blocks a request may hold beyond the ideal before it is compacted."""
+    evacuation_headroom: int = 0
+    """Blocks kept free for the whole pool (for relocations that need a fresh destination)."""
+
+    def __post_init__(self) -> None:
+        if self.variant not in ("native", "naive-evict", "vtoken"):
+            raise ValueError(f"variant must be native, naive-evict or vtoken, got {self.variant!r}")
+        if self.mode not in ("dense", "lazy"):
+            raise ValueError(f"mode must be 'dense' or 'lazy', got {self.mode!r}")
+        if self.fragmentation_threshold < 1 or self.evacuation_headroom < 0:
+            raise ValueError("fragmentation_threshold must be >= 1 and evacuation_headroom >= 0")
+
+
+@dataclass
+class RequestState:
+    """What admission knows of one running request, updated by the engine every step."""
+
+    logical_len: int
+    live: int
+    remaining: int
+    """Tokens still to be generated (max_new_tokens minus generated so far)."""
+    budget: int | None
+    """Live-token budget at completion (None: no eviction)."""
+    held: int = 0
+
+
+class AdmissionController:
+    """Tracks running requests' reservations against one block pool."""
+
+    def __init__(self, pool: BlockPool, config: AdmissionConfig | None = None) -> None:
+        self.pool = pool
+        self.config = config or AdmissionConfig()
+        self.running: dict[int, RequestState] = {}
+
+    def peak_blocks(self, state: RequestState) -> int:
+        """Most blocks the request can hold from now to completion (see module docstring)."""
+        tpb, cfg = self.pool.tokens_per_block, self.config
+        if cfg.variant != "vtoken" or state.budget is None:
+            return _ceil(state.logical_len + state.remaining, tpb)
+        peak_live = min(state.live + state.remaining, max(state.live, state.budget) + 1)
+        extra = cfg.fragmentation_threshold if cfg.mode == "lazy" else 0
+        return _ceil(peak_live, tpb) + extra
+
+    def reserved_blocks(self) -> int:
+        """Free blocks promised to running requests, plus the evacuation headroom."""
+        growth = sum(max(0, self.peak_blocks(s) - s.held) for s in self.running.values())
+        return growth + self.config.evacuation_headroom
+
+    def available_blocks(self) -> int:
+        """Free blocks a new request may take: free minus reserved (may be negative)."""
+        return self.pool.num_free - self.reserved_blocks()
+
+    def can_admit(self, prompt_len: int, max_new_tokens: int, budget: int | None) -> bool:
+        """Would a new request fit? Its peak is the whole prompt (prefill writes it all before the
+        first eviction) or its steady-state peak, whichever is larger."""
+        if prompt_len <= 0 or max_new_tokens <= 0:
+            raise ValueError(f"prompt_len ({prompt_len}) and max_new_tokens ({max_new_tokens}) must be positive")
+        state = RequestState(prompt_len, prompt_len, max_new_tokens, budget)
+        need = max(_ceil(prompt_len, self.pool.tokens_per_block), self.peak_blocks(state))
+        return need <= self.available_blocks()
+
+    def admit(self, req_id: int, prompt_len: int, max_new_tokens: int, budget: int | None) -> bool:
+        """Registers the request if it fits; False (changing nothing) if it does not."""
+        if req_id in self.running:
+            raise ValueError(f"request {req_id} is already admitted")
+        if not self.can_admit(prompt_len, max_new_tokens, budget):
+            return False
+        self.running[req_id] = RequestState(prompt_len, prompt_len, max_new_tokens, budget)
+        return True
+
+    def update(self, req_id: int, *, logical_len: int, live: int, remaining: int, held: int) -> None:
+        """Records a running request's progress after a step (and after its reclamation)."""
+        state = self._state(req_id)
+        state.logical_len, state.live, state.remaining, state.held = logical_len, live, remaining, held
+
+    def finish(self, req_id: int) -> None:
+        """Drops a finished, cancelled or preempted request's reservation."""
+        self._state(req_id)
+        del self.running[req_id]
+
+    def _state(self, req_id: int) -> RequestState:
+        try:
+            return self.running[req_id]
+        except KeyError:
+            raise KeyError(f"request {req_id} is not admitted") from None
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)

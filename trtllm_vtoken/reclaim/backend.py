@@ -1,0 +1,177 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The reclamation backend: plan -> copy -> commit, one request at a time, never overlapping.
+
+    plan(req)            eligibility + dense/lazy planner, from one table snapshot (I4)
+    submit(plan)         validate (I4), hash live KV (I1, if checking), start the copy
+    commit_*(req)        apply_moves + truncate/release in the table, free blocks in the pool,
+                         re-hash (I1) and check the table (I2), if checking
+
+Commit variants differ only in how they know the copy is done: ``try_commit`` polls the copy's
+event (lazy background compaction: attention keeps reading the sources meanwhile, which stay
+valid); ``commit_ordered`` makes a stream wait on the event and commits at once (dense mode on
+CUDA: the next forward on that stream cannot run before the copy, I3); ``commit_blocking`` waits
+on the host (CPU, tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from trtllm_vtoken.core.block_pool import BlockPool
+from trtllm_vtoken.core.token_table import TokenTable
+from trtllm_vtoken.reclaim.config import ReclaimConfig
+from trtllm_vtoken.reclaim.copy import CopyExecutor, CopyHandle
+from trtllm_vtoken.reclaim.invariants import (
+    LiveSnapshot,
+    check_conservation,
+    snapshot_live,
+    validate_plan,
+)
+from trtllm_vtoken.reclaim.plan import RelocationPlan
+from trtllm_vtoken.reclaim.planner import fragmentation, plan_dense, plan_lazy
+
+
+@dataclass
+class ReclaimStats:
+    plans: int = 0
+    moves: int = 0
+    blocks_freed: int = 0
+    bytes_copied: int = 0
+    invariant_checks: int = 0
+
+
+@dataclass
+class _InFlight:
+    plan: RelocationPlan
+    handle: CopyHandle
+    before: LiveSnapshot | None
+
+
+class ReclaimBackend:
+    """Turns dead tokens into free blocks for all requests of one token table and block pool.
+
+    Args:
+        executor: Moves the KV; None for metadata-only use (the simulated-attention backend and
+            the core benchmark), where plans are committed as if copied.
+    """
+
+    def __init__(
+        self,
+        table: TokenTable,
+        pool: BlockPool,
+        executor: CopyExecutor | None = None,
+        config: ReclaimConfig | None = None,
+    ) -> None:
+        if table.tokens_per_block != pool.tokens_per_block:
+            raise ValueError(
+                f"table tokens_per_block {table.tokens_per_block} != pool {pool.tokens_per_block}"
+            )
+        self.table = table
+        self.pool = pool
+        self.executor = executor
+        self.config = config or ReclaimConfig()
+        self.stats = ReclaimStats()
+        self._in_flight: dict[int, _InFlight] = {}
+
+    # ---- stage 1-3: eligibility + planning ------------------------------------------------------
+    def plan(self, req_id: int, pressure: bool = False) -> RelocationPlan | None:
+        """A plan for the request under the configured mode, or None if it is not worth one now.
+
+        Lazy mode plans only past the fragmentation threshold, or under memory ``pressure``.
+        A request with a plan in flight gets None (it is not eligible until that one commits).
+        """
+        if req_id in self._in_flight:
+            return None
+        if self.config.mode == "dense":
+            return plan_dense(self.table, req_id)
+        if not pressure and fragmentation(self.table, req_id) < self.config.fragmentation_threshold:
+            return None
+        return plan_lazy(self.table, req_id)
+
+    # ---- stage 4: copy -------------------------------------------------------------------------
+    def submit(self, plan: RelocationPlan) -> CopyHandle:
+        """Starts the plan's copy. Raises ValueError (changing nothing) if it violates I4."""
+        validate_plan(self.table, plan, self._in_flight)
+        before = self._snapshot(plan.req_id) if self.config.check_invariants else None
+        handle = self.executor.submit(plan) if self.executor else CopyHandle(plan)
+        self._in_flight[plan.req_id] = _InFlight(plan, handle, before)
+        return handle
+
+    def in_flight(self, req_id: int) -> bool:
+        return req_id in self._in_flight
+
+    def in_flight_ids(self) -> list[int]:
+        return list(self._in_flight)
+
+    # ---- commit ----------------------------------------------------------------------------------
+    def try_commit(self, req_id: int) -> RelocationPlan | None:
+        """Commits if the request's copy has finished (non-blocking); returns the plan or None."""
+        entry = self._entry(req_id)
+        return self._commit(entry) if entry.handle.done() else None
+
+    def commit_ordered(self, req_id: int, stream: Any) -> RelocationPlan:
+        """Makes ``stream`` wait on the copy, then commits without waiting on the host (I3)."""
+        entry = self._entry(req_id)
+        entry.handle.make_stream_wait(stream)
+        return self._commit(entry)
+
+    def commit_blocking(self, req_id: int) -> RelocationPlan:
+        """Waits on the host for this request's copy, then commits."""
+        entry = self._entry(req_id)
+        entry.handle.synchronize()
+        return self._commit(entry)
+
+    def commit_ready(self) -> list[RelocationPlan]:
+        """Commits every in-flight plan whose copy has finished."""
+        done = [r for r, e in self._in_flight.items() if e.handle.done()]
+        return [self._commit(self._in_flight[r]) for r in done]
+
+    def reclaim(self, req_ids: Iterable[int], pressure: bool = False, stream: Any = None) -> int:
+        """Plan, copy and commit each request in turn; returns the blocks freed.
+
+        With a ``stream`` (CUDA), commits are ordered on it instead of waited for on the host.
+        """
+        freed = 0
+        for req_id in req_ids:
+            plan = self.plan(req_id, pressure)
+            if plan is None:
+                continue
+            self.submit(plan)
+            done = self.commit_ordered(req_id, stream) if stream is not None else self.commit_blocking(req_id)
+            freed += len(done.blocks_to_free)
+        return freed
+
+    # ---- private ---------------------------------------------------------------------------------
+    def _entry(self, req_id: int) -> _InFlight:
+        try:
+            return self._in_flight[req_id]
+        except KeyError:
+            raise KeyError(f"request {req_id} has no relocation in flight") from None
+
+    def _commit(self, entry: _InFlight) -> RelocationPlan:
+        plan, table = entry.plan, self.table
+        table.apply_moves(plan.req_id, plan.token_ids, plan.dst_slots)
+        if plan.new_kv_len is not None:
+            released = table.truncate(plan.req_id, plan.new_kv_len)
+            assert released == list(plan.blocks_to_free), f"released {released}, planned {plan.blocks_to_free}"
+        else:
+            table.release_blocks(plan.req_id, plan.blocks_to_free)
+        self.pool.free(plan.blocks_to_free)
+        del self._in_flight[plan.req_id]
+        self.stats.plans += 1
+        self.stats.moves += plan.num_moves
+        self.stats.blocks_freed += len(plan.blocks_to_free)
+        if self.executor is not None:
+            self.stats.bytes_copied += plan.num_moves * self.executor.bytes_per_move()
+        if entry.before is not None:
+            entry.handle.synchronize()
+            check_conservation(plan.req_id, entry.before, self._snapshot(plan.req_id))
+            table.check_integrity(plan.req_id)
+            self.pool.check_integrity()
+            self.stats.invariant_checks += 1
+        return plan
+
+    def _snapshot(self, req_id: int) -> LiveSnapshot:
+        return snapshot_live(self.table, req_id, getattr(self.executor, "pools", ()))

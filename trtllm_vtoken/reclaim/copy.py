@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Stage 4 of reclamation: copying KV from source to destination slots.
+
+KV pools are laid out as TensorRT-LLM's primary pools, HND inside a block:
+
+    pool: [num_blocks, num_layers, 2 (K, V), num_kv_heads, tokens_per_block, head_dim]
+
+One move copies a token's K and V in every layer and head: ``pool[db, :, :, :, do, :] =
+pool[sb, :, :, :, so, :]``. ``relocate_slots`` is the reference (the spec the CUDA kernel must
+match bit for bit). On CUDA, ``TorchCopyExecutor`` runs it on a side stream that first waits for
+the compute stream (the KV being moved was written there) and records an event after it; the
+compute stream waits on that event before the next attention (I3). Nothing calls a device-wide
+synchronize.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from trtllm_vtoken.reclaim.plan import RelocationPlan
+
+if TYPE_CHECKING:
+    import torch
+
+
+class CopyHandle:
+    """A submitted copy. ``event`` is None when the copy already ran synchronously (CPU)."""
+
+    def __init__(self, plan: RelocationPlan, event: Any = None, keepalive: tuple = ()) -> None:
+        self.plan = plan
+        self.event = event
+        self._keepalive = keepalive  # index tensors the side stream still reads
+
+    def done(self) -> bool:
+        """Non-blocking: has the copy finished?"""
+        return self.event is None or bool(self.event.query())
+
+    def make_stream_wait(self, stream: Any) -> None:
+        """Orders all later work on ``stream`` after the copy (I3). No host synchronization."""
+        if self.event is not None:
+            stream.wait_event(self.event)
+
+    def synchronize(self) -> None:
+        """Blocks the host until this copy (only this one) has finished."""
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class CopyExecutor(ABC):
+    """Moves KV for a plan. Does not touch the token table or the block pool."""
+
+    @abstractmethod
+    def submit(self, plan: RelocationPlan) -> CopyHandle:
+        """Starts copying ``plan.src_slots`` -> ``plan.dst_slots``; returns at once on CUDA."""
+
+    @abstractmethod
+    def bytes_per_move(self) -> int:
+        """Bytes read (= bytes written) to move one token in every layer, K and V."""
+
+
+def relocate_slots(pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Reference copy inside one pool; gathers every source before scattering (plans are disjoint).
+
+    Args:
+        pool: [num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, head_dim], modified.
+        src_slots, dst_slots: [num_moves], int64, flat slots on ``pool.device``.
+    """
+    tpb = pool.shape[4]
+    values = pool[src_slots // tpb, :, :, :, src_slots % tpb]  # [M, layers, 2, heads, head_dim]
+    pool[dst_slots // tpb, :, :, :, dst_slots % tpb] = values
+
+
+class TorchCopyExecutor(CopyExecutor):
+    """The torch copy executor: synchronous on CPU, side stream + event on CUDA."""
+
+    def __init__(self, pools: Sequence[torch.Tensor]) -> None:
+        if not pools:
+            raise ValueError("need at least one KV pool")
+        shapes = {(p.shape[0], p.shape[4], p.device) if p.dim() == 6 else None for p in pools}
+        if len(shapes) != 1 or None in shapes:
+            raise ValueError(
+                "KV pools must be 6-D [num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, "
+                f"head_dim] with the same blocks, tokens_per_block and device; got {[tuple(p.shape) for p in pools]}"
+            )
+        self.pools = list(pools)
+        self.device = pools[0].device
+        self._stream = None
+        if self.device.type == "cuda":
+            import torch
+
+            self._stream = torch.cuda.Stream(self.device)
+
+    def bytes_per_move(self) -> int:
+        return sum(p[0, :, :, :, 0].numel() * p.element_size() for p in self.pools)
+
+    def submit(self, plan: RelocationPlan) -> CopyHandle:
+        import torch
+
+        if plan.num_moves == 0:
+            return CopyHandle(plan)
+        if self._stream is None:
+            src, dst = torch.from_numpy(plan.src_slots), torch.from_numpy(plan.dst_slots)
+            for pool in self.pools:
+                relocate_slots(pool, src, dst)
+            return CopyHandle(plan)
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)  # the KV to move was written by work queued there
+        indices = torch.from_numpy(np.stack([plan.src_slots, plan.dst_slots])).pin_memory()
+        with torch.cuda.stream(self._stream):
+            on_device = indices.to(self.device, non_blocking=True)
+            for pool in self.pools:
+                relocate_slots(pool, on_device[0], on_device[1])
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return CopyHandle(plan, event, keepalive=(indices, on_device))

@@ -1,0 +1,44 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one plan form both compaction modes produce and the copy executor consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RelocationPlan:
+    """Moves for one request, taken from one snapshot of its token table (I4).
+
+    ``token_ids[i]`` moves from ``src_slots[i]`` to ``dst_slots[i]``; slots are flat
+    (``block_id * tokens_per_block + offset``). Sources and destinations are disjoint, so the copy
+    may gather all sources and then scatter. Shapes: (num_moves,), int64.
+    """
+
+    req_id: int
+    mode: str
+    """"dense" (keep a dense prefix, release the tail) or "lazy" (empty the emptiest blocks)."""
+    version: int
+    """Token-table version of the snapshot; committing against a newer version is refused."""
+    token_ids: np.ndarray
+    src_slots: np.ndarray
+    dst_slots: np.ndarray
+    blocks_to_free: tuple[int, ...]
+    blocks_before: int
+    new_kv_len: int | None
+    """Dense: the length to truncate to after the moves. Lazy: None (blocks leave mid-list)."""
+
+    @property
+    def num_moves(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def blocks_after(self) -> int:
+        return self.blocks_before - len(self.blocks_to_free)
+
+    def touched_blocks(self, tokens_per_block: int) -> set[int]:
+        """Blocks read or written by the copy, plus those released."""
+        slots = np.concatenate([self.src_slots, self.dst_slots])
+        return set((slots // tokens_per_block).tolist()) | set(self.blocks_to_free)

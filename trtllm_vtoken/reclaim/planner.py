@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Relocation planning: dense and lazy compaction, one plan form (design §3).
+
+Dense, for kernels that attend every position in [0, kv_len) (TensorRT-LLM, FlashInfer, XQA).
+tokens_per_block = 4, L live, . dead:
+
+    before: [L L . L][. L L L][L L . .]   kv_len 12, 8 live -> new length R = 8
+    holes below R: positions 2, 4     live at or above R: positions 9, 8
+    moves:  9 -> 2, 8 -> 4            (highest live token into the lowest hole: one copy per hole)
+    after:  [L L L L][L L L L]         kv_len 8; block 3 released: exactly ceil(R / 4) blocks
+
+Lazy, for attention that takes a validity mask: dead tokens stay masked and only blocks that can
+be emptied are touched. Freeing k blocks needs k * tokens_per_block holes in the blocks kept, so
+k = floor(holes / tokens_per_block); the k full blocks with the fewest live tokens are the
+sources (fewest copies), their live tokens go into holes of the fullest remaining blocks.
+
+    before: [L . . .][L L . L][. L . L][L L _ _]   kv_len 14: holes 2, 1, 2 (+ tail)
+    k = floor(5 / 4) = 1 -> source block 0 (1 live token); destination: hole in block 1
+    after:  [L L L L][. L . L][L L _ _]          one block released, 3 still hold holes
+
+Both return None when there is nothing worth doing, and never touch a shared block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from trtllm_vtoken.core.sequence import NO_TOKEN
+from trtllm_vtoken.core.token_table import TokenTable
+from trtllm_vtoken.reclaim.plan import RelocationPlan
+from trtllm_vtoken.registry import Registry
+
+PLANNERS: Registry = Registry("compaction mode")
+
+
+@PLANNERS.register("dense")
+def plan_dense(table: TokenTable, req_id: int) -> RelocationPlan | None:
+    """Fills every hole below the new length with the highest live tokens; releases the tail.
+
+    Returns None if the request has no hole, or if the plan would touch a shared block.
+    """
+    seq, tpb = table.seq(req_id), table.tokens_per_block
+    holes = table.hole_positions(req_id)
+    if not holes:
+        return None
+    new_len = seq.kv_len - len(holes)
+    hole_set = set(holes)
+    dst_pos = [p for p in holes if p < new_len]
+    src_pos = [p for p in range(seq.kv_len - 1, new_len - 1, -1) if p not in hole_set]
+    assert len(src_pos) == len(dst_pos), "dense plan: live tokens above R must match holes below R"
+    keep_blocks = -(-new_len // tpb)
+    blocks_to_free = tuple(seq.block_ids[keep_blocks:])
+    touched = {seq.block_ids[p // tpb] for p in src_pos + dst_pos} | set(blocks_to_free)
+    if any(table.is_shared(b) for b in touched):
+        return None
+    return _make_plan(table, req_id, "dense", src_pos, dst_pos, blocks_to_free, new_len)
+
+
+@PLANNERS.register("lazy")
+def plan_lazy(table: TokenTable, req_id: int) -> RelocationPlan | None:
+    """Empties the lowest-utilization blocks into holes of the others.
+
+    Only blocks lying wholly below kv_len are sources (the tail block is still being written).
+    Returns None unless at least one block is freed: the request's block count must strictly drop.
+    """
+    seq, tpb = table.seq(req_id), table.tokens_per_block
+    holes = table.hole_positions(req_id)
+    if len(holes) < tpb:
+        return None
+    blocks = seq.block_ids
+    usable = [h for h in holes if not table.is_shared(blocks[h // tpb])]
+    full_blocks = seq.kv_len // tpb
+    candidates = [i for i in range(full_blocks) if not table.is_shared(blocks[i])]
+    num_to_free = min(len(usable) // tpb, len(candidates))
+    if num_to_free == 0:
+        return None
+    live_per_block = seq.live_per_block
+    # Fewest live tokens first; among equals the later block (its tokens are younger, and the
+    # prefix stays put), which keeps plans stable from step to step.
+    candidates.sort(key=lambda i: (int(live_per_block[i]), -i))
+    sources = sorted(candidates[:num_to_free])
+    source_set = set(sources)
+    src_pos = [
+        int(p)
+        for i in sources
+        for p in range(i * tpb, (i + 1) * tpb)
+        if seq.token_at[p] != NO_TOKEN and seq.live[seq.token_at[p]]
+    ]
+    # Destinations: holes of the kept blocks, fullest block first, so the blocks left with holes
+    # are the emptiest ones and become the next plan's cheap sources.
+    targets = [h for h in usable if h // tpb not in source_set]
+    targets.sort(key=lambda h: (-int(live_per_block[h // tpb]), h))
+    dst_pos = targets[: len(src_pos)]
+    assert len(dst_pos) == len(src_pos), "lazy plan: not enough holes for the chosen sources"
+    blocks_to_free = tuple(blocks[i] for i in sources)
+    return _make_plan(table, req_id, "lazy", src_pos, dst_pos, blocks_to_free, None)
+
+
+def fragmentation(table: TokenTable, req_id: int) -> int:
+    """Blocks held beyond the ideal ceil(live / tokens_per_block)."""
+    seq, tpb = table.seq(req_id), table.tokens_per_block
+    return len(seq.block_ids) - -(-seq.num_live // tpb)
+
+
+def _make_plan(
+    table: TokenTable,
+    req_id: int,
+    mode: str,
+    src_pos: list[int],
+    dst_pos: list[int],
+    blocks_to_free: tuple[int, ...],
+    new_kv_len: int | None,
+) -> RelocationPlan:
+    seq, tpb = table.seq(req_id), table.tokens_per_block
+    blocks = seq.block_ids
+
+    def slots(positions: list[int]) -> np.ndarray:
+        return np.array([blocks[p // tpb] * tpb + p % tpb for p in positions], dtype=np.int64)
+
+    return RelocationPlan(
+        req_id=req_id,
+        mode=mode,
+        version=seq.version,
+        token_ids=seq.token_at[src_pos].astype(np.int64) if src_pos else np.zeros(0, np.int64),
+        src_slots=slots(src_pos),
+        dst_slots=slots(dst_pos),
+        blocks_to_free=blocks_to_free,
+        blocks_before=len(blocks),
+        new_kv_len=new_kv_len,
+    )
