@@ -196,3 +196,17 @@ def test_live_ids_and_slots_are_arrays():
     add_sequence(pool, table, 0, 5)
     ids = table.live_ids(0)
     assert ids.dtype == np.int64 and table.slots_of(0, ids).tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("tokens_per_block", [1, 16, 64])
+def test_arrays_grow_past_every_capacity_step(tokens_per_block):
+    pool, table = make_table(num_blocks=2048, tokens_per_block=tokens_per_block)
+    table.add_request(0)
+    blocks: list[int] = []
+    for length in [*range(1, 70), 255, 256, 257, 1000, 1001]:
+        while len(blocks) * tokens_per_block < length:
+            blocks += pool.allocate(1)
+        table.sync_new_tokens(0, blocks, length)
+    assert table.lookup(0, 1000) == divmod(blocks[1000 // tokens_per_block] * tokens_per_block
+                                           + 1000 % tokens_per_block, tokens_per_block)
+    table.check_integrity()

@@ -77,6 +77,26 @@ class Sequence:
         out[held] = self.live[tokens[held]].astype(bool)
         return out
 
+    # Ranges here are short on the decode path (one step's holes), long only for rare resets:
+    # scalar loops below a few entries, numpy above.
+    def has_live_in(self, start: int, stop: int) -> bool:
+        """Does any position in [start, stop) hold a live token?"""
+        if stop - start <= 8:
+            token_at, live = self.token_at, self.live
+            return any(token_at[p] != NO_TOKEN and live[token_at[p]] for p in range(start, stop))
+        return bool(self.live_at(np.arange(start, stop)).any())
+
+    def drop_tokens_in(self, start: int, stop: int) -> None:
+        """Empties positions [start, stop); their tokens lose their slots."""
+        tokens = self.token_at[start:stop]
+        if stop - start <= 8:
+            for token in tokens.tolist():
+                if token != NO_TOKEN:
+                    self.slot_of[token] = NO_SLOT
+        else:
+            self.slot_of[tokens[tokens != NO_TOKEN]] = NO_SLOT
+        tokens[:] = NO_TOKEN
+
     def metadata_bytes(self, tokens_per_block: int) -> int:
         """Bytes the table needs for this request (in-use entries, not the doubling slack)."""
         return (

@@ -73,14 +73,19 @@ class TokenTable:
             The logical ids of the new tokens.
         """
         seq, tpb = self.seq(req_id), self.tokens_per_block
-        known = len(seq.block_ids)
-        if len(block_ids) < known or list(block_ids[:known]) != seq.block_ids:
+        current = seq.block_ids
+        known = len(current)
+        if type(block_ids) is not list:
+            block_ids = [int(b) for b in block_ids]
+        if len(block_ids) < known or block_ids[:known] != current:
             raise ValueError(
-                f"request {req_id}: block list must extend the current one {seq.block_ids}, "
-                f"got {list(block_ids)}"
+                f"request {req_id}: block list must extend the current one {current}, "
+                f"got {block_ids}"
             )
-        added = [int(b) for b in block_ids[known:]]
-        if len(set(added)) != len(added) or any(b in seq.block_index or b < 0 for b in added):
+        added = block_ids[known:]
+        if added and (
+            len(set(added)) != len(added) or any(b in seq.block_index or b < 0 for b in added)
+        ):
             raise ValueError(f"request {req_id}: new blocks {added} repeat a block or are negative")
         if not seq.kv_len <= total_len <= len(block_ids) * tpb:
             raise ValueError(
@@ -89,8 +94,10 @@ class TokenTable:
             )
         num_new = total_len - seq.kv_len
         first_id = seq.num_tokens
-        seq.reserve_tokens(first_id + num_new)
-        seq.reserve_blocks(len(block_ids), tpb)
+        if first_id + num_new > len(seq.slot_of):
+            seq.reserve_tokens(first_id + num_new)
+        if len(block_ids) * tpb > len(seq.token_at) or len(block_ids) > len(seq.live_per_block):
+            seq.reserve_blocks(len(block_ids), tpb)
         for block_id in added:
             seq.block_index[block_id] = len(seq.block_ids)
             seq.block_ids.append(block_id)
@@ -100,13 +107,14 @@ class TokenTable:
             seq.slot_of[first_id] = seq.block_ids[block_idx] * tpb + pos % tpb
             seq.token_at[pos] = first_id
             seq.live_per_block[block_idx] += 1
+            seq.live[first_id] = 1
         elif num_new:
             positions = np.arange(seq.kv_len, total_len)
             blocks = np.asarray(seq.block_ids, dtype=np.int64)
             seq.slot_of[first_id : first_id + num_new] = blocks[positions // tpb] * tpb + positions % tpb
             seq.token_at[seq.kv_len : total_len] = np.arange(first_id, first_id + num_new)
             np.add.at(seq.live_per_block, positions // tpb, 1)
-        seq.live[first_id : first_id + num_new] = 1
+            seq.live[first_id : first_id + num_new] = 1
         seq.num_tokens += num_new
         seq.num_live += num_new
         seq.kv_len = total_len
@@ -115,7 +123,20 @@ class TokenTable:
 
     def evict_token(self, req_id: int, token_id: int) -> None:
         """Marks one token dead. No KV moves; attention excludes it from the next step on."""
-        self.evict_tokens(req_id, (token_id,))
+        seq, tpb = self.seq(req_id), self.tokens_per_block
+        if not 0 <= token_id < seq.num_tokens or not seq.live[token_id]:
+            self.evict_tokens(req_id, (token_id,))  # raises the precise error
+            return
+        block_id, offset = divmod(int(seq.slot_of[token_id]), tpb)
+        if self.is_shared(block_id):
+            self.evict_tokens(req_id, (token_id,))
+            return
+        block_idx = seq.block_index[block_id]
+        seq.live[token_id] = 0
+        seq.live_per_block[block_idx] -= 1
+        seq.pending_dead.append(block_idx * tpb + offset)
+        seq.num_live -= 1
+        seq.version += 1
 
     def evict_tokens(self, req_id: int, token_ids: Iterable[int]) -> None:
         """Marks tokens dead (the batched form of ``evict_token``).
@@ -154,32 +175,35 @@ class TokenTable:
         the source of another move. Liveness is unchanged.
         """
         seq, tpb = self.seq(req_id), self.tokens_per_block
-        ids, dsts = [int(t) for t in token_ids], [int(s) for s in dst_slots]
+        ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else [int(t) for t in token_ids]
+        dsts = dst_slots.tolist() if isinstance(dst_slots, np.ndarray) else [int(s) for s in dst_slots]
         if len(ids) != len(dsts):
             raise ValueError(f"request {req_id}: {len(ids)} tokens but {len(dsts)} destination slots")
         if len(set(ids)) != len(ids) or len(set(dsts)) != len(dsts):
             raise ValueError(f"request {req_id}: a token or a destination slot repeats in the moves")
         src_pos = [self._position_of_token(req_id, seq, t) for t in ids]
-        dst_pos = [self._writable_position(req_id, seq, s) for s in dsts]
+        dst_pos = [self._writable_position(req_id, seq, d) for d in dsts]
         moving_from = set(src_pos)
-        for token_id, dst, pos in zip(ids, dsts, dst_pos):
+        token_at, live, slot_of, is_shared = seq.token_at, seq.live, seq.slot_of, self.is_shared
+        for token_id, dst, src, pos in zip(ids, dsts, src_pos, dst_pos):
             if pos in moving_from:
                 raise ValueError(f"request {req_id}: slot {dst} is the source of another move")
-            occupant = int(seq.token_at[pos])
-            if occupant != NO_TOKEN and seq.live[occupant]:
+            occupant = token_at[pos]
+            if occupant != NO_TOKEN and live[occupant]:
                 raise ValueError(f"request {req_id}: slot {dst} is occupied by live token {occupant}")
-            if self.is_shared(int(seq.slot_of[token_id]) // tpb):
+            if is_shared(seq.block_ids[src // tpb]):
                 raise ValueError(f"request {req_id}: token {token_id} sits in a shared block")
+        live_per_block = seq.live_per_block
         for token_id, dst, src, pos in zip(ids, dsts, src_pos, dst_pos):
-            occupant = int(seq.token_at[pos])
+            occupant = token_at[pos]
             if occupant != NO_TOKEN:
-                seq.slot_of[occupant] = NO_SLOT
-            seq.token_at[src] = NO_TOKEN
-            seq.token_at[pos] = token_id
-            seq.slot_of[token_id] = dst
-            if seq.live[token_id]:
-                seq.live_per_block[src // tpb] -= 1
-                seq.live_per_block[pos // tpb] += 1
+                slot_of[occupant] = NO_SLOT
+            token_at[src] = NO_TOKEN
+            token_at[pos] = token_id
+            slot_of[token_id] = dst
+            if live[token_id]:
+                live_per_block[src // tpb] -= 1
+                live_per_block[pos // tpb] += 1
         seq.pending_dead.extend(src_pos)
         seq.version += 1
 
@@ -193,23 +217,22 @@ class TokenTable:
         seq, tpb = self.seq(req_id), self.tokens_per_block
         if not 0 <= new_kv_len <= seq.kv_len:
             raise ValueError(f"request {req_id}: new length {new_kv_len} not in [0, {seq.kv_len}]")
-        tail = np.arange(new_kv_len, seq.kv_len)
-        if seq.live_at(tail).any():
+        if seq.has_live_in(new_kv_len, seq.kv_len):
             raise ValueError(f"request {req_id}: live tokens beyond new length {new_kv_len}")
         keep_blocks = -(-new_kv_len // tpb)
         released = seq.block_ids[keep_blocks:]
         shared = [b for b in released if self.is_shared(b)]
         if shared:
             raise ValueError(f"request {req_id}: cannot release shared blocks {shared}")
-        dead = seq.token_at[new_kv_len : seq.kv_len]
-        seq.slot_of[dead[dead != NO_TOKEN]] = NO_SLOT
-        seq.token_at[new_kv_len : seq.kv_len] = NO_TOKEN
+        seq.drop_tokens_in(new_kv_len, seq.kv_len)
         for block_id in released:
             del seq.block_index[block_id]
         del seq.block_ids[keep_blocks:]
-        seq.live_per_block[keep_blocks : keep_blocks + len(released)] = 0
+        if released:
+            seq.live_per_block[keep_blocks : keep_blocks + len(released)] = 0
         seq.kv_len = new_kv_len
-        seq.pending_dead = [p for p in seq.pending_dead if p < new_kv_len]
+        if seq.pending_dead:
+            seq.pending_dead = [p for p in seq.pending_dead if p < new_kv_len]
         seq.version += 1
         return released
 
@@ -321,10 +344,15 @@ class TokenTable:
     def hole_positions(self, req_id: int) -> list[int]:
         """Positions in ``[0, kv_len)`` holding a dead token or nothing, ascending."""
         seq = self.seq(req_id)
-        holes = sorted({p for p in seq.pending_dead if p < seq.kv_len})
-        holes = [p for p in holes if seq.token_at[p] == NO_TOKEN or not seq.live[seq.token_at[p]]]
+        pending, token_at, live = seq.pending_dead, seq.token_at, seq.live
+        if len(pending) == 1:  # the decode step's single eviction
+            p = pending[0]
+            if p < seq.kv_len and (token_at[p] == NO_TOKEN or not live[token_at[p]]):
+                return [p]
+        holes = sorted({p for p in pending if p < seq.kv_len})
+        holes = [p for p in holes if token_at[p] == NO_TOKEN or not live[token_at[p]]]
         seq.pending_dead = holes  # drop stale hints (filled or truncated positions)
-        return holes
+        return list(holes)
 
     def metadata_bytes_per_token(self) -> float:
         """Table bytes over logical tokens, all requests together: O(1) per token."""

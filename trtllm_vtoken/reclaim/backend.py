@@ -92,8 +92,10 @@ class ReclaimBackend:
 
     # ---- stage 4: copy -------------------------------------------------------------------------
     def submit(self, plan: RelocationPlan) -> CopyHandle:
-        """Starts the plan's copy. Raises ValueError (changing nothing) if it violates I4."""
-        validate_plan(self.table, plan, self._in_flight)
+        """Starts the plan's copy. Raises ValueError (changing nothing) if it violates I4
+        (the layout checks run when ``check_invariants`` is on; the table re-validates every move
+        at commit either way)."""
+        validate_plan(self.table, plan, self._in_flight, full=self.config.check_invariants)
         before = self._snapshot(plan.req_id) if self.config.check_invariants else None
         handle = self.executor.submit(plan) if self.executor else CopyHandle(plan)
         self._in_flight[plan.req_id] = _InFlight(plan, handle, before)

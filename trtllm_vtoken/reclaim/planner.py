@@ -23,6 +23,8 @@ Both return None when there is nothing worth doing, and never touch a shared blo
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import numpy as np
 
 from trtllm_vtoken.core.sequence import NO_TOKEN
@@ -40,18 +42,22 @@ def plan_dense(table: TokenTable, req_id: int) -> RelocationPlan | None:
     Returns None if the request has no hole, or if the plan would touch a shared block.
     """
     seq, tpb = table.seq(req_id), table.tokens_per_block
-    holes = table.hole_positions(req_id)
+    holes = table.hole_positions(req_id)  # ascending
     if not holes:
         return None
     new_len = seq.kv_len - len(holes)
-    hole_set = set(holes)
-    dst_pos = [p for p in holes if p < new_len]
-    src_pos = [p for p in range(seq.kv_len - 1, new_len - 1, -1) if p not in hole_set]
+    below = bisect_left(holes, new_len)
+    dst_pos = holes[:below]
+    dead_tail = set(holes[below:])
+    src_pos = [p for p in range(seq.kv_len - 1, new_len - 1, -1) if p not in dead_tail]
     assert len(src_pos) == len(dst_pos), "dense plan: live tokens above R must match holes below R"
-    keep_blocks = -(-new_len // tpb)
-    blocks_to_free = tuple(seq.block_ids[keep_blocks:])
-    touched = {seq.block_ids[p // tpb] for p in src_pos + dst_pos} | set(blocks_to_free)
-    if any(table.is_shared(b) for b in touched):
+    blocks, is_shared = seq.block_ids, table.is_shared
+    blocks_to_free = tuple(blocks[-(-new_len // tpb) :])
+    if (
+        any(is_shared(b) for b in blocks_to_free)
+        or any(is_shared(blocks[p // tpb]) for p in src_pos)
+        or any(is_shared(blocks[p // tpb]) for p in dst_pos)
+    ):
         return None
     return _make_plan(table, req_id, "dense", src_pos, dst_pos, blocks_to_free, new_len)
 
@@ -112,18 +118,14 @@ def _make_plan(
     new_kv_len: int | None,
 ) -> RelocationPlan:
     seq, tpb = table.seq(req_id), table.tokens_per_block
-    blocks = seq.block_ids
-
-    def slots(positions: list[int]) -> np.ndarray:
-        return np.array([blocks[p // tpb] * tpb + p % tpb for p in positions], dtype=np.int64)
-
+    blocks, token_at = seq.block_ids, seq.token_at
     return RelocationPlan(
         req_id=req_id,
         mode=mode,
         version=seq.version,
-        token_ids=seq.token_at[src_pos].astype(np.int64) if src_pos else np.zeros(0, np.int64),
-        src_slots=slots(src_pos),
-        dst_slots=slots(dst_pos),
+        token_ids=np.array([token_at[p] for p in src_pos], dtype=np.int64),
+        src_slots=np.array([blocks[p // tpb] * tpb + p % tpb for p in src_pos], dtype=np.int64),
+        dst_slots=np.array([blocks[p // tpb] * tpb + p % tpb for p in dst_pos], dtype=np.int64),
         blocks_to_free=blocks_to_free,
         blocks_before=len(blocks),
         new_kv_len=new_kv_len,

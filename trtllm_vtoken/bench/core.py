@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vtoken bench core``: host cost of vToken's per-step bookkeeping at serving scale.
+
+Each request starts with ``context`` live tokens. Every step, for every request: register the
+token the engine wrote (allocating a block when the last one is full), evict one live token (a
+uniformly random one, as a policy might), plan the relocation, apply its moves and release the
+freed tail. No KV moves (metadata only): this is the host work a decode step pays before launch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from trtllm_vtoken.core import BlockPool, TokenTable
+from trtllm_vtoken.reclaim import ReclaimBackend, ReclaimConfig
+
+STAGES = ("sync", "evict", "plan", "apply")
+
+
+@dataclass(frozen=True)
+class CoreBenchConfig:
+    batch: int = 256
+    context: int = 4096
+    tokens_per_block: int = 32
+    steps: int = 50
+    warmup: int = 5
+    mode: str = "dense"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "context", "tokens_per_block", "steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        ReclaimConfig(mode=self.mode)  # validates the mode name
+
+
+def run_core_bench(cfg: CoreBenchConfig, progress=None) -> dict:
+    """Runs the benchmark; returns per-stage median microseconds per step and metadata bytes."""
+    tpb = cfg.tokens_per_block
+    blocks_per_req = -(-(cfg.context + cfg.steps + cfg.warmup + 1) // tpb) + 1
+    pool = BlockPool(cfg.batch * blocks_per_req, tpb)
+    table = TokenTable(tpb, pool.is_shared)
+    backend = ReclaimBackend(table, pool, None, ReclaimConfig(mode=cfg.mode))
+    rng = np.random.default_rng(cfg.seed)
+    for req in range(cfg.batch):
+        # Stagger lengths by up to one block so requests cross block boundaries on different steps.
+        length = cfg.context - req % tpb
+        table.add_request(req)
+        table.sync_new_tokens(req, pool.allocate(-(-length // tpb)), length)
+
+    samples = {stage: [] for stage in STAGES}
+    totals = []
+    for step in range(cfg.warmup + cfg.steps):
+        spent = dict.fromkeys(STAGES, 0)
+        victims = [_random_live_token(table, req, rng) for req in range(cfg.batch)]
+        for req in range(cfg.batch):
+            spent_sync = time.perf_counter_ns()
+            seq = table.seq(req)
+            blocks = list(seq.block_ids)  # what an engine hands over: its own copy of the list
+            if seq.kv_len == len(blocks) * tpb:
+                blocks += pool.allocate(1)
+            table.sync_new_tokens(req, blocks, seq.kv_len + 1)
+            t1 = time.perf_counter_ns()
+            table.evict_token(req, victims[req])
+            t2 = time.perf_counter_ns()
+            plan = backend.plan(req)
+            t3 = time.perf_counter_ns()
+            if plan is not None:
+                backend.submit(plan)
+                backend.commit_blocking(req)
+            t4 = time.perf_counter_ns()
+            spent["sync"] += t1 - spent_sync
+            spent["evict"] += t2 - t1
+            spent["plan"] += t3 - t2
+            spent["apply"] += t4 - t3
+        if progress is not None:
+            progress.update(1)
+        if step >= cfg.warmup:
+            for stage in STAGES:
+                samples[stage].append(spent[stage] / 1e3)
+            totals.append(sum(spent.values()) / 1e3)
+    table.check_integrity()
+    pool.check_integrity()
+    return {
+        "config": asdict(cfg),
+        "step_us": {stage: float(np.median(v)) for stage, v in samples.items()},
+        "total_us_median": float(np.median(totals)),
+        "total_us_p90": float(np.percentile(totals, 90)),
+        "per_request_us": float(np.median(totals)) / cfg.batch,
+        "metadata_bytes_per_token": table.metadata_bytes_per_token(),
+        "blocks_freed": backend.stats.blocks_freed,
+        "moves": backend.stats.moves,
+    }
+
+
+def _random_live_token(table: TokenTable, req_id: int, rng: np.random.Generator) -> int:
+    seq = table.seq(req_id)
+    while True:
+        token = int(rng.integers(seq.num_tokens))
+        if seq.live[token]:
+            return token
