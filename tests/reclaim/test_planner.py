@@ -11,8 +11,8 @@ def test_dense_plan_matches_the_docstring_example():
     add_sequence(pool, table, 0, 12)
     table.evict_tokens(0, [2, 4, 10, 11])
     plan = plan_dense(table, 0)
-    assert plan.token_ids.tolist() == [9, 8]
-    assert plan.src_slots.tolist() == [9, 8] and plan.dst_slots.tolist() == [2, 4]
+    assert list(plan.token_ids) == [9, 8]
+    assert list(plan.src_slots) == [9, 8] and list(plan.dst_slots) == [2, 4]
     assert plan.blocks_to_free == (2,) and plan.new_kv_len == 8
     assert (plan.blocks_before, plan.blocks_after) == (3, 2)
 
@@ -22,7 +22,7 @@ def test_dense_plan_with_one_hole_per_step_is_one_copy():
     add_sequence(pool, table, 0, 9)  # last block holds one token
     table.evict_token(0, 3)
     plan = plan_dense(table, 0)
-    assert list(zip(plan.src_slots.tolist(), plan.dst_slots.tolist())) == [(8, 3)]
+    assert list(zip(list(plan.src_slots), list(plan.dst_slots))) == [(8, 3)]
     assert plan.blocks_to_free == (2,) and plan.new_kv_len == 8
 
 
@@ -41,8 +41,8 @@ def test_dense_plan_leaves_shared_prefix_alone():
     pool.share(blocks[:1])
     table.evict_tokens(0, [5, 6])
     plan = plan_dense(table, 0)
-    assert plan.dst_slots.tolist() == [5, 6] and plan.src_slots.tolist() == [9, 8]
-    assert all(s // 4 != 0 for s in plan.src_slots.tolist() + plan.dst_slots.tolist())
+    assert list(plan.dst_slots) == [5, 6] and list(plan.src_slots) == [9, 8]
+    assert all(s // 4 != 0 for s in list(plan.src_slots) + list(plan.dst_slots))
 
 
 def test_lazy_plan_matches_the_docstring_example():
@@ -52,8 +52,8 @@ def test_lazy_plan_matches_the_docstring_example():
     table.evict_tokens(0, [1, 2, 3, 6, 8, 10])
     plan = plan_lazy(table, 0)
     assert plan.blocks_to_free == (0,)
-    assert plan.token_ids.tolist() == [0] and plan.src_slots.tolist() == [0]
-    assert plan.dst_slots.tolist() == [6]  # the hole of the fullest kept block (block 1)
+    assert list(plan.token_ids) == [0] and list(plan.src_slots) == [0]
+    assert list(plan.dst_slots) == [6]  # the hole of the fullest kept block (block 1)
     assert plan.new_kv_len is None and plan.blocks_after == 3
 
 
@@ -73,8 +73,8 @@ def test_lazy_plan_frees_several_blocks_and_skips_shared_and_tail_blocks():
     plan = plan_lazy(table, 0)
     # 9 holes -> 2 blocks; candidates (unshared, full): 1 (1 live), 2 (1 live), 3 (2 live)
     assert plan.blocks_to_free == (1, 2)
-    assert sorted(plan.token_ids.tolist()) == [7, 11]
-    assert all(s // 4 in (3, 4) for s in plan.dst_slots.tolist())
+    assert sorted(list(plan.token_ids)) == [7, 11]
+    assert all(s // 4 in (3, 4) for s in list(plan.dst_slots))
 
 
 def test_both_modes_are_registered():

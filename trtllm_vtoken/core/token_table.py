@@ -175,8 +175,8 @@ class TokenTable:
         the source of another move. Liveness is unchanged.
         """
         seq, tpb = self.seq(req_id), self.tokens_per_block
-        ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else [int(t) for t in token_ids]
-        dsts = dst_slots.tolist() if isinstance(dst_slots, np.ndarray) else [int(s) for s in dst_slots]
+        ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(map(int, token_ids))
+        dsts = dst_slots.tolist() if isinstance(dst_slots, np.ndarray) else list(map(int, dst_slots))
         if len(ids) != len(dsts):
             raise ValueError(f"request {req_id}: {len(ids)} tokens but {len(dsts)} destination slots")
         if len(set(ids)) != len(ids) or len(set(dsts)) != len(dsts):
@@ -204,7 +204,8 @@ class TokenTable:
             if live[token_id]:
                 live_per_block[src // tpb] -= 1
                 live_per_block[pos // tpb] += 1
-        seq.pending_dead.extend(src_pos)
+        filled = {pos for token_id, pos in zip(ids, dst_pos) if live[token_id]}
+        seq.pending_dead = [p for p in seq.pending_dead if p not in filled] + src_pos
         seq.version += 1
 
     def truncate(self, req_id: int, new_kv_len: int) -> list[int]:

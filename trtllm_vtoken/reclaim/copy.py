@@ -19,8 +19,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from trtllm_vtoken.reclaim.plan import RelocationPlan
 
 if TYPE_CHECKING:
@@ -103,13 +101,14 @@ class TorchCopyExecutor(CopyExecutor):
         if plan.num_moves == 0:
             return CopyHandle(plan)
         if self._stream is None:
-            src, dst = torch.from_numpy(plan.src_slots), torch.from_numpy(plan.dst_slots)
+            src = torch.tensor(plan.src_slots, dtype=torch.int64)
+            dst = torch.tensor(plan.dst_slots, dtype=torch.int64)
             for pool in self.pools:
                 relocate_slots(pool, src, dst)
             return CopyHandle(plan)
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)  # the KV to move was written by work queued there
-        indices = torch.from_numpy(np.stack([plan.src_slots, plan.dst_slots])).pin_memory()
+        indices = torch.tensor([plan.src_slots, plan.dst_slots], dtype=torch.int64).pin_memory()
         with torch.cuda.stream(self._stream):
             on_device = indices.to(self.device, non_blocking=True)
             for pool in self.pools:

@@ -98,7 +98,7 @@ def validate_plan(
     shared = sorted(b for b in plan.touched_blocks(tpb) if table.is_shared(b))
     if shared:
         raise ValueError(f"plan for request {req_id} touches shared blocks {shared}")
-    if set(plan.src_slots.tolist()) & set(plan.dst_slots.tolist()):
+    if set(plan.src_slots) & set(plan.dst_slots):
         raise ValueError(f"plan for request {req_id}: a slot is both a source and a destination")
-    if not np.array_equal(table.slots_of(req_id, plan.token_ids), plan.src_slots):
+    if table.slots_of(req_id, list(plan.token_ids)).tolist() != list(plan.src_slots):
         raise ValueError(f"plan for request {req_id}: tokens are no longer at the planned sources")

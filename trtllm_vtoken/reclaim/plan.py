@@ -5,16 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RelocationPlan:
     """Moves for one request, taken from one snapshot of its token table (I4).
 
     ``token_ids[i]`` moves from ``src_slots[i]`` to ``dst_slots[i]``; slots are flat
     (``block_id * tokens_per_block + offset``). Sources and destinations are disjoint, so the copy
-    may gather all sources and then scatter. Shapes: (num_moves,), int64.
+    may gather all sources and then scatter. Plain int tuples: most decode-step plans hold one or
+    two moves, where building arrays would cost more than the moves themselves.
     """
 
     req_id: int
@@ -22,9 +21,9 @@ class RelocationPlan:
     """"dense" (keep a dense prefix, release the tail) or "lazy" (empty the emptiest blocks)."""
     version: int
     """Token-table version of the snapshot; committing against a newer version is refused."""
-    token_ids: np.ndarray
-    src_slots: np.ndarray
-    dst_slots: np.ndarray
+    token_ids: tuple[int, ...]
+    src_slots: tuple[int, ...]
+    dst_slots: tuple[int, ...]
     blocks_to_free: tuple[int, ...]
     blocks_before: int
     new_kv_len: int | None
@@ -40,5 +39,5 @@ class RelocationPlan:
 
     def touched_blocks(self, tokens_per_block: int) -> set[int]:
         """Blocks read or written by the copy, plus those released."""
-        slots = np.concatenate([self.src_slots, self.dst_slots])
-        return set((slots // tokens_per_block).tolist()) | set(self.blocks_to_free)
+        slots = self.src_slots + self.dst_slots
+        return {s // tokens_per_block for s in slots} | set(self.blocks_to_free)

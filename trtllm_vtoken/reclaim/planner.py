@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-import numpy as np
-
 from trtllm_vtoken.core.sequence import NO_TOKEN
 from trtllm_vtoken.core.token_table import TokenTable
 from trtllm_vtoken.reclaim.plan import RelocationPlan
@@ -123,9 +121,9 @@ def _make_plan(
         req_id=req_id,
         mode=mode,
         version=seq.version,
-        token_ids=np.array([token_at[p] for p in src_pos], dtype=np.int64),
-        src_slots=np.array([blocks[p // tpb] * tpb + p % tpb for p in src_pos], dtype=np.int64),
-        dst_slots=np.array([blocks[p // tpb] * tpb + p % tpb for p in dst_pos], dtype=np.int64),
+        token_ids=tuple(token_at[src_pos].tolist()) if src_pos else (),
+        src_slots=tuple(blocks[p // tpb] * tpb + p % tpb for p in src_pos),
+        dst_slots=tuple(blocks[p // tpb] * tpb + p % tpb for p in dst_pos),
         blocks_to_free=blocks_to_free,
         blocks_before=len(blocks),
         new_kv_len=new_kv_len,
