@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Paged attention in torch, reading K/V through the block-offsets table.
+
+For each batch row: the new tokens' queries (``q_lens`` of them, the last ``q_lens`` physical
+positions of the row) attend to every position in ``[0, kv_len)`` that is valid, and causally
+among themselves. Physical order need not be logical order (compaction permutes tokens), which
+is fine: keys carry their RoPE from their original position and attention over past tokens is
+order-independent; only the new tokens, which are always physically last, need the causal mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trtllm_vtoken.runtime.kv_cache import PagedKVCache
+
+
+def paged_attention(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    q_lens: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    return_mass: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """
+    Args:
+        q: [B, Tq, num_heads, head_dim], queries padded to the longest row (Tq = q_lens.max()).
+        q_lens: [B] int, real queries per row; padded queries produce zeros.
+        valid: [B, max_blocks * tokens_per_block] bool or None; False masks a position (dead token,
+            naive-evict and lazy mode). None: every position below kv_len is attended (dense mode).
+        return_mass: also return the attention each position received, summed over heads and real
+            queries (for H2O / Scissorhands). Shape: [B, max_blocks * tokens_per_block].
+    Returns:
+        out [B, Tq, num_heads, head_dim] and the mass (or None).
+    """
+    batch, tq, num_heads, head_dim = q.shape
+    k, v = cache.gather(layer, batch)  # [B, Hkv, L, D]
+    num_kv_heads, length = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    kv_lens = cache.kv_lens[:batch].long()
+    pos = torch.arange(length, device=q.device)
+    qi = torch.arange(tq, device=q.device)
+    q_lens = q_lens.to(q.device).long()
+    # Query i of row b sits at physical position kv_len - q_len + i.
+    q_pos = kv_lens[:, None] - q_lens[:, None] + qi[None, :]  # [B, Tq]
+    allowed = pos[None, None, :] <= q_pos[:, :, None]  # causal over the new tokens, [B, Tq, L]
+    allowed &= pos[None, None, :] < kv_lens[:, None, None]
+    if valid is not None:
+        allowed &= valid[:, None, :length]
+    real_query = qi[None, :] < q_lens[:, None]  # [B, Tq]
+    allowed &= real_query[:, :, None]
+
+    qh = q.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, group * tq, head_dim)
+    scores = torch.matmul(qh.float(), k.float().transpose(-1, -2)) / math.sqrt(head_dim)
+    scores = scores.view(batch, num_kv_heads, group, tq, length)
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with nothing allowed -> zeros
+    out = torch.matmul(probs.view(batch, num_kv_heads, group * tq, length), v.float())
+    out = out.view(batch, num_heads, tq, head_dim).permute(0, 2, 1, 3).to(q.dtype)
+    mass = probs.sum(dim=(1, 2, 3)) if return_mass else None
+    return out, mass

@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The KV pool and the block-offsets table, laid out like TensorRT-LLM's.
+
+    pool:           [num_blocks, num_layers, 2 (K, V), num_kv_heads, tokens_per_block, head_dim]
+    block_offsets:  int32 [max_seqs, max_blocks_per_seq]    row = batch slot, entries = block ids
+    kv_lens:        int32 [max_seqs]                          physical KV length per batch slot
+
+``block_offsets`` and ``kv_lens`` are allocated once and rewritten in place before every step, so
+a captured CUDA graph keeps reading the same memory (design §5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_blocks: int,
+        tokens_per_block: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.pool = torch.zeros(
+            num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, head_dim, dtype=dtype, device=device
+        )
+        self.block_offsets = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.kv_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+
+    def set_batch(self, block_lists: Sequence[Sequence[int]], kv_lens: Sequence[int]) -> None:
+        """Rewrites rows ``[0, len(block_lists))`` of the static tables in place."""
+        max_seqs, max_blocks = self.block_offsets.shape
+        if len(block_lists) > max_seqs or any(len(b) > max_blocks for b in block_lists):
+            raise ValueError(f"batch exceeds the block-offsets table [{max_seqs}, {max_blocks}]")
+        rows = torch.zeros(len(block_lists), max_blocks, dtype=torch.int32)
+        for i, blocks in enumerate(block_lists):
+            rows[i, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+        self.block_offsets[: len(block_lists)].copy_(rows, non_blocking=True)
+        self.kv_lens[: len(kv_lens)].copy_(torch.tensor(list(kv_lens), dtype=torch.int32), non_blocking=True)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores new K/V. slots: [T] flat slots; k, v: [T, num_kv_heads, head_dim]."""
+        tpb = self.tokens_per_block
+        blocks, offsets = slots // tpb, slots % tpb
+        self.pool[blocks, layer, 0, :, offsets] = k.to(self.pool.dtype)
+        self.pool[blocks, layer, 1, :, offsets] = v.to(self.pool.dtype)
+
+    def gather(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first ``batch`` rows through the offsets table.
+
+        Returns: two tensors [batch, num_kv_heads, max_blocks_per_seq * tokens_per_block, head_dim];
+        positions at or beyond ``kv_lens`` hold whatever their block holds and must be masked.
+        """
+        blocks = self.block_offsets[:batch].long()  # [B, nb]
+        kv = self.pool[blocks, layer]  # [B, nb, 2, H, tpb, D]
+        kv = kv.permute(0, 2, 3, 1, 4, 5).flatten(3, 4)  # [B, 2, H, nb * tpb, D]
+        return kv[:, 0], kv[:, 1]

@@ -1,0 +1,204 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A Llama-family decoder (GQA, RMSNorm, SwiGLU, RoPE) over the paged KV cache.
+
+Module names follow Hugging Face's ``LlamaForCausalLM`` so its safetensors load as they are.
+RoPE is applied with the *logical* position ids the caller passes (a token's original position),
+never with the compacted KV length: keys are cached already rotated and are never re-rotated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trtllm_vtoken.runtime.attention import paged_attention
+from trtllm_vtoken.runtime.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> LlamaConfig:
+        """Reads a Hugging Face ``config.json`` of a Llama-architecture model."""
+        raw = json.loads(Path(path).read_text())
+        if raw.get("model_type") != "llama":
+            raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not 'llama'")
+        if raw.get("rope_scaling"):
+            raise ValueError(f"{path}: rope_scaling {raw['rope_scaling']} is not supported")
+        heads = raw["num_attention_heads"]
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+            rope_theta=raw.get("rope_theta", 10000.0),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            max_position_embeddings=raw.get("max_position_embeddings", 8192),
+        )
+
+    @classmethod
+    def tiny(cls) -> LlamaConfig:
+        """A random-initialised model small enough for unit tests (GQA 4:2)."""
+        return cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Applies RoPE (Hugging Face's rotate-half convention). x: [..., T, H, D], positions: [..., T]."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim))
+    freqs = positions.float()[..., None] * inv_freq  # [..., T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]  # [..., T, 1, D]
+    half = dim // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * emb.cos() + rotated.float() * emb.sin()).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x: [B, T, hidden] -> q [B, T, Hq, D], k and v [B, T, Hkv, D], q and k rotated."""
+        b, t, _ = x.shape
+        cfg = self.cfg
+        q = self.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        return rotate(q, positions, cfg.rope_theta), rotate(k, positions, cfg.rope_theta), v
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = _Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        q_lens: torch.Tensor,
+        cache: PagedKVCache,
+        valid: torch.Tensor | None = None,
+        return_mass: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step over a batch whose block tables and lengths are already in ``cache``.
+
+        Args:
+            input_ids, positions, slots: [B, T] new tokens, their logical positions and the flat
+                slots to store their K/V in; rows padded beyond ``q_lens`` (padding slots: -1).
+            q_lens: [B] new tokens per row.
+            valid, return_mass: see ``paged_attention``; the mass is summed over layers.
+        Returns:
+            logits [B, T, vocab] and the attention mass per position (or None).
+        """
+        x = self.model.embed_tokens(input_ids)
+        real = slots >= 0
+        mass_total = None
+        for layer_idx, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            q, k, v = layer.self_attn.qkv(h, positions)
+            cache.write(layer_idx, slots[real], k[real], v[real])
+            out, mass = paged_attention(q, cache, layer_idx, q_lens, valid, return_mass)
+            x = x + layer.self_attn.o_proj(out.flatten(2))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if mass is not None:
+                mass_total = mass if mass_total is None else mass_total + mass
+        return self.lm_head(self.model.norm(x)), mass_total
+
+
+def load_llama(folder: str | Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """Loads ``config.json`` + ``*.safetensors`` from a Hugging Face model folder."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    model = LlamaForCausalLM(LlamaConfig.from_hf(folder / "config.json"))
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (model.config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{folder}: missing weights {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.to(dtype).eval()
