@@ -23,6 +23,7 @@ from trtllm_vtoken.core.block_pool import BlockPool
 from trtllm_vtoken.core.token_table import TokenTable
 from trtllm_vtoken.reclaim.config import ReclaimConfig
 from trtllm_vtoken.reclaim.copy import CopyExecutor, CopyHandle
+from trtllm_vtoken.reclaim.eligibility import eligible_requests
 from trtllm_vtoken.reclaim.invariants import (
     LiveSnapshot,
     check_conservation,
@@ -76,6 +77,10 @@ class ReclaimBackend:
         self._in_flight: dict[int, _InFlight] = {}
 
     # ---- stage 1-3: eligibility + planning ------------------------------------------------------
+    def eligible(self) -> list[int]:
+        """Requests worth planning now: an unshared block with dead slots, no plan in flight."""
+        return eligible_requests(self.table, self._in_flight)
+
     def plan(self, req_id: int, pressure: bool = False) -> RelocationPlan | None:
         """A plan for the request under the configured mode, or None if it is not worth one now.
 
