@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Read-only queries on the token table. Nothing here changes a request."""
+"""Queries on the token table. None changes what a request holds; ``hole_positions`` only
+drops stale entries from its internal list of candidate holes."""
 
 from __future__ import annotations
 
