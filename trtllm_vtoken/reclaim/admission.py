@@ -94,11 +94,17 @@ class AdmissionController:
         need = max(_ceil(prompt_len, self.pool.tokens_per_block), self.peak_blocks(state))
         return need <= self.available_blocks()
 
-    def admit(self, req_id: int, prompt_len: int, max_new_tokens: int, budget: int | None) -> bool:
-        """Registers the request if it fits; False (changing nothing) if it does not."""
+    def admit(
+        self, req_id: int, prompt_len: int, max_new_tokens: int, budget: int | None, force: bool = False
+    ) -> bool:
+        """Registers the request if it fits; False (changing nothing) if it does not.
+
+        ``force`` registers it regardless (greedy admission, which preempts instead of reserving):
+        its reservation then shows in ``reserved_blocks`` and may drive ``available_blocks`` below 0.
+        """
         if req_id in self.running:
             raise ValueError(f"request {req_id} is already admitted")
-        if not self.can_admit(prompt_len, max_new_tokens, budget):
+        if not force and not self.can_admit(prompt_len, max_new_tokens, budget):
             return False
         self.running[req_id] = RequestState(prompt_len, prompt_len, max_new_tokens, budget)
         return True

@@ -35,12 +35,16 @@ class PagedKVCache:
         )
         self.block_offsets = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.kv_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.active_blocks = max_blocks_per_seq
+        """Columns of ``block_offsets`` that eager attention reads (the batch's longest row); a
+        captured graph reads all of them."""
 
     def set_batch(self, block_lists: Sequence[Sequence[int]], kv_lens: Sequence[int]) -> None:
         """Rewrites rows ``[0, len(block_lists))`` of the static tables in place."""
         max_seqs, max_blocks = self.block_offsets.shape
         if len(block_lists) > max_seqs or any(len(b) > max_blocks for b in block_lists):
             raise ValueError(f"batch exceeds the block-offsets table [{max_seqs}, {max_blocks}]")
+        self.active_blocks = max((len(b) for b in block_lists), default=1) or 1
         rows = torch.zeros(len(block_lists), max_blocks, dtype=torch.int32)
         for i, blocks in enumerate(block_lists):
             rows[i, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
@@ -57,10 +61,10 @@ class PagedKVCache:
     def gather(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the first ``batch`` rows through the offsets table.
 
-        Returns: two tensors [batch, num_kv_heads, max_blocks_per_seq * tokens_per_block, head_dim];
+        Returns: two tensors [batch, num_kv_heads, active_blocks * tokens_per_block, head_dim];
         positions at or beyond ``kv_lens`` hold whatever their block holds and must be masked.
         """
-        blocks = self.block_offsets[:batch].long()  # [B, nb]
+        blocks = self.block_offsets[:batch, : self.active_blocks].long()  # [B, nb]
         kv = self.pool[blocks, layer]  # [B, nb, 2, H, tpb, D]
         kv = kv.permute(0, 2, 3, 1, 4, 5).flatten(3, 4)  # [B, 2, H, nb * tpb, D]
         return kv[:, 0], kv[:, 1]

@@ -46,8 +46,11 @@ class LlamaConfig:
         raw = json.loads(Path(path).read_text())
         if raw.get("model_type") != "llama":
             raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not 'llama'")
-        if raw.get("rope_scaling"):
-            raise ValueError(f"{path}: rope_scaling {raw['rope_scaling']} is not supported")
+        # transformers >= 5 writes rope_parameters; 4.x wrote rope_theta (+ rope_scaling).
+        rope = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling:
+            raise ValueError(f"{path}: RoPE scaling {scaling} is not supported")
         heads = raw["num_attention_heads"]
         return cls(
             vocab_size=raw["vocab_size"],
@@ -58,7 +61,7 @@ class LlamaConfig:
             num_key_value_heads=raw.get("num_key_value_heads", heads),
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-            rope_theta=raw.get("rope_theta", 10000.0),
+            rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             max_position_embeddings=raw.get("max_position_embeddings", 8192),
         )

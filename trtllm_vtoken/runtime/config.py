@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Engine settings: one frozen dataclass, validated on construction; unknown keys are errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from trtllm_vtoken.config_base import from_dict
+from trtllm_vtoken.policies import POLICIES, Budget, make_policy
+
+VARIANTS = ("native", "naive-evict", "vtoken")
+Variant = Literal["native", "naive-evict", "vtoken"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    variant: Variant = "vtoken"
+    """"native": full retention. "naive-evict": the policy's dead tokens are masked in place and
+    only blocks with no live token are freed. "vtoken": dead slots are refilled by relocation."""
+    mode: Literal["dense", "lazy"] = "dense"
+    """vtoken only: "dense" compacts every step (no attention mask needed), "lazy" masks holes and
+    compacts past ``fragmentation_threshold`` or under memory pressure."""
+    policy: str = "h2o"
+    budget: int | float | str = 0.5
+    """Live tokens kept per request: a count (``256``) or a retention ratio (``0.5``)."""
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    tokens_per_block: int = 16
+    num_blocks: int = 512
+    """The KV block budget: blocks in the pool, shared by all requests."""
+    max_batch_size: int = 32
+    max_seq_len: int = 2048
+    """Prompt plus output tokens of one request, at most."""
+    admission: Literal["peak", "greedy"] = "peak"
+    """"peak": admit only if every running request can still reach its peak block demand (no
+    preemption in steady state). "greedy": admit whenever the prompt fits now; preempt and
+    recompute when the pool runs dry."""
+    evacuation_headroom: int = 0
+    fragmentation_threshold: int = 1
+    check_invariants: bool = False
+    """Check I1/I2/I4 on every relocation (slower; on in tests)."""
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.mode not in ("dense", "lazy"):
+            raise ValueError(f"mode must be 'dense' or 'lazy', got {self.mode!r}")
+        if self.admission not in ("peak", "greedy"):
+            raise ValueError(f"admission must be 'peak' or 'greedy', got {self.admission!r}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        for name in ("tokens_per_block", "num_blocks", "max_batch_size", "max_seq_len",
+                     "fragmentation_threshold"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.evacuation_headroom < 0 or self.evacuation_headroom >= self.num_blocks:
+            raise ValueError(f"evacuation_headroom must lie in [0, num_blocks), got {self.evacuation_headroom}")
+        POLICIES.get(self.policy)  # KeyError naming the known policies
+        self.make_policy()  # ValueError for a bad budget or option
+
+    def make_policy(self):
+        return make_policy(self.policy, Budget.parse(self.budget), **self.policy_options)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.tokens_per_block)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
+        return from_dict(cls, values)

@@ -1,0 +1,255 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The continuous-batching engine: requests join and leave between steps.
+
+One ``step()``:
+
+    1. decode rows   every running request reserves a slot for its pending token; if the pool is
+                     dry, the newest running request is preempted (blocks freed, re-queued first)
+    2. admission     waiting requests join in arrival order while admission allows and the batch
+                     has room; each reserves blocks for its prompt (plus output, if resumed)
+    3. forward       one batched decode forward; one prefill forward per joining request
+    4. per request   commit the new tokens, credit attention, sample, detokenize, check stops
+    5. eviction      the policy marks tokens dead; reclamation frees blocks; admission is updated
+    6. leaving       finished requests release every block
+
+A request that could never fit (too long for ``max_seq_len`` or for the whole pool) is refused by
+``add_request`` with a ValueError; everything else eventually runs to completion.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from trtllm_vtoken.runtime.config import EngineConfig
+from trtllm_vtoken.runtime.kv_manager import KVCacheManager
+from trtllm_vtoken.runtime.model import LlamaForCausalLM
+from trtllm_vtoken.runtime.request import Request, RequestOutput, Status
+from trtllm_vtoken.runtime.sampling import SamplingParams, sample
+from trtllm_vtoken.runtime.tokenizer import StreamText, Tokenizer
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    cancelled: int = 0
+
+
+class Engine:
+    """Runs requests through one model and one KV pool.
+
+    Args:
+        tokenizer: Needed for text output and stop strings; without one, outputs carry ids only
+            and end on ``eos_token_ids``.
+        record_logits: Keep each request's last-position logits per step (tests, quality checks).
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: EngineConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+        eos_token_ids: frozenset[int] | None = None,
+        record_logits: bool = False,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.model = model.to(device=self.config.device, dtype=getattr(torch, self.config.dtype))
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else (
+            tokenizer.eos_token_ids if tokenizer else frozenset())
+        self.kv = KVCacheManager(self.config, model.config)
+        self.stats = EngineStats()
+        self.requests: dict[int, Request] = {}
+        self.waiting: deque[int] = deque()
+        self.running: list[int] = []  # admission order
+        self.record_logits = record_logits
+        self.logits: dict[int, list[torch.Tensor]] = {}
+        self._texts: dict[int, StreamText] = {}
+        self._generators: dict[int, torch.Generator] = {}
+        self._generator = torch.Generator().manual_seed(self.config.seed)
+        self._ids = itertools.count()
+        self._reported: list[RequestOutput] = []
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    req_id: int | None = None) -> int:
+        """Queues a request; returns its id. Raises ValueError if it can never run."""
+        params = params or SamplingParams()
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need an engine with a tokenizer")
+        self.kv.check_fits_alone(len(prompt_ids), params.max_tokens)
+        req_id = next(self._ids) if req_id is None else req_id
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id} is already in use")
+        self.requests[req_id] = Request(req_id, prompt_ids, params, arrival=time.perf_counter())
+        if self.tokenizer is not None:
+            self._texts[req_id] = StreamText(self.tokenizer, params.stop)
+        if params.seed is not None:
+            self._generators[req_id] = torch.Generator().manual_seed(params.seed)
+        self.waiting.append(req_id)
+        return req_id
+
+    def cancel(self, req_id: int) -> bool:
+        """Stops a request and frees its blocks now; False if it had already finished."""
+        request = self.requests.get(req_id)
+        if request is None or request.status is Status.FINISHED:
+            return False
+        if request.status is Status.RUNNING:
+            self.running.remove(req_id)
+            self.kv.release(req_id)
+        else:
+            self.waiting.remove(req_id)
+        self.stats.cancelled += 1
+        self._finish(request, "cancelled")
+        self._reported.append(self._output(request, [], ""))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pop_finished(self, req_id: int) -> Request:
+        """Forgets a finished request and returns it (the engine keeps finished ones until then)."""
+        request = self.requests[req_id]
+        if request.status is not Status.FINISHED:
+            raise ValueError(f"request {req_id} has not finished")
+        self.logits.pop(req_id, None)
+        return self.requests.pop(req_id)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one iteration; returns what each request that changed produced."""
+        reported, self._reported = self._reported, []
+        decode = self._schedule_decode()
+        prefill = self._admit()
+        results: list[tuple[Request, torch.Tensor, torch.Tensor | None]] = []
+        if decode:
+            results += self._forward(decode, [[self.requests[r].pending] for r in decode])
+            self.stats.decode_tokens += len(decode)
+        for req_id in prefill:
+            ids = self.requests[req_id].prefill_ids()
+            results += self._forward([req_id], [ids])
+            self.stats.prefill_tokens += len(ids)
+        for request, logits, mass in results:
+            reported.append(self._advance(request, logits, mass))
+        self.stats.steps += 1
+        return reported
+
+    def _schedule_decode(self) -> list[int]:
+        scheduled: list[int] = []
+        for req_id in list(self.running):
+            if req_id not in self.running:  # preempted below to make room for an older request
+                continue
+            while self.kv.reserve(req_id, 1) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim == req_id:
+                    break
+            else:
+                scheduled.append(req_id)
+        return [r for r in scheduled if r in self.running]
+
+    def _admit(self) -> list[int]:
+        joined: list[int] = []
+        while self.waiting and len(self.running) < self.config.max_batch_size:
+            request = self.requests[self.waiting[0]]
+            ids = request.prefill_ids()
+            if not self.kv.admit(request.req_id, len(ids), request.remaining):
+                break
+            if self.kv.reserve(request.req_id, len(ids)) is None:  # greedy admission raced the pool
+                self.kv.release(request.req_id)
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request.req_id)
+            joined.append(request.req_id)
+        return joined
+
+    def _preempt(self, req_id: int) -> None:
+        request = self.requests[req_id]
+        self.running.remove(req_id)
+        self.kv.release(req_id)
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req_id)
+
+    def _forward(self, req_ids: list[int], tokens: list[list[int]]):
+        """One forward over rows of new tokens; returns (request, last logits, mass) per row."""
+        kv, device = self.kv, self.config.device
+        longest = max(len(t) for t in tokens)
+        input_ids = torch.zeros(len(req_ids), longest, dtype=torch.long)
+        positions = torch.zeros_like(input_ids)
+        slots = torch.full_like(input_ids, -1)
+        for i, (req_id, row) in enumerate(zip(req_ids, tokens)):
+            first = kv.table.num_tokens(req_id)  # logical ids continue: RoPE never re-rotates
+            input_ids[i, : len(row)] = torch.tensor(row)
+            positions[i, : len(row)] = torch.arange(first, first + len(row))
+            slots[i, : len(row)] = torch.tensor(kv.staged_slots(req_id))
+        valid = kv.set_batch(req_ids)
+        q_lens = torch.tensor([len(t) for t in tokens])
+        logits, mass = self.model(
+            input_ids.to(device), positions.to(device), slots.to(device), q_lens.to(device),
+            kv.cache, valid, return_mass=kv.needs_attention,
+        )
+        last = logits[torch.arange(len(req_ids)), q_lens.to(device) - 1].float().cpu()
+        for req_id in req_ids:
+            kv.commit(req_id)
+        return [(self.requests[r], last[i], None if mass is None else mass[i]) for i, r in enumerate(req_ids)]
+
+    def _advance(self, request: Request, logits: torch.Tensor, mass: torch.Tensor | None) -> RequestOutput:
+        req_id, params = request.req_id, request.params
+        if mass is not None:
+            self.kv.observe(req_id, mass)
+        if self.record_logits:
+            self.logits.setdefault(req_id, []).append(logits)
+        token = sample(logits, params, self._generators.get(req_id, self._generator))
+        request.output_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = time.perf_counter()
+        reason = None
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = "stop"
+        elif request.remaining == 0:
+            reason = "length"
+        text = ""
+        stream = self._texts.get(req_id)
+        if stream is not None:
+            ids = request.output_ids[:-1] if reason == "stop" else request.output_ids
+            text, hit = stream.update(ids, final=reason is not None)
+            request.text = stream.text
+            reason = "stop" if hit else reason
+        if reason is not None:
+            self.running.remove(req_id)
+            self.kv.release(req_id)
+            self.stats.finished += 1
+            self._finish(request, reason)
+        else:
+            self.kv.evict(req_id)
+            self.kv.reclaim(req_id)
+            self.kv.update(req_id, request.remaining)
+        return self._output(request, [token], text)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        self._texts.pop(request.req_id, None)
+        self._generators.pop(request.req_id, None)
+
+    @staticmethod
+    def _output(request: Request, new_ids: list[int], text: str) -> RequestOutput:
+        return RequestOutput(request.req_id, tuple(new_ids), text, request.status is Status.FINISHED,
+                             request.finish_reason, len(request.output_ids))

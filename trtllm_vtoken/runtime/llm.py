@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``LLM``: load a model folder (or the embedded default) and generate, like TensorRT-LLM's LLM API.
+
+    llm = LLM(variant="vtoken", policy="h2o", budget=0.5)
+    [out] = llm.generate(["What is the capital of France?"], SamplingParams(max_tokens=32))
+    out.text  ->  "The capital of France is Paris. ..."
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trtllm_vtoken.runtime.config import EngineConfig
+from trtllm_vtoken.runtime.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    req_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_preemptions: int
+
+
+class LLM:
+    """Owns a model, its tokenizer and one engine.
+
+    Args:
+        model: A Hugging Face Llama folder (config.json, safetensors, tokenizer), or None / the
+            default's name for SmolLM2-135M-Instruct, converted on first use.
+        config: Engine settings; ``**overrides`` replace single fields (unknown ones: ValueError).
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, config: EngineConfig | None = None,
+                 **overrides: Any) -> None:
+        from trtllm_vtoken.runtime.checkpoint import resolve_model
+        from trtllm_vtoken.runtime.engine import Engine
+        from trtllm_vtoken.runtime.model import load_llama
+        from trtllm_vtoken.runtime.tokenizer import Tokenizer
+
+        if overrides:
+            base = vars(config) if config else {}
+            config = EngineConfig.from_dict({**base, **overrides})
+        self.model_path = resolve_model(model)
+        self.tokenizer = Tokenizer(self.model_path)
+        self.engine = Engine(load_llama(self.model_path), config, self.tokenizer)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
+        """Token ids for a prompt: text goes through the chat template (if ``chat``); ids pass."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, chat=chat)
+        return [int(t) for t in prompt]
+
+    def generate(self, prompts: str | Sequence[str | Sequence[int]], params: SamplingParams | None = None,
+                 chat: bool = True, progress: bool = False) -> list[CompletionOutput]:
+        """Runs all prompts to completion, batched continuously; outputs in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        engine = self.engine
+        ids = [engine.add_request(self.encode(p, chat), params) for p in prompts]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        while engine.has_unfinished():
+            done = sum(o.finished for o in engine.step())
+            if bar is not None:
+                bar.update(done)
+        if bar is not None:
+            bar.close()
+        return [self._completion(engine.pop_finished(i)) for i in ids]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               chat: bool = True) -> Iterator[str]:
+        """Yields text pieces of one prompt as they are generated (other requests may share the
+        batch; their outputs are kept for them)."""
+        engine = self.engine
+        req_id = engine.add_request(self.encode(prompt, chat), params)
+        try:
+            while True:
+                for out in engine.step():
+                    if out.req_id == req_id and out.text_delta:
+                        yield out.text_delta
+                if engine.requests[req_id].finish_reason is not None:
+                    break
+        finally:
+            engine.cancel(req_id)
+        engine.pop_finished(req_id)
+
+    @staticmethod
+    def _completion(request) -> CompletionOutput:
+        return CompletionOutput(request.req_id, request.prompt_ids, request.output_ids, request.text,
+                                request.finish_reason, request.num_preemptions)

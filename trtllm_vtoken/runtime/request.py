@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A request's life in the engine, and what each step reports about it.
+
+    WAITING --admit--> RUNNING --EOS / stop / max_tokens--> FINISHED
+        ^                 |
+        +---- preempt ----+          (blocks freed; prompt + output recomputed on re-admission)
+
+A running request's last sampled token is not in the KV cache yet: the next decode step writes it
+(``pending``). Preemption keeps the output generated so far, so nothing is lost or repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from trtllm_vtoken.runtime.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    req_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    """"stop" (EOS, a stop token or string), "length" (max_tokens) or "cancelled"."""
+    text: str = ""
+    """Decoded output so far (with a tokenizer), cut before a stop string."""
+    emitted_text: int = 0
+    """Characters of ``text`` already reported."""
+    num_preemptions: int = 0
+    arrival: float = 0.0
+    first_token_time: float | None = None
+
+    @property
+    def pending(self) -> int:
+        """The token the next decode step writes (the last one sampled)."""
+        return self.output_ids[-1]
+
+    def prefill_ids(self) -> list[int]:
+        """What (re-)admission writes: the prompt, plus everything generated before a preemption."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (only requests that changed are reported)."""
+
+    req_id: int
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    num_output_tokens: int
