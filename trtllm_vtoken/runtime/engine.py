@@ -49,7 +49,9 @@ class Engine:
     Args:
         tokenizer: Needed for text output and stop strings; without one, outputs carry ids only
             and end on ``eos_token_ids``.
-        record_logits: Keep each request's last-position logits per step (tests, quality checks).
+        record_trace: Keep, per request and generated token, the logits behind it and the
+            eviction decision after it (``Request.logits``, ``Request.evictions``), for the
+            variant-agreement tests and quality checks.
     """
 
     def __init__(
@@ -58,7 +60,7 @@ class Engine:
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
         eos_token_ids: frozenset[int] | None = None,
-        record_logits: bool = False,
+        record_trace: bool = False,
     ) -> None:
         self.config = config or EngineConfig()
         self.model = model.to(device=self.config.device, dtype=getattr(torch, self.config.dtype))
@@ -70,8 +72,7 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.waiting: deque[int] = deque()
         self.running: list[int] = []  # admission order
-        self.record_logits = record_logits
-        self.logits: dict[int, list[torch.Tensor]] = {}
+        self.record_trace = record_trace
         self._texts: dict[int, StreamText] = {}
         self._generators: dict[int, torch.Generator] = {}
         self._generator = torch.Generator().manual_seed(self.config.seed)
@@ -126,7 +127,6 @@ class Engine:
         request = self.requests[req_id]
         if request.status is not Status.FINISHED:
             raise ValueError(f"request {req_id} has not finished")
-        self.logits.pop(req_id, None)
         return self.requests.pop(req_id)
 
     # ---- the step ------------------------------------------------------------------------------
@@ -201,11 +201,12 @@ class Engine:
             slots[i, : len(row)] = torch.tensor(kv.staged_slots(req_id))
         valid = kv.set_batch(req_ids)
         q_lens = torch.tensor([len(t) for t in tokens])
+        q_lens = q_lens.to(device)
         logits, mass = self.model(
-            input_ids.to(device), positions.to(device), slots.to(device), q_lens.to(device),
-            kv.cache, valid, return_mass=kv.needs_attention,
+            input_ids.to(device), positions.to(device), slots.to(device), q_lens,
+            kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1,
         )
-        last = logits[torch.arange(len(req_ids)), q_lens.to(device) - 1].float().cpu()
+        last = logits.float().cpu()
         for req_id in req_ids:
             kv.commit(req_id)
         return [(self.requests[r], last[i], None if mass is None else mass[i]) for i, r in enumerate(req_ids)]
@@ -214,8 +215,8 @@ class Engine:
         req_id, params = request.req_id, request.params
         if mass is not None:
             self.kv.observe(req_id, mass)
-        if self.record_logits:
-            self.logits.setdefault(req_id, []).append(logits)
+        if self.record_trace:
+            request.logits.append(logits)
         token = sample(logits, params, self._generators.get(req_id, self._generator))
         request.output_ids.append(token)
         if request.first_token_time is None:
@@ -238,7 +239,9 @@ class Engine:
             self.stats.finished += 1
             self._finish(request, reason)
         else:
-            self.kv.evict(req_id)
+            evicted = self.kv.evict(req_id)
+            if self.record_trace:
+                request.evictions.append(tuple(evicted))
             self.kv.reclaim(req_id)
             self.kv.update(req_id, request.remaining)
         return self._output(request, [token], text)

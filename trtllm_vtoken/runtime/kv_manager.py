@@ -166,15 +166,15 @@ class KVCacheManager:
         live = self.table.position_live_mask(req_id)
         self.policy.observe(req_id, tokens[live].astype(np.int64), mass[: seq.kv_len].cpu().numpy()[live])
 
-    def evict(self, req_id: int) -> int:
-        """Applies the policy's decision; returns the number of tokens it evicted."""
+    def evict(self, req_id: int) -> list[int]:
+        """Applies the policy's decision; returns the logical ids it evicted."""
         if self.policy is None:
-            return 0
-        doomed = self.policy.select(policy_view(self.table, req_id))
-        if len(doomed):
-            self.table.evict_tokens(req_id, doomed.tolist())
+            return []
+        doomed = self.policy.select(policy_view(self.table, req_id)).tolist()
+        if doomed:
+            self.table.evict_tokens(req_id, doomed)
             self.stats.tokens_evicted += len(doomed)
-        return len(doomed)
+        return doomed
 
     def reclaim(self, req_id: int, pressure: bool = False) -> int:
         """Frees what the variant can free of this request; returns the blocks freed."""

@@ -163,6 +163,7 @@ class LlamaForCausalLM(nn.Module):
         cache: PagedKVCache,
         valid: torch.Tensor | None = None,
         return_mass: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step over a batch whose block tables and lengths are already in ``cache``.
 
@@ -171,8 +172,11 @@ class LlamaForCausalLM(nn.Module):
                 slots to store their K/V in; rows padded beyond ``q_lens`` (padding slots: -1).
             q_lens: [B] new tokens per row.
             valid, return_mass: see ``paged_attention``; the mass is summed over layers.
+            logits_at: [B] one query index per row: compute logits there only (a prefill needs
+                its last token's, and [T, vocab] logits of a long prompt are large).
         Returns:
-            logits [B, T, vocab] and the attention mass per position (or None).
+            logits [B, T, vocab] ([B, vocab] with ``logits_at``) and the attention mass per
+            position (or None).
         """
         x = self.model.embed_tokens(input_ids)
         real = slots >= 0
@@ -186,6 +190,8 @@ class LlamaForCausalLM(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if mass is not None:
                 mass_total = mass if mass_total is None else mass_total + mass
+        if logits_at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_at]
         return self.lm_head(self.model.norm(x)), mass_total
 
 

@@ -39,6 +39,10 @@ class Request:
     num_preemptions: int = 0
     arrival: float = 0.0
     first_token_time: float | None = None
+    logits: list = field(default_factory=list, repr=False)
+    """Logits [vocab] behind each output token, if the engine records a trace."""
+    evictions: list = field(default_factory=list, repr=False)
+    """Logical ids evicted after each output token (but the last), if the engine records a trace."""
 
     @property
     def pending(self) -> int:

@@ -1,0 +1,91 @@
+# SPDX-License-Identifier: Apache-2.0
+"""SmolLM2-135M-Instruct end to end: the reference runtime against Hugging Face transformers,
+and vToken against naive-evict on real ShareGPT prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_vtoken.runtime.config import EngineConfig
+from trtllm_vtoken.runtime.engine import Engine
+from trtllm_vtoken.runtime.llm import LLM
+from trtllm_vtoken.runtime.model import load_llama
+from trtllm_vtoken.runtime.sampling import SamplingParams
+from trtllm_vtoken.workloads import make_workload
+
+pytestmark = pytest.mark.slow
+
+OPEN_ENDED = [
+    "Write a haiku about the sea.",
+    "Explain what a hash table is.",
+    "Describe the water cycle to a ten-year-old.",
+    "Give me three tips for writing readable Python code.",
+]
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_folder):
+    return load_llama(smollm2_folder)
+
+
+def test_native_greedy_equals_transformers_token_for_token(smollm2_folder, smollm2_tokenizer, model):
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine(model, EngineConfig(variant="native", num_blocks=128), smollm2_tokenizer)
+    prompts = [smollm2_tokenizer.encode(p, chat=True) for p in OPEN_ENDED]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=32)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    ours = [engine.pop_finished(i).output_ids for i in ids]
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_folder), dtype=torch.float32).eval()
+    for prompt, got in zip(prompts, ours):
+        assert len(got) == 32
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                              eos_token_id=sorted(smollm2_tokenizer.eos_token_ids), pad_token_id=2)
+        assert out[0, len(prompt):].tolist() == got
+
+
+def test_vtoken_agrees_with_naive_evict_on_sharegpt(smollm2_tokenizer, model):
+    """Same policy and budget: identical eviction decisions, greedy outputs that agree (the
+    physical order of keys differs, so float sums differ in the last bits; near-ties may flip)."""
+    items = make_workload("sharegpt", 48, smollm2_tokenizer, max_prompt_tokens=300)
+    prompts = [smollm2_tokenizer.encode(item.prompt, chat=True) for item in items]
+    runs, engines = {}, {}
+    for variant in ("naive-evict", "vtoken"):
+        cfg = EngineConfig(variant=variant, policy="h2o", budget=0.5, num_blocks=1024,
+                           max_batch_size=48, check_invariants=True)
+        engine = engines[variant] = Engine(model, cfg, smollm2_tokenizer, record_trace=True)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=32)) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        runs[variant] = [engine.pop_finished(i) for i in ids]
+        assert engine.kv.pool.num_free == cfg.num_blocks
+    pairs = list(zip(runs["naive-evict"], runs["vtoken"]))
+    exact = sum(a.output_ids == b.output_ids for a, b in pairs) / len(pairs)
+    same_decisions = sum(a.evictions == b.evictions for a, b in pairs) / len(pairs)
+    print(f"\nexact-match rate {exact:.3f}, identical eviction decisions {same_decisions:.3f} "
+          f"over {len(pairs)} ShareGPT prompts")
+    assert exact >= 0.95 and same_decisions >= 0.95
+    for a, b in pairs:
+        agree = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y),
+                     min(len(a.output_ids), len(b.output_ids)))
+        for x, y in zip(a.logits[:agree], b.logits[:agree]):  # same inputs up to the first flip
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-3)
+    stats = engines["vtoken"].kv.backend.stats
+    assert stats.plans > 0 and stats.invariant_checks == stats.plans
+    assert engines["vtoken"].kv.stats.peak_blocks_used < engines["naive-evict"].kv.stats.peak_blocks_used
+
+
+def test_streamed_pieces_join_to_the_generated_text(smollm2_folder):
+    llm = LLM(smollm2_folder, variant="vtoken", policy="streaming_llm", budget=64, num_blocks=64)
+    params = SamplingParams(max_tokens=24)
+    [whole] = llm.generate(OPEN_ENDED[1], params)
+    pieces = list(llm.stream(OPEN_ENDED[1], params))
+    assert len(pieces) > 3 and "".join(pieces) == whole.text
+    cut = whole.text.split()[3]
+    [stopped] = llm.generate(OPEN_ENDED[1], SamplingParams(max_tokens=24, stop=(cut,)))
+    assert stopped.finish_reason == "stop" and stopped.text == whole.text[: whole.text.index(cut)]
+    assert "".join(llm.stream(OPEN_ENDED[1], SamplingParams(max_tokens=24, stop=(cut,)))) == stopped.text
+    assert llm.engine.kv.pool.num_free == 64
