@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from trtllm_vtoken.cli import main
 
 
@@ -29,3 +31,28 @@ def test_info_and_import_is_light():
     assert main(["info"]) == 0
     code = "import sys, trtllm_vtoken; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+@pytest.mark.slow
+def test_generate_streams_text_and_reports_blocks(capsys):
+    assert main(["generate", "Write a haiku about the sea.", "--max-tokens", "12", "--budget", "24",
+                 "--num-blocks", "16"]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.strip()) > 10
+    assert "[vtoken/dense, h2o] 12 tokens" in captured.err and "blocks reclaimed" in captured.err
+    assert main(["generate", "hi", "--policy", "lru"]) == 2
+    assert "Unknown eviction policy 'lru'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_variants_table_json_and_plot(tmp_path, capsys):
+    assert main(["bench", "variants", "--requests", "4", "--max-prompt-tokens", "96",
+                 "--max-output-tokens", "8", "--num-blocks", "40", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "naive-evict" in out and "vtoken |  lazy" in out
+    data = json.loads((tmp_path / "variants.json").read_text())
+    runs = {(r["variant"], r["mode"]): r for r in data["runs"]}
+    assert set(runs) == {("native", "-"), ("naive-evict", "-"), ("vtoken", "dense"), ("vtoken", "lazy")}
+    assert runs[("native", "-")]["tokens_evicted"] == 0
+    assert runs[("vtoken", "dense")]["invariant_checks"] == runs[("vtoken", "dense")]["relocations"] > 0
+    assert (tmp_path / "variants.png").stat().st_size > 10_000

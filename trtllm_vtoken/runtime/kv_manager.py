@@ -122,7 +122,7 @@ class KVCacheManager:
             blocks += fresh
         self._staged[req_id] = (blocks, start + num_new)
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_used)
-        return [blocks[p // tpb] * tpb + p % tpb for p in range(start, start + num_new)]
+        return self.staged_slots(req_id)
 
     def staged_slots(self, req_id: int) -> list[int]:
         """The flat slots ``reserve`` handed out for the request's pending write."""

@@ -1,0 +1,46 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ``vtoken`` command line. It only parses arguments, builds configs and calls the library.
+
+    vtoken info                         versions, active implementation, registries
+    vtoken generate "prompt" ...        text generation on the reference runtime
+    vtoken bench core | variants        benchmarks (tables on stdout, JSON/PNG under --out)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from trtllm_vtoken import __version__
+from trtllm_vtoken.cli import bench, generate, info
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vtoken", description="vToken: token-level virtualization for reclaimable KV caches."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info.register(sub)
+    generate.register(sub)
+    bench.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, KeyError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"vtoken: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("vtoken: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vtoken bench ...``: benchmarks print a table and write ``<out>/<name>.json``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trtllm_vtoken.cli.info import machine
+
+
+def register(sub) -> None:
+    bench = sub.add_parser("bench", help="run a benchmark").add_subparsers(dest="bench", required=True)
+    core = bench.add_parser("core", help="host time of table updates, evictions, planning, moves per step")
+    core.add_argument("--batch", type=int, default=256, help="concurrent requests (default 256)")
+    core.add_argument("--context", type=int, default=4096, help="live tokens per request (default 4096)")
+    core.add_argument("--tokens-per-block", type=int, default=32, help="default 32")
+    core.add_argument("--steps", type=int, default=50, help="timed decode steps (default 50)")
+    core.add_argument("--mode", choices=["dense", "lazy", "both"], default="both")
+    core.add_argument("--seed", type=int, default=0)
+    core.add_argument("--quick", action="store_true", help="10 steps: a smoke run")
+    core.add_argument("--out", default="out", help="folder for core.json (default ./out)")
+    core.set_defaults(func=run_core)
+
+    variants = bench.add_parser(
+        "variants", help="native / naive-evict / vtoken on the real model: blocks, utilization, speed",
+        description="Serve one workload with every variant from the same KV block budget.")
+    variants.add_argument("--model", default=None, help="Hugging Face Llama folder (default: SmolLM2-135M)")
+    variants.add_argument("--workload", default="sharegpt", help="sharegpt or longdoc")
+    variants.add_argument("--requests", type=int, default=32)
+    variants.add_argument("--max-prompt-tokens", type=int, default=512)
+    variants.add_argument("--max-output-tokens", type=int, default=128)
+    variants.add_argument("--policy", default="h2o")
+    variants.add_argument("--budget", default="0.5")
+    variants.add_argument("--tokens-per-block", type=int, default=16)
+    variants.add_argument("--num-blocks", type=int, default=160, help="KV block budget (default 160)")
+    variants.add_argument("--max-batch-size", type=int, default=32)
+    variants.add_argument("--no-check", action="store_true", help="skip I1/I2/I4 checks per relocation")
+    variants.add_argument("--seed", type=int, default=0)
+    variants.add_argument("--quick", action="store_true",
+                          help="16 requests, prompts <= 256, outputs <= 48 tokens, 80 blocks")
+    variants.add_argument("--out", default="out", help="folder for variants.json/.png (default ./out)")
+    variants.set_defaults(func=run_variants)
+
+
+def run_core(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.core import CoreBenchConfig, run_core_bench
+    from trtllm_vtoken.report import format_table, write_json
+
+    modes = ["dense", "lazy"] if args.mode == "both" else [args.mode]
+    steps = 10 if args.quick else args.steps
+    results = []
+    for mode in modes:
+        cfg = CoreBenchConfig(
+            batch=args.batch, context=args.context, tokens_per_block=args.tokens_per_block,
+            steps=steps, warmup=min(5, steps), mode=mode, seed=args.seed,
+        )
+        with tqdm(total=cfg.warmup + cfg.steps, desc=f"bench core ({mode})", unit="step",
+                  disable=None, file=sys.stderr) as bar:
+            results.append(run_core_bench(cfg, progress=bar))
+    headers = ["mode", "sync us", "evict us", "plan us", "apply us", "step us (p50)", "step us (p90)",
+               "us/request", "metadata B/token"]
+    rows = [
+        [r["config"]["mode"], *(r["step_us"][s] for s in ("sync", "evict", "plan", "apply")),
+         r["total_us_median"], r["total_us_p90"], r["per_request_us"], r["metadata_bytes_per_token"]]
+        for r in results
+    ]
+    c = results[0]["config"]
+    print(f"vtoken bench core: batch {c['batch']}, context {c['context']}, tokens_per_block "
+          f"{c['tokens_per_block']}, one eviction per request per step, {steps} steps (median)")
+    print(format_table(headers, rows))
+    path = write_json(args.out, "core", {"results": results, "machine": machine()})
+    print(f"wrote {path}")
+    return 0
+
+
+def run_variants(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.variants import VARIANT_RUNS, VariantsBenchConfig, plot_variants, run_variants_bench
+    from trtllm_vtoken.report import format_table, write_json
+    from trtllm_vtoken.runtime.checkpoint import resolve_model
+    from trtllm_vtoken.runtime.model import load_llama
+    from trtllm_vtoken.runtime.tokenizer import Tokenizer
+
+    sizes = dict(requests=args.requests, max_prompt_tokens=args.max_prompt_tokens,
+                 max_output_tokens=args.max_output_tokens, num_blocks=args.num_blocks)
+    if args.quick:
+        sizes = dict(requests=16, max_prompt_tokens=256, max_output_tokens=48, num_blocks=80)
+    cfg = VariantsBenchConfig(
+        workload=args.workload, policy=args.policy, budget=args.budget, tokens_per_block=args.tokens_per_block,
+        max_batch_size=args.max_batch_size, check_invariants=not args.no_check, seed=args.seed, **sizes)
+    folder = resolve_model(args.model)
+    model, tokenizer = load_llama(folder), Tokenizer(folder)
+    with tqdm(total=cfg.requests * len(VARIANT_RUNS), desc="bench variants", unit="req",
+              disable=None, file=sys.stderr) as bar:
+        result = run_variants_bench(cfg, model, tokenizer, progress=bar)
+    headers = ["variant", "mode", "tok/s", "p95 latency s", "peak blocks", "mean blocks",
+               "KV util %", "max running", "preempted", "evicted", "reclaimed", "moves", "I1/I2 checks",
+               "= naive-evict"]
+    rows = [[r["variant"], r["mode"], r["tokens_per_s"], r["latency_p95_s"], r["peak_blocks"],
+             r["mean_blocks"], 100 * r["kv_utilization"], r["max_running"], r["preemptions"],
+             r["tokens_evicted"], r["blocks_reclaimed"], r["moves"], r["invariant_checks"],
+             f"{100 * r['exact_match_vs_naive_evict']:.0f}%" if "exact_match_vs_naive_evict" in r else "-"]
+            for r in result["runs"]]
+    print(f"vtoken bench variants: {folder.name}, {cfg.workload} x {cfg.requests} requests (prompts <= "
+          f"{cfg.max_prompt_tokens}, outputs <= {cfg.max_output_tokens} tokens), {cfg.policy} budget "
+          f"{cfg.budget}, pool {cfg.num_blocks} blocks x {cfg.tokens_per_block} tokens, CPU")
+    print(format_table(headers, rows))
+    result["machine"] = machine()
+    path = write_json(args.out, "variants", result)
+    plot_variants(result, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0

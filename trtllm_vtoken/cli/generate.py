@@ -1,0 +1,60 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vtoken generate``: text generation on the reference runtime, streamed for one prompt."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from trtllm_vtoken.cli.engine_args import add_engine_args, engine_settings
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "generate", help="generate text on the reference runtime",
+        description="Generate with native, naive-evict or vToken KV management. One prompt is "
+                    "streamed as it is generated; several run batched and print in order.",
+    )
+    parser.add_argument("prompts", nargs="+", help="prompt text(s)")
+    add_engine_args(parser)
+    s = parser.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--no-chat", action="store_true", help="send the text as is, without the chat template")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from trtllm_vtoken.runtime.config import EngineConfig
+    from trtllm_vtoken.runtime.llm import LLM
+    from trtllm_vtoken.runtime.sampling import SamplingParams
+
+    config = EngineConfig(**engine_settings(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    llm = LLM(args.model, config)
+    start = time.perf_counter()
+    if len(args.prompts) == 1:
+        for piece in llm.stream(args.prompts[0], params, chat=not args.no_chat):
+            print(piece, end="", flush=True)
+        print(flush=True)
+    else:
+        outputs = llm.generate(args.prompts, params, chat=not args.no_chat, progress=True)
+        for i, out in enumerate(outputs):
+            print(f"--- [{i}] ({out.finish_reason}, {len(out.token_ids)} tokens)\n{out.text}")
+    elapsed = time.perf_counter() - start
+    engine = llm.engine
+    tokens = engine.stats.decode_tokens + len(args.prompts)
+    kv = engine.kv.stats
+    freed = engine.kv.backend.stats.blocks_freed if engine.kv.backend else kv.dead_blocks_released
+    print(f"[{config.variant}{'/' + config.mode if config.variant == 'vtoken' else ''}, "
+          f"{config.policy if config.variant != 'native' else 'no eviction'}] {tokens} tokens in "
+          f"{elapsed:.1f} s ({tokens / elapsed:.1f} tok/s); peak {kv.peak_blocks_used} blocks of "
+          f"{config.tokens_per_block} tokens; {kv.tokens_evicted} tokens evicted, {freed} blocks "
+          f"reclaimed", file=sys.stderr)
+    return 0
