@@ -3,6 +3,7 @@
 
     vtoken info                         versions, active implementation, registries
     vtoken generate "prompt" ...        text generation on the reference runtime
+    vtoken serve                        Triton Inference Server on triton_model_repo
     vtoken bench core | variants        benchmarks (tables on stdout, JSON/PNG under --out)
 """
 
@@ -13,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from trtllm_vtoken import __version__
-from trtllm_vtoken.cli import bench, generate, info
+from trtllm_vtoken.cli import bench, generate, info, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     info.register(sub)
     generate.register(sub)
+    serve.register(sub)
     bench.register(sub)
     return parser
 

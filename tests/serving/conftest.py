@@ -1,0 +1,32 @@
+# SPDX-License-Identifier: Apache-2.0
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+SERVER_PARAMETERS = {
+    "variant": "vtoken", "policy": "h2o", "budget": "0.5", "num_blocks": "256",
+    "max_batch_size": "32", "max_seq_len": "1024", "max_tokens_limit": "256",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory):
+    """The real tritonserver (from nvidia-pytriton) on triton_model_repo, real model, CPU."""
+    from trtllm_vtoken.runtime.checkpoint import ensure_default_model
+    from trtllm_vtoken.serving.triton import TritonServer, default_repository, prepare_repository
+
+    ensure_default_model()  # convert before the server's 180 s readiness clock starts
+    scratch = tmp_path_factory.mktemp("triton")
+    repository = prepare_repository(default_repository(), scratch / "repo", SERVER_PARAMETERS)
+    server = TritonServer(repository, scratch, free_port(), free_port(), free_port())
+    server.start()
+    yield server
+    assert server.stop() == 0, server.log_tail()

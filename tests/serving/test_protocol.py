@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trtllm_vtoken.serving.protocol import parse_request
+from trtllm_vtoken.serving.settings import ServingSettings
+
+
+def getter(**fields):
+    arrays = {}
+    for name, value in fields.items():
+        if isinstance(value, np.ndarray):
+            arrays[name] = value
+        elif isinstance(value, str):
+            arrays[name] = np.array([value.encode()], dtype=np.object_)
+        elif isinstance(value, list):
+            arrays[name] = np.array([v.encode() for v in value], dtype=np.object_)
+        elif isinstance(value, bool):
+            arrays[name] = np.array([value])
+        elif isinstance(value, int):
+            arrays[name] = np.array([value], dtype=np.int32)
+        else:
+            arrays[name] = np.array([value], dtype=np.float32)
+    return arrays.get
+
+
+def test_fields_map_to_sampling_params():
+    parsed = parse_request(getter(
+        text_input="hello", streaming=True, sampling_param_max_tokens=12,
+        sampling_param_temperature=0.7, sampling_param_top_p=0.9, sampling_param_top_k=5,
+        sampling_param_seed=np.array([42], dtype=np.uint64), sampling_param_stop=["\n\n", ""],
+        sampling_param_exclude_input_from_output=False, return_finish_reason=True,
+        vtoken_policy="h2o"), max_tokens_limit=100, served_policy="h2o")
+    p = parsed.params
+    assert parsed.prompt == "hello" and parsed.streaming and not parsed.exclude_input
+    assert (p.max_tokens, p.top_k, p.seed, p.stop) == (12, 5, 42, ("\n\n",))
+    assert p.temperature == pytest.approx(0.7) and p.top_p == pytest.approx(0.9)
+    defaults = parse_request(getter(text_input="hi"), max_tokens_limit=100, default_max_tokens=7)
+    assert defaults.params.max_tokens == 7 and defaults.params.greedy and not defaults.streaming
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({}, "missing required input 'text_input'"),
+    ({"text_input": "  "}, "'text_input' is empty"),
+    ({"text_input": ["a", "b"]}, "must hold exactly one string"),
+    ({"text_input": np.array([1, 2], dtype=np.int32)}, "must be a string tensor"),
+    ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "not valid UTF-8"),
+    ({"text_input": "hi", "sampling_param_max_tokens": 0}, r"must lie in \[1, 100\], got 0"),
+    ({"text_input": "hi", "sampling_param_max_tokens": 101}, r"must lie in \[1, 100\], got 101"),
+    ({"text_input": "hi", "sampling_param_max_tokens": np.array([1, 2], dtype=np.int32)}, "must hold one value"),
+    ({"text_input": "hi", "sampling_param_max_tokens": 2.5}, "must be integer"),
+    ({"text_input": "hi", "sampling_param_top_p": 0.0}, "top_p must lie in"),
+    ({"text_input": "hi", "streaming": 3}, "'streaming' must be bool"),
+    ({"text_input": "hi", "vtoken_policy": "lru"}, "unknown eviction policy 'lru'; known: h2o"),
+    ({"text_input": "hi", "vtoken_policy": "random"}, "serves eviction policy 'h2o', not 'random'"),
+])
+def test_bad_fields_raise_a_clear_value_error(fields, message):
+    with pytest.raises(ValueError, match=message):
+        parse_request(getter(**fields), max_tokens_limit=100, served_policy="h2o")
+
+
+def test_settings_from_parameters():
+    settings = ServingSettings.from_parameters({
+        "variant": "vtoken", "policy": "streaming_llm", "budget": "128", "num_blocks": "64",
+        "chat_template": "false", "max_tokens_limit": "256", "check_invariants": "true"})
+    assert settings.engine.num_blocks == 64 and settings.engine.budget == "128"
+    assert settings.engine.check_invariants and not settings.chat_template
+    assert settings.max_tokens_limit == 256
+    with pytest.raises(ValueError, match="unknown model parameter 'num_block'"):
+        ServingSettings.from_parameters({"num_block": "64"})
+    with pytest.raises(ValueError, match="must be an integer"):
+        ServingSettings.from_parameters({"num_blocks": "many"})
+    with pytest.raises(ValueError, match="must be true or false"):
+        ServingSettings.from_parameters({"chat_template": "maybe"})
+    with pytest.raises(KeyError, match="Unknown eviction policy"):
+        ServingSettings.from_parameters({"policy": "lru"})

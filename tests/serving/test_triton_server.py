@@ -1,0 +1,209 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The real Triton server on triton_model_repo, driven by tritonclient HTTP + gRPC and the
+generate endpoints, checked against the engine run in-process with the same settings."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from trtllm_vtoken.serving.settings import ServingSettings
+from trtllm_vtoken.serving.triton import repository_parameters
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["What is the capital of France?", "Explain what a hash table is.", "Write a haiku about the sea.",
+           "Give me three tips for writing readable Python code."]
+
+
+def generate(server, model: str, body: dict, stream: bool = False) -> tuple[int, object]:
+    url = f"http://{server.http_url}/v2/models/{model}/generate" + ("_stream" if stream else "")
+    request = urllib.request.Request(url, data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            raw = response.read().decode()
+            if stream:
+                return response.status, [json.loads(l[6:]) for l in raw.splitlines() if l.startswith("data: ")]
+            return response.status, json.loads(raw)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read().decode())
+
+
+def metrics(server) -> dict[str, float]:
+    """vToken's metric families as Triton's Prometheus endpoint reports them."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(vtoken_\w+)\{[^}]*\} (\S+)$", text, re.M)}
+
+
+@pytest.fixture(scope="module")
+def local_engine(triton_server):
+    """The same engine, in this process: what the server must answer."""
+    from trtllm_vtoken.runtime.checkpoint import resolve_model
+    from trtllm_vtoken.runtime.engine import Engine
+    from trtllm_vtoken.runtime.model import load_llama
+    from trtllm_vtoken.runtime.tokenizer import Tokenizer
+
+    settings = ServingSettings.from_parameters(repository_parameters(triton_server.repository))
+    folder = resolve_model(settings.model)
+    tokenizer = Tokenizer(folder)
+    return Engine(load_llama(folder), settings.engine, tokenizer), tokenizer
+
+
+def run_local(local_engine, prompt: str, max_tokens: int):
+    from trtllm_vtoken.runtime.sampling import SamplingParams
+
+    engine, tokenizer = local_engine
+    req_id = engine.add_request(tokenizer.encode(prompt, chat=True), SamplingParams(max_tokens=max_tokens))
+    while engine.has_unfinished():
+        engine.step()
+    return engine.pop_finished(req_id)
+
+
+def test_generate_endpoints_answer_what_the_engine_generates(triton_server, local_engine):
+    for prompt in PROMPTS[:3]:
+        expected = run_local(local_engine, prompt, 24)
+        status, body = generate(triton_server, "ensemble", {"text_input": prompt, "max_tokens": 24})
+        assert status == 200 and body["text_output"] == expected.text
+        status, body = generate(triton_server, "tensorrt_llm",
+                                {"text_input": prompt, "sampling_param_max_tokens": 24, "return_finish_reason": True})
+        assert status == 200 and body["text_output"] == expected.text
+        assert body["finish_reason"] == expected.finish_reason
+    status, body = generate(triton_server, "tensorrt_llm", {"text_input": PROMPTS[0], "sampling_param_max_tokens": 8,
+                                                            "sampling_param_exclude_input_from_output": False})
+    assert body["text_output"].startswith(PROMPTS[0])
+
+
+def test_streamed_pieces_arrive_in_order_and_join_to_the_full_text(triton_server):
+    import tritonclient.grpc as grpcclient
+
+    _, whole = generate(triton_server, "ensemble", {"text_input": PROMPTS[1], "max_tokens": 32})
+    status, events = generate(triton_server, "ensemble", {"text_input": PROMPTS[1], "max_tokens": 32, "stream": True},
+                              stream=True)
+    assert status == 200 and len(events) > 5 and "".join(e["text_output"] for e in events) == whole["text_output"]
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("streaming", [1], "BOOL"),
+              grpcclient.InferInput("sampling_param_max_tokens", [1], "INT32")]
+    inputs[0].set_data_from_numpy(np.array([PROMPTS[1].encode()], dtype=np.object_))
+    inputs[1].set_data_from_numpy(np.array([True]))
+    inputs[2].set_data_from_numpy(np.array([32], dtype=np.int32))
+    client.async_stream_infer("tensorrt_llm", inputs, enable_empty_final_response=True)
+    pieces = []
+    while True:
+        result, error = results.get(timeout=120)
+        assert error is None, error
+        final = result.get_response().parameters["triton_final_response"].bool_param
+        output = result.as_numpy("text_output")
+        if output is not None:
+            pieces.append(output[0].decode())
+        if final:
+            break
+    client.stop_stream()
+    assert "".join(pieces) == whole["text_output"] and len([p for p in pieces if p]) > 5
+
+
+def test_32_concurrent_clients_all_answered(triton_server):
+    def one(i: int):
+        return generate(triton_server, "tensorrt_llm", {"text_input": PROMPTS[i % 4] + f" ({i})",
+                                                        "sampling_param_max_tokens": 12, "return_finish_reason": True})
+
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(one, range(32)))
+    assert all(status == 200 for status, _ in answers), [b for s, b in answers if s != 200][:2]
+    assert all(body["text_output"] and body["finish_reason"] in ("length", "stop") for _, body in answers)
+    assert metrics(triton_server)["vtoken_kv_blocks_retained"] == 0
+
+
+def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(triton_server):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    cases = [
+        ({"sampling_param_max_tokens": 4}, "missing required input 'text_input'"),
+        ({"text_input": "", "sampling_param_max_tokens": 4}, "'text_input' is empty"),
+        ({"text_input": "hi", "sampling_param_max_tokens": 0}, "must lie in [1, 256], got 0"),
+        ({"text_input": "hi", "sampling_param_max_tokens": 257}, "must lie in [1, 256], got 257"),
+        ({"text_input": "word " * 1100, "sampling_param_max_tokens": 4}, "exceeds max_seq_len 1024"),
+        ({"text_input": "hi", "vtoken_policy": "lru"}, "unknown eviction policy 'lru'"),
+        ({"text_input": "hi", "vtoken_policy": "random"}, "serves eviction policy 'h2o', not 'random'"),
+    ]
+    for body, message in cases:
+        status, answer = generate(triton_server, "tensorrt_llm", body)
+        assert status == 400 and message in answer["error"], (body, answer)
+
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"hi"], dtype=np.object_))
+    wrong_dtype = grpcclient.InferInput("sampling_param_max_tokens", [1], "FP32")
+    wrong_dtype.set_data_from_numpy(np.array([4.0], dtype=np.float32))
+    wrong_shape = grpcclient.InferInput("sampling_param_max_tokens", [2], "INT32")
+    wrong_shape.set_data_from_numpy(np.array([4, 5], dtype=np.int32))
+    for bad, message in ((wrong_dtype, "FP32"), (wrong_shape, "[2]")):
+        errors: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: errors.put(error))
+        client.async_stream_infer("tensorrt_llm", [text, bad])
+        error = errors.get(timeout=60)
+        client.stop_stream()
+        assert isinstance(error, InferenceServerException) and message in str(error), error
+    assert client.is_server_live() and client.is_model_ready("tensorrt_llm")
+    status, body = generate(triton_server, "ensemble", {"text_input": "hi", "max_tokens": 4})
+    assert status == 200 and body["text_output"]
+
+
+def test_metrics_agree_with_the_engines_own_counters(triton_server, local_engine):
+    counters = ("vtoken_tokens_evicted", "vtoken_relocations", "vtoken_tokens_relocated", "vtoken_bytes_copied",
+                "vtoken_blocks_reclaimed", "vtoken_requests_finished")
+    engine, _ = local_engine
+    local_before = _local_counters(engine)
+    server_before = metrics(triton_server)
+    for prompt in PROMPTS:  # one at a time: every counter is then independent of batching
+        run_local(local_engine, prompt, 20)
+        assert generate(triton_server, "ensemble", {"text_input": prompt, "max_tokens": 20})[0] == 200
+    server_after, local_after = metrics(triton_server), _local_counters(engine)
+    for name in counters:
+        assert server_after[name] - server_before[name] == local_after[name] - local_before[name], name
+    assert server_after["vtoken_tokens_evicted"] > server_before["vtoken_tokens_evicted"]
+    assert server_after["vtoken_kv_blocks_retained"] == 0 and server_after["vtoken_kv_blocks_total"] == 256
+    assert server_after["vtoken_requests_running"] == 0
+
+
+def _local_counters(engine) -> dict[str, float]:
+    from trtllm_vtoken.serving.metrics import snapshot
+
+    return snapshot(engine)
+
+
+def test_a_client_that_goes_away_is_cancelled_and_its_blocks_freed(triton_server):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    received: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: received.put(error))
+    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("streaming", [1], "BOOL"),
+              grpcclient.InferInput("sampling_param_max_tokens", [1], "INT32")]
+    inputs[0].set_data_from_numpy(np.array([PROMPTS[3].encode()], dtype=np.object_))
+    inputs[1].set_data_from_numpy(np.array([True]))
+    inputs[2].set_data_from_numpy(np.array([250], dtype=np.int32))
+    client.async_stream_infer("tensorrt_llm", inputs)
+    for _ in range(3):
+        assert received.get(timeout=120) is None
+    assert metrics(triton_server)["vtoken_requests_running"] == 1
+    client.stop_stream(cancel_requests=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = metrics(triton_server)
+        if now["vtoken_requests_running"] == 0 and now["vtoken_kv_blocks_retained"] == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"request still running after the client left: {now}")

@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Triton Python-backend model: LLM-API style, decoupled (streaming), served by vToken's engine.
+
+Each Triton request is parsed (``trtllm_vtoken.serving.protocol``), tokenized and handed to one
+``EngineLoop``: requests from every client join and leave the same running batch between steps.
+Responses go back through the request's response sender: one final response, or with
+``streaming`` one per text piece. A client that goes away is noticed through
+``is_cancelled()`` and its request is cancelled, freeing its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _tensor(name: str, text: str) -> "pb_utils.Tensor":
+    return pb_utils.Tensor(name, np.array([text.encode("utf-8")], dtype=np.object_))
+
+
+class _ResponseSink:
+    """Sends one request's outputs: pieces if streaming, else the whole text at the end."""
+
+    def __init__(self, request, parsed) -> None:
+        self.sender = request.get_response_sender()
+        self.parsed = parsed
+        self.prefix = "" if parsed.exclude_input else parsed.prompt
+        self.text: list[str] = []
+
+    def emit(self, out) -> None:
+        if self.parsed.streaming:
+            if out.text_delta or out.finished:
+                self._send(self.prefix + out.text_delta, out.finish_reason, out.finished)
+                self.prefix = ""
+            return
+        self.text.append(out.text_delta)
+        if out.finished:
+            self._send(self.prefix + "".join(self.text), out.finish_reason, True)
+
+    def fail(self, message: str) -> None:
+        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+    def _send(self, text: str, reason: str | None, final: bool) -> None:
+        response = pb_utils.InferenceResponse(
+            output_tensors=[_tensor("text_output", text), _tensor("finish_reason", reason or "")])
+        self.sender.send(response, flags=FINAL if final else 0)
+
+
+class _Metrics:
+    """Exports ``trtllm_vtoken.serving.metrics.METRICS`` as Triton custom metric families."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        from trtllm_vtoken.serving.metrics import METRICS
+
+        kinds = {"gauge": getattr(pb_utils, "GAUGE", None), "counter": getattr(pb_utils, "COUNTER", None)}
+        if kinds["gauge"] is None:  # newer backends keep the kinds on MetricFamily
+            kinds = {"gauge": pb_utils.MetricFamily.GAUGE, "counter": pb_utils.MetricFamily.COUNTER}
+        self.families = [pb_utils.MetricFamily(name=s.name, description=s.description, kind=kinds[s.kind])
+                         for s in METRICS]
+        self.metrics = {s.name: (s.kind, f.Metric(labels=labels)) for s, f in zip(METRICS, self.families)}
+        self.last: dict[str, float] = {}
+
+    def update(self, engine) -> None:
+        from trtllm_vtoken.serving.metrics import snapshot
+
+        for name, value in snapshot(engine).items():
+            kind, metric = self.metrics[name]
+            if kind == "gauge":
+                metric.set(value)
+            elif value > self.last.get(name, 0.0):
+                metric.increment(value - self.last.get(name, 0.0))
+            self.last[name] = value
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        from trtllm_vtoken.runtime.checkpoint import resolve_model
+        from trtllm_vtoken.runtime.engine import Engine
+        from trtllm_vtoken.runtime.model import load_llama
+        from trtllm_vtoken.runtime.tokenizer import Tokenizer
+        from trtllm_vtoken.serving.engine_loop import EngineLoop
+        from trtllm_vtoken.serving.settings import ServingSettings
+
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("this model must be decoupled (streaming responses)")
+        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.settings = ServingSettings.from_parameters(parameters)
+        engine_config = self.settings.engine
+        self.served_policy = "none" if engine_config.variant == "native" else engine_config.policy
+        folder = resolve_model(self.settings.model)
+        self.tokenizer = Tokenizer(folder)
+        engine = Engine(load_llama(folder), self.settings.engine, self.tokenizer)
+        self.metrics = _Metrics({"model": args["model_name"], "version": args["model_version"]})
+        self.metrics.update(engine)
+        self.loop = EngineLoop(engine, on_step=self.metrics.update).start()
+
+    def execute(self, requests):
+        from trtllm_vtoken.serving.protocol import parse_request
+
+        for request in requests:
+            get = lambda name, r=request: _as_numpy(pb_utils.get_input_tensor_by_name(r, name))  # noqa: E731
+            try:
+                parsed = parse_request(get, self.settings.max_tokens_limit, self.settings.default_max_tokens,
+                                       self.served_policy)
+                prompt_ids = self.tokenizer.encode(parsed.prompt, chat=self.settings.chat_template)
+            except ValueError as error:
+                sender = request.get_response_sender()
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=FINAL)
+                continue
+            self.loop.submit(prompt_ids, parsed.params, _ResponseSink(request, parsed))
+        return None
+
+    def finalize(self) -> None:
+        self.loop.stop()
+
+
+def _as_numpy(tensor):
+    return None if tensor is None else tensor.as_numpy()

@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vToken's state as Prometheus metrics: one table of names, kinds and how to read each from an
+engine. Triton's Python backend exports them (``triton_model_repo``); tests compare them with
+the engine's own counters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from trtllm_vtoken.runtime.engine import Engine
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: Literal["gauge", "counter"]
+    description: str
+    read: Callable[[Engine], float]
+
+
+def _backend(engine: Engine, field: str) -> float:
+    backend = engine.kv.backend
+    return float(getattr(backend.stats, field)) if backend is not None else 0.0
+
+
+def _reclaimed(engine: Engine) -> float:
+    kv = engine.kv
+    return float(kv.backend.stats.blocks_freed if kv.backend else kv.stats.dead_blocks_released)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("vtoken_kv_blocks_retained", "gauge", "KV blocks held by requests",
+               lambda e: float(e.kv.pool.num_used)),
+    MetricSpec("vtoken_kv_blocks_total", "gauge", "KV blocks in the pool",
+               lambda e: float(e.kv.pool.num_blocks)),
+    MetricSpec("vtoken_kv_utilization", "gauge", "Live tokens over slots in held blocks",
+               lambda e: e.kv.usage().utilization),
+    MetricSpec("vtoken_admission_headroom_blocks", "gauge",
+               "Free blocks minus blocks reserved for running requests and evacuation",
+               lambda e: float(e.kv.admission.available_blocks())),
+    MetricSpec("vtoken_requests_running", "gauge", "Requests in the running batch",
+               lambda e: float(len(e.running))),
+    MetricSpec("vtoken_requests_waiting", "gauge", "Requests waiting for admission",
+               lambda e: float(len(e.waiting))),
+    MetricSpec("vtoken_tokens_evicted", "counter", "Tokens the eviction policy marked dead",
+               lambda e: float(e.kv.stats.tokens_evicted)),
+    MetricSpec("vtoken_relocations", "counter", "Relocation plans committed",
+               lambda e: _backend(e, "plans")),
+    MetricSpec("vtoken_tokens_relocated", "counter", "Live tokens copied to new slots",
+               lambda e: _backend(e, "moves")),
+    MetricSpec("vtoken_bytes_copied", "counter", "KV bytes moved by relocation",
+               lambda e: _backend(e, "bytes_copied")),
+    MetricSpec("vtoken_blocks_reclaimed", "counter", "Blocks returned to the pool by reclamation",
+               _reclaimed),
+    MetricSpec("vtoken_requests_preempted", "counter", "Requests preempted (freed, recomputed later)",
+               lambda e: float(e.stats.preemptions)),
+    MetricSpec("vtoken_requests_finished", "counter", "Requests finished (not cancelled)",
+               lambda e: float(e.stats.finished)),
+)
+
+
+def snapshot(engine: Engine) -> dict[str, float]:
+    """Every metric's current value (counters are totals since the engine started)."""
+    return {spec.name: spec.read(engine) for spec in METRICS}

@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The request fields of TensorRT-LLM's LLM-API Triton model, parsed and validated.
+
+Triton hands the Python backend one numpy array per input (strings as ``bytes`` objects); the
+model passes a getter here and gets back a prompt and ``SamplingParams``, or a ValueError whose
+message goes to the client as is. Field names follow ``triton_backend/all_models/llmapi``:
+
+    text_input                              string [-1]   required, non-empty
+    streaming                               bool [1]      send pieces as they are generated
+    sampling_param_max_tokens               int32 [1]     1 .. max_tokens_limit (default 64)
+    sampling_param_temperature / _top_p     fp32 [1]
+    sampling_param_top_k                    int32 [1]
+    sampling_param_seed                     uint64 [1]
+    sampling_param_stop                     string [-1]   stop strings
+    sampling_param_exclude_input_from_output bool [1]     default true
+    return_finish_reason                    bool [1]
+    vtoken_policy                           string [1]    the eviction policy the client expects
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from trtllm_vtoken.runtime.sampling import SamplingParams
+
+Getter = Callable[[str], "np.ndarray | None"]
+
+_KINDS = {"b": "bool", "i": "integer", "u": "integer", "f": "float"}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    prompt: str
+    params: SamplingParams
+    streaming: bool
+    exclude_input: bool
+    return_finish_reason: bool
+
+
+def parse_request(get: Getter, max_tokens_limit: int, default_max_tokens: int = 64,
+                  served_policy: str = "none") -> ParsedRequest:
+    """Reads and checks every field; raises ValueError naming the first bad one.
+
+    ``served_policy`` is the eviction policy of the engine ("none" for native); a request whose
+    ``vtoken_policy`` names another one (or no registered policy) is refused.
+    """
+    _check_policy(read_text(get, "vtoken_policy"), served_policy)
+    prompt = read_text(get, "text_input")
+    if prompt is None:
+        raise ValueError("missing required input 'text_input'")
+    if not prompt.strip():
+        raise ValueError("'text_input' is empty")
+    max_tokens = _scalar(get, "sampling_param_max_tokens", "i", default_max_tokens)
+    if not 1 <= max_tokens <= max_tokens_limit:
+        raise ValueError(f"'sampling_param_max_tokens' must lie in [1, {max_tokens_limit}], got {max_tokens}")
+    stop = _strings(get, "sampling_param_stop")
+    seed = _scalar(get, "sampling_param_seed", "i", None)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_scalar(get, "sampling_param_temperature", "f", 0.0),
+        top_p=_scalar(get, "sampling_param_top_p", "f", 1.0),
+        top_k=_scalar(get, "sampling_param_top_k", "i", 0),
+        seed=seed,
+        stop=tuple(s for s in stop if s),
+    )
+    return ParsedRequest(
+        prompt=prompt, params=params,
+        streaming=_scalar(get, "streaming", "b", False),
+        exclude_input=_scalar(get, "sampling_param_exclude_input_from_output", "b", True),
+        return_finish_reason=_scalar(get, "return_finish_reason", "b", False),
+    )
+
+
+def _array(get: Getter, name: str) -> np.ndarray | None:
+    value = get(name)
+    return None if value is None else np.asarray(value)
+
+
+def _check_policy(wanted: str | None, served: str) -> None:
+    from trtllm_vtoken.policies import POLICIES
+
+    if wanted is None or wanted == served:
+        return
+    if wanted not in POLICIES.names():
+        raise ValueError(f"unknown eviction policy {wanted!r}; known: {', '.join(POLICIES.names())}")
+    raise ValueError(f"this model serves eviction policy {served!r}, not {wanted!r}")
+
+
+def read_text(get: Getter, name: str) -> str | None:
+    """The single string of input ``name``, or None if the request does not carry it."""
+    values = _strings(get, name, required_one=True)
+    return values[0] if values else None
+
+
+def _strings(get: Getter, name: str, required_one: bool = False) -> list[str]:
+    array = _array(get, name)
+    if array is None:
+        return []
+    if array.dtype.kind not in "OSU":
+        raise ValueError(f"'{name}' must be a string tensor (BYTES), got {array.dtype}")
+    flat = array.reshape(-1)
+    if required_one and flat.size != 1:
+        raise ValueError(f"'{name}' must hold exactly one string, got shape {list(array.shape)}")
+    try:
+        return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in flat]
+    except UnicodeDecodeError:
+        raise ValueError(f"'{name}' is not valid UTF-8") from None
+
+
+def _scalar(get: Getter, name: str, kind: str, default):
+    """One element of the given kind ('b' bool, 'i' integer, 'f' float), or the default."""
+    array = _array(get, name)
+    if array is None:
+        return default
+    if array.size != 1:
+        raise ValueError(f"'{name}' must hold one value, got shape {list(array.shape)}")
+    ok = array.dtype.kind == kind or (kind == "i" and array.dtype.kind in "iu") or (
+        kind == "f" and array.dtype.kind in "fiu")
+    if not ok:
+        raise ValueError(f"'{name}' must be {_KINDS[kind]}, got {array.dtype}")
+    value = array.reshape(-1)[0].item()
+    return float(value) if kind == "f" else bool(value) if kind == "b" else int(value)

@@ -1,0 +1,60 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Model parameters of the Triton model (config.pbtxt ``parameters``), typed and validated.
+
+Triton passes every parameter as a string. Keys are the ``EngineConfig`` fields plus the serving
+ones below; an unknown key is an error, so a typo in a repository never silently does nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from trtllm_vtoken.runtime.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    engine: EngineConfig
+    model: str = "smollm2-135m-instruct"
+    """A Hugging Face Llama folder, or the embedded default's name."""
+    chat_template: bool = True
+    """Wrap ``text_input`` as one user turn of the model's chat template."""
+    max_tokens_limit: int = 1024
+    default_max_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens must lie in [1, max_tokens_limit={self.max_tokens_limit}]")
+
+    @classmethod
+    def from_parameters(cls, parameters: dict[str, str]) -> ServingSettings:
+        """From config.pbtxt parameters (strings). Raises ValueError for unknown keys or values."""
+        engine_fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+        own_fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "engine"}
+        engine_values, own_values = {}, {}
+        for key, raw in parameters.items():
+            if key in own_fields:
+                own_values[key] = _convert(key, raw, typing.get_type_hints(cls)[key])
+            elif key in engine_fields and key != "policy_options":
+                engine_values[key] = _convert(key, raw, typing.get_type_hints(EngineConfig)[key])
+            else:
+                known = sorted({*engine_fields, *own_fields} - {"policy_options"})
+                raise ValueError(f"unknown model parameter {key!r}; known: {known}")
+        return cls(engine=EngineConfig(**engine_values), **own_values)
+
+
+def _convert(key: str, raw: str, hint: Any) -> Any:
+    raw = raw.strip()
+    if hint is bool:
+        if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"model parameter {key!r} must be true or false, got {raw!r}")
+        return raw.lower() in ("true", "1", "yes")
+    if hint is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"model parameter {key!r} must be an integer, got {raw!r}") from None
+    return raw  # strings, literals and budgets (int | float | str) are validated by the config
