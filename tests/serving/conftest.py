@@ -1,8 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 SERVER_PARAMETERS = {
@@ -11,22 +9,16 @@ SERVER_PARAMETERS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory):
     """The real tritonserver (from nvidia-pytriton) on triton_model_repo, real model, CPU."""
     from trtllm_vtoken.runtime.checkpoint import ensure_default_model
-    from trtllm_vtoken.serving.triton import TritonServer, default_repository, prepare_repository
+    from trtllm_vtoken.serving.triton import TritonServer, default_repository, free_ports, prepare_repository
 
     ensure_default_model()  # convert before the server's 180 s readiness clock starts
     scratch = tmp_path_factory.mktemp("triton")
     repository = prepare_repository(default_repository(), scratch / "repo", SERVER_PARAMETERS)
-    server = TritonServer(repository, scratch, free_port(), free_port(), free_port())
+    server = TritonServer(repository, scratch, *free_ports(3))
     server.start()
     yield server
     assert server.stop() == 0, server.log_tail()

@@ -207,3 +207,44 @@ def test_a_client_that_goes_away_is_cancelled_and_its_blocks_freed(triton_server
         time.sleep(0.2)
     else:
         pytest.fail(f"request still running after the client left: {now}")
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_example_client(triton_server, protocol, stream):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, whole = generate(triton_server, "ensemble", {"text_input": PROMPTS[0], "max_tokens": 16})
+    url = triton_server.grpc_url if protocol == "grpc" else triton_server.http_url
+    command = [sys.executable, str(Path(__file__).parents[2] / "examples" / "client.py"), PROMPTS[0],
+               "--protocol", protocol, "--url", url, "--max-tokens", "16"] + (["--stream"] if stream else [])
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == whole["text_output"] + "\n"
+
+
+def test_vtoken_serve_command_waits_for_readiness_and_stops_on_ctrl_c(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from trtllm_vtoken.serving.triton import free_ports
+
+    http, grpc, metrics_port = free_ports(3)
+    command = [sys.executable, "-m", "trtllm_vtoken.cli", "serve", "--http-port", str(http), "--grpc-port", str(grpc),
+               "--metrics-port", str(metrics_port), "--workdir", str(tmp_path), "--policy", "streaming_llm",
+               "--budget", "64", "--num-blocks", "32"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = process.stdout.readline()  # printed only once the server answers /v2/health/ready
+        assert ready.startswith(f"ready: HTTP 127.0.0.1:{http}"), process.stderr.read()
+        config = (tmp_path / "model_repository" / "tensorrt_llm" / "config.pbtxt").read_text()
+        assert 'key: "policy", value: { string_value: "streaming_llm" }' in config
+        body = json.dumps({"text_input": "hi", "max_tokens": 4}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{http}/v2/models/ensemble/generate", data=body)
+        assert json.loads(urllib.request.urlopen(request, timeout=120).read())["text_output"]
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=90) == 0

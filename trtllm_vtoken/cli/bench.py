@@ -42,6 +42,20 @@ def register(sub) -> None:
     variants.add_argument("--out", default="out", help="folder for variants.json/.png (default ./out)")
     variants.set_defaults(func=run_variants)
 
+    serve = bench.add_parser(
+        "serve", help="throughput and latency through Triton vs the engine called directly",
+        description="Starts tritonserver on triton_model_repo, then runs closed-loop clients at each "
+                    "concurrency against the in-process engine and against Triton's generate endpoint.")
+    serve.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default 1,8,32)")
+    serve.add_argument("--requests-per-client", type=int, default=2)
+    serve.add_argument("--max-tokens", type=int, default=32)
+    serve.add_argument("--num-blocks", type=int, default=512)
+    serve.add_argument("--policy", default="h2o")
+    serve.add_argument("--budget", default="0.5")
+    serve.add_argument("--quick", action="store_true", help="concurrency 1,8, one request per client, 16 tokens")
+    serve.add_argument("--out", default="out", help="folder for serve.json (default ./out)")
+    serve.set_defaults(func=run_serve)
+
 
 def run_core(args: argparse.Namespace) -> int:
     from tqdm import tqdm
@@ -114,3 +128,48 @@ def run_variants(args: argparse.Namespace) -> int:
     plot_variants(result, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.serving import ServeBenchConfig, run_serve_bench
+    from trtllm_vtoken.report import format_table, write_json
+    from trtllm_vtoken.runtime.checkpoint import ensure_default_model
+    from trtllm_vtoken.serving.settings import ServingSettings
+    from trtllm_vtoken.serving.triton import (TritonServer, default_repository, free_ports,
+                                              prepare_repository, repository_parameters)
+
+    try:
+        levels = tuple(int(c) for c in args.concurrency.split(","))
+    except ValueError:
+        raise ValueError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
+    cfg = ServeBenchConfig(concurrency=levels, requests_per_client=args.requests_per_client,
+                           max_tokens=args.max_tokens)
+    if args.quick:
+        cfg = ServeBenchConfig(concurrency=(1, 8), requests_per_client=1, max_tokens=16)
+    max_batch = max(cfg.concurrency)
+    overrides = {"policy": args.policy, "budget": args.budget, "num_blocks": str(args.num_blocks),
+                 "max_batch_size": str(max_batch)}
+    ensure_default_model()
+    scratch = Path(tempfile.mkdtemp(prefix="vtoken-bench-serve-"))
+    repository = prepare_repository(default_repository(), scratch / "repo", overrides)
+    settings = ServingSettings.from_parameters(repository_parameters(repository))
+    with TritonServer(repository, scratch, *free_ports(3)) as server, \
+            tqdm(total=2 * len(cfg.concurrency), desc="bench serve", unit="run", disable=None, file=sys.stderr) as bar:
+        result = run_serve_bench(cfg, settings, server, progress=bar)
+    headers = ["concurrency", "direct tok/s", "triton tok/s", "overhead %", "direct p50 s", "triton p50 s",
+               "direct p95 s", "triton p95 s"]
+    rows = [[r["concurrency"], r["direct"]["tokens_per_s"], r["triton"]["tokens_per_s"],
+             100 * r["triton_overhead"], r["direct"]["latency_p50_s"], r["triton"]["latency_p50_s"],
+             r["direct"]["latency_p95_s"], r["triton"]["latency_p95_s"]] for r in result["rows"]]
+    print(f"vtoken bench serve: SmolLM2-135M on CPU, {settings.engine.policy} budget {settings.engine.budget}, "
+          f"{cfg.requests_per_client} requests per client, {cfg.max_tokens} new tokens, ShareGPT prompts")
+    print(format_table(headers, rows))
+    result["machine"] = machine()
+    print(f"wrote {write_json(args.out, 'serve', result)}")
+    return 0
+

@@ -82,6 +82,20 @@ def _stub_library_dirs() -> list[str]:
     return dirs
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on localhost right now (for servers in tests and benchmarks)."""
+    import socket
+
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def repository_parameters(repository: Path) -> dict[str, str]:
     return {m["key"]: m["value"] for m in _PARAM.finditer((repository / MODEL / "config.pbtxt").read_text())}
 
