@@ -163,6 +163,18 @@ def test_finish_reasons(model):
     [stopped] = run(engine, [prompts(1)[0]], SamplingParams(max_tokens=7, ignore_eos=True,
                                                             stop_token_ids=(stop_at,)))
     assert stopped.output_ids == eos.output_ids
+    assert stopped.stop_reason == stop_at and eos.stop_reason is None and free.stop_reason is None
+
+
+def test_cumulative_logprob_sums_the_chosen_tokens_log_probabilities(model):
+    import copy
+
+    flat = copy.deepcopy(model)  # the random model's logits are near one-hot; flatten them
+    flat.model.norm.weight.data *= 0.02
+    engine = Engine(flat, config(variant="native"), record_trace=True)
+    [done] = run(engine, [prompts(1)[0]], SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True))
+    expected = sum(float(torch.log_softmax(logits, -1)[t]) for logits, t in zip(done.logits, done.output_ids))
+    assert done.cumulative_logprob == pytest.approx(expected) and done.cumulative_logprob < 0
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(model):

@@ -35,3 +35,13 @@ def test_bad_parameters_raise(bad, match):
         SamplingParams(**bad)
     with pytest.raises(ValueError, match="unknown SamplingParams key"):
         SamplingParams.from_dict({"max_new_tokens": 3})
+
+
+def test_presence_and_frequency_penalties_push_repeated_tokens_down():
+    logits = torch.tensor([3.0, 2.5, 0.0])
+    assert sample(logits, SamplingParams(presence_penalty=1.0), None, generated=[0]) == 1
+    assert sample(logits, SamplingParams(frequency_penalty=0.2), None, generated=[0, 0]) == 0  # 2.6 > 2.5
+    assert sample(logits, SamplingParams(frequency_penalty=0.3), None, generated=[0, 0]) == 1  # 2.4 < 2.5
+    assert logits.tolist() == [3.0, 2.5, 0.0]  # the caller's logits are not modified
+    with pytest.raises(ValueError, match="presence_penalty must lie in"):
+        SamplingParams(presence_penalty=3.0)

@@ -32,8 +32,12 @@ def test_fields_map_to_sampling_params():
         sampling_param_temperature=0.7, sampling_param_top_p=0.9, sampling_param_top_k=5,
         sampling_param_seed=np.array([42], dtype=np.uint64), sampling_param_stop=["\n\n", ""],
         sampling_param_exclude_input_from_output=False, return_finish_reason=True,
+        sampling_param_presence_penalty=0.5, sampling_param_frequency_penalty=0.25, sampling_param_best_of=1,
+        return_stop_reason=True, return_cumulative_logprob=True,
         vtoken_policy="h2o"), max_tokens_limit=100, served_policy="h2o")
     p = parsed.params
+    assert (p.presence_penalty, p.frequency_penalty) == (0.5, 0.25)
+    assert parsed.return_finish_reason and parsed.return_stop_reason and parsed.return_cumulative_logprob
     assert parsed.prompt == "hello" and parsed.streaming and not parsed.exclude_input
     assert (p.max_tokens, p.top_k, p.seed, p.stop) == (12, 5, 42, ("\n\n",))
     assert p.temperature == pytest.approx(0.7) and p.top_p == pytest.approx(0.9)
@@ -54,6 +58,8 @@ def test_fields_map_to_sampling_params():
     ({"text_input": "hi", "sampling_param_top_p": 0.0}, "top_p must lie in"),
     ({"text_input": "hi", "streaming": 3}, "'streaming' must be bool"),
     ({"text_input": "hi", "vtoken_policy": "lru"}, "unknown eviction policy 'lru'; known: h2o"),
+    ({"text_input": "hi", "sampling_param_best_of": 2}, "'sampling_param_best_of' must be 1"),
+    ({"text_input": "hi", "sampling_param_presence_penalty": 5.0}, "presence_penalty must lie in"),
     ({"text_input": "hi", "vtoken_policy": "random"}, "serves eviction policy 'h2o', not 'random'"),
 ])
 def test_bad_fields_raise_a_clear_value_error(fields, message):

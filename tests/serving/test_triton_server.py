@@ -72,10 +72,18 @@ def test_generate_endpoints_answer_what_the_engine_generates(triton_server, loca
         expected = run_local(local_engine, prompt, 24)
         status, body = generate(triton_server, "ensemble", {"text_input": prompt, "max_tokens": 24})
         assert status == 200 and body["text_output"] == expected.text
-        status, body = generate(triton_server, "tensorrt_llm",
-                                {"text_input": prompt, "sampling_param_max_tokens": 24, "return_finish_reason": True})
+        status, body = generate(triton_server, "tensorrt_llm", {
+            "text_input": prompt, "sampling_param_max_tokens": 24, "return_finish_reason": True,
+            "return_stop_reason": True, "return_cumulative_logprob": True})
         assert status == 200 and body["text_output"] == expected.text
-        assert body["finish_reason"] == expected.finish_reason
+        assert body["finish_reason"] == expected.finish_reason and body["stop_reason"] == ""
+        assert body["cumulative_logprob"] == pytest.approx(expected.cumulative_logprob, rel=1e-5)
+    stop = expected.text.split()[2]
+    status, body = generate(triton_server, "tensorrt_llm", {
+        "text_input": PROMPTS[2], "sampling_param_max_tokens": 24, "sampling_param_stop": [stop],
+        "return_finish_reason": True, "return_stop_reason": True})
+    assert body["text_output"] == expected.text[: expected.text.index(stop)]
+    assert (body["finish_reason"], body["stop_reason"]) == ("stop", stop)
     status, body = generate(triton_server, "tensorrt_llm", {"text_input": PROMPTS[0], "sampling_param_max_tokens": 8,
                                                             "sampling_param_exclude_input_from_output": False})
     assert body["text_output"].startswith(PROMPTS[0])

@@ -217,12 +217,15 @@ class Engine:
             self.kv.observe(req_id, mass)
         if self.record_trace:
             request.logits.append(logits)
-        token = sample(logits, params, self._generators.get(req_id, self._generator))
+        token = sample(logits, params, self._generators.get(req_id, self._generator), request.output_ids)
+        request.cumulative_logprob += float(torch.log_softmax(logits.float(), -1)[token])
         request.output_ids.append(token)
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()
         reason = None
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        if token in params.stop_token_ids:
+            reason, request.stop_reason = "stop", token
+        elif token in self.eos_token_ids and not params.ignore_eos:
             reason = "stop"
         elif request.remaining == 0:
             reason = "length"
@@ -232,7 +235,8 @@ class Engine:
             ids = request.output_ids[:-1] if reason == "stop" else request.output_ids
             text, hit = stream.update(ids, final=reason is not None)
             request.text = stream.text
-            reason = "stop" if hit else reason
+            if hit:
+                reason, request.stop_reason = "stop", hit
         if reason is not None:
             self.running.remove(req_id)
             self.kv.release(req_id)
@@ -255,4 +259,5 @@ class Engine:
     @staticmethod
     def _output(request: Request, new_ids: list[int], text: str) -> RequestOutput:
         return RequestOutput(request.req_id, tuple(new_ids), text, request.status is Status.FINISHED,
-                             request.finish_reason, len(request.output_ids))
+                             request.finish_reason, len(request.output_ids), request.stop_reason,
+                             request.cumulative_logprob)

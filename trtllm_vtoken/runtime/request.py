@@ -32,6 +32,11 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     """"stop" (EOS, a stop token or string), "length" (max_tokens) or "cancelled"."""
+    stop_reason: str | int | None = None
+    """What stopped it: the stop string or stop token id (None for EOS, length, cancel)."""
+    cumulative_logprob: float = 0.0
+    """Sum of the model's log-probabilities (raw logits, before penalties and temperature) of
+    the output tokens."""
     text: str = ""
     """Decoded output so far (with a tokenizer), cut before a stop string."""
     emitted_text: int = 0
@@ -68,3 +73,5 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     num_output_tokens: int
+    stop_reason: str | int | None = None
+    cumulative_logprob: float = 0.0

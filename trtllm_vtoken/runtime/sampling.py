@@ -26,6 +26,10 @@ class SamplingParams:
     """Strings that end generation; the returned text stops before the first one."""
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated (OpenAI semantics)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was already generated."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str) or isinstance(self.stop_token_ids, int):
@@ -42,6 +46,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must lie in [-2, 2], got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:
@@ -52,8 +59,14 @@ class SamplingParams:
         return from_dict(cls, values)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Picks the next token from one row of logits [vocab]."""
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           generated: list[int] | None = None) -> int:
+    """Picks the next token from one row of logits [vocab]; ``generated`` are the request's output
+    tokens so far (for the presence and frequency penalties)."""
+    if generated and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = torch.tensor(generated).unique(return_counts=True)
+        logits = logits.float().clone()
+        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.float()
     if params.greedy:
         return int(torch.argmax(logits))
     scores = logits.float() / params.temperature

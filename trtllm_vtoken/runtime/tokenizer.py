@@ -57,15 +57,16 @@ class StreamText:
         self.text = ""
         self.emitted = 0
 
-    def update(self, output_ids: list[int], final: bool) -> tuple[str, bool]:
-        """Returns (new text to emit, whether a stop string was found)."""
+    def update(self, output_ids: list[int], final: bool) -> tuple[str, str | None]:
+        """Returns (new text to emit, the stop string found or None)."""
         text = self.tokenizer.decode(output_ids)
-        hit = False
+        hit = None
         if self.stop:
             start = max(0, self.emitted - self.hold)
-            cuts = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-            if cuts:
-                text, hit, final = text[: min(cuts)], True, True
+            found = [(i, s) for s in self.stop for i in [text.find(s, start)] if i >= 0]
+            if found:
+                cut, hit = min(found)
+                text, final = text[:cut], True
         self.text = text
         end = len(text)
         if not final:

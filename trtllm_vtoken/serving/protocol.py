@@ -12,8 +12,11 @@ message goes to the client as is. Field names follow ``triton_backend/all_models
     sampling_param_top_k                    int32 [1]
     sampling_param_seed                     uint64 [1]
     sampling_param_stop                     string [-1]   stop strings
+    sampling_param_frequency_penalty        fp32 [1]
+    sampling_param_presence_penalty         fp32 [1]
+    sampling_param_best_of                  int32 [1]     only 1 (one sequence per request)
     sampling_param_exclude_input_from_output bool [1]     default true
-    return_finish_reason                    bool [1]
+    return_finish_reason / return_stop_reason / return_cumulative_logprob   bool [1]
     vtoken_policy                           string [1]    the eviction policy the client expects
 """
 
@@ -38,6 +41,8 @@ class ParsedRequest:
     streaming: bool
     exclude_input: bool
     return_finish_reason: bool
+    return_stop_reason: bool
+    return_cumulative_logprob: bool
 
 
 def parse_request(get: Getter, max_tokens_limit: int, default_max_tokens: int = 64,
@@ -58,6 +63,9 @@ def parse_request(get: Getter, max_tokens_limit: int, default_max_tokens: int = 
         raise ValueError(f"'sampling_param_max_tokens' must lie in [1, {max_tokens_limit}], got {max_tokens}")
     stop = _strings(get, "sampling_param_stop")
     seed = _scalar(get, "sampling_param_seed", "i", None)
+    best_of = _scalar(get, "sampling_param_best_of", "i", 1)
+    if best_of != 1:
+        raise ValueError(f"'sampling_param_best_of' must be 1 (one sequence per request), got {best_of}")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_scalar(get, "sampling_param_temperature", "f", 0.0),
@@ -65,12 +73,16 @@ def parse_request(get: Getter, max_tokens_limit: int, default_max_tokens: int = 
         top_k=_scalar(get, "sampling_param_top_k", "i", 0),
         seed=seed,
         stop=tuple(s for s in stop if s),
+        presence_penalty=_scalar(get, "sampling_param_presence_penalty", "f", 0.0),
+        frequency_penalty=_scalar(get, "sampling_param_frequency_penalty", "f", 0.0),
     )
     return ParsedRequest(
         prompt=prompt, params=params,
         streaming=_scalar(get, "streaming", "b", False),
         exclude_input=_scalar(get, "sampling_param_exclude_input_from_output", "b", True),
         return_finish_reason=_scalar(get, "return_finish_reason", "b", False),
+        return_stop_reason=_scalar(get, "return_stop_reason", "b", False),
+        return_cumulative_logprob=_scalar(get, "return_cumulative_logprob", "b", False),
     )
 
 

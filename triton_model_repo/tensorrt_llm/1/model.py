@@ -34,12 +34,12 @@ class _ResponseSink:
     def emit(self, out) -> None:
         if self.parsed.streaming:
             if out.text_delta or out.finished:
-                self._send(self.prefix + out.text_delta, out.finish_reason, out.finished)
+                self._send(self.prefix + out.text_delta, out)
                 self.prefix = ""
             return
         self.text.append(out.text_delta)
         if out.finished:
-            self._send(self.prefix + "".join(self.text), out.finish_reason, True)
+            self._send(self.prefix + "".join(self.text), out)
 
     def fail(self, message: str) -> None:
         self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
@@ -47,10 +47,17 @@ class _ResponseSink:
     def is_cancelled(self) -> bool:
         return self.sender.is_cancelled()
 
-    def _send(self, text: str, reason: str | None, final: bool) -> None:
-        response = pb_utils.InferenceResponse(
-            output_tensors=[_tensor("text_output", text), _tensor("finish_reason", reason or "")])
-        self.sender.send(response, flags=FINAL if final else 0)
+    def _send(self, text: str, out) -> None:
+        """One response; the ``return_*`` outputs ride on every response the client asked them on
+        (finish and stop reasons are empty until the last one)."""
+        tensors = [_tensor("text_output", text)]
+        if self.parsed.return_finish_reason:
+            tensors.append(_tensor("finish_reason", out.finish_reason or ""))
+        if self.parsed.return_stop_reason:
+            tensors.append(_tensor("stop_reason", "" if out.stop_reason is None else str(out.stop_reason)))
+        if self.parsed.return_cumulative_logprob:
+            tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([out.cumulative_logprob], np.float32)))
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if out.finished else 0)
 
 
 class _Metrics:
