@@ -4,4 +4,4 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup_env.sh"
 cd "$root"
-exec "$root/.venv/bin/vtoken" bench variants --quick "$@"
+exec "$root/.venv/bin/vtoken" bench all --quick "$@"

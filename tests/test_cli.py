@@ -56,3 +56,15 @@ def test_bench_variants_table_json_and_plot(tmp_path, capsys):
     assert runs[("native", "-")]["tokens_evicted"] == 0
     assert runs[("vtoken", "dense")]["invariant_checks"] == runs[("vtoken", "dense")]["relocations"] > 0
     assert (tmp_path / "variants.png").stat().st_size > 10_000
+
+
+def test_bench_capacity_labels_simulated_results(tmp_path, capsys):
+    assert main(["bench", "capacity", "--scale", "32", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "SIMULATED" in out and "(1/32 scale)" in out
+    data = json.loads((tmp_path / "capacity.json").read_text())
+    assert data["label"] == "simulated" and len(data["results"]) == 3
+    first = data["results"][0]["variants"]
+    assert first["vtoken"]["max_concurrency"] >= 2 * first["native"]["max_concurrency"]
+    assert (tmp_path / "capacity.png").stat().st_size > 10_000
+    assert main(["bench", "capacity", "--scale", "0", "--out", str(tmp_path)]) == 2

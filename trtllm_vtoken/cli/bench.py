@@ -42,6 +42,24 @@ def register(sub) -> None:
     variants.add_argument("--out", default="out", help="folder for variants.json/.png (default ./out)")
     variants.set_defaults(func=run_variants)
 
+    every = bench.add_parser(
+        "all", help="every benchmark that runs on this machine, in turn",
+        description="core, variants, capacity (and serve, unless --quick), sharing --out.")
+    every.add_argument("--quick", action="store_true", help="each benchmark's quick form (minutes on 2 CPU cores)")
+    every.add_argument("--out", default="out")
+    every.set_defaults(func=run_all)
+
+    capacity = bench.add_parser(
+        "capacity", help="largest concurrency fitting a fixed block budget, at paper scale (simulated)",
+        description="Capacity frontier of native / naive-evict / vtoken with the simulated-attention "
+                    "backend, on the paper's Llama-3.1-8B and Qwen2.5-14B settings.")
+    capacity.add_argument("--scale", type=int, default=1, help="divide lengths and pools by this (default 1)")
+    capacity.add_argument("--budget", type=float, default=0.5, help="H2O retention ratio (default 0.5)")
+    capacity.add_argument("--seed", type=int, default=0)
+    capacity.add_argument("--quick", action="store_true", help="--scale 8 (about a minute)")
+    capacity.add_argument("--out", default="out", help="folder for capacity.json/.png (default ./out)")
+    capacity.set_defaults(func=run_capacity)
+
     serve = bench.add_parser(
         "serve", help="throughput and latency through Triton vs the engine called directly",
         description="Starts tritonserver on triton_model_repo, then runs closed-loop clients at each "
@@ -173,3 +191,42 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"wrote {write_json(args.out, 'serve', result)}")
     return 0
 
+
+
+def run_capacity(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.capacity import PAPER_SETTINGS, VARIANTS, plot_capacity, run_capacity_bench
+    from trtllm_vtoken.report import format_table, write_json
+
+    scale = 8 if args.quick else args.scale
+    if scale < 1:
+        raise ValueError(f"--scale must be >= 1, got {scale}")
+    settings = [s.scaled(scale) for s in PAPER_SETTINGS]
+    with tqdm(desc="bench capacity (simulated)", unit="run", disable=None, file=sys.stderr) as bar:
+        result = run_capacity_bench(settings, args.budget, args.seed, progress=bar)
+    headers = ["setting (simulated)", "blocks", "full req blocks", "packed bound",
+               *(f"{v} C" for v in VARIANTS), "paper C (native/naive/vtoken)"]
+    rows = [[r["setting"]["name"], r["setting"]["num_blocks"], r["full_request_blocks"], r["packed_bound"],
+             *(r["variants"][v]["max_concurrency"] for v in VARIANTS), "/".join(map(str, r["setting"]["paper"]))]
+            for r in result["results"]]
+    print(f"vtoken bench capacity: SIMULATED attention, H2O at {args.budget} retention, tokens_per_block 16, "
+          "greedy admission; C = most requests running at once start to finish without preemption")
+    print(format_table(headers, rows))
+    result["machine"] = machine()
+    path = write_json(args.out, "capacity", result)
+    plot_capacity(result, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0
+
+
+def run_all(args: argparse.Namespace) -> int:
+    from trtllm_vtoken.cli import main
+
+    names = ["variants", "capacity", "core"] + ([] if args.quick else ["serve"])
+    for name in names:
+        print(f"\n== vtoken bench {name}{' --quick' if args.quick else ''} ==", flush=True)
+        code = main(["bench", name, "--out", args.out] + (["--quick"] if args.quick else []))
+        if code:
+            return code
+    return 0

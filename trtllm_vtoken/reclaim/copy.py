@@ -116,3 +116,19 @@ class TorchCopyExecutor(CopyExecutor):
             event = torch.cuda.Event()
             event.record(self._stream)
         return CopyHandle(plan, event, keepalive=(indices, on_device))
+
+
+class AccountingCopyExecutor(CopyExecutor):
+    """Moves no data: counts what a real executor would copy. For the simulated-attention backend,
+    which keeps the token table, planner and block pool exact but has no KV tensors."""
+
+    def __init__(self, bytes_per_move: int) -> None:
+        if bytes_per_move <= 0:
+            raise ValueError(f"bytes_per_move must be positive, got {bytes_per_move}")
+        self._bytes_per_move = bytes_per_move
+
+    def bytes_per_move(self) -> int:
+        return self._bytes_per_move
+
+    def submit(self, plan: RelocationPlan) -> CopyHandle:
+        return CopyHandle(plan)

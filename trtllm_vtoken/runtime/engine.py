@@ -63,11 +63,13 @@ class Engine:
         record_trace: bool = False,
     ) -> None:
         self.config = config or EngineConfig()
-        self.model = model.to(device=self.config.device, dtype=getattr(torch, self.config.dtype))
+        self.simulated = getattr(model, "simulated", False)
+        self.model = model if self.simulated else model.to(self.config.device, getattr(torch, self.config.dtype))
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else (
             tokenizer.eos_token_ids if tokenizer else frozenset())
-        self.kv = KVCacheManager(self.config, model.config)
+        self.kv = KVCacheManager(self.config, model.config,
+                                 model.shape.kv_bytes_per_token if self.simulated else None)
         self.stats = EngineStats()
         self.requests: dict[int, Request] = {}
         self.waiting: deque[int] = deque()
@@ -189,6 +191,8 @@ class Engine:
 
     def _forward(self, req_ids: list[int], tokens: list[list[int]]):
         """One forward over rows of new tokens; returns (request, last logits, mass) per row."""
+        if self.simulated:
+            return self._simulate(req_ids, tokens)
         kv, device = self.kv, self.config.device
         longest = max(len(t) for t in tokens)
         input_ids = torch.zeros(len(req_ids), longest, dtype=torch.long)
@@ -210,6 +214,17 @@ class Engine:
         for req_id in req_ids:
             kv.commit(req_id)
         return [(self.requests[r], last[i], None if mass is None else mass[i]) for i, r in enumerate(req_ids)]
+
+    def _simulate(self, req_ids: list[int], tokens: list[list[int]]):
+        """The simulated backend's forward: tokens are committed, no model runs (token 1 always)."""
+        kv, logits = self.kv, torch.tensor([0.0, 1.0])
+        kv.set_batch(req_ids)
+        rows = []
+        for req_id, row in zip(req_ids, tokens):
+            kv.commit(req_id)
+            mass = self.model.mass(kv.table, req_id, len(row), kv.table.kv_len(req_id)) if kv.needs_attention else None
+            rows.append((self.requests[req_id], logits, mass))
+        return rows
 
     def _advance(self, request: Request, logits: torch.Tensor, mass: torch.Tensor | None) -> RequestOutput:
         req_id, params = request.req_id, request.params

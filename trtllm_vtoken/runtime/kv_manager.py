@@ -25,7 +25,7 @@ import torch
 from trtllm_vtoken.core import BlockPool, TokenTable
 from trtllm_vtoken.policies import EvictionPolicy, policy_view
 from trtllm_vtoken.reclaim import AdmissionConfig, AdmissionController, ReclaimBackend, ReclaimConfig
-from trtllm_vtoken.reclaim.copy import TorchCopyExecutor
+from trtllm_vtoken.reclaim.copy import AccountingCopyExecutor, TorchCopyExecutor
 from trtllm_vtoken.reclaim.dead_blocks import release_dead_blocks
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
@@ -53,16 +53,21 @@ class KVUsage:
 
 
 class KVCacheManager:
-    def __init__(self, config: EngineConfig, model_config: LlamaConfig) -> None:
+    def __init__(self, config: EngineConfig, model_config: LlamaConfig,
+                 simulated_bytes_per_token: int | None = None) -> None:
+        """``simulated_bytes_per_token``: no KV tensors at all (the simulated-attention backend);
+        relocations are planned and committed exactly and their bytes counted, nothing is copied."""
         self.config = config
         tpb = config.tokens_per_block
         self.pool = BlockPool(config.num_blocks, tpb)
         self.table = TokenTable(tpb, self.pool.is_shared)
-        self.cache = PagedKVCache(
-            config.num_blocks, tpb, model_config.num_hidden_layers, model_config.num_key_value_heads,
-            model_config.head_dim, config.max_batch_size, config.max_blocks_per_seq,
-            dtype=getattr(torch, config.dtype), device=config.device,
-        )
+        self.cache: PagedKVCache | None = None
+        if simulated_bytes_per_token is None:
+            self.cache = PagedKVCache(
+                config.num_blocks, tpb, model_config.num_hidden_layers, model_config.num_key_value_heads,
+                model_config.head_dim, config.max_batch_size, config.max_blocks_per_seq,
+                dtype=getattr(torch, config.dtype), device=config.device,
+            )
         self.policy: EvictionPolicy | None = None if config.variant == "native" else config.make_policy()
         self.needs_attention = (
             self.policy is not None and type(self.policy).observe is not EvictionPolicy.observe
@@ -70,7 +75,9 @@ class KVCacheManager:
         self.backend: ReclaimBackend | None = None
         if config.variant == "vtoken":
             reclaim = ReclaimConfig(config.mode, config.fragmentation_threshold, config.check_invariants)
-            self.backend = ReclaimBackend(self.table, self.pool, TorchCopyExecutor([self.cache.pool]), reclaim)
+            executor = (TorchCopyExecutor([self.cache.pool]) if self.cache is not None
+                        else AccountingCopyExecutor(simulated_bytes_per_token))
+            self.backend = ReclaimBackend(self.table, self.pool, executor, reclaim)
         self.admission = AdmissionController(self.pool, AdmissionConfig(
             config.variant, config.mode, config.fragmentation_threshold, config.evacuation_headroom))
         self.stats = KVStats()
@@ -140,10 +147,13 @@ class KVCacheManager:
         static tables. Returns the validity mask [B, max_blocks * tpb] when dead tokens may still
         sit below kv_len (naive-evict, lazy mode), else None."""
         rows = [self._staged[r] for r in req_ids]
+        dense = self.policy is None or (self.backend is not None and self.config.mode == "dense")
+        # Dense compaction left no hole: every position below kv_len is live.
+        assert not dense or all(self.table.num_live(r) == self.table.kv_len(r) for r in req_ids)
+        if self.cache is None:
+            return None
         self.cache.set_batch([blocks for blocks, _ in rows], [length for _, length in rows])
-        if self.policy is None or (self.backend is not None and self.config.mode == "dense"):
-            # Dense compaction left no hole: every position below kv_len is live.
-            assert all(self.table.num_live(r) == self.table.kv_len(r) for r in req_ids)
+        if dense:
             return None
         valid = np.zeros((len(req_ids), self.cache.block_offsets.shape[1] * self.config.tokens_per_block), bool)
         for i, req_id in enumerate(req_ids):
@@ -179,7 +189,7 @@ class KVCacheManager:
     def reclaim(self, req_id: int, pressure: bool = False) -> int:
         """Frees what the variant can free of this request; returns the blocks freed."""
         if self.backend is not None:
-            stream = torch.cuda.current_stream() if self.cache.pool.is_cuda else None
+            stream = torch.cuda.current_stream() if self.cache is not None and self.cache.pool.is_cuda else None
             return self.backend.reclaim([req_id], pressure=pressure, stream=stream)
         if self.policy is not None:
             freed = release_dead_blocks(self.table, self.pool, req_id)
