@@ -68,3 +68,13 @@ def test_bench_capacity_labels_simulated_results(tmp_path, capsys):
     assert first["vtoken"]["max_concurrency"] >= 2 * first["native"]["max_concurrency"]
     assert (tmp_path / "capacity.png").stat().st_size > 10_000
     assert main(["bench", "capacity", "--scale", "0", "--out", str(tmp_path)]) == 2
+
+
+def test_rouge_l():
+    from trtllm_vtoken.bench.quality import rouge_l
+
+    assert rouge_l("the cat sat", "the cat sat") == 1.0
+    assert rouge_l("the cat", "dog") == 0.0
+    # LCS("a b c d", "a c d e") = "a c d": P = 3/4, R = 3/4.
+    assert rouge_l("a b c d", "A c d e") == pytest.approx(0.75)
+    assert rouge_l("", "") == 1.0 and rouge_l("", "x") == 0.0

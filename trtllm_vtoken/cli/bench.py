@@ -44,10 +44,22 @@ def register(sub) -> None:
 
     every = bench.add_parser(
         "all", help="every benchmark that runs on this machine, in turn",
-        description="core, variants, capacity (and serve, unless --quick), sharing --out.")
+        description="variants, capacity, quality, core (and serve, unless --quick), sharing --out.")
     every.add_argument("--quick", action="store_true", help="each benchmark's quick form (minutes on 2 CPU cores)")
     every.add_argument("--out", default="out")
     every.set_defaults(func=run_all)
+
+    quality = bench.add_parser(
+        "quality", help="vtoken vs naive-evict greedy outputs on real prompts: exact match, ROUGE-L",
+        description="Greedy generations of native, naive-evict and vtoken on the same ShareGPT prompts.")
+    quality.add_argument("--prompts", type=int, default=144)
+    quality.add_argument("--max-tokens", type=int, default=64)
+    quality.add_argument("--policy", default="h2o")
+    quality.add_argument("--budget", default="0.5")
+    quality.add_argument("--model", default=None, help="Hugging Face Llama folder (default: SmolLM2-135M)")
+    quality.add_argument("--quick", action="store_true", help="24 prompts, 32 tokens")
+    quality.add_argument("--out", default="out", help="folder for quality.json (default ./out)")
+    quality.set_defaults(func=run_quality)
 
     capacity = bench.add_parser(
         "capacity", help="largest concurrency fitting a fixed block budget, at paper scale (simulated)",
@@ -223,10 +235,38 @@ def run_capacity(args: argparse.Namespace) -> int:
 def run_all(args: argparse.Namespace) -> int:
     from trtllm_vtoken.cli import main
 
-    names = ["variants", "capacity", "core"] + ([] if args.quick else ["serve"])
+    names = ["variants", "capacity", "quality", "core"] + ([] if args.quick else ["serve"])
     for name in names:
         print(f"\n== vtoken bench {name}{' --quick' if args.quick else ''} ==", flush=True)
         code = main(["bench", name, "--out", args.out] + (["--quick"] if args.quick else []))
         if code:
             return code
+    return 0
+
+
+def run_quality(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.quality import RUNS, QualityBenchConfig, run_quality_bench
+    from trtllm_vtoken.report import format_table, write_json
+    from trtllm_vtoken.runtime.checkpoint import resolve_model
+    from trtllm_vtoken.runtime.model import load_llama
+    from trtllm_vtoken.runtime.tokenizer import Tokenizer
+
+    cfg = QualityBenchConfig(prompts=24 if args.quick else args.prompts,
+                             max_tokens=32 if args.quick else args.max_tokens, policy=args.policy, budget=args.budget)
+    folder = resolve_model(args.model)
+    model, tokenizer = load_llama(folder), Tokenizer(folder)
+    with tqdm(total=cfg.prompts * len(RUNS), desc="bench quality", unit="req", disable=None, file=sys.stderr) as bar:
+        result = run_quality_bench(cfg, model, tokenizer, progress=bar)
+    rouge = result["rouge_l_vs_native"]
+    print(f"vtoken bench quality: {folder.name}, {result['pairs']} ShareGPT prompts, greedy, {cfg.max_tokens} "
+          f"new tokens, {cfg.policy} budget {cfg.budget}; ROUGE-L against the native (full-KV) output")
+    print(format_table(
+        ["pairs", "exact match %", "ROUGE-L naive-evict", "ROUGE-L vtoken", "paired diff", "length ratio"],
+        [[result["pairs"], 100 * result["exact_match_rate"], f"{rouge['naive-evict']:.4f}",
+          f"{rouge['vtoken']:.4f}", f"{result['mean_paired_rouge_l_difference']:+.4f}",
+          f"{result['output_length_ratio']:.4f}"]]))
+    result["machine"] = machine()
+    print(f"wrote {write_json(args.out, 'quality', result)}")
     return 0

@@ -111,9 +111,11 @@ class EngineLoop:
                     self._failed = f"engine failure: {error}"
                     self._fail_all(self._failed)
                     return
+                # Metrics first: a client that has its answer must find it counted when it scrapes.
+                if self.on_step is not None:
+                    self.on_step(engine)
                 self._deliver(outputs)
-                changed = True
-            if changed and self.on_step is not None:
+            elif changed and self.on_step is not None:
                 self.on_step(engine)
         self._drain(block=False)
         self._fail_all("server is shutting down")
