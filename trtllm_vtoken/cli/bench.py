@@ -49,6 +49,18 @@ def register(sub) -> None:
     every.add_argument("--out", default="out")
     every.set_defaults(func=run_all)
 
+    util = bench.add_parser(
+        "utilization", help="KV utilization and retained blocks, every policy x workload (real model)",
+        description="native / naive-evict / vtoken on the real model with a pool large enough for all "
+                    "requests at once, for every registered policy and both workloads.")
+    util.add_argument("--requests", type=int, default=8)
+    util.add_argument("--max-prompt-tokens", type=int, default=512)
+    util.add_argument("--max-output-tokens", type=int, default=64)
+    util.add_argument("--budget", default="0.5")
+    util.add_argument("--quick", action="store_true", help="4 requests, prompts <= 192, 16 new tokens")
+    util.add_argument("--out", default="out", help="folder for utilization.json (default ./out)")
+    util.set_defaults(func=run_utilization)
+
     quality = bench.add_parser(
         "quality", help="vtoken vs naive-evict greedy outputs on real prompts: exact match, ROUGE-L",
         description="Greedy generations of native, naive-evict and vtoken on the same ShareGPT prompts.")
@@ -269,4 +281,36 @@ def run_quality(args: argparse.Namespace) -> int:
           f"{result['output_length_ratio']:.4f}"]]))
     result["machine"] = machine()
     print(f"wrote {write_json(args.out, 'quality', result)}")
+    return 0
+
+
+def run_utilization(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.utilization import VARIANTS, UtilizationBenchConfig, run_utilization_bench
+    from trtllm_vtoken.report import format_table, write_json
+    from trtllm_vtoken.runtime.checkpoint import resolve_model
+    from trtllm_vtoken.runtime.model import load_llama
+    from trtllm_vtoken.runtime.tokenizer import Tokenizer
+
+    sizes = dict(requests=args.requests, max_prompt_tokens=args.max_prompt_tokens,
+                 max_output_tokens=args.max_output_tokens)
+    if args.quick:
+        sizes = dict(requests=4, max_prompt_tokens=192, max_output_tokens=16)
+    cfg = UtilizationBenchConfig(budget=args.budget, **sizes)
+    folder = resolve_model(None)
+    model, tokenizer = load_llama(folder), Tokenizer(folder)
+    total = len(cfg.policies) * len(cfg.workloads) * len(VARIANTS)
+    with tqdm(total=total, desc="bench utilization", unit="run", disable=None, file=sys.stderr) as bar:
+        result = run_utilization_bench(cfg, model, tokenizer, progress=bar)
+    headers = ["workload", "policy", "util % native", "util % naive-evict", "util % vtoken", "gain pp",
+               "blocks naive-evict", "blocks vtoken", "fewer blocks %"]
+    rows = [[r["workload"], r["policy"], *(100 * r["runs"][v]["kv_utilization"] for v, _ in VARIANTS),
+             r["utilization_gain_pp"], r["runs"]["naive-evict"]["mean_blocks"], r["runs"]["vtoken"]["mean_blocks"],
+             100 * r["retained_blocks_reduction"]] for r in result["rows"]]
+    print(f"vtoken bench utilization: SmolLM2-135M, {cfg.requests} requests per workload, budget {cfg.budget}, "
+          f"tokens_per_block {cfg.tokens_per_block}; blocks = time-averaged blocks held")
+    print(format_table(headers, rows))
+    result["machine"] = machine()
+    print(f"wrote {write_json(args.out, 'utilization', result)}")
     return 0
