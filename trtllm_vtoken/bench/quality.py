@@ -86,3 +86,22 @@ def run_quality_bench(cfg: QualityBenchConfig, model, tokenizer, progress=None) 
         "examples": [{"prompt": items[i].prompt[:200], "native": native[i].text, "naive-evict": naive[i].text,
                       "vtoken": vtoken[i].text} for i in range(min(3, len(items)))],
     }
+
+
+def plot_quality(result: dict[str, Any], path) -> None:
+    """ROUGE-L against native for both evicting variants, with the exact-match rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rouge = result["rouge_l_vs_native"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(list(rouge), list(rouge.values()), color=["tab:orange", "tab:green"])
+    ax.set(ylim=(0, 1), ylabel="ROUGE-L F1 vs native (full KV)",
+           title=f"{result['pairs']} prompts: vtoken = naive-evict in {100 * result['exact_match_rate']:.1f}%, "
+                 f"paired diff {result['mean_paired_rouge_l_difference']:+.4f}")
+    ax.title.set_fontsize(9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -17,6 +17,7 @@ from trtllm_vtoken.bench.variants import serve_workload
 
 POLICY_OPTIONS = {"streaming_llm": {"n_sink": 4}, "sliding_window": {}, "scissorhands": {}}
 VARIANTS = (("native", "dense"), ("naive-evict", "dense"), ("vtoken", "dense"))
+COLORS = {"native": "tab:blue", "naive-evict": "tab:orange", "vtoken": "tab:green"}
 
 
 @dataclass(frozen=True)
@@ -63,3 +64,33 @@ def run_utilization_bench(cfg: UtilizationBenchConfig, model, tokenizer, progres
                 "retained_blocks_reduction": 1 - vtoken["mean_blocks"] / naive["mean_blocks"],
             })
     return {"config": asdict(cfg), "rows": rows}
+
+
+def plot_utilization(result: dict[str, Any], path) -> None:
+    """KV utilization per variant and blocks held (naive-evict vs vtoken), per policy x workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = result["rows"]
+    labels = [f"{r['workload']}\n{r['policy']}" for r in rows]
+    x = np.arange(len(rows))
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
+    for i, (variant, _) in enumerate(VARIANTS):
+        ax0.bar(x + (i - 1) * 0.27, [100 * r["runs"][variant]["kv_utilization"] for r in rows], 0.27,
+                label=variant, color=COLORS[variant])
+    ax0.set(ylabel="KV utilization %", title="Live tokens / slots of held blocks")
+    ax0.legend(ncols=3)
+    for i, variant in enumerate(("naive-evict", "vtoken")):
+        ax1.bar(x + (i - 0.5) * 0.4, [r["runs"][variant]["mean_blocks"] for r in rows], 0.4,
+                label=variant, color=COLORS[variant])
+    ax1.set(ylabel="blocks held (mean over steps)", title="Retained blocks")
+    ax1.set_xticks(x, labels, fontsize=8)
+    ax1.legend()
+    c = result["config"]
+    fig.suptitle(f"SmolLM2-135M, {c['requests']} requests per workload, budget {c['budget']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -259,7 +259,7 @@ def run_all(args: argparse.Namespace) -> int:
 def run_quality(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.quality import RUNS, QualityBenchConfig, run_quality_bench
+    from trtllm_vtoken.bench.quality import RUNS, QualityBenchConfig, plot_quality, run_quality_bench
     from trtllm_vtoken.report import format_table, write_json
     from trtllm_vtoken.runtime.checkpoint import resolve_model
     from trtllm_vtoken.runtime.model import load_llama
@@ -280,14 +280,17 @@ def run_quality(args: argparse.Namespace) -> int:
           f"{rouge['vtoken']:.4f}", f"{result['mean_paired_rouge_l_difference']:+.4f}",
           f"{result['output_length_ratio']:.4f}"]]))
     result["machine"] = machine()
-    print(f"wrote {write_json(args.out, 'quality', result)}")
+    path = write_json(args.out, "quality", result)
+    plot_quality(result, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 
 
 def run_utilization(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.utilization import VARIANTS, UtilizationBenchConfig, run_utilization_bench
+    from trtllm_vtoken.bench.utilization import (VARIANTS, UtilizationBenchConfig, plot_utilization,
+                                                 run_utilization_bench)
     from trtllm_vtoken.report import format_table, write_json
     from trtllm_vtoken.runtime.checkpoint import resolve_model
     from trtllm_vtoken.runtime.model import load_llama
@@ -312,5 +315,7 @@ def run_utilization(args: argparse.Namespace) -> int:
           f"tokens_per_block {cfg.tokens_per_block}; blocks = time-averaged blocks held")
     print(format_table(headers, rows))
     result["machine"] = machine()
-    print(f"wrote {write_json(args.out, 'utilization', result)}")
+    path = write_json(args.out, "utilization", result)
+    plot_utilization(result, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
