@@ -12,31 +12,9 @@ from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.engine import Engine
 from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
 from trtllm_vtoken.runtime.sampling import SamplingParams
+from trtllm_vtoken.serving.engine_loop import CollectingSink as Collect
 from trtllm_vtoken.serving.engine_loop import EngineLoop
 from trtllm_vtoken.serving.metrics import METRICS, snapshot
-
-
-class Collect:
-    def __init__(self, cancel_after: int | None = None) -> None:
-        self.outputs, self.error = [], None
-        self.done = threading.Event()
-        self.cancel_after = cancel_after
-
-    def emit(self, out) -> None:
-        self.outputs.append(out)
-        if out.finished:
-            self.done.set()
-
-    def fail(self, message: str) -> None:
-        self.error = message
-        self.done.set()
-
-    def is_cancelled(self) -> bool:
-        return self.cancel_after is not None and len(self.outputs) >= self.cancel_after
-
-    @property
-    def tokens(self) -> list[int]:
-        return [t for o in self.outputs for t in o.new_token_ids]
 
 
 @pytest.fixture(scope="module")

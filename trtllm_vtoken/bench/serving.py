@@ -34,25 +34,6 @@ class ServeBenchConfig:
             raise ValueError("concurrency levels and requests_per_client must be positive")
 
 
-class _Waiter:
-    """A sink for ``EngineLoop`` that lets a client thread wait for its answer."""
-
-    def __init__(self) -> None:
-        self.done, self.error, self.text = threading.Event(), None, []
-
-    def emit(self, out) -> None:
-        self.text.append(out.text_delta)
-        if out.finished:
-            self.done.set()
-
-    def fail(self, message: str) -> None:
-        self.error = message
-        self.done.set()
-
-    def is_cancelled(self) -> bool:
-        return False
-
-
 def closed_loop(send: Callable[[str], int], prompts: list[str], clients: int, per_client: int) -> dict[str, Any]:
     """``clients`` threads each send ``per_client`` prompts back to back; ``send`` returns the
     number of output tokens. Returns throughput and latency percentiles."""
@@ -85,7 +66,7 @@ def run_serve_bench(cfg: ServeBenchConfig, settings, server, progress=None) -> d
     from trtllm_vtoken.runtime.model import load_llama
     from trtllm_vtoken.runtime.sampling import SamplingParams
     from trtllm_vtoken.runtime.tokenizer import Tokenizer
-    from trtllm_vtoken.serving.engine_loop import EngineLoop
+    from trtllm_vtoken.serving.engine_loop import CollectingSink, EngineLoop
     from trtllm_vtoken.workloads import make_workload
 
     folder = resolve_model(settings.model)
@@ -97,12 +78,12 @@ def run_serve_bench(cfg: ServeBenchConfig, settings, server, progress=None) -> d
     params = SamplingParams(max_tokens=cfg.max_tokens)
 
     def direct(prompt: str) -> int:
-        waiter = _Waiter()
-        loop.submit(tokenizer.encode(prompt, chat=settings.chat_template), params, waiter)
-        waiter.done.wait()
-        if waiter.error:
-            raise RuntimeError(waiter.error)
-        return count("".join(waiter.text))
+        sink = CollectingSink()
+        loop.submit(tokenizer.encode(prompt, chat=settings.chat_template), params, sink)
+        sink.done.wait()
+        if sink.error:
+            raise RuntimeError(sink.error)
+        return count(sink.text)
 
     def triton(prompt: str) -> int:
         body = json.dumps({"text_input": prompt, "sampling_param_max_tokens": cfg.max_tokens}).encode()

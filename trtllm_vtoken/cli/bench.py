@@ -103,7 +103,7 @@ def run_core(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from trtllm_vtoken.bench.core import CoreBenchConfig, run_core_bench
-    from trtllm_vtoken.report import format_table, write_json
+    from trtllm_vtoken.report import format_table
 
     modes = ["dense", "lazy"] if args.mode == "both" else [args.mode]
     steps = 10 if args.quick else args.steps
@@ -127,8 +127,7 @@ def run_core(args: argparse.Namespace) -> int:
     print(f"vtoken bench core: batch {c['batch']}, context {c['context']}, tokens_per_block "
           f"{c['tokens_per_block']}, one eviction per request per step, {steps} steps (median)")
     print(format_table(headers, rows))
-    path = write_json(args.out, "core", {"results": results, "machine": machine()})
-    print(f"wrote {path}")
+    _publish(args.out, "core", {"results": results})
     return 0
 
 
@@ -136,10 +135,7 @@ def run_variants(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from trtllm_vtoken.bench.variants import VARIANT_RUNS, VariantsBenchConfig, plot_variants, run_variants_bench
-    from trtllm_vtoken.report import format_table, write_json
-    from trtllm_vtoken.runtime.checkpoint import resolve_model
-    from trtllm_vtoken.runtime.model import load_llama
-    from trtllm_vtoken.runtime.tokenizer import Tokenizer
+    from trtllm_vtoken.report import format_table
 
     sizes = dict(requests=args.requests, max_prompt_tokens=args.max_prompt_tokens,
                  max_output_tokens=args.max_output_tokens, num_blocks=args.num_blocks)
@@ -148,8 +144,7 @@ def run_variants(args: argparse.Namespace) -> int:
     cfg = VariantsBenchConfig(
         workload=args.workload, policy=args.policy, budget=args.budget, tokens_per_block=args.tokens_per_block,
         max_batch_size=args.max_batch_size, check_invariants=not args.no_check, seed=args.seed, **sizes)
-    folder = resolve_model(args.model)
-    model, tokenizer = load_llama(folder), Tokenizer(folder)
+    folder, model, tokenizer = _load_model(args.model)
     with tqdm(total=cfg.requests * len(VARIANT_RUNS), desc="bench variants", unit="req",
               disable=None, file=sys.stderr) as bar:
         result = run_variants_bench(cfg, model, tokenizer, progress=bar)
@@ -165,10 +160,7 @@ def run_variants(args: argparse.Namespace) -> int:
           f"{cfg.max_prompt_tokens}, outputs <= {cfg.max_output_tokens} tokens), {cfg.policy} budget "
           f"{cfg.budget}, pool {cfg.num_blocks} blocks x {cfg.tokens_per_block} tokens, CPU")
     print(format_table(headers, rows))
-    result["machine"] = machine()
-    path = write_json(args.out, "variants", result)
-    plot_variants(result, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    _publish(args.out, "variants", result, plot_variants)
     return 0
 
 
@@ -179,7 +171,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from trtllm_vtoken.bench.serving import ServeBenchConfig, run_serve_bench
-    from trtllm_vtoken.report import format_table, write_json
+    from trtllm_vtoken.report import format_table
     from trtllm_vtoken.runtime.checkpoint import ensure_default_model
     from trtllm_vtoken.serving.settings import ServingSettings
     from trtllm_vtoken.serving.triton import (TritonServer, default_repository, free_ports,
@@ -211,8 +203,7 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"vtoken bench serve: SmolLM2-135M on CPU, {settings.engine.policy} budget {settings.engine.budget}, "
           f"{cfg.requests_per_client} requests per client, {cfg.max_tokens} new tokens, ShareGPT prompts")
     print(format_table(headers, rows))
-    result["machine"] = machine()
-    print(f"wrote {write_json(args.out, 'serve', result)}")
+    _publish(args.out, "serve", result)
     return 0
 
 
@@ -221,7 +212,7 @@ def run_capacity(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from trtllm_vtoken.bench.capacity import PAPER_SETTINGS, VARIANTS, plot_capacity, run_capacity_bench
-    from trtllm_vtoken.report import format_table, write_json
+    from trtllm_vtoken.report import format_table
 
     scale = 8 if args.quick else args.scale
     if scale < 1:
@@ -237,10 +228,7 @@ def run_capacity(args: argparse.Namespace) -> int:
     print(f"vtoken bench capacity: SIMULATED attention, H2O at {args.budget} retention, tokens_per_block 16, "
           "greedy admission; C = most requests running at once start to finish without preemption")
     print(format_table(headers, rows))
-    result["machine"] = machine()
-    path = write_json(args.out, "capacity", result)
-    plot_capacity(result, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    _publish(args.out, "capacity", result, plot_capacity)
     return 0
 
 
@@ -260,15 +248,11 @@ def run_quality(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from trtllm_vtoken.bench.quality import RUNS, QualityBenchConfig, plot_quality, run_quality_bench
-    from trtllm_vtoken.report import format_table, write_json
-    from trtllm_vtoken.runtime.checkpoint import resolve_model
-    from trtllm_vtoken.runtime.model import load_llama
-    from trtllm_vtoken.runtime.tokenizer import Tokenizer
+    from trtllm_vtoken.report import format_table
 
     cfg = QualityBenchConfig(prompts=24 if args.quick else args.prompts,
                              max_tokens=32 if args.quick else args.max_tokens, policy=args.policy, budget=args.budget)
-    folder = resolve_model(args.model)
-    model, tokenizer = load_llama(folder), Tokenizer(folder)
+    folder, model, tokenizer = _load_model(args.model)
     with tqdm(total=cfg.prompts * len(RUNS), desc="bench quality", unit="req", disable=None, file=sys.stderr) as bar:
         result = run_quality_bench(cfg, model, tokenizer, progress=bar)
     rouge = result["rouge_l_vs_native"]
@@ -279,10 +263,7 @@ def run_quality(args: argparse.Namespace) -> int:
         [[result["pairs"], 100 * result["exact_match_rate"], f"{rouge['naive-evict']:.4f}",
           f"{rouge['vtoken']:.4f}", f"{result['mean_paired_rouge_l_difference']:+.4f}",
           f"{result['output_length_ratio']:.4f}"]]))
-    result["machine"] = machine()
-    path = write_json(args.out, "quality", result)
-    plot_quality(result, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    _publish(args.out, "quality", result, plot_quality)
     return 0
 
 
@@ -291,18 +272,14 @@ def run_utilization(args: argparse.Namespace) -> int:
 
     from trtllm_vtoken.bench.utilization import (VARIANTS, UtilizationBenchConfig, plot_utilization,
                                                  run_utilization_bench)
-    from trtllm_vtoken.report import format_table, write_json
-    from trtllm_vtoken.runtime.checkpoint import resolve_model
-    from trtllm_vtoken.runtime.model import load_llama
-    from trtllm_vtoken.runtime.tokenizer import Tokenizer
+    from trtllm_vtoken.report import format_table
 
     sizes = dict(requests=args.requests, max_prompt_tokens=args.max_prompt_tokens,
                  max_output_tokens=args.max_output_tokens)
     if args.quick:
         sizes = dict(requests=4, max_prompt_tokens=192, max_output_tokens=16)
     cfg = UtilizationBenchConfig(budget=args.budget, **sizes)
-    folder = resolve_model(None)
-    model, tokenizer = load_llama(folder), Tokenizer(folder)
+    folder, model, tokenizer = _load_model(None)
     total = len(cfg.policies) * len(cfg.workloads) * len(VARIANTS)
     with tqdm(total=total, desc="bench utilization", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_utilization_bench(cfg, model, tokenizer, progress=bar)
@@ -314,8 +291,28 @@ def run_utilization(args: argparse.Namespace) -> int:
     print(f"vtoken bench utilization: SmolLM2-135M, {cfg.requests} requests per workload, budget {cfg.budget}, "
           f"tokens_per_block {cfg.tokens_per_block}; blocks = time-averaged blocks held")
     print(format_table(headers, rows))
-    result["machine"] = machine()
-    path = write_json(args.out, "utilization", result)
-    plot_utilization(result, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    _publish(args.out, "utilization", result, plot_utilization)
     return 0
+
+
+def _load_model(model: str | None):
+    """(folder, model, tokenizer) for a Hugging Face Llama folder or the default model."""
+    from trtllm_vtoken.runtime.checkpoint import resolve_model
+    from trtllm_vtoken.runtime.model import load_llama
+    from trtllm_vtoken.runtime.tokenizer import Tokenizer
+
+    folder = resolve_model(model)
+    return folder, load_llama(folder), Tokenizer(folder)
+
+
+def _publish(out: str, name: str, result: dict, plot=None) -> None:
+    """Writes ``<out>/<name>.json`` (with the machine) and, given a plot function, the PNG."""
+    from trtllm_vtoken.report import write_json
+
+    result["machine"] = machine()
+    path = write_json(out, name, result)
+    if plot is not None:
+        plot(result, path.with_suffix(".png"))
+        print(f"wrote {path} and {path.with_suffix('.png')}")
+    else:
+        print(f"wrote {path}")

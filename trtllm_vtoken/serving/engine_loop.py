@@ -37,6 +37,38 @@ class Sink(Protocol):
     def is_cancelled(self) -> bool: ...
 
 
+class CollectingSink:
+    """A sink that keeps every output and lets another thread wait for the end (in-process
+    clients: benchmarks, tests). With ``cancel_after``, it reports its client gone once that
+    many outputs have arrived."""
+
+    def __init__(self, cancel_after: int | None = None) -> None:
+        self.outputs: list[RequestOutput] = []
+        self.error: str | None = None
+        self.done = threading.Event()
+        self.cancel_after = cancel_after
+
+    def emit(self, output: RequestOutput) -> None:
+        self.outputs.append(output)
+        if output.finished:
+            self.done.set()
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        self.done.set()
+
+    def is_cancelled(self) -> bool:
+        return self.cancel_after is not None and len(self.outputs) >= self.cancel_after
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for o in self.outputs for t in o.new_token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(o.text_delta for o in self.outputs)
+
+
 @dataclass
 class _Add:
     req_id: int
