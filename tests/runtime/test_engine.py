@@ -201,3 +201,20 @@ def test_config_rejects_bad_settings():
         EngineConfig(budget=-3)
     with pytest.raises(ValueError, match="unknown option"):
         EngineConfig(policy="h2o", policy_options={"window": 3})
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant,mode", VARIANTS)
+def test_cuda_engine_agrees_with_cpu(model, variant, mode):
+    """The same engine on CUDA: relocation on the side stream, commits ordered by event (I3)."""
+    import copy
+
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    cpu = run(Engine(model, config(variant=variant, mode=mode), record_trace=True), prompts(), params)
+    gpu_engine = Engine(copy.deepcopy(model), config(variant=variant, mode=mode, device="cuda"), record_trace=True)
+    gpu = run(gpu_engine, prompts(), params)
+    for a, b in zip(cpu, gpu):
+        assert a.evictions == b.evictions and a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), rtol=1e-3, atol=1e-3)
+    if variant == "vtoken":
+        assert gpu_engine.kv.backend.stats.invariant_checks == gpu_engine.kv.backend.stats.plans > 0
