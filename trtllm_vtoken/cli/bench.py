@@ -18,9 +18,7 @@ def register(sub) -> None:
     core.add_argument("--steps", type=int, default=50, help="timed decode steps (default 50)")
     core.add_argument("--mode", choices=["dense", "lazy", "both"], default="both")
     core.add_argument("--seed", type=int, default=0)
-    core.add_argument("--quick", action="store_true", help="10 steps: a smoke run")
-    core.add_argument("--out", default="out", help="folder for core.json (default ./out)")
-    core.set_defaults(func=run_core)
+    _finish(core, "10 steps: a smoke run", run_core)
 
     variants = bench.add_parser(
         "variants", help="native / naive-evict / vtoken on the real model: blocks, utilization, speed",
@@ -37,17 +35,12 @@ def register(sub) -> None:
     variants.add_argument("--max-batch-size", type=int, default=32)
     variants.add_argument("--no-check", action="store_true", help="skip I1/I2/I4 checks per relocation")
     variants.add_argument("--seed", type=int, default=0)
-    variants.add_argument("--quick", action="store_true",
-                          help="16 requests, prompts <= 256, outputs <= 48 tokens, 80 blocks")
-    variants.add_argument("--out", default="out", help="folder for variants.json/.png (default ./out)")
-    variants.set_defaults(func=run_variants)
+    _finish(variants, "16 requests, prompts <= 256, outputs <= 48 tokens, 80 blocks", run_variants)
 
     every = bench.add_parser(
         "all", help="every benchmark that runs on this machine, in turn",
         description="variants, capacity, quality, core (and serve, unless --quick), sharing --out.")
-    every.add_argument("--quick", action="store_true", help="each benchmark's quick form (minutes on 2 CPU cores)")
-    every.add_argument("--out", default="out")
-    every.set_defaults(func=run_all)
+    _finish(every, "each benchmark's quick form (minutes on 2 CPU cores)", run_all)
 
     util = bench.add_parser(
         "utilization", help="KV utilization and retained blocks, every policy x workload (real model)",
@@ -57,9 +50,7 @@ def register(sub) -> None:
     util.add_argument("--max-prompt-tokens", type=int, default=512)
     util.add_argument("--max-output-tokens", type=int, default=64)
     util.add_argument("--budget", default="0.5")
-    util.add_argument("--quick", action="store_true", help="4 requests, prompts <= 192, 16 new tokens")
-    util.add_argument("--out", default="out", help="folder for utilization.json (default ./out)")
-    util.set_defaults(func=run_utilization)
+    _finish(util, "4 requests, prompts <= 192, 16 new tokens", run_utilization)
 
     quality = bench.add_parser(
         "quality", help="vtoken vs naive-evict greedy outputs on real prompts: exact match, ROUGE-L",
@@ -69,9 +60,7 @@ def register(sub) -> None:
     quality.add_argument("--policy", default="h2o")
     quality.add_argument("--budget", default="0.5")
     quality.add_argument("--model", default=None, help="Hugging Face Llama folder (default: SmolLM2-135M)")
-    quality.add_argument("--quick", action="store_true", help="24 prompts, 32 tokens")
-    quality.add_argument("--out", default="out", help="folder for quality.json (default ./out)")
-    quality.set_defaults(func=run_quality)
+    _finish(quality, "24 prompts, 32 tokens", run_quality)
 
     capacity = bench.add_parser(
         "capacity", help="largest concurrency fitting a fixed block budget, at paper scale (simulated)",
@@ -80,9 +69,7 @@ def register(sub) -> None:
     capacity.add_argument("--scale", type=int, default=1, help="divide lengths and pools by this (default 1)")
     capacity.add_argument("--budget", type=float, default=0.5, help="H2O retention ratio (default 0.5)")
     capacity.add_argument("--seed", type=int, default=0)
-    capacity.add_argument("--quick", action="store_true", help="--scale 8 (about a minute)")
-    capacity.add_argument("--out", default="out", help="folder for capacity.json/.png (default ./out)")
-    capacity.set_defaults(func=run_capacity)
+    _finish(capacity, "--scale 8 (about a minute)", run_capacity)
 
     serve = bench.add_parser(
         "serve", help="throughput and latency through Triton vs the engine called directly",
@@ -94,9 +81,14 @@ def register(sub) -> None:
     serve.add_argument("--num-blocks", type=int, default=512)
     serve.add_argument("--policy", default="h2o")
     serve.add_argument("--budget", default="0.5")
-    serve.add_argument("--quick", action="store_true", help="concurrency 1,8, one request per client, 16 tokens")
-    serve.add_argument("--out", default="out", help="folder for serve.json (default ./out)")
-    serve.set_defaults(func=run_serve)
+    _finish(serve, "concurrency 1,8, one request per client, 16 tokens", run_serve)
+
+
+def _finish(parser: argparse.ArgumentParser, quick_help: str, run) -> None:
+    """The options every benchmark shares: its quick form and the output folder."""
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", default="out", help="folder for the JSON (and PNG) results (default ./out)")
+    parser.set_defaults(func=run)
 
 
 def run_core(args: argparse.Namespace) -> int:
