@@ -128,3 +128,32 @@ def test_cuda_side_stream_copy_matches_cpu():
     handle.make_stream_wait(torch.cuda.current_stream())
     assert torch.equal(kv_gpu.cpu(), kv_cpu)
     assert all(s >= 0 for s in plan.dst_slots)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
+def test_delayed_side_stream_copy_is_waited_on(kernel):
+    """I3: the side stream sleeps before copying; work queued on the compute stream after
+    ``commit_ordered`` must still see the moved KV. The control read, queued without the event
+    wait, sees the old (stale) destination, which proves the delay was real."""
+    pool, table = make_table()
+    kv = make_kv(pool).cuda()
+    add_sequence(pool, table, 0, 12)
+    table.evict_tokens(0, [2, 4, 10, 11])
+    from trtllm_vtoken.reclaim.planner import plan_dense
+
+    plan = plan_dense(table, 0)
+    dst_block, dst_offset = plan.dst_slots[0] // 4, plan.dst_slots[0] % 4
+    src_value = kv[plan.src_slots[0] // 4, :, :, :, plan.src_slots[0] % 4].clone()
+    stale_value = kv[dst_block, :, :, :, dst_offset].clone()
+    executor = TorchCopyExecutor([kv], kernel=kernel, copy_delay_cycles=200_000_000)  # ~0.1 s
+    backend = make_backend(pool, table, None)
+    backend.executor = executor
+    compute = torch.cuda.current_stream()
+    backend.submit(plan)
+    unordered = kv[dst_block, :, :, :, dst_offset].clone()  # queued before the wait: a race
+    backend.commit_ordered(0, compute)
+    ordered = kv[dst_block, :, :, :, dst_offset].clone()
+    torch.cuda.synchronize()
+    assert torch.equal(unordered, stale_value), "the delayed copy finished before the control read"
+    assert torch.equal(ordered, src_value)

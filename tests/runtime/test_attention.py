@@ -55,4 +55,5 @@ def test_set_batch_rewrites_static_buffers_in_place():
     cache.set_batch([[4, 2], [7]], [6, 3])
     cache.set_batch([[1]], [2])
     assert cache.block_offsets.data_ptr() == offsets and cache.kv_lens.data_ptr() == lens
-    assert cache.block_offsets.tolist() == [[1, 0, 0], [7, 0, 0]] and cache.kv_lens.tolist() == [2, 3]
+    # unused columns point at the scratch block (8), never at a block of the pool
+    assert cache.block_offsets.tolist() == [[1, 8, 8], [7, 8, 8]] and cache.kv_lens.tolist() == [2, 3]

@@ -19,12 +19,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from trtllm_vtoken.policies import POLICIES
-    from trtllm_vtoken.reclaim import PLANNERS
+    from trtllm_vtoken.reclaim import PLANNERS, cuda_kernel
     from trtllm_vtoken.workloads import WORKLOADS
 
     print(f"trtllm_vtoken {__version__} (Python {platform.python_version()})")
     print("core implementation: python (numpy reference)")
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
+    print(f"CUDA relocation kernel: {cuda_kernel.describe()}")
     print(f"numpy {numpy.__version__}")
     print(f"policies: {', '.join(POLICIES.names())}")
     print(f"compaction modes: {', '.join(PLANNERS.names())}")

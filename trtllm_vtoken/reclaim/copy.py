@@ -7,7 +7,8 @@ KV pools are laid out as TensorRT-LLM's primary pools, HND inside a block:
 
 One move copies a token's K and V in every layer and head: ``pool[db, :, :, :, do, :] =
 pool[sb, :, :, :, so, :]``. ``relocate_slots`` is the reference (the spec the CUDA kernel must
-match bit for bit). On CUDA, ``TorchCopyExecutor`` runs it on a side stream that first waits for
+match bit for bit). On CUDA, ``TorchCopyExecutor`` runs the CUDA kernel (``cuda_kernel.py``; torch
+indexing where the kernel is not built) on a side stream that first waits for
 the compute stream (the KV being moved was written there) and records an event after it; the
 compute stream waits on that event before the next attention (I3). Nothing calls a device-wide
 synchronize.
@@ -73,9 +74,17 @@ def relocate_slots(pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch
 
 
 class TorchCopyExecutor(CopyExecutor):
-    """The torch copy executor: synchronous on CPU, side stream + event on CUDA."""
+    """The torch copy executor: synchronous on CPU, side stream + event on CUDA.
 
-    def __init__(self, pools: Sequence[torch.Tensor]) -> None:
+    Args:
+        kernel: on CUDA, "auto" uses the CUDA relocation kernel when it is built, "cuda" requires
+            it (RuntimeError if absent), "torch" always uses torch indexing. Ignored on CPU.
+        copy_delay_cycles: test hook for I3: the side stream spins this many GPU cycles before the
+            copy, so a consumer that skips the event wait reads stale KV.
+    """
+
+    def __init__(self, pools: Sequence[torch.Tensor], kernel: str = "auto",
+                 copy_delay_cycles: int = 0) -> None:
         if not pools:
             raise ValueError("need at least one KV pool")
         shapes = {(p.shape[0], p.shape[4], p.device) if p.dim() == 6 else None for p in pools}
@@ -86,11 +95,20 @@ class TorchCopyExecutor(CopyExecutor):
             )
         self.pools = list(pools)
         self.device = pools[0].device
+        if kernel not in ("auto", "cuda", "torch"):
+            raise ValueError(f"kernel must be 'auto', 'cuda' or 'torch', got {kernel!r}")
         self._stream = None
+        self.uses_kernel = False
+        self.copy_delay_cycles = copy_delay_cycles
         if self.device.type == "cuda":
             import torch
 
+            from trtllm_vtoken.reclaim import cuda_kernel
+
             self._stream = torch.cuda.Stream(self.device)
+            if kernel == "cuda" and cuda_kernel.load() is None:
+                raise RuntimeError("kernel='cuda' but the CUDA relocation kernel is not built")
+            self.uses_kernel = kernel != "torch" and cuda_kernel.load() is not None
 
     def bytes_per_move(self) -> int:
         return sum(p[0, :, :, :, 0].numel() * p.element_size() for p in self.pools)
@@ -111,8 +129,15 @@ class TorchCopyExecutor(CopyExecutor):
         indices = torch.tensor([plan.src_slots, plan.dst_slots], dtype=torch.int64).pin_memory()
         with torch.cuda.stream(self._stream):
             on_device = indices.to(self.device, non_blocking=True)
+            if self.copy_delay_cycles:
+                torch.cuda._sleep(self.copy_delay_cycles)
             for pool in self.pools:
-                relocate_slots(pool, on_device[0], on_device[1])
+                if self.uses_kernel:
+                    from trtllm_vtoken.reclaim.cuda_kernel import relocate_slots_cuda
+
+                    relocate_slots_cuda(pool, on_device[0], on_device[1], self._stream)
+                else:
+                    relocate_slots(pool, on_device[0], on_device[1])
             event = torch.cuda.Event()
             event.record(self._stream)
         return CopyHandle(plan, event, keepalive=(indices, on_device))

@@ -41,6 +41,15 @@ class EngineConfig:
     """Check I1/I2/I4 on every relocation (slower; on in tests)."""
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: str = "cpu"
+    cuda_graphs: bool = True
+    """On a CUDA device, decode steps replay captured CUDA graphs (one per batch-size bucket);
+    ignored on CPU."""
+    relocation_kernel: Literal["auto", "cuda", "torch"] = "auto"
+    """On CUDA: "auto" uses the CUDA relocation kernel when it is built, "cuda" requires it,
+    "torch" copies with torch indexing."""
+    synchronous_copies: bool = False
+    """On CUDA: wait on the host for every relocation instead of ordering the compute stream
+    after its event (the ablation of the asynchronous side-stream copy)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -50,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"mode must be 'dense' or 'lazy', got {self.mode!r}")
         if self.admission not in ("peak", "greedy"):
             raise ValueError(f"admission must be 'peak' or 'greedy', got {self.admission!r}")
+        if self.relocation_kernel not in ("auto", "cuda", "torch"):
+            raise ValueError(f"relocation_kernel must be 'auto', 'cuda' or 'torch', got {self.relocation_kernel!r}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         for name in ("tokens_per_block", "num_blocks", "max_batch_size", "max_seq_len",

@@ -70,6 +70,12 @@ class Engine:
             tokenizer.eos_token_ids if tokenizer else frozenset())
         self.kv = KVCacheManager(self.config, model.config,
                                  model.shape.kv_bytes_per_token if self.simulated else None)
+        self.graphs = None
+        if not self.simulated and self.config.cuda_graphs and self.kv.cache.pool.is_cuda:
+            from trtllm_vtoken.runtime.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv.cache, self.config.max_batch_size,
+                                       masked=self.kv.masks_positions, return_mass=self.kv.needs_attention)
         self.stats = EngineStats()
         self.requests: dict[int, Request] = {}
         self.waiting: deque[int] = deque()
@@ -204,12 +210,15 @@ class Engine:
             positions[i, : len(row)] = torch.arange(first, first + len(row))
             slots[i, : len(row)] = torch.tensor(kv.staged_slots(req_id))
         valid = kv.set_batch(req_ids)
-        q_lens = torch.tensor([len(t) for t in tokens])
-        q_lens = q_lens.to(device)
-        logits, mass = self.model(
-            input_ids.to(device), positions.to(device), slots.to(device), q_lens,
-            kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1,
-        )
+        if self.graphs is not None and longest == 1:
+            logits, mass = self.graphs.run(input_ids, positions, slots, valid)
+            mass = None if mass is None else mass.clone()  # the graph's output buffer is reused
+        else:
+            q_lens = torch.tensor([len(t) for t in tokens]).to(device)
+            logits, mass = self.model(
+                input_ids.to(device), positions.to(device), slots.to(device), q_lens,
+                kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1,
+            )
         last = logits.float().cpu()
         for req_id in req_ids:
             kv.commit(req_id)

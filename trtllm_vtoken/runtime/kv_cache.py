@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The KV pool and the block-offsets table, laid out like TensorRT-LLM's.
 
-    pool:           [num_blocks, num_layers, 2 (K, V), num_kv_heads, tokens_per_block, head_dim]
+    pool:           [num_blocks + 1, num_layers, 2 (K, V), num_kv_heads, tokens_per_block, head_dim]
     block_offsets:  int32 [max_seqs, max_blocks_per_seq]    row = batch slot, entries = block ids
     kv_lens:        int32 [max_seqs]                          physical KV length per batch slot
 
 ``block_offsets`` and ``kv_lens`` are allocated once and rewritten in place before every step, so
-a captured CUDA graph keeps reading the same memory (design §5).
+a captured CUDA graph keeps reading the same memory (design §5). The pool's last block is a
+scratch block outside the block pool: padding tokens (slot -1) write there, so writes need no
+data-dependent indexing and a padded batch can be captured.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         self.tokens_per_block = tokens_per_block
+        self.scratch_block = num_blocks
         self.pool = torch.zeros(
-            num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, head_dim, dtype=dtype, device=device
+            num_blocks + 1, num_layers, 2, num_kv_heads, tokens_per_block, head_dim, dtype=dtype, device=device
         )
         self.block_offsets = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.kv_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
@@ -45,16 +48,18 @@ class PagedKVCache:
         if len(block_lists) > max_seqs or any(len(b) > max_blocks for b in block_lists):
             raise ValueError(f"batch exceeds the block-offsets table [{max_seqs}, {max_blocks}]")
         self.active_blocks = max((len(b) for b in block_lists), default=1) or 1
-        rows = torch.zeros(len(block_lists), max_blocks, dtype=torch.int32)
+        rows = torch.full((len(block_lists), max_blocks), self.scratch_block, dtype=torch.int32)
         for i, blocks in enumerate(block_lists):
             rows[i, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
         self.block_offsets[: len(block_lists)].copy_(rows, non_blocking=True)
         self.kv_lens[: len(kv_lens)].copy_(torch.tensor(list(kv_lens), dtype=torch.int32), non_blocking=True)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stores new K/V. slots: [T] flat slots; k, v: [T, num_kv_heads, head_dim]."""
+        """Stores new K/V. slots: [T] flat slots, -1 for padding (written to the scratch block);
+        k, v: [T, num_kv_heads, head_dim]."""
         tpb = self.tokens_per_block
-        blocks, offsets = slots // tpb, slots % tpb
+        blocks = torch.where(slots >= 0, slots // tpb, self.scratch_block)
+        offsets = slots % tpb
         self.pool[blocks, layer, 0, :, offsets] = k.to(self.pool.dtype)
         self.pool[blocks, layer, 1, :, offsets] = v.to(self.pool.dtype)
 

@@ -75,7 +75,8 @@ class KVCacheManager:
         self.backend: ReclaimBackend | None = None
         if config.variant == "vtoken":
             reclaim = ReclaimConfig(config.mode, config.fragmentation_threshold, config.check_invariants)
-            executor = (TorchCopyExecutor([self.cache.pool]) if self.cache is not None
+            executor = (TorchCopyExecutor([self.cache.pool], kernel=config.relocation_kernel)
+                        if self.cache is not None
                         else AccountingCopyExecutor(simulated_bytes_per_token))
             self.backend = ReclaimBackend(self.table, self.pool, executor, reclaim)
         self.admission = AdmissionController(self.pool, AdmissionConfig(
@@ -147,13 +148,12 @@ class KVCacheManager:
         static tables. Returns the validity mask [B, max_blocks * tpb] when dead tokens may still
         sit below kv_len (naive-evict, lazy mode), else None."""
         rows = [self._staged[r] for r in req_ids]
-        dense = self.policy is None or (self.backend is not None and self.config.mode == "dense")
         # Dense compaction left no hole: every position below kv_len is live.
-        assert not dense or all(self.table.num_live(r) == self.table.kv_len(r) for r in req_ids)
+        assert self.masks_positions or all(self.table.num_live(r) == self.table.kv_len(r) for r in req_ids)
         if self.cache is None:
             return None
         self.cache.set_batch([blocks for blocks, _ in rows], [length for _, length in rows])
-        if dense:
+        if not self.masks_positions:
             return None
         valid = np.zeros((len(req_ids), self.cache.block_offsets.shape[1] * self.config.tokens_per_block), bool)
         for i, req_id in enumerate(req_ids):
@@ -161,6 +161,11 @@ class KVCacheManager:
             valid[i, :old] = self.table.position_live_mask(req_id)
             valid[i, old : rows[i][1]] = True
         return torch.from_numpy(valid).to(self.cache.pool.device)
+
+    @property
+    def masks_positions(self) -> bool:
+        """Dead tokens may sit below kv_len (naive-evict, lazy mode): attention needs a mask."""
+        return self.policy is not None and not (self.backend is not None and self.config.mode == "dense")
 
     def commit(self, req_id: int) -> None:
         """The reserved tokens are written: they join the token table with the next logical ids."""
@@ -189,7 +194,8 @@ class KVCacheManager:
     def reclaim(self, req_id: int, pressure: bool = False) -> int:
         """Frees what the variant can free of this request; returns the blocks freed."""
         if self.backend is not None:
-            stream = torch.cuda.current_stream() if self.cache is not None and self.cache.pool.is_cuda else None
+            on_cuda = self.cache is not None and self.cache.pool.is_cuda and not self.config.synchronous_copies
+            stream = torch.cuda.current_stream() if on_cuda else None
             return self.backend.reclaim([req_id], pressure=pressure, stream=stream)
         if self.policy is not None:
             freed = release_dead_blocks(self.table, self.pool, req_id)

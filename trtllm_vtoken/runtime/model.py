@@ -179,12 +179,11 @@ class LlamaForCausalLM(nn.Module):
             position (or None).
         """
         x = self.model.embed_tokens(input_ids)
-        real = slots >= 0
         mass_total = None
         for layer_idx, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
             q, k, v = layer.self_attn.qkv(h, positions)
-            cache.write(layer_idx, slots[real], k[real], v[real])
+            cache.write(layer_idx, slots.flatten(), k.flatten(0, 1), v.flatten(0, 1))
             out, mass = paged_attention(q, cache, layer_idx, q_lens, valid, return_mass)
             x = x + layer.self_attn.o_proj(out.flatten(2))
             x = x + layer.mlp(layer.post_attention_layernorm(x))

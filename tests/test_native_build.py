@@ -1,0 +1,25 @@
+# SPDX-License-Identifier: Apache-2.0
+"""cpp/ configures and compiles wherever nvcc and cmake are present (nothing runs without a GPU)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(not (shutil.which("nvcc") and shutil.which("cmake")), reason="needs nvcc and cmake")
+def test_cuda_relocation_kernel_compiles(tmp_path):
+    build = tmp_path / "build"
+    configure = subprocess.run(
+        ["cmake", "-S", str(ROOT / "cpp"), "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=90-real"],
+        capture_output=True, text=True)
+    assert configure.returncode == 0, configure.stdout + configure.stderr
+    assert "building the CUDA relocation kernel" in configure.stdout
+    compiled = subprocess.run(["cmake", "--build", str(build), "-j", "2"], capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stdout + compiled.stderr
+    assert (build / "libvtoken_relocate.so").exists() and (build / "relocate_kv_check").exists()

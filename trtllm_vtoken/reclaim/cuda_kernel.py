@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The CUDA relocation kernel (``cpp/cuda/relocate_kv.cu``), loaded through its plain C ABI.
+
+The kernel moves a plan's token slots in every layer, K and V, in one launch on a given stream;
+``relocate_slots`` in ``copy.py`` is its specification (bit-exact). The library is optional: it is
+built by ``cpp/CMakeLists.txt`` where nvcc is present and found, in this order, at
+``$VTOKEN_RELOCATE_LIB`` or next to the package (``trtllm_vtoken/_native/``). Without it, the
+torch copy executor falls back to torch indexing on CUDA. Nothing here imports torch's CUDA parts
+at import time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+ABI_VERSION = 1
+LIBRARY_NAME = "libvtoken_relocate.so"
+
+
+def library_path() -> Path | None:
+    """Where the kernel library is, or None if it was not built."""
+    explicit = os.environ.get("VTOKEN_RELOCATE_LIB")
+    if explicit:
+        return Path(explicit)
+    bundled = Path(__file__).resolve().parent.parent / "_native" / LIBRARY_NAME
+    return bundled if bundled.exists() else None
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The loaded library, or None if absent. Raises RuntimeError for a broken or foreign one."""
+    path = library_path()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise RuntimeError(f"cannot load the CUDA relocation kernel {path}: {exc}") from None
+    lib.vtoken_relocate_kv_abi_version.restype = ctypes.c_int
+    if lib.vtoken_relocate_kv_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path}: ABI {lib.vtoken_relocate_kv_abi_version()}, expected {ABI_VERSION}")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.vtoken_relocate_kv.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr]
+    lib.vtoken_relocate_kv.restype = ctypes.c_int
+    return lib
+
+
+def describe() -> str:
+    """One line for ``vtoken info``."""
+    try:
+        lib = load()
+    except RuntimeError as exc:
+        return f"broken ({exc})"
+    return f"loaded from {library_path()}" if lib is not None else "not built (torch indexing on CUDA)"
+
+
+def relocate_slots_cuda(pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                        stream: Any = None) -> None:
+    """Enqueues ``pool[dst] = pool[src]`` (every layer, K and V) on ``stream`` (default: current).
+
+    Args:
+        pool: contiguous CUDA tensor [num_blocks, num_layers, 2, num_kv_heads, tokens_per_block,
+            head_dim], fp32/fp16/bf16; modified.
+        src_slots, dst_slots: [num_moves] int64 on the pool's device; destinations distinct and
+            disjoint from the sources (what the planner produces).
+    Raises:
+        RuntimeError if the library is absent or the launch fails; ValueError for bad arguments.
+    """
+    import torch
+
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CUDA relocation kernel is not built (see cpp/CMakeLists.txt)")
+    if not pool.is_cuda or pool.dim() != 6 or not pool.is_contiguous():
+        raise ValueError(f"pool must be a contiguous 6-D CUDA tensor, got {tuple(pool.shape)} on {pool.device}")
+    for name, slots in (("src_slots", src_slots), ("dst_slots", dst_slots)):
+        if slots.dtype != torch.int64 or slots.device != pool.device or slots.dim() != 1 or not slots.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 1-D int64 tensor on {pool.device}")
+    if src_slots.numel() != dst_slots.numel():
+        raise ValueError(f"{src_slots.numel()} sources but {dst_slots.numel()} destinations")
+    num_blocks, layers, kv, heads, tpb, head_dim = pool.shape
+    stream = stream if stream is not None else torch.cuda.current_stream(pool.device)
+    err = lib.vtoken_relocate_kv(
+        pool.data_ptr(), layers * kv * heads, tpb, head_dim * pool.element_size(),
+        src_slots.data_ptr(), dst_slots.data_ptr(), src_slots.numel(), stream.cuda_stream,
+    )
+    if err != 0:
+        raise RuntimeError(f"vtoken_relocate_kv failed with CUDA error {err}")
