@@ -25,7 +25,7 @@ banner environment
 banner build
 arch=$($py -c "import torch; print('%d%d' % torch.cuda.get_device_capability())")
 generator=$(command -v ninja >/dev/null && echo "-G Ninja")
-if cmake -S cpp -B build/gpu $generator -DCMAKE_CUDA_ARCHITECTURES="$arch-real" >/dev/null \
+if cmake -S cpp -B build/gpu $generator -DCMAKE_CUDA_ARCHITECTURES="$arch-real" -DVTOKEN_NATIVE_CORE=OFF >/dev/null \
     && cmake --build build/gpu -j "$(nproc)"; then
   export VTOKEN_RELOCATE_LIB=$PWD/build/gpu/libvtoken_relocate.so
 else

@@ -17,6 +17,9 @@ def register(sub) -> None:
     core.add_argument("--tokens-per-block", type=int, default=32, help="default 32")
     core.add_argument("--steps", type=int, default=50, help="timed decode steps (default 50)")
     core.add_argument("--mode", choices=["dense", "lazy", "both"], default="both")
+    core.add_argument("--impl", choices=["python", "cpp", "both"], default="both",
+                      help="Python specification, C++ core, or both in one run (default; python only "
+                           "where the C++ core is not built)")
     core.add_argument("--seed", type=int, default=0)
     _finish(core, "10 steps: a smoke run", run_core)
 
@@ -105,24 +108,34 @@ def run_core(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from trtllm_vtoken.bench.core import CoreBenchConfig, run_core_bench
+    from trtllm_vtoken.core.native import load as load_native
     from trtllm_vtoken.report import format_table
 
     modes = ["dense", "lazy"] if args.mode == "both" else [args.mode]
+    impls = ["python", "cpp"] if args.impl == "both" else [args.impl]
+    if args.impl == "both" and load_native() is None:
+        impls = ["python"]
+        print("note: the C++ core is not built; timing the Python specification only", file=sys.stderr)
     steps = 10 if args.quick else args.steps
     results = []
     for mode in modes:
-        cfg = CoreBenchConfig(
-            batch=args.batch, context=args.context, tokens_per_block=args.tokens_per_block,
-            steps=steps, warmup=min(5, steps), mode=mode, seed=args.seed,
-        )
-        with tqdm(total=cfg.warmup + cfg.steps, desc=f"bench core ({mode})", unit="step",
-                  disable=None, file=sys.stderr) as bar:
-            results.append(run_core_bench(cfg, progress=bar))
-    headers = ["mode", "sync us", "evict us", "plan us", "apply us", "step us (p50)", "step us (p90)",
-               "us/request", "metadata B/token"]
+        for impl in impls:
+            cfg = CoreBenchConfig(
+                batch=args.batch, context=args.context, tokens_per_block=args.tokens_per_block,
+                steps=steps, warmup=min(5, steps), mode=mode, impl=impl, seed=args.seed,
+            )
+            with tqdm(total=cfg.warmup + cfg.steps, desc=f"bench core ({impl}, {mode})", unit="step",
+                      disable=None, file=sys.stderr) as bar:
+                results.append(run_core_bench(cfg, progress=bar))
+    python_us = {r["config"]["mode"]: r["total_us_median"] for r in results if r["config"]["impl"] == "python"}
+    headers = ["impl", "mode", "sync us", "evict us", "plan us", "apply us", "step us (p50)", "step us (p90)",
+               "us/request", "vs python", "metadata B/token", "moves", "blocks freed"]
     rows = [
-        [r["config"]["mode"], *(r["step_us"][s] for s in ("sync", "evict", "plan", "apply")),
-         r["total_us_median"], r["total_us_p90"], r["per_request_us"], r["metadata_bytes_per_token"]]
+        [r["config"]["impl"], r["config"]["mode"],
+         *("-" if r["step_us"][s] is None else r["step_us"][s] for s in ("sync", "evict", "plan", "apply")),
+         r["total_us_median"], r["total_us_p90"], r["per_request_us"],
+         f"{python_us[r['config']['mode']] / r['total_us_median']:.1f}x" if r["config"]["mode"] in python_us else "-",
+         r["metadata_bytes_per_token"], r["moves"], r["blocks_freed"]]
         for r in results
     ]
     c = results[0]["config"]

@@ -23,7 +23,9 @@ def run(args: argparse.Namespace) -> int:
     from trtllm_vtoken.workloads import WORKLOADS
 
     print(f"trtllm_vtoken {__version__} (Python {platform.python_version()})")
-    print("core implementation: python (numpy reference)")
+    from trtllm_vtoken.core import native
+
+    print(f"core implementation: {native.describe()}")
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
     print(f"CUDA relocation kernel: {cuda_kernel.describe()}")
     print(f"numpy {numpy.__version__}")

@@ -4,7 +4,8 @@
 The kernel moves a plan's token slots in every layer, K and V, in one launch on a given stream;
 ``relocate_slots`` in ``copy.py`` is its specification (bit-exact). The library is optional: it is
 built by ``cpp/CMakeLists.txt`` where nvcc is present and found, in this order, at
-``$VTOKEN_RELOCATE_LIB`` or next to the package (``trtllm_vtoken/_native/``). Without it, the
+``$VTOKEN_RELOCATE_LIB``, next to the installed C++ core (an editable install keeps compiled files
+outside the source tree), or in ``trtllm_vtoken/_native/``. Without it, the
 torch copy executor falls back to torch indexing on CUDA. Nothing here imports torch's CUDA parts
 at import time.
 """
@@ -26,11 +27,16 @@ LIBRARY_NAME = "libvtoken_relocate.so"
 
 def library_path() -> Path | None:
     """Where the kernel library is, or None if it was not built."""
+    import importlib.util
+
     explicit = os.environ.get("VTOKEN_RELOCATE_LIB")
     if explicit:
         return Path(explicit)
-    bundled = Path(__file__).resolve().parent.parent / "_native" / LIBRARY_NAME
-    return bundled if bundled.exists() else None
+    folders = [Path(__file__).resolve().parent.parent / "_native"]
+    core = importlib.util.find_spec("trtllm_vtoken._native._core")
+    if core is not None and core.origin:
+        folders.insert(0, Path(core.origin).parent)
+    return next((f / LIBRARY_NAME for f in folders if (f / LIBRARY_NAME).exists()), None)
 
 
 @functools.cache

@@ -1,0 +1,116 @@
+// SPDX-License-Identifier: Apache-2.0
+// Python bindings of the C++ token table (trtllm_vtoken._native._core), used through
+// trtllm_vtoken/core/native.py. Errors map as the specification raises them: an unknown request
+// is a KeyError, bad input a ValueError.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "batch.h"
+#include "token_table.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using vtoken::Plan;
+using vtoken::TokenTable;
+
+using Ids = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+NB_MODULE(_core, m) {
+  m.doc() = "C++ token table and relocation planners (mirror of the Python specification)";
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const vtoken::UnknownRequest& e) {
+      PyErr_SetString(PyExc_KeyError, e.what());
+    }
+  });
+
+  nb::class_<Plan>(m, "Plan")
+      .def_ro("req_id", &Plan::req_id)
+      .def_ro("dense", &Plan::dense)
+      .def_ro("version", &Plan::version)
+      .def_ro("token_ids", &Plan::token_ids)
+      .def_ro("src_slots", &Plan::src_slots)
+      .def_ro("dst_slots", &Plan::dst_slots)
+      .def_ro("blocks_to_free", &Plan::blocks_to_free)
+      .def_ro("blocks_before", &Plan::blocks_before)
+      .def_ro("new_kv_len", &Plan::new_kv_len);
+
+  nb::class_<TokenTable>(m, "TokenTable")
+      .def(nb::init<int64_t>(), "tokens_per_block"_a)
+      .def_prop_ro("tokens_per_block", &TokenTable::tokens_per_block)
+      .def("set_shared", &TokenTable::set_shared, "block_id"_a, "shared"_a)
+      .def("add_request", &TokenTable::add_request, "req_id"_a)
+      .def("remove_request", &TokenTable::remove_request, "req_id"_a)
+      .def("sync_new_tokens", &TokenTable::sync_new_tokens, "req_id"_a, "block_ids"_a, "total_len"_a)
+      .def("evict_tokens", &TokenTable::evict_tokens, "req_id"_a, "token_ids"_a)
+      .def("apply_moves", &TokenTable::apply_moves, "req_id"_a, "token_ids"_a, "dst_slots"_a)
+      .def("truncate", &TokenTable::truncate, "req_id"_a, "new_kv_len"_a)
+      .def("release_blocks", &TokenTable::release_blocks, "req_id"_a, "block_ids"_a)
+      .def("request_ids", &TokenTable::request_ids)
+      .def("__contains__", &TokenTable::contains)
+      .def("hole_positions", &TokenTable::hole_positions, "req_id"_a)
+      .def("metadata_bytes_per_token", &TokenTable::metadata_bytes_per_token)
+      .def("plan_dense", &TokenTable::plan_dense, "req_id"_a)
+      .def("plan_lazy", &TokenTable::plan_lazy, "req_id"_a)
+      .def("fragmentation", &TokenTable::fragmentation, "req_id"_a)
+      .def("commit", &TokenTable::commit, "plan"_a)
+      .def("kv_len", [](const TokenTable& t, int64_t r) { return t.seq(r).kv_len; })
+      .def("num_tokens", [](const TokenTable& t, int64_t r) { return t.seq(r).num_tokens; })
+      .def("num_live", [](const TokenTable& t, int64_t r) { return t.seq(r).num_live; })
+      .def("version", [](const TokenTable& t, int64_t r) { return t.seq(r).version; })
+      .def("block_ids", [](const TokenTable& t, int64_t r) { return t.seq(r).block_ids; })
+      .def("is_live", [](const TokenTable& t, int64_t r, int64_t token) {
+        const auto& s = t.seq(r);
+        return token >= 0 && token < s.num_tokens && s.live[token] != 0;
+      })
+      .def(
+          "state",
+          [](const TokenTable& t, int64_t r) {
+            const auto& s = t.seq(r);
+            return nb::make_tuple(s.block_ids, s.kv_len, s.num_tokens, s.num_live, s.version,
+                                  std::vector<int64_t>(s.slot_of.begin(), s.slot_of.end()),
+                                  std::vector<int64_t>(s.live.begin(), s.live.end()),
+                                  std::vector<int64_t>(s.token_at.begin(), s.token_at.end()),
+                                  std::vector<int64_t>(s.live_per_block.begin(), s.live_per_block.end()),
+                                  s.pending_dead);
+          },
+          "req_id"_a, "Everything observable about one request, for parity checks.")
+      .def(
+          "step_batch",
+          [](TokenTable& t, Ids req_ids, Ids num_new, Ids new_block_offsets, Ids new_blocks,
+             Ids evict_offsets, Ids evict_ids, bool dense, int64_t threshold, bool pressure) {
+            const auto batch = static_cast<int64_t>(req_ids.shape(0));
+            if (num_new.shape(0) != static_cast<size_t>(batch) ||
+                new_block_offsets.shape(0) != static_cast<size_t>(batch + 1) ||
+                evict_offsets.shape(0) != static_cast<size_t>(batch + 1)) {
+              throw std::invalid_argument("step_batch: num_new needs one entry per request and "
+                                          "each offsets array one more");
+            }
+            auto check_csr = [batch](const Ids& offsets, const Ids& values, const char* name) {
+              const int64_t* o = offsets.data();
+              bool ok = o[0] == 0 && o[batch] <= static_cast<int64_t>(values.shape(0));
+              for (int64_t i = 0; ok && i < batch; ++i) ok = o[i] <= o[i + 1];
+              if (!ok) {
+                throw std::invalid_argument(std::string("step_batch: ") + name +
+                                            " must start at 0, never decrease and stay within its values");
+              }
+            };
+            check_csr(new_block_offsets, new_blocks, "new_block_offsets");
+            check_csr(evict_offsets, evict_ids, "evict_offsets");
+            vtoken::StepResult r;
+            {
+              nb::gil_scoped_release release;
+              r = vtoken::step_batch(t, req_ids.data(), batch, num_new.data(), new_block_offsets.data(),
+                                     new_blocks.data(), evict_offsets.data(), evict_ids.data(), dense,
+                                     threshold, pressure);
+            }
+            return nb::make_tuple(r.moves, r.freed_offsets, r.freed);
+          },
+          "req_ids"_a, "num_new"_a, "new_block_offsets"_a, "new_blocks"_a, "evict_offsets"_a,
+          "evict_ids"_a, "dense"_a, "fragmentation_threshold"_a = 1, "pressure"_a = false);
+}

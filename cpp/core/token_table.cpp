@@ -1,0 +1,331 @@
+// SPDX-License-Identifier: Apache-2.0
+// The token table's mutations and queries; each mirrors the Python method of the same name in
+// trtllm_vtoken/core/token_table.py (validation order and messages included).
+#include "token_table.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace vtoken {
+
+namespace {
+
+std::string req_prefix(int64_t req_id) { return "request " + std::to_string(req_id) + ": "; }
+
+[[noreturn]] void fail(int64_t req_id, const std::string& what) {
+  throw std::invalid_argument(req_prefix(req_id) + what);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool has_repeats(const std::vector<int64_t>& values) {
+  return IdSet(values.begin(), values.end()).distinct() != values.size();
+}
+
+}  // namespace
+
+std::string repr(const std::vector<int64_t>& values) {
+  std::ostringstream out;
+  out << '[';
+  for (size_t i = 0; i < values.size(); ++i) out << (i ? ", " : "") << values[i];
+  out << ']';
+  return out.str();
+}
+
+TokenTable::TokenTable(int64_t tokens_per_block) : tpb_(tokens_per_block) {
+  if (tokens_per_block <= 0) {
+    throw std::invalid_argument("tokens_per_block must be positive, got " + std::to_string(tokens_per_block));
+  }
+}
+
+void TokenTable::set_shared(int64_t block_id, bool shared) {
+  if (shared) {
+    shared_.insert(block_id);
+  } else {
+    shared_.erase(block_id);
+  }
+}
+
+const Sequence& TokenTable::seq(int64_t req_id) const {
+  auto it = seqs_.find(req_id);
+  if (it == seqs_.end()) throw UnknownRequest("unknown request " + std::to_string(req_id));
+  return it->second;
+}
+
+Sequence& TokenTable::mut(int64_t req_id) { return const_cast<Sequence&>(seq(req_id)); }
+
+void TokenTable::add_request(int64_t req_id) {
+  if (seqs_.count(req_id)) {
+    throw std::invalid_argument("request " + std::to_string(req_id) + " is already in the token table");
+  }
+  seqs_.emplace(req_id, Sequence{});
+  order_.push_back(req_id);
+}
+
+std::vector<int64_t> TokenTable::remove_request(int64_t req_id) {
+  std::vector<int64_t> blocks = seq(req_id).block_ids;
+  seqs_.erase(req_id);
+  order_.erase(std::find(order_.begin(), order_.end(), req_id));
+  return blocks;
+}
+
+int64_t TokenTable::sync_new_tokens(int64_t req_id, const std::vector<int64_t>& block_ids,
+                                    int64_t total_len) {
+  const Sequence& s = seq(req_id);
+  const size_t known = s.block_ids.size();
+  if (block_ids.size() < known || !std::equal(s.block_ids.begin(), s.block_ids.end(), block_ids.begin())) {
+    fail(req_id, "block list must extend the current one " + repr(s.block_ids) + ", got " + repr(block_ids));
+  }
+  return append_tokens(req_id, block_ids.data() + known, static_cast<int64_t>(block_ids.size() - known),
+                       total_len - s.kv_len);
+}
+
+int64_t TokenTable::append_tokens(int64_t req_id, const int64_t* added, int64_t num_added, int64_t num_new) {
+  Sequence& s = mut(req_id);
+  if (num_added) {
+    const std::vector<int64_t> fresh(added, added + num_added);
+    bool bad = has_repeats(fresh);
+    for (int64_t b : fresh) bad = bad || s.block_index.count(b) || b < 0;
+    if (bad) fail(req_id, "new blocks " + repr(fresh) + " repeat a block or are negative");
+  }
+  const int64_t num_blocks = static_cast<int64_t>(s.block_ids.size()) + num_added;
+  const int64_t capacity = num_blocks * tpb_;
+  const int64_t total_len = s.kv_len + num_new;
+  if (total_len < s.kv_len || total_len > capacity) {
+    fail(req_id, "total_len " + std::to_string(total_len) + " must lie in [" + std::to_string(s.kv_len) +
+                     ", " + std::to_string(capacity) + "] (current length, capacity of " +
+                     std::to_string(num_blocks) + " blocks)");
+  }
+  for (int64_t i = 0; i < num_added; ++i) {
+    s.block_index[added[i]] = static_cast<int64_t>(s.block_ids.size());
+    s.block_ids.push_back(added[i]);
+  }
+  s.token_at.resize(s.block_ids.size() * tpb_, kNoToken);
+  s.live_per_block.resize(s.block_ids.size(), 0);
+  const int64_t first_id = s.num_tokens;
+  for (int64_t pos = s.kv_len; pos < total_len; ++pos) {
+    const int64_t token = first_id + (pos - s.kv_len);
+    s.slot_of.push_back(static_cast<int32_t>(s.block_ids[pos / tpb_] * tpb_ + pos % tpb_));
+    s.live.push_back(1);
+    s.token_at[pos] = static_cast<int32_t>(token);
+    s.live_per_block[pos / tpb_] += 1;
+  }
+  s.num_tokens += num_new;
+  s.num_live += num_new;
+  s.kv_len = total_len;
+  s.version += 1;
+  return first_id;
+}
+
+void TokenTable::evict_tokens(int64_t req_id, const std::vector<int64_t>& token_ids) {
+  Sequence& s = mut(req_id);
+  if (has_repeats(token_ids)) fail(req_id, "token ids to evict repeat: " + repr(token_ids));
+  std::vector<int64_t> positions;
+  positions.reserve(token_ids.size());
+  for (int64_t t : token_ids) {
+    if (t < 0 || t >= s.num_tokens) {
+      fail(req_id, "token id " + std::to_string(t) + " out of range [0, " + std::to_string(s.num_tokens) + ")");
+    }
+    if (!s.live[t]) fail(req_id, "token " + std::to_string(t) + " is already dead");
+    const int64_t slot = s.slot_of[t];
+    if (is_shared(slot / tpb_)) {
+      fail(req_id, "token " + std::to_string(t) + " is protected: block " + std::to_string(slot / tpb_) + " is shared");
+    }
+    positions.push_back(s.block_index.at(slot / tpb_) * tpb_ + slot % tpb_);
+  }
+  for (size_t i = 0; i < token_ids.size(); ++i) {
+    s.live[token_ids[i]] = 0;
+    s.live_per_block[positions[i] / tpb_] -= 1;
+  }
+  s.pending_dead.insert(s.pending_dead.end(), positions.begin(), positions.end());
+  s.num_live -= static_cast<int64_t>(token_ids.size());
+  s.version += 1;
+}
+
+int64_t TokenTable::position_of_token(int64_t req_id, const Sequence& s, int64_t token_id) const {
+  if (token_id < 0 || token_id >= s.num_tokens) {
+    fail(req_id, "token id " + std::to_string(token_id) + " out of range [0, " + std::to_string(s.num_tokens) + ")");
+  }
+  const int64_t slot = s.slot_of[token_id];
+  if (slot == kNoSlot) fail(req_id, "token " + std::to_string(token_id) + " holds no slot to move from");
+  return s.block_index.at(slot / tpb_) * tpb_ + slot % tpb_;
+}
+
+int64_t TokenTable::writable_position(int64_t req_id, const Sequence& s, int64_t slot) const {
+  // Python's divmod floors; only non-negative slots reach the lookup.
+  const int64_t block_id = slot >= 0 ? slot / tpb_ : -1;
+  if (slot < 0 || !s.block_index.count(block_id)) {
+    fail(req_id, "slot " + std::to_string(slot) + " is not in one of its blocks");
+  }
+  if (is_shared(block_id)) {
+    fail(req_id, "slot " + std::to_string(slot) + " is in shared block " + std::to_string(block_id));
+  }
+  const int64_t pos = s.block_index.at(block_id) * tpb_ + slot % tpb_;
+  if (pos >= s.kv_len) {
+    fail(req_id, "slot " + std::to_string(slot) + " lies beyond kv_len " + std::to_string(s.kv_len));
+  }
+  return pos;
+}
+
+void TokenTable::apply_moves(int64_t req_id, const std::vector<int64_t>& token_ids,
+                             const std::vector<int64_t>& dst_slots) {
+  Sequence& s = mut(req_id);
+  if (token_ids.size() != dst_slots.size()) {
+    fail(req_id, std::to_string(token_ids.size()) + " tokens but " + std::to_string(dst_slots.size()) +
+                     " destination slots");
+  }
+  if (has_repeats(token_ids) || has_repeats(dst_slots)) {
+    fail(req_id, "a token or a destination slot repeats in the moves");
+  }
+  std::vector<int64_t> src_pos, dst_pos;
+  for (int64_t t : token_ids) src_pos.push_back(position_of_token(req_id, s, t));
+  for (int64_t d : dst_slots) dst_pos.push_back(writable_position(req_id, s, d));
+  const IdSet moving_from(src_pos.begin(), src_pos.end());
+  for (size_t i = 0; i < token_ids.size(); ++i) {
+    if (moving_from.count(dst_pos[i])) {
+      fail(req_id, "slot " + std::to_string(dst_slots[i]) + " is the source of another move");
+    }
+    const int32_t occupant = s.token_at[dst_pos[i]];
+    if (occupant != kNoToken && s.live[occupant]) {
+      fail(req_id, "slot " + std::to_string(dst_slots[i]) + " is occupied by live token " + std::to_string(occupant));
+    }
+    if (is_shared(s.block_ids[src_pos[i] / tpb_])) {
+      fail(req_id, "token " + std::to_string(token_ids[i]) + " sits in a shared block");
+    }
+  }
+  std::vector<int64_t> filled;
+  for (size_t i = 0; i < token_ids.size(); ++i) {
+    const int64_t t = token_ids[i], src = src_pos[i], pos = dst_pos[i];
+    const int32_t occupant = s.token_at[pos];
+    if (occupant != kNoToken) s.slot_of[occupant] = kNoSlot;
+    s.token_at[src] = kNoToken;
+    s.token_at[pos] = static_cast<int32_t>(t);
+    s.slot_of[t] = static_cast<int32_t>(dst_slots[i]);
+    if (s.live[t]) {
+      s.live_per_block[src / tpb_] -= 1;
+      s.live_per_block[pos / tpb_] += 1;
+      filled.push_back(pos);
+    }
+  }
+  const IdSet filled_set(filled.begin(), filled.end());
+  std::vector<int64_t> pending;
+  for (int64_t p : s.pending_dead) {
+    if (!filled_set.count(p)) pending.push_back(p);
+  }
+  pending.insert(pending.end(), src_pos.begin(), src_pos.end());
+  s.pending_dead = std::move(pending);
+  s.version += 1;
+}
+
+std::vector<int64_t> TokenTable::truncate(int64_t req_id, int64_t new_kv_len) {
+  Sequence& s = mut(req_id);
+  if (new_kv_len < 0 || new_kv_len > s.kv_len) {
+    fail(req_id, "new length " + std::to_string(new_kv_len) + " not in [0, " + std::to_string(s.kv_len) + "]");
+  }
+  for (int64_t p = new_kv_len; p < s.kv_len; ++p) {
+    if (s.live_at(p)) fail(req_id, "live tokens beyond new length " + std::to_string(new_kv_len));
+  }
+  const int64_t keep_blocks = ceil_div(new_kv_len, tpb_);
+  std::vector<int64_t> released(s.block_ids.begin() + keep_blocks, s.block_ids.end());
+  std::vector<int64_t> shared;
+  for (int64_t b : released) {
+    if (is_shared(b)) shared.push_back(b);
+  }
+  if (!shared.empty()) fail(req_id, "cannot release shared blocks " + repr(shared));
+  for (int64_t p = new_kv_len; p < s.kv_len; ++p) {
+    if (s.token_at[p] != kNoToken) s.slot_of[s.token_at[p]] = kNoSlot;
+    s.token_at[p] = kNoToken;
+  }
+  for (int64_t b : released) s.block_index.erase(b);
+  s.block_ids.resize(keep_blocks);
+  s.token_at.resize(keep_blocks * tpb_);
+  s.live_per_block.resize(keep_blocks);
+  s.kv_len = new_kv_len;
+  std::vector<int64_t> pending;
+  for (int64_t p : s.pending_dead) {
+    if (p < new_kv_len) pending.push_back(p);
+  }
+  s.pending_dead = std::move(pending);
+  s.version += 1;
+  return released;
+}
+
+void TokenTable::release_blocks(int64_t req_id, const std::vector<int64_t>& block_ids) {
+  Sequence& s = mut(req_id);
+  if (has_repeats(block_ids)) fail(req_id, "blocks to release repeat: " + repr(block_ids));
+  for (int64_t b : block_ids) {
+    auto it = s.block_index.find(b);
+    if (it == s.block_index.end()) fail(req_id, "block " + std::to_string(b) + " is not one of its blocks");
+    if (is_shared(b)) fail(req_id, "cannot release shared block " + std::to_string(b));
+    if (s.live_per_block[it->second]) fail(req_id, "block " + std::to_string(b) + " still holds live tokens");
+  }
+  if (block_ids.empty()) return;
+  const int64_t num_blocks = static_cast<int64_t>(s.block_ids.size());
+  std::vector<int64_t> drop;
+  for (int64_t b : block_ids) drop.push_back(s.block_index.at(b));
+  std::sort(drop.begin(), drop.end());
+  std::vector<bool> keep(num_blocks, true);
+  for (int64_t i : drop) keep[i] = false;
+  std::vector<int32_t> token_at;
+  std::vector<int32_t> live_per_block;
+  std::vector<int64_t> kept_ids;
+  int64_t covered = 0;
+  for (int64_t i = 0; i < num_blocks; ++i) {
+    if (keep[i]) {
+      token_at.insert(token_at.end(), s.token_at.begin() + i * tpb_, s.token_at.begin() + (i + 1) * tpb_);
+      live_per_block.push_back(s.live_per_block[i]);
+      kept_ids.push_back(s.block_ids[i]);
+      continue;
+    }
+    for (int64_t p = i * tpb_; p < (i + 1) * tpb_; ++p) {
+      if (s.token_at[p] != kNoToken) s.slot_of[s.token_at[p]] = kNoSlot;
+    }
+    covered += std::clamp<int64_t>(s.kv_len - i * tpb_, 0, tpb_);
+  }
+  s.token_at = std::move(token_at);
+  s.live_per_block = std::move(live_per_block);
+  s.block_ids = std::move(kept_ids);
+  s.block_index.clear();
+  for (size_t i = 0; i < s.block_ids.size(); ++i) s.block_index[s.block_ids[i]] = static_cast<int64_t>(i);
+  s.kv_len -= covered;
+  std::vector<int64_t> pending;
+  for (int64_t p : s.pending_dead) {
+    const int64_t block = p / tpb_;
+    if (!keep[block]) continue;
+    const int64_t shift = std::upper_bound(drop.begin(), drop.end(), block) - drop.begin();
+    pending.push_back(p - shift * tpb_);
+  }
+  s.pending_dead = std::move(pending);
+  s.version += 1;
+}
+
+std::vector<int64_t> TokenTable::hole_positions(int64_t req_id) {
+  Sequence& s = mut(req_id);
+  auto is_hole = [&](int64_t p) { return s.token_at[p] == kNoToken || !s.live[s.token_at[p]]; };
+  if (s.pending_dead.size() == 1) {  // the decode step's single eviction
+    const int64_t p = s.pending_dead[0];
+    if (p < s.kv_len && is_hole(p)) return {p};
+  }
+  std::vector<int64_t> holes;
+  for (int64_t p : s.pending_dead) {
+    if (p < s.kv_len) holes.push_back(p);
+  }
+  std::sort(holes.begin(), holes.end());
+  holes.erase(std::unique(holes.begin(), holes.end()), holes.end());
+  holes.erase(std::remove_if(holes.begin(), holes.end(), [&](int64_t p) { return !is_hole(p); }), holes.end());
+  s.pending_dead = holes;  // drop stale hints (filled or truncated positions)
+  return holes;
+}
+
+double TokenTable::metadata_bytes_per_token() const {
+  int64_t tokens = 0, bytes = 0;
+  for (const auto& [req_id, s] : seqs_) {
+    const auto blocks = static_cast<int64_t>(s.block_ids.size());
+    tokens += s.num_tokens;
+    bytes += s.num_tokens * (sizeof(int32_t) + sizeof(uint8_t)) + blocks * tpb_ * sizeof(int32_t) +
+             blocks * sizeof(int32_t);
+  }
+  return static_cast<double>(bytes) / static_cast<double>(std::max<int64_t>(tokens, 1));
+}
+
+}  // namespace vtoken

@@ -1,0 +1,152 @@
+// SPDX-License-Identifier: Apache-2.0
+// The token table and relocation planners in C++17: a mirror of the Python specification
+// (trtllm_vtoken/core/token_table.py, core/sequence.py, core/table_queries.py and
+// reclaim/planner.py). Same state, same results, same error messages; a hypothesis parity test
+// drives both with the same operation sequences.
+//
+// One request, tokens_per_block B = 4, after a few evictions (L live, . dead, _ empty):
+//
+//     block_ids  = [7, 2, 9]
+//     token_at   = [0 1 2 3 | 4 5 6 7 | 8 _ _ _]   position -> logical id (kNoToken if empty)
+//     liveness     L L . L   . L L L   L          live[token_at[p]]
+//     kv_len     = 9
+//     slot_of[5] = 2 * B + 1                      logical id -> flat slot (block * B + offset)
+//
+// Errors: every mutation validates all of its input first and throws, changing nothing:
+// UnknownRequest (KeyError in Python) for an unknown request, std::invalid_argument (ValueError)
+// for everything else. The batch calls apply requests in order: on an error, the requests before
+// the failing one stay applied, exactly as a Python loop over the single calls would leave them.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace vtoken {
+
+constexpr int32_t kNoSlot = -1;
+constexpr int32_t kNoToken = -1;
+
+struct UnknownRequest : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Sequence {
+  std::vector<int64_t> block_ids;
+  std::unordered_map<int64_t, int64_t> block_index;  // block id -> index in block_ids
+  int64_t num_tokens = 0, kv_len = 0, num_live = 0, version = 0;
+  std::vector<int32_t> slot_of;         // [num_tokens]
+  std::vector<uint8_t> live;            // [num_tokens]
+  std::vector<int32_t> token_at;        // [len(block_ids) * tokens_per_block]
+  std::vector<int32_t> live_per_block;  // [len(block_ids)]
+  std::vector<int64_t> pending_dead;    // positions evicted since the last relocation
+
+  bool live_at(int64_t pos) const {
+    const int32_t t = token_at[pos];
+    return t != kNoToken && live[t];
+  }
+};
+
+// Plan of one request, as reclaim/plan.py's RelocationPlan.
+struct Plan {
+  int64_t req_id = 0;
+  bool dense = true;
+  int64_t version = 0;
+  std::vector<int64_t> token_ids, src_slots, dst_slots, blocks_to_free;
+  int64_t blocks_before = 0;
+  int64_t new_kv_len = -1;  // dense: length after the moves; lazy: -1 (Python None)
+};
+
+class TokenTable {
+ public:
+  explicit TokenTable(int64_t tokens_per_block);
+
+  int64_t tokens_per_block() const { return tpb_; }
+  // Shared blocks (prefix caching): tokens in them can be neither evicted nor moved.
+  void set_shared(int64_t block_id, bool shared);
+  bool is_shared(int64_t block_id) const { return !shared_.empty() && shared_.count(block_id); }
+
+  // ---- requests and the contract (token_table.py) ----
+  void add_request(int64_t req_id);
+  std::vector<int64_t> remove_request(int64_t req_id);
+  // Returns the first new logical id; the new ids are [first, first + total_len - old kv_len).
+  int64_t sync_new_tokens(int64_t req_id, const std::vector<int64_t>& block_ids, int64_t total_len);
+  // sync_new_tokens(req, current blocks + added, kv_len + num_new) without building the list.
+  int64_t append_tokens(int64_t req_id, const int64_t* added, int64_t num_added, int64_t num_new);
+  void evict_tokens(int64_t req_id, const std::vector<int64_t>& token_ids);
+  void apply_moves(int64_t req_id, const std::vector<int64_t>& token_ids,
+                   const std::vector<int64_t>& dst_slots);
+  std::vector<int64_t> truncate(int64_t req_id, int64_t new_kv_len);
+  void release_blocks(int64_t req_id, const std::vector<int64_t>& block_ids);
+
+  // ---- queries (table_queries.py) ----
+  const Sequence& seq(int64_t req_id) const;
+  std::vector<int64_t> request_ids() const { return order_; }
+  bool contains(int64_t req_id) const { return seqs_.count(req_id) != 0; }
+  std::vector<int64_t> hole_positions(int64_t req_id);  // drops stale pending_dead hints
+  double metadata_bytes_per_token() const;
+
+  // ---- planning (reclaim/planner.py) ----
+  std::optional<Plan> plan_dense(int64_t req_id);
+  std::optional<Plan> plan_lazy(int64_t req_id);
+  int64_t fragmentation(int64_t req_id) const;
+  // Commits a plan whose copy has completed: version check (I4), apply_moves, then truncate
+  // (dense) or release_blocks (lazy). Returns the blocks freed.
+  std::vector<int64_t> commit(const Plan& plan);
+
+ private:
+  Sequence& mut(int64_t req_id);
+  int64_t position_of_token(int64_t req_id, const Sequence& s, int64_t token_id) const;
+  int64_t writable_position(int64_t req_id, const Sequence& s, int64_t slot) const;
+  Plan make_plan(int64_t req_id, bool dense, const std::vector<int64_t>& src_pos,
+                 const std::vector<int64_t>& dst_pos, std::vector<int64_t> blocks_to_free,
+                 int64_t new_kv_len) const;
+
+  int64_t tpb_;
+  std::unordered_map<int64_t, Sequence> seqs_;
+  std::vector<int64_t> order_;  // insertion order, as a Python dict
+  std::unordered_set<int64_t> shared_;
+};
+
+// Python's repr of a list of ints, for error messages identical to the specification's.
+std::string repr(const std::vector<int64_t>& values);
+
+// A set of ids for membership tests. Decode-step sets hold one or two entries, where a linear scan
+// beats hashing (and allocating); large sets hash.
+class IdSet {
+ public:
+  template <typename It>
+  IdSet(It first, It last) : small_(first, last) {
+    if (small_.size() > kLinear) {
+      hashed_.insert(small_.begin(), small_.end());
+    }
+  }
+  bool count(int64_t id) const {
+    if (small_.size() > kLinear) return hashed_.count(id) != 0;
+    for (int64_t x : small_) {
+      if (x == id) return true;
+    }
+    return false;
+  }
+  size_t distinct() const {
+    if (small_.size() > kLinear) return hashed_.size();
+    size_t n = 0;
+    for (size_t i = 0; i < small_.size(); ++i) {
+      bool seen = false;
+      for (size_t j = 0; j < i && !seen; ++j) seen = small_[j] == small_[i];
+      n += !seen;
+    }
+    return n;
+  }
+
+ private:
+  static constexpr size_t kLinear = 16;
+  std::vector<int64_t> small_;
+  std::unordered_set<int64_t> hashed_;
+};
+
+}  // namespace vtoken

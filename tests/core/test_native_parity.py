@@ -1,0 +1,222 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The C++ token table against the Python specification: the same random operation sequences
+(valid and invalid) give identical state, identical plans and identical errors, step by step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trtllm_vtoken.core import TokenTable
+from trtllm_vtoken.core.native import load, native_table, to_relocation_plan
+from trtllm_vtoken.reclaim.invariants import validate_plan
+from trtllm_vtoken.reclaim.planner import fragmentation, plan_dense, plan_lazy
+
+pytestmark = pytest.mark.skipif(load() is None, reason="the C++ token table is not built")
+
+OPS = ["add", "sync", "sync", "sync", "evict", "evict", "dense", "lazy", "moves", "truncate",
+       "release", "holes", "share", "remove"]
+
+
+class Pair:
+    """A Python and a C++ table driven together; every call must agree."""
+
+    def __init__(self, tpb: int) -> None:
+        self.tpb = tpb
+        self.shared: set[int] = set()
+        self.py = TokenTable(tpb, lambda b: b in self.shared)
+        self.cpp = native_table(tpb)
+        self.next_block = 0
+        self.next_req = 0
+
+    def both(self, py_call, cpp_call):
+        """Runs both; returns the common result, or the common exception (type and message)."""
+        outcomes = []
+        for call in (py_call, cpp_call):
+            try:
+                outcomes.append(("ok", call()))
+            except (ValueError, KeyError) as exc:
+                outcomes.append((type(exc).__name__, str(exc)))
+        assert outcomes[0] == outcomes[1], f"python {outcomes[0]} != cpp {outcomes[1]}"
+        return outcomes[0]
+
+    def state(self, req: int) -> tuple:
+        s, tpb = self.py.seq(req), self.tpb
+        nb = len(s.block_ids)
+        return (list(s.block_ids), s.kv_len, s.num_tokens, s.num_live, s.version,
+                s.slot_of[: s.num_tokens].tolist(), s.live[: s.num_tokens].tolist(),
+                s.token_at[: nb * tpb].tolist(), s.live_per_block[:nb].tolist(), list(s.pending_dead))
+
+    def check(self) -> None:
+        assert self.py.request_ids() == self.cpp.request_ids()
+        for req in self.py.request_ids():
+            assert self.state(req) == tuple(self.cpp.state(req)), f"request {req} differs"
+        assert self.py.metadata_bytes_per_token() == pytest.approx(self.cpp.metadata_bytes_per_token())
+
+
+def py_commit(table: TokenTable, plan) -> list[int]:
+    """What ReclaimBackend does at commit, without a copy: the C++ ``commit``'s specification."""
+    validate_plan(table, plan, (), full=False)
+    table.apply_moves(plan.req_id, plan.token_ids, plan.dst_slots)
+    if plan.new_kv_len is not None:
+        table.truncate(plan.req_id, plan.new_kv_len)
+    else:
+        table.release_blocks(plan.req_id, plan.blocks_to_free)
+    return list(plan.blocks_to_free)
+
+
+def plan_and_commit(pair: Pair, req: int, mode: str) -> None:
+    planner = plan_dense if mode == "dense" else plan_lazy
+    try:
+        py_plan = planner(pair.py, req)
+    except KeyError:
+        with pytest.raises(KeyError):
+            getattr(pair.cpp, f"plan_{mode}")(req)
+        return
+    cpp_plan = getattr(pair.cpp, f"plan_{mode}")(req)
+    assert (py_plan is None) == (cpp_plan is None)
+    if py_plan is None:
+        return
+    assert to_relocation_plan(cpp_plan) == py_plan
+    pair.both(lambda: py_commit(pair.py, py_plan), lambda: pair.cpp.commit(cpp_plan))
+
+
+def apply(pair: Pair, op: str, r: np.random.Generator) -> None:
+    reqs = pair.py.request_ids()
+    req = int(r.choice(reqs)) if reqs and r.random() < 0.95 else int(r.integers(0, 50))
+    tpb = pair.tpb
+    if op == "add" or not reqs:
+        target = req if r.random() < 0.1 else pair.next_req  # sometimes a duplicate id
+        pair.next_req += 1
+        pair.both(lambda: pair.py.add_request(target), lambda: pair.cpp.add_request(target))
+    elif op == "sync":
+        current = pair.py.block_ids(req) if req in pair.py else []
+        fresh = list(range(pair.next_block, pair.next_block + int(r.integers(0, 3))))
+        pair.next_block += len(fresh)
+        blocks = current + fresh
+        if r.random() < 0.1 and blocks:  # invalid: a repeated block, or a rewritten prefix
+            blocks = blocks + [blocks[0]] if r.random() < 0.5 else [blocks[-1]] + blocks[1:]
+        kv = pair.py.kv_len(req) if req in pair.py else 0
+        total = kv + int(r.integers(0, 2 * tpb)) if r.random() < 0.9 else len(blocks) * tpb + 1
+        total = min(total, len(blocks) * tpb) if r.random() < 0.9 else total
+        pair.both(lambda: pair.py.sync_new_tokens(req, blocks, total).start,
+                  lambda: pair.cpp.sync_new_tokens(req, blocks, total))
+    elif op == "evict":
+        n = pair.py.num_tokens(req) if req in pair.py else 3
+        ids = r.integers(-1, n + 1, size=int(r.integers(0, 4))).tolist()
+        if r.random() < 0.7 and req in pair.py:  # mostly valid: live ids
+            live = pair.py.live_ids(req).tolist()
+            ids = r.choice(live, size=min(len(live), int(r.integers(1, 4))), replace=False).tolist() if live else ids
+        pair.both(lambda: pair.py.evict_tokens(req, ids), lambda: pair.cpp.evict_tokens(req, ids))
+    elif op in ("dense", "lazy"):
+        plan_and_commit(pair, req, op)
+    elif op == "moves":
+        n = pair.py.num_tokens(req) if req in pair.py else 3
+        k = int(r.integers(0, 3))
+        ids = r.integers(0, max(n, 1), size=k).tolist()
+        dsts = r.integers(-1, pair.next_block * tpb + 1, size=k if r.random() < 0.9 else k + 1).tolist()
+        pair.both(lambda: pair.py.apply_moves(req, ids, dsts), lambda: pair.cpp.apply_moves(req, ids, dsts))
+    elif op == "truncate":
+        kv = pair.py.kv_len(req) if req in pair.py else 0
+        new = int(r.integers(-1, kv + 2))
+        if r.random() < 0.5 and req in pair.py:  # the longest valid truncation: after the last live
+            live = pair.py.position_live_mask(req)
+            new = int(np.flatnonzero(live)[-1] + 1) if live.any() else 0
+        pair.both(lambda: pair.py.truncate(req, new), lambda: pair.cpp.truncate(req, new))
+    elif op == "release":
+        blocks = pair.py.block_ids(req) if req in pair.py else [0]
+        counts = pair.py.live_counts_per_block(req).tolist() if req in pair.py else [1]
+        empty = [b for b, c in zip(blocks, counts) if c == 0]
+        pick = empty[: int(r.integers(0, 3))] if empty and r.random() < 0.7 else \
+            r.integers(0, pair.next_block + 1, size=int(r.integers(0, 3))).tolist()
+        pair.both(lambda: pair.py.release_blocks(req, pick), lambda: pair.cpp.release_blocks(req, pick))
+    elif op == "holes":
+        pair.both(lambda: pair.py.hole_positions(req), lambda: pair.cpp.hole_positions(req))
+    elif op == "share":
+        block = int(r.integers(0, pair.next_block + 1))
+        flag = block not in pair.shared
+        pair.shared.add(block) if flag else pair.shared.discard(block)
+        pair.cpp.set_shared(block, flag)
+    elif op == "remove":
+        pair.both(lambda: pair.py.remove_request(req), lambda: pair.cpp.remove_request(req))
+    if op in ("dense", "lazy") and req in pair.py:
+        assert fragmentation(pair.py, req) == pair.cpp.fragmentation(req)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=80), tpb=st.sampled_from([1, 2, 4, 5]),
+       seed=st.integers(0, 2**31))
+def test_random_operation_sequences_agree(ops, tpb, seed):
+    pair, rng = Pair(tpb), np.random.default_rng(seed)
+    for op in ops:
+        apply(pair, op, rng)
+        pair.check()
+
+
+def _python_step(table, pool_free, req_ids, new_blocks, num_new, evictions, mode, threshold, pressure):
+    """The loop ``step_batch`` is specified by."""
+    moves, freed = [], []
+    for req, added, n, victims in zip(req_ids, new_blocks, num_new, evictions):
+        table.sync_new_tokens(req, table.block_ids(req) + added, table.kv_len(req) + n)
+        table.evict_tokens(req, victims)
+        if mode == "dense":
+            plan = plan_dense(table, req)
+        else:
+            plan = plan_lazy(table, req) if pressure or fragmentation(table, req) >= threshold else None
+        moves.append(plan.num_moves if plan else 0)
+        freed.append(py_commit(table, plan) if plan else [])
+    return moves, freed
+
+
+@settings(max_examples=60, deadline=None)
+@given(mode=st.sampled_from(["dense", "lazy"]), tpb=st.sampled_from([2, 4, 8]), batch=st.integers(1, 6),
+       steps=st.integers(1, 25), threshold=st.integers(1, 3), seed=st.integers(0, 2**31))
+def test_step_batch_equals_the_python_loop(mode, tpb, batch, steps, threshold, seed):
+    rng = np.random.default_rng(seed)
+    pair = Pair(tpb)
+    next_block = 0
+    for req in range(batch):
+        n = int(rng.integers(1, 5 * tpb))
+        blocks = list(range(next_block, next_block + -(-n // tpb)))
+        next_block += len(blocks)
+        pair.py.add_request(req), pair.cpp.add_request(req)
+        pair.py.sync_new_tokens(req, blocks, n), pair.cpp.sync_new_tokens(req, blocks, n)
+    for _ in range(steps):
+        req_ids = rng.permutation(batch).tolist()
+        new_blocks, num_new, evictions = [], [], []
+        for req in req_ids:
+            n = int(rng.integers(0, 3))
+            need = -(-(pair.py.kv_len(req) + n) // tpb) - len(pair.py.block_ids(req))
+            new_blocks.append(list(range(next_block, next_block + max(need, 0))))
+            next_block += max(need, 0)
+            num_new.append(n)
+            live = pair.py.live_ids(req).tolist()
+            # victims among the tokens live before this step (all but the newest stay candidates)
+            k = min(len(live), int(rng.integers(0, 3)))
+            evictions.append(rng.choice(live, size=k, replace=False).tolist() if k else [])
+        pressure = bool(rng.random() < 0.2)
+        want = _python_step(pair.py, None, req_ids, new_blocks, num_new, evictions, mode, threshold, pressure)
+        as_csr = lambda rows: (np.cumsum([0] + [len(x) for x in rows]).astype(np.int64),  # noqa: E731
+                               np.array([v for x in rows for v in x], dtype=np.int64))
+        block_offsets, block_values = as_csr(new_blocks)
+        evict_offsets, evict_values = as_csr(evictions)
+        moves, freed_offsets, freed = pair.cpp.step_batch(
+            np.array(req_ids, dtype=np.int64), np.array(num_new, dtype=np.int64), block_offsets, block_values,
+            evict_offsets, evict_values, mode == "dense", threshold, pressure)
+        assert moves == want[0]
+        assert [freed[freed_offsets[i]: freed_offsets[i + 1]] for i in range(batch)] == want[1]
+        pair.check()
+
+
+def test_step_batch_rejects_inconsistent_arrays():
+    table = native_table(4)
+    table.add_request(0)
+    one = np.zeros(1, dtype=np.int64)
+    with pytest.raises(ValueError, match="one more"):
+        table.step_batch(one, one, one, one, one, one, True)
+    with pytest.raises(ValueError, match="new_block_offsets must start at 0"):
+        table.step_batch(one, one, np.array([0, 5], dtype=np.int64), one, np.zeros(2, dtype=np.int64), one, True)
+    with pytest.raises(KeyError, match="unknown request 3"):
+        table.step_batch(np.array([3]), one, np.zeros(2, dtype=np.int64), one, np.zeros(2, dtype=np.int64), one, True)

@@ -1,0 +1,52 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The C++ token table (``cpp/core``), when the package was built with it.
+
+It mirrors ``TokenTable`` and the planners exactly (same state, plans and error messages; a
+parity test drives both with the same random operation sequences) and adds ``step_batch``: a whole
+decode step's host work for every request of the batch in one call (register the new token,
+evict, plan, commit). The Python classes stay the specification and the fallback when the
+extension is absent; ``vtoken info`` shows which is active.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+from trtllm_vtoken.reclaim.plan import RelocationPlan
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled module, or None if the package was built without it."""
+    try:
+        from trtllm_vtoken._native import _core
+    except ImportError:
+        return None
+    return _core
+
+
+def describe() -> str:
+    """One line for ``vtoken info``."""
+    if load() is None:
+        return "python (numpy reference; the C++ core is not built)"
+    return "cpp (trtllm_vtoken._native._core; the Python classes remain the specification)"
+
+
+def native_table(tokens_per_block: int) -> Any:
+    """A C++ ``TokenTable``. Raises RuntimeError if the extension is not built."""
+    core = load()
+    if core is None:
+        raise RuntimeError("the C++ token table is not built (install the package with its cpp/ build)")
+    return core.TokenTable(tokens_per_block)
+
+
+def to_relocation_plan(plan: Any) -> RelocationPlan:
+    """The Python plan form of a C++ plan (what copy executors consume)."""
+    return RelocationPlan(
+        req_id=plan.req_id, mode="dense" if plan.dense else "lazy", version=plan.version,
+        token_ids=tuple(plan.token_ids), src_slots=tuple(plan.src_slots), dst_slots=tuple(plan.dst_slots),
+        blocks_to_free=tuple(plan.blocks_to_free), blocks_before=plan.blocks_before,
+        new_kv_len=None if plan.new_kv_len < 0 else plan.new_kv_len,
+    )
