@@ -42,7 +42,7 @@ timeout 180 $py -m pytest -q -m cuda tests/runtime tests/reclaim -p no:cacheprov
   | tee "$out/cuda_tests.txt" || status=1
 
 banner vtoken bench gpu
-timeout 200 $py -m trtllm_vtoken.cli bench gpu --out "$out" 2>&1 | tee "$out/bench_gpu.txt" || status=1
+timeout 420 $py -m trtllm_vtoken.cli bench gpu --out "$out" 2>&1 | tee "$out/bench_gpu.txt" || status=1
 
 banner "done: status $status"
 exit $status

@@ -46,6 +46,9 @@ class GpuBenchConfig:
     dtype: str = "bfloat16"
     copy_moves: tuple[int, ...] = (256, 1024, 4096, 16384)
     decode_batches: tuple[int, ...] = (1, 8, 32, 64)
+    repeats: int = 3
+    """Engine runs per row, in alternating order (forward, backward, ...): tokens/s is the
+    median and the spread shows the run-to-run noise."""
     seed: int = 0
 
     def engine_config(self, **overrides: Any) -> EngineConfig:
@@ -157,17 +160,25 @@ def engine_bench(cfg: GpuBenchConfig, model, progress=None) -> list[dict[str, An
     prompts = [torch.randint(0, model.config.vocab_size, (cfg.prompt_tokens,), generator=gen).tolist()
                for _ in range(cfg.requests)]
     items = [SimpleNamespace(max_tokens=cfg.output_tokens)] * cfg.requests
-    runs, outputs = [], {}
-    for label, overrides in ENGINE_RUNS:
-        engine = Engine(model, cfg.engine_config(**overrides))
-        serve_workload(engine, prompts[:2], items[:2], None)  # warm-up: allocator, first captures
-        result, outputs[label] = serve_workload(engine, prompts, items, None)
-        result.pop("blocks_per_step")
-        result["label"] = label
-        result["graph_replays"] = engine.graphs.replays if engine.graphs else 0
-        runs.append(result)
-        if progress is not None:
-            progress.update(1)
+    samples: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in ENGINE_RUNS}
+    outputs = {}
+    for repeat in range(cfg.repeats):
+        order = ENGINE_RUNS if repeat % 2 == 0 else ENGINE_RUNS[::-1]
+        for label, overrides in order:
+            engine = Engine(model, cfg.engine_config(**overrides))
+            serve_workload(engine, prompts[:2], items[:2], None)  # warm-up: allocator, first captures
+            result, outputs[label] = serve_workload(engine, prompts, items, None)
+            result.pop("blocks_per_step")
+            result["graph_replays"] = engine.graphs.replays if engine.graphs else 0
+            samples[label].append(result)
+            if progress is not None:
+                progress.update(1)
+    runs = []
+    for label, _ in ENGINE_RUNS:
+        speeds = sorted(r["tokens_per_s"] for r in samples[label])
+        run = dict(samples[label][0], label=label, tokens_per_s=speeds[len(speeds) // 2],
+                   tokens_per_s_min=speeds[0], tokens_per_s_max=speeds[-1])
+        runs.append(run)
     reference = outputs["naive-evict"]
     for run in runs:
         if run["variant"] == "vtoken" and run["label"] != "indirection-only":
