@@ -1,0 +1,231 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The TensorRT-LLM adapter on CPU: settings checks, the block-offset encoding, attention mass
+from recorded queries, and VTokenKVCacheManager driven over the 1.2.1 test doubles through
+prefill and decode iterations for every policy, with I1/I2/I4 checked on every relocation."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.integration.trtllm_doubles import (
+    KvCacheConfigDouble121,
+    KVCacheManagerDouble121,
+    KVCacheParamsDouble121,
+    LlmRequestDouble121,
+    ScheduledRequestsDouble121,
+    TrtllmAttentionMetadataDouble121,
+)
+from trtllm_vtoken.integration.trtllm import llm_args_dict
+from trtllm_vtoken.integration.trtllm.manager import build_manager_class
+from trtllm_vtoken.integration.trtllm.metadata import build_metadata_class
+from trtllm_vtoken.integration.trtllm.offsets import decode, encode, write_row
+from trtllm_vtoken.integration.trtllm.scores import QueryRecorder, decode_attention_mass
+from trtllm_vtoken.integration.trtllm.settings import ENV_VAR, VTokenSettings, check_llm_args
+from trtllm_vtoken.policies import POLICIES
+from trtllm_vtoken.runtime.attention import paged_attention
+from trtllm_vtoken.runtime.kv_cache import PagedKVCache
+
+HAS_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
+TPB, LAYERS, KV_HEADS, HEADS, DIM = 4, 2, 2, 4, 8
+POLICY_OPTIONS = {"streaming_llm": {"n_sink": 2}}
+
+
+# ---- settings ---------------------------------------------------------------------------------------
+def test_settings_travel_through_the_environment():
+    chosen = VTokenSettings(policy="streaming_llm", budget=24, policy_options={"n_sink": 2})
+    assert VTokenSettings.from_env({ENV_VAR: chosen.to_env()}) == chosen
+    assert VTokenSettings.from_env({}) == VTokenSettings()
+    with pytest.raises(ValueError, match="not valid JSON"):
+        VTokenSettings.from_env({ENV_VAR: "{policy"})
+    with pytest.raises(ValueError, match=r"unknown VTokenSettings key\(s\) \['polcy'\]"):
+        VTokenSettings.from_env({ENV_VAR: json.dumps({"polcy": "h2o"})})
+    with pytest.raises(ValueError, match="mode 'dense' only"):
+        VTokenSettings(mode="lazy")
+    with pytest.raises(KeyError, match="nope"):
+        VTokenSettings(policy="nope")
+
+
+def test_required_llm_settings_are_checked_all_at_once():
+    check_llm_args(llm_args_dict())  # what vtoken_llm_args returns passes
+    bad = llm_args_dict()
+    bad["kv_cache_config"]["enable_block_reuse"] = True
+    bad["disable_overlap_scheduler"] = False
+    bad["scheduler_config"] = {"capacity_scheduler_policy": type("E", (), {"name": "GUARANTEED_NO_EVICT"})()}
+    with pytest.raises(ValueError) as err:
+        check_llm_args(bad)
+    lines = str(err.value).splitlines()
+    assert len(lines) == 4
+    assert "kv_cache_config.enable_block_reuse must be False (got True)" in lines[1]
+    assert "disable_overlap_scheduler must be True (got False)" in lines[2]
+    assert "capacity_scheduler_policy must be 'MAX_UTILIZATION' (got 'GUARANTEED_NO_EVICT')" in lines[3]
+
+
+def test_model_yaml_example_matches_the_required_arguments():
+    yaml = pytest.importorskip("yaml")
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "examples" / "trtllm" / "model.yaml").read_text()
+    config = yaml.safe_load(text)
+    check_llm_args(config)
+    assert {k: config[k] for k in llm_args_dict()} == llm_args_dict()
+
+
+# ---- block offsets ------------------------------------------------------------------------------------
+def test_offsets_encode_blocks_in_layer_half_block_units():
+    assert encode([0, 3, 7], layers_in_pool=28).tolist() == [[0, 168, 392], [1, 169, 393]]
+    assert encode([5], layers_in_pool=3, kv_factor=1).tolist() == [[15], [15]]
+    assert decode(encode([2, 9, 4], 30)[0], 30).tolist() == [2, 9, 4]
+    with pytest.raises(ValueError, match="overflows"):
+        encode([1 << 26], layers_in_pool=32)
+    with pytest.raises(ValueError, match="pool-tier bits"):
+        decode([1 << 30], 1)
+    with pytest.raises(ValueError, match="negative"):
+        encode([-1], 2)
+
+
+def test_write_row_rewrites_the_static_table_in_place():
+    table = torch.full((1, 3, 2, 4), -7, dtype=torch.int32)
+    address = table.data_ptr()
+    write_row(table, 0, 1, [6, 2], layers_in_pool=2)
+    assert table.data_ptr() == address
+    assert table[0, 1].tolist() == [[24, 8, -7, -7], [25, 9, -7, -7]]
+    assert (table[0, 0] == -7).all() and (table[0, 2] == -7).all()
+    as_numpy = np.zeros((1, 1, 2, 2), dtype=np.int32)
+    write_row(as_numpy, 0, 0, [1], layers_in_pool=4)
+    assert as_numpy[0, 0].tolist() == [[8, 0], [9, 0]]
+    with pytest.raises(ValueError, match="exceed max_blocks_per_seq"):
+        write_row(as_numpy, 0, 0, [1, 2, 3], layers_in_pool=4)
+
+
+# ---- attention mass ---------------------------------------------------------------------------------
+def test_decode_attention_mass_equals_the_reference_runtimes():
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(8, TPB, LAYERS, KV_HEADS, DIM, max_seqs=1, max_blocks_per_seq=4)
+    cache.pool.copy_(torch.randn(cache.pool.shape, generator=gen))
+    blocks, kv_len = [5, 1, 6], 10
+    cache.set_batch([blocks], [kv_len])
+    q = torch.randn(LAYERS, HEADS, DIM, generator=gen)
+    want = sum(paged_attention(q[layer][None, None], cache, layer, torch.tensor([1]), return_mass=True)[1][0, :kv_len]
+               for layer in range(LAYERS))
+    got = decode_attention_mass(q, cache.pool, blocks, kv_len)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="needs 4 blocks"):
+        decode_attention_mass(q, cache.pool, blocks, 13)
+
+
+def test_query_recorder_keeps_the_decode_rows():
+    recorder = QueryRecorder(max_batch_size=4, num_layers=2, head_dim=DIM, device="cpu")
+    q = torch.arange(5 * HEADS * DIM, dtype=torch.float32).view(5, HEADS * DIM)  # 2 context + 3 decode
+    recorder.record(1, q, num_generation=3)
+    assert recorder.q.shape == (4, 2, HEADS, DIM)
+    assert torch.equal(recorder.q[:3, 1], q[2:].view(3, HEADS, DIM)) and not recorder.q[:, 0].any()
+
+
+# ---- the manager over the 1.2.1 doubles -----------------------------------------------------------
+def make_manager(policy: str, budget=8, num_blocks=64):
+    settings = VTokenSettings(policy=policy, budget=budget, policy_options=POLICY_OPTIONS.get(policy, {}),
+                              check_invariants=True)
+    cls = build_manager_class(KVCacheManagerDouble121)
+    return cls(KvCacheConfigDouble121(tokens_per_block=TPB), "SELF", num_layers=LAYERS, num_kv_heads=KV_HEADS,
+               head_dim=DIM, tokens_per_block=TPB, max_seq_len=64, max_batch_size=4, num_blocks=num_blocks,
+               vtoken_settings=settings)
+
+
+def write_new_kv(manager, req_id: int, gen: torch.Generator) -> None:
+    """The forward's KV write: random K/V for the request's newest token at its slot."""
+    table = manager.vtoken.table
+    pool = manager.vtoken.backend.executor.pools[0]
+    for token in range(table.num_tokens(req_id)):
+        where = table.lookup(req_id, token)
+        if where is not None and not pool[where[0], :, :, :, where[1]].any():
+            pool[where[0], :, :, :, where[1]] = torch.randn(pool[0, :, :, :, 0].shape, generator=gen)
+
+
+@pytest.mark.parametrize("policy", POLICIES.names())
+def test_manager_compacts_rewinds_and_agrees_with_the_allocator(policy):
+    manager, gen = make_manager(policy), torch.Generator().manual_seed(1)
+    requests = [LlmRequestDouble121(req, prompt_len=5 + 3 * req, max_new_tokens=20) for req in range(3)]
+    manager.prepare_resources(ScheduledRequestsDouble121(context_requests=requests))
+    for request in requests:
+        write_new_kv(manager, request.py_request_id, gen)
+    table = manager.vtoken.table
+    for step in range(20):
+        batch = ScheduledRequestsDouble121(generation_requests=requests)
+        manager.prepare_resources(batch)
+        for request in requests:
+            req = request.py_request_id
+            write_new_kv(manager, req, gen)
+            # C++ and vToken agree on the block list; every position below kv_len is live (dense).
+            assert manager.get_cache_indices(request) == table.block_ids(req)
+            assert table.num_live(req) == table.kv_len(req)
+            assert manager.vtoken_evicted(req) == table.num_tokens(req) - table.kv_len(req)
+        metadata = build_metadata_class(TrtllmAttentionMetadataDouble121)(
+            manager, [r.py_request_id for r in requests], 0,
+            KVCacheParamsDouble121([table.num_tokens(r.py_request_id) - 1 for r in requests]), [1] * 3)
+        metadata.prepare()
+        assert metadata.kv_lens == [table.kv_len(r.py_request_id) for r in requests]  # physical
+        if manager.vtoken.needs_attention:  # the forward recorded decode queries
+            for layer in range(LAYERS):
+                manager.vtoken_queries.record(layer, torch.randn(3, HEADS * DIM, generator=gen), 3)
+        manager.update_resources(batch)
+        for request in requests:  # the policy kept the budget
+            assert table.num_live(request.py_request_id) <= 8
+        table.check_integrity()
+    backend = manager.vtoken.backend.stats
+    assert manager.vtoken.stats.tokens_evicted > 0 and backend.plans > 0
+    assert backend.invariant_checks == backend.plans  # I1/I2/I4 on every relocation
+    assert manager.vtoken.stats.blocks_released > 0
+    for request in requests:
+        manager.free_resources(request)
+    assert manager.get_num_free_blocks() == 64 and not table.request_ids()
+
+
+def test_budget_aware_resource_need_and_refused_settings():
+    manager = make_manager("sliding_window", budget=8)
+    request = LlmRequestDouble121(0, prompt_len=40, max_new_tokens=60)
+    assert manager.get_needed_resource_to_completion(request) == 8 // TPB + 1  # not ceil(100 / 4)
+    cls = build_manager_class(KVCacheManagerDouble121)
+    with pytest.raises(ValueError, match="enable_block_reuse=False"):
+        cls(KvCacheConfigDouble121(enable_block_reuse=True), "SELF", num_layers=1, num_kv_heads=1, head_dim=2,
+            tokens_per_block=4, max_seq_len=8, max_batch_size=1)
+    with pytest.raises(ValueError, match="max_beam_width=1"):
+        cls(KvCacheConfigDouble121(), "SELF", num_layers=1, num_kv_heads=1, head_dim=2, tokens_per_block=4,
+            max_seq_len=8, max_batch_size=1, max_beam_width=2)
+
+
+def test_padding_rows_and_unknown_requests_are_empty():
+    from trtllm_vtoken.integration.trtllm.state import CUDA_GRAPH_DUMMY_REQUEST_ID
+
+    manager = make_manager("random")
+    assert manager.vtoken_evicted(CUDA_GRAPH_DUMMY_REQUEST_ID) == 0 and manager.vtoken_evicted(17) == 0
+    manager.vtoken.sync(CUDA_GRAPH_DUMMY_REQUEST_ID, [0], 1)
+    assert CUDA_GRAPH_DUMMY_REQUEST_ID not in manager.vtoken.table
+
+
+# ---- the real thing, where it imports ---------------------------------------------------------------
+@pytest.mark.skipif(HAS_TRTLLM, reason="checks the error without tensorrt_llm")
+def test_install_without_tensorrt_llm_is_a_clear_error():
+    from trtllm_vtoken.integration.trtllm import vtoken_llm_args
+    from trtllm_vtoken.integration.trtllm.patches import install
+
+    with pytest.raises(RuntimeError, match="tensorrt_llm is not importable"):
+        install()
+    with pytest.raises(RuntimeError, match="tensorrt_llm is not importable"):
+        vtoken_llm_args()
+
+
+@pytest.mark.trtllm
+def test_install_patches_tensorrt_llm():
+    from trtllm_vtoken.integration.trtllm.patches import install
+
+    patched = install()
+    assert any("get_kv_cache_manager_cls -> VTokenKVCacheManager" in p for p in patched)
+    from tensorrt_llm._torch.attention_backend.trtllm import TrtllmAttention
+
+    assert TrtllmAttention.support_fused_rope() is False
+    assert TrtllmAttention.Metadata.__qualname__.startswith("VTokenAttentionMetadata")

@@ -1,0 +1,72 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Attention mass for H2O / Scissorhands on the TensorRT-LLM path, safe under CUDA graphs.
+
+TensorRT-LLM's fused attention op returns no probabilities. Instead, the decode queries (after
+RoPE) are copied into a static buffer during the forward, a copy a captured graph repeats on
+replay, and after the step the mass each cached token received is recomputed from them and the
+keys, gathered through the block list (HND inside a block, the layout the TRTLLM kernels write):
+
+    q_buffer:  [max_batch_size, num_layers, num_heads, head_dim]     written inside the forward
+    pool:      [num_blocks, layers_in_pool, 2, num_kv_heads, tokens_per_block, head_dim]
+    mass[t] =  sum over layers and heads of softmax_t(q . k_t / sqrt(head_dim))   t < kv_len
+
+which is exactly what the reference runtime's paged attention reports for a decode row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def decode_attention_mass(q: torch.Tensor, pool: torch.Tensor, block_ids: Sequence[int], kv_len: int,
+                          layers: Sequence[int] | None = None) -> torch.Tensor:
+    """Mass per position ``[0, kv_len)`` for one decode row.
+
+    Args:
+        q: [num_layers, num_heads, head_dim], the row's rotated queries per layer.
+        pool: [num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, head_dim].
+        block_ids: the row's block list; positions map to ``block_ids[p // tpb], p % tpb``.
+        layers: pool layer of each row of ``q`` (default: the same index).
+    Returns: float32 [kv_len] on ``pool.device``.
+    """
+    num_layers, num_heads, head_dim = q.shape
+    tpb, num_kv_heads = pool.shape[4], pool.shape[3]
+    needed = -(-kv_len // tpb)
+    if needed > len(block_ids):
+        raise ValueError(f"kv_len {kv_len} needs {needed} blocks, the list has {len(block_ids)}")
+    blocks = torch.as_tensor(list(block_ids[:needed]), dtype=torch.long, device=pool.device)
+    layer_index = torch.as_tensor(list(layers) if layers is not None else range(num_layers), device=pool.device)
+    k = pool[blocks][:, layer_index, 0]  # [nb, L, Hkv, tpb, D]
+    k = k.permute(1, 2, 0, 3, 4).reshape(num_layers, num_kv_heads, needed * tpb, head_dim)[:, :, :kv_len]
+    group = num_heads // num_kv_heads
+    qg = q.float().view(num_layers, num_kv_heads, group, head_dim)
+    scores = torch.einsum("lhgd,lhtd->lhgt", qg, k.float()) / math.sqrt(head_dim)
+    return torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
+
+
+class QueryRecorder:
+    """The static query buffer the forward writes (one copy per layer, graph-safe).
+
+    The buffer is allocated by the first ``record``, which TensorRT-LLM's warm-up forwards make
+    before any graph is captured; captured graphs then copy into the same memory on every replay.
+    """
+
+    def __init__(self, max_batch_size: int, num_layers: int, head_dim: int, device: torch.device | str) -> None:
+        self.max_batch_size, self.num_layers, self.head_dim, self.device = max_batch_size, num_layers, head_dim, device
+        self.q: torch.Tensor | None = None  # [max_batch_size, num_layers, num_heads, head_dim]
+
+    def record(self, layer_idx: int, q: torch.Tensor, num_generation: int) -> None:
+        """q: [num_tokens, num_heads * head_dim]; the last ``num_generation`` tokens are the decode
+        rows (TensorRT-LLM orders context tokens first)."""
+        flat = q.reshape(q.shape[0], -1)
+        num_heads = flat.shape[1] // self.head_dim
+        if self.q is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the query buffer must be allocated by a warm-up forward, not during capture")
+            self.q = torch.zeros(self.max_batch_size, self.num_layers, num_heads, self.head_dim,
+                                 dtype=q.dtype, device=self.device)
+        rows = flat[flat.shape[0] - num_generation :]
+        self.q[:num_generation, layer_idx].copy_(rows.view(num_generation, num_heads, self.head_dim))
