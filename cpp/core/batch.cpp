@@ -12,23 +12,80 @@ StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, 
   out.freed_offsets.reserve(batch + 1);
   out.freed_offsets.push_back(0);
   std::vector<int64_t> victims;
+  Plan plan;  // reused: its vectors keep their capacity from request to request
+  // The state of a large batch exceeds the caches and evictions hit random tokens: touch the
+  // victims' entries a few requests ahead so their cache misses overlap with this request's work.
+  // A large batch's state exceeds the caches, and evictions hit random tokens. Each request's
+  // cache lines are requested in stages a few requests ahead, each stage reading only lines an
+  // earlier stage loaded, so the misses of several requests overlap instead of queueing:
+  //   12 ahead  the Sequence object
+  //    8 ahead  the victims' slot_of / live entries and the tails that append and plan touch
+  //    4 ahead  the block-index line of each victim's block
+  //    2 ahead  the victim's token_at entry and its block's live count
+  const int64_t tpb = table.tokens_per_block();
+  auto seq_at = [&](int64_t i) -> const Sequence* {
+    return i < batch && table.contains(req_ids[i]) ? &table.seq(req_ids[i]) : nullptr;
+  };
+  auto for_victims = [&](int64_t i, const Sequence& s, auto&& visit) {
+    for (int64_t k = evict_offsets[i]; k < evict_offsets[i + 1] && k < evict_offsets[i] + 4; ++k) {
+      const int64_t t = evict_ids[k];
+      if (t >= 0 && t < static_cast<int64_t>(s.slot_of.size())) visit(t);
+    }
+  };
+  auto stage = [&](int64_t i, int which) {
+    const Sequence* s = seq_at(i);
+    if (s == nullptr) return;
+    if (which == 0) {
+      __builtin_prefetch(s);
+      __builtin_prefetch(reinterpret_cast<const char*>(s) + 64);
+      __builtin_prefetch(reinterpret_cast<const char*>(s) + 128);
+    } else if (which == 1) {
+      for_victims(i, *s, [&](int64_t t) {
+        __builtin_prefetch(&s->slot_of[t]);
+        __builtin_prefetch(&s->live[t]);
+      });
+      if (!s->slot_of.empty()) __builtin_prefetch(&s->slot_of.back());
+      if (!s->live.empty()) __builtin_prefetch(&s->live.back());
+      if (s->kv_len > 0) __builtin_prefetch(&s->token_at[s->kv_len - 1]);
+      if (!s->block_ids.empty()) __builtin_prefetch(&s->block_ids.back());
+      if (!s->live_per_block.empty()) __builtin_prefetch(&s->live_per_block.back());
+      if (!s->pending_dead.empty()) __builtin_prefetch(s->pending_dead.data());
+    } else if (which == 2) {
+      for_victims(i, *s, [&](int64_t t) {
+        if (s->slot_of[t] >= 0) s->block_index.prefetch(s->slot_of[t] / tpb);
+      });
+    } else {
+      for_victims(i, *s, [&](int64_t t) {
+        const int64_t slot = s->slot_of[t];
+        const int64_t index = slot >= 0 ? s->block_index.find(slot / tpb) : FlatIndex::kAbsent;
+        if (index == FlatIndex::kAbsent) return;
+        __builtin_prefetch(&s->token_at[index * tpb + slot % tpb]);
+        __builtin_prefetch(&s->live_per_block[index]);
+      });
+    }
+  };
+  constexpr int64_t kAhead[4] = {12, 8, 4, 2};
+  for (int which = 0; which < 4; ++which) {
+    for (int64_t i = 0; i < kAhead[which]; ++i) stage(i, which);
+  }
   for (int64_t i = 0; i < batch; ++i) {
+    for (int which = 0; which < 4; ++which) stage(i + kAhead[which], which);
     const int64_t req = req_ids[i];
     table.append_tokens(req, new_blocks + new_block_offsets[i], new_block_offsets[i + 1] - new_block_offsets[i],
                         num_new[i]);
     victims.assign(evict_ids + evict_offsets[i], evict_ids + evict_offsets[i + 1]);
     table.evict_tokens(req, victims);
-    std::optional<Plan> plan;
+    bool planned = false;
     if (dense) {
-      plan = table.plan_dense(req);
+      planned = table.plan_dense_into(req, plan);
     } else if (pressure || table.fragmentation(req) >= fragmentation_threshold) {
-      plan = table.plan_lazy(req);
+      planned = table.plan_lazy_into(req, plan);
     }
     int64_t moves = 0;
-    if (plan) {
-      moves = static_cast<int64_t>(plan->token_ids.size());
-      const std::vector<int64_t> freed = table.commit(*plan);
-      out.freed.insert(out.freed.end(), freed.begin(), freed.end());
+    if (planned) {
+      moves = static_cast<int64_t>(plan.token_ids.size());
+      table.commit_in_place(plan);
+      out.freed.insert(out.freed.end(), plan.blocks_to_free.begin(), plan.blocks_to_free.end());
     }
     out.moves.push_back(moves);
     out.freed_offsets.push_back(static_cast<int64_t>(out.freed.size()));

@@ -64,6 +64,7 @@ NB_MODULE(_core, m) {
       .def("num_live", [](const TokenTable& t, int64_t r) { return t.seq(r).num_live; })
       .def("version", [](const TokenTable& t, int64_t r) { return t.seq(r).version; })
       .def("block_ids", [](const TokenTable& t, int64_t r) { return t.seq(r).block_ids; })
+      .def("num_blocks", [](const TokenTable& t, int64_t r) { return t.seq(r).block_ids.size(); })
       .def("is_live", [](const TokenTable& t, int64_t r, int64_t token) {
         const auto& s = t.seq(r);
         return token >= 0 && token < s.num_tokens && s.live[token] != 0;
@@ -72,12 +73,13 @@ NB_MODULE(_core, m) {
           "state",
           [](const TokenTable& t, int64_t r) {
             const auto& s = t.seq(r);
-            return nb::make_tuple(s.block_ids, s.kv_len, s.num_tokens, s.num_live, s.version,
-                                  std::vector<int64_t>(s.slot_of.begin(), s.slot_of.end()),
-                                  std::vector<int64_t>(s.live.begin(), s.live.end()),
-                                  std::vector<int64_t>(s.token_at.begin(), s.token_at.end()),
-                                  std::vector<int64_t>(s.live_per_block.begin(), s.live_per_block.end()),
-                                  s.pending_dead);
+            auto listed = [](const auto& values) {
+              std::vector<int64_t> out(values.size());
+              for (size_t i = 0; i < values.size(); ++i) out[i] = values[i];
+              return out;
+            };
+            return nb::make_tuple(s.block_ids, s.kv_len, s.num_tokens, s.num_live, s.version, listed(s.slot_of),
+                                  listed(s.live), listed(s.token_at), listed(s.live_per_block), s.pending_dead);
           },
           "req_id"_a, "Everything observable about one request, for parity checks.")
       .def(

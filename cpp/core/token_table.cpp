@@ -19,7 +19,7 @@ std::string req_prefix(int64_t req_id) { return "request " + std::to_string(req_
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool has_repeats(const std::vector<int64_t>& values) {
-  return IdSet(values.begin(), values.end()).distinct() != values.size();
+  return IdSet(values).distinct() != values.size();
 }
 
 }  // namespace
@@ -47,24 +47,35 @@ void TokenTable::set_shared(int64_t block_id, bool shared) {
 }
 
 const Sequence& TokenTable::seq(int64_t req_id) const {
-  auto it = seqs_.find(req_id);
-  if (it == seqs_.end()) throw UnknownRequest("unknown request " + std::to_string(req_id));
-  return it->second;
+  const int64_t slot = slot_of_request_.find(req_id);
+  if (slot == FlatIndex::kAbsent) throw UnknownRequest("unknown request " + std::to_string(req_id));
+  return *seqs_[slot];
 }
 
 Sequence& TokenTable::mut(int64_t req_id) { return const_cast<Sequence&>(seq(req_id)); }
 
 void TokenTable::add_request(int64_t req_id) {
-  if (seqs_.count(req_id)) {
+  if (contains(req_id)) {
     throw std::invalid_argument("request " + std::to_string(req_id) + " is already in the token table");
   }
-  seqs_.emplace(req_id, Sequence{});
+  int64_t slot = static_cast<int64_t>(seqs_.size());
+  if (free_seq_slots_.empty()) {
+    seqs_.emplace_back();
+  } else {
+    slot = free_seq_slots_.back();
+    free_seq_slots_.pop_back();
+  }
+  seqs_[slot] = std::make_unique<Sequence>();
+  slot_of_request_.insert(req_id, slot);
   order_.push_back(req_id);
 }
 
 std::vector<int64_t> TokenTable::remove_request(int64_t req_id) {
   std::vector<int64_t> blocks = seq(req_id).block_ids;
-  seqs_.erase(req_id);
+  const int64_t slot = slot_of_request_.find(req_id);
+  seqs_[slot].reset();
+  free_seq_slots_.push_back(slot);
+  slot_of_request_.erase(req_id);
   order_.erase(std::find(order_.begin(), order_.end(), req_id));
   return blocks;
 }
@@ -85,7 +96,7 @@ int64_t TokenTable::append_tokens(int64_t req_id, const int64_t* added, int64_t 
   if (num_added) {
     const std::vector<int64_t> fresh(added, added + num_added);
     bool bad = has_repeats(fresh);
-    for (int64_t b : fresh) bad = bad || s.block_index.count(b) || b < 0;
+    for (int64_t b : fresh) bad = bad || s.block_index.contains(b) || b < 0;
     if (bad) fail(req_id, "new blocks " + repr(fresh) + " repeat a block or are negative");
   }
   const int64_t num_blocks = static_cast<int64_t>(s.block_ids.size()) + num_added;
@@ -97,7 +108,7 @@ int64_t TokenTable::append_tokens(int64_t req_id, const int64_t* added, int64_t 
                      std::to_string(num_blocks) + " blocks)");
   }
   for (int64_t i = 0; i < num_added; ++i) {
-    s.block_index[added[i]] = static_cast<int64_t>(s.block_ids.size());
+    s.block_index.insert(added[i], static_cast<int64_t>(s.block_ids.size()));
     s.block_ids.push_back(added[i]);
   }
   s.token_at.resize(s.block_ids.size() * tpb_, kNoToken);
@@ -120,8 +131,8 @@ int64_t TokenTable::append_tokens(int64_t req_id, const int64_t* added, int64_t 
 void TokenTable::evict_tokens(int64_t req_id, const std::vector<int64_t>& token_ids) {
   Sequence& s = mut(req_id);
   if (has_repeats(token_ids)) fail(req_id, "token ids to evict repeat: " + repr(token_ids));
-  std::vector<int64_t> positions;
-  positions.reserve(token_ids.size());
+  std::vector<int64_t>& positions = scratch_;
+  positions.clear();
   for (int64_t t : token_ids) {
     if (t < 0 || t >= s.num_tokens) {
       fail(req_id, "token id " + std::to_string(t) + " out of range [0, " + std::to_string(s.num_tokens) + ")");
@@ -131,7 +142,7 @@ void TokenTable::evict_tokens(int64_t req_id, const std::vector<int64_t>& token_
     if (is_shared(slot / tpb_)) {
       fail(req_id, "token " + std::to_string(t) + " is protected: block " + std::to_string(slot / tpb_) + " is shared");
     }
-    positions.push_back(s.block_index.at(slot / tpb_) * tpb_ + slot % tpb_);
+    positions.push_back(s.block_index.find(slot / tpb_) * tpb_ + slot % tpb_);
   }
   for (size_t i = 0; i < token_ids.size(); ++i) {
     s.live[token_ids[i]] = 0;
@@ -148,19 +159,19 @@ int64_t TokenTable::position_of_token(int64_t req_id, const Sequence& s, int64_t
   }
   const int64_t slot = s.slot_of[token_id];
   if (slot == kNoSlot) fail(req_id, "token " + std::to_string(token_id) + " holds no slot to move from");
-  return s.block_index.at(slot / tpb_) * tpb_ + slot % tpb_;
+  return s.block_index.find(slot / tpb_) * tpb_ + slot % tpb_;
 }
 
 int64_t TokenTable::writable_position(int64_t req_id, const Sequence& s, int64_t slot) const {
   // Python's divmod floors; only non-negative slots reach the lookup.
   const int64_t block_id = slot >= 0 ? slot / tpb_ : -1;
-  if (slot < 0 || !s.block_index.count(block_id)) {
+  if (slot < 0 || !s.block_index.contains(block_id)) {
     fail(req_id, "slot " + std::to_string(slot) + " is not in one of its blocks");
   }
   if (is_shared(block_id)) {
     fail(req_id, "slot " + std::to_string(slot) + " is in shared block " + std::to_string(block_id));
   }
-  const int64_t pos = s.block_index.at(block_id) * tpb_ + slot % tpb_;
+  const int64_t pos = s.block_index.find(block_id) * tpb_ + slot % tpb_;
   if (pos >= s.kv_len) {
     fail(req_id, "slot " + std::to_string(slot) + " lies beyond kv_len " + std::to_string(s.kv_len));
   }
@@ -177,10 +188,13 @@ void TokenTable::apply_moves(int64_t req_id, const std::vector<int64_t>& token_i
   if (has_repeats(token_ids) || has_repeats(dst_slots)) {
     fail(req_id, "a token or a destination slot repeats in the moves");
   }
-  std::vector<int64_t> src_pos, dst_pos;
+  std::vector<int64_t>& src_pos = src_pos_;
+  std::vector<int64_t>& dst_pos = dst_pos_;
+  src_pos.clear();
+  dst_pos.clear();
   for (int64_t t : token_ids) src_pos.push_back(position_of_token(req_id, s, t));
   for (int64_t d : dst_slots) dst_pos.push_back(writable_position(req_id, s, d));
-  const IdSet moving_from(src_pos.begin(), src_pos.end());
+  const IdSet moving_from(src_pos);
   for (size_t i = 0; i < token_ids.size(); ++i) {
     if (moving_from.count(dst_pos[i])) {
       fail(req_id, "slot " + std::to_string(dst_slots[i]) + " is the source of another move");
@@ -193,7 +207,8 @@ void TokenTable::apply_moves(int64_t req_id, const std::vector<int64_t>& token_i
       fail(req_id, "token " + std::to_string(token_ids[i]) + " sits in a shared block");
     }
   }
-  std::vector<int64_t> filled;
+  std::vector<int64_t>& filled = filled_;
+  filled.clear();
   for (size_t i = 0; i < token_ids.size(); ++i) {
     const int64_t t = token_ids[i], src = src_pos[i], pos = dst_pos[i];
     const int32_t occupant = s.token_at[pos];
@@ -207,13 +222,11 @@ void TokenTable::apply_moves(int64_t req_id, const std::vector<int64_t>& token_i
       filled.push_back(pos);
     }
   }
-  const IdSet filled_set(filled.begin(), filled.end());
-  std::vector<int64_t> pending;
-  for (int64_t p : s.pending_dead) {
-    if (!filled_set.count(p)) pending.push_back(p);
-  }
+  const IdSet filled_set(filled);
+  auto& pending = s.pending_dead;
+  pending.erase(std::remove_if(pending.begin(), pending.end(), [&](int64_t p) { return filled_set.count(p); }),
+                pending.end());
   pending.insert(pending.end(), src_pos.begin(), src_pos.end());
-  s.pending_dead = std::move(pending);
   s.version += 1;
 }
 
@@ -241,11 +254,9 @@ std::vector<int64_t> TokenTable::truncate(int64_t req_id, int64_t new_kv_len) {
   s.token_at.resize(keep_blocks * tpb_);
   s.live_per_block.resize(keep_blocks);
   s.kv_len = new_kv_len;
-  std::vector<int64_t> pending;
-  for (int64_t p : s.pending_dead) {
-    if (p < new_kv_len) pending.push_back(p);
-  }
-  s.pending_dead = std::move(pending);
+  auto& pending = s.pending_dead;
+  pending.erase(std::remove_if(pending.begin(), pending.end(), [&](int64_t p) { return p >= new_kv_len; }),
+                pending.end());
   s.version += 1;
   return released;
 }
@@ -254,25 +265,26 @@ void TokenTable::release_blocks(int64_t req_id, const std::vector<int64_t>& bloc
   Sequence& s = mut(req_id);
   if (has_repeats(block_ids)) fail(req_id, "blocks to release repeat: " + repr(block_ids));
   for (int64_t b : block_ids) {
-    auto it = s.block_index.find(b);
-    if (it == s.block_index.end()) fail(req_id, "block " + std::to_string(b) + " is not one of its blocks");
+    const int64_t index = s.block_index.find(b);
+    if (index == FlatIndex::kAbsent) fail(req_id, "block " + std::to_string(b) + " is not one of its blocks");
     if (is_shared(b)) fail(req_id, "cannot release shared block " + std::to_string(b));
-    if (s.live_per_block[it->second]) fail(req_id, "block " + std::to_string(b) + " still holds live tokens");
+    if (s.live_per_block[index]) fail(req_id, "block " + std::to_string(b) + " still holds live tokens");
   }
   if (block_ids.empty()) return;
   const int64_t num_blocks = static_cast<int64_t>(s.block_ids.size());
   std::vector<int64_t> drop;
-  for (int64_t b : block_ids) drop.push_back(s.block_index.at(b));
+  for (int64_t b : block_ids) drop.push_back(s.block_index.find(b));
   std::sort(drop.begin(), drop.end());
   std::vector<bool> keep(num_blocks, true);
   for (int64_t i : drop) keep[i] = false;
-  std::vector<int32_t> token_at;
   std::vector<int32_t> live_per_block;
   std::vector<int64_t> kept_ids;
   int64_t covered = 0;
+  int64_t write = 0;  // kept rows shift down in place: a row only ever moves to a lower index
   for (int64_t i = 0; i < num_blocks; ++i) {
     if (keep[i]) {
-      token_at.insert(token_at.end(), s.token_at.begin() + i * tpb_, s.token_at.begin() + (i + 1) * tpb_);
+      for (int64_t k = 0; k < tpb_; ++k) s.token_at[write * tpb_ + k] = s.token_at[i * tpb_ + k];
+      ++write;
       live_per_block.push_back(s.live_per_block[i]);
       kept_ids.push_back(s.block_ids[i]);
       continue;
@@ -282,11 +294,11 @@ void TokenTable::release_blocks(int64_t req_id, const std::vector<int64_t>& bloc
     }
     covered += std::clamp<int64_t>(s.kv_len - i * tpb_, 0, tpb_);
   }
-  s.token_at = std::move(token_at);
+  s.token_at.resize(write * tpb_);
   s.live_per_block = std::move(live_per_block);
   s.block_ids = std::move(kept_ids);
   s.block_index.clear();
-  for (size_t i = 0; i < s.block_ids.size(); ++i) s.block_index[s.block_ids[i]] = static_cast<int64_t>(i);
+  for (size_t i = 0; i < s.block_ids.size(); ++i) s.block_index.insert(s.block_ids[i], static_cast<int64_t>(i));
   s.kv_len -= covered;
   std::vector<int64_t> pending;
   for (int64_t p : s.pending_dead) {
@@ -299,14 +311,20 @@ void TokenTable::release_blocks(int64_t req_id, const std::vector<int64_t>& bloc
   s.version += 1;
 }
 
-std::vector<int64_t> TokenTable::hole_positions(int64_t req_id) {
+std::vector<int64_t> TokenTable::hole_positions(int64_t req_id) { return holes_into(req_id); }
+
+const std::vector<int64_t>& TokenTable::holes_into(int64_t req_id) {
   Sequence& s = mut(req_id);
   auto is_hole = [&](int64_t p) { return s.token_at[p] == kNoToken || !s.live[s.token_at[p]]; };
+  std::vector<int64_t>& holes = holes_;
+  holes.clear();
   if (s.pending_dead.size() == 1) {  // the decode step's single eviction
     const int64_t p = s.pending_dead[0];
-    if (p < s.kv_len && is_hole(p)) return {p};
+    if (p < s.kv_len && is_hole(p)) {
+      holes.push_back(p);
+      return holes;
+    }
   }
-  std::vector<int64_t> holes;
   for (int64_t p : s.pending_dead) {
     if (p < s.kv_len) holes.push_back(p);
   }
@@ -319,7 +337,9 @@ std::vector<int64_t> TokenTable::hole_positions(int64_t req_id) {
 
 double TokenTable::metadata_bytes_per_token() const {
   int64_t tokens = 0, bytes = 0;
-  for (const auto& [req_id, s] : seqs_) {
+  for (const auto& seq : seqs_) {
+    if (!seq) continue;
+    const Sequence& s = *seq;
     const auto blocks = static_cast<int64_t>(s.block_ids.size());
     tokens += s.num_tokens;
     bytes += s.num_tokens * (sizeof(int32_t) + sizeof(uint8_t)) + blocks * tpb_ * sizeof(int32_t) +

@@ -24,7 +24,11 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <memory>
 #include <vector>
+
+#include "chunked_array.h"
+#include "flat_index.h"
 
 namespace vtoken {
 
@@ -37,11 +41,11 @@ struct UnknownRequest : std::runtime_error {
 
 struct Sequence {
   std::vector<int64_t> block_ids;
-  std::unordered_map<int64_t, int64_t> block_index;  // block id -> index in block_ids
+  FlatIndex block_index;  // block id -> index in block_ids
   int64_t num_tokens = 0, kv_len = 0, num_live = 0, version = 0;
-  std::vector<int32_t> slot_of;         // [num_tokens]
-  std::vector<uint8_t> live;            // [num_tokens]
-  std::vector<int32_t> token_at;        // [len(block_ids) * tokens_per_block]
+  ChunkedArray<int32_t> slot_of;        // [num_tokens]
+  ChunkedArray<uint8_t> live;           // [num_tokens]
+  ChunkedArray<int32_t> token_at;       // [len(block_ids) * tokens_per_block]
   std::vector<int32_t> live_per_block;  // [len(block_ids)]
   std::vector<int64_t> pending_dead;    // positions evicted since the last relocation
 
@@ -64,6 +68,8 @@ struct Plan {
 class TokenTable {
  public:
   explicit TokenTable(int64_t tokens_per_block);
+  TokenTable(const TokenTable&) = delete;  // owns its sequences; one table per engine
+  TokenTable& operator=(const TokenTable&) = delete;
 
   int64_t tokens_per_block() const { return tpb_; }
   // Shared blocks (prefix caching): tokens in them can be neither evicted nor moved.
@@ -86,7 +92,7 @@ class TokenTable {
   // ---- queries (table_queries.py) ----
   const Sequence& seq(int64_t req_id) const;
   std::vector<int64_t> request_ids() const { return order_; }
-  bool contains(int64_t req_id) const { return seqs_.count(req_id) != 0; }
+  bool contains(int64_t req_id) const { return slot_of_request_.contains(req_id); }
   std::vector<int64_t> hole_positions(int64_t req_id);  // drops stale pending_dead hints
   double metadata_bytes_per_token() const;
 
@@ -98,16 +104,25 @@ class TokenTable {
   // (dense) or release_blocks (lazy). Returns the blocks freed.
   std::vector<int64_t> commit(const Plan& plan);
 
+  // The same, for the per-step hot path: plans are written into `out`, whose vectors are reused,
+  // and the table's scratch buffers are reused, so a decode step allocates nothing.
+  bool plan_dense_into(int64_t req_id, Plan& out);  // false: no plan (plan_dense's nullopt)
+  bool plan_lazy_into(int64_t req_id, Plan& out);
+  void commit_in_place(const Plan& plan);             // the freed blocks are plan.blocks_to_free
+
  private:
   Sequence& mut(int64_t req_id);
   int64_t position_of_token(int64_t req_id, const Sequence& s, int64_t token_id) const;
   int64_t writable_position(int64_t req_id, const Sequence& s, int64_t slot) const;
-  Plan make_plan(int64_t req_id, bool dense, const std::vector<int64_t>& src_pos,
-                 const std::vector<int64_t>& dst_pos, std::vector<int64_t> blocks_to_free,
-                 int64_t new_kv_len) const;
+  const std::vector<int64_t>& holes_into(int64_t req_id);  // hole_positions into holes_
+  void fill_plan(const Sequence& s, int64_t req_id, bool dense, int64_t new_kv_len, Plan& out) const;
 
   int64_t tpb_;
-  std::unordered_map<int64_t, Sequence> seqs_;
+  // Scratch buffers reused across calls: no allocation per decode step.
+  std::vector<int64_t> scratch_, holes_, src_pos_, dst_pos_, filled_;
+  FlatIndex slot_of_request_;                   // request id -> index in seqs_
+  std::vector<std::unique_ptr<Sequence>> seqs_;  // null where a removed request was
+  std::vector<int64_t> free_seq_slots_;
   std::vector<int64_t> order_;  // insertion order, as a Python dict
   std::unordered_set<int64_t> shared_;
 };
@@ -115,29 +130,27 @@ class TokenTable {
 // Python's repr of a list of ints, for error messages identical to the specification's.
 std::string repr(const std::vector<int64_t>& values);
 
-// A set of ids for membership tests. Decode-step sets hold one or two entries, where a linear scan
-// beats hashing (and allocating); large sets hash.
+// A set of ids for membership tests, viewing a caller's array (which must outlive it). Decode-step
+// sets hold one or two entries, where a linear scan beats hashing (and allocating); large sets hash.
 class IdSet {
  public:
-  template <typename It>
-  IdSet(It first, It last) : small_(first, last) {
-    if (small_.size() > kLinear) {
-      hashed_.insert(small_.begin(), small_.end());
-    }
+  IdSet(const int64_t* data, size_t size) : data_(data), size_(size) {
+    if (size_ > kLinear) hashed_.insert(data_, data_ + size_);
   }
+  explicit IdSet(const std::vector<int64_t>& values) : IdSet(values.data(), values.size()) {}
   bool count(int64_t id) const {
-    if (small_.size() > kLinear) return hashed_.count(id) != 0;
-    for (int64_t x : small_) {
-      if (x == id) return true;
+    if (size_ > kLinear) return hashed_.count(id) != 0;
+    for (size_t i = 0; i < size_; ++i) {
+      if (data_[i] == id) return true;
     }
     return false;
   }
   size_t distinct() const {
-    if (small_.size() > kLinear) return hashed_.size();
+    if (size_ > kLinear) return hashed_.size();
     size_t n = 0;
-    for (size_t i = 0; i < small_.size(); ++i) {
+    for (size_t i = 0; i < size_; ++i) {
       bool seen = false;
-      for (size_t j = 0; j < i && !seen; ++j) seen = small_[j] == small_[i];
+      for (size_t j = 0; j < i && !seen; ++j) seen = data_[j] == data_[i];
       n += !seen;
     }
     return n;
@@ -145,7 +158,8 @@ class IdSet {
 
  private:
   static constexpr size_t kLinear = 16;
-  std::vector<int64_t> small_;
+  const int64_t* data_;
+  size_t size_;
   std::unordered_set<int64_t> hashed_;
 };
 

@@ -121,7 +121,7 @@ def _run_native(cfg: CoreBenchConfig, progress=None) -> dict:
         victims, new_blocks, offsets = [], [], [0]
         for req in range(cfg.batch):  # the engine's side and the policy's choice: not timed
             victims.append(_random_live_token_native(table, req, rng))
-            if table.kv_len(req) == len(table.block_ids(req)) * tpb:
+            if table.kv_len(req) == table.num_blocks(req) * tpb:
                 new_blocks += pool.allocate(1)
             offsets.append(len(new_blocks))
         victims_arr = np.array(victims, dtype=np.int64)
