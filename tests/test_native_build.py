@@ -24,3 +24,13 @@ def test_cuda_relocation_kernel_compiles(tmp_path):
     compiled = subprocess.run(["cmake", "--build", str(build), "-j", "2"], capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stdout + compiled.stderr
     assert (build / "libvtoken_relocate.so").exists() and (build / "relocate_kv_check").exists()
+
+
+@pytest.mark.skipif(not shutil.which("g++"), reason="needs g++")
+def test_flat_index_and_chunked_array_agree_with_std_containers(tmp_path):
+    binary = tmp_path / "flat_index_test"
+    compiled = subprocess.run(["g++", "-O1", "-std=c++17", "-Wall", "-Werror", "-o", str(binary),
+                               str(ROOT / "cpp" / "tests" / "flat_index_test.cpp")], capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stderr
+    ran = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and "PASS" in ran.stdout, ran.stdout + ran.stderr
