@@ -36,3 +36,42 @@ def test_quality_pairs_are_identical_on_a_few_prompts(model, smollm2_tokenizer):
                                model, smollm2_tokenizer)
     assert result["pairs"] == 4 and result["exact_match_rate"] == 1.0
     assert result["mean_paired_rouge_l_difference"] == 0.0 and result["output_length_ratio"] == 1.0
+
+
+def test_overhead_runs_every_row_and_splits_host_time(model, smollm2_tokenizer):
+    from trtllm_vtoken.bench.overhead import RUNS, OverheadBenchConfig, run_overhead_bench
+
+    result = run_overhead_bench(OverheadBenchConfig(requests=2, max_prompt_tokens=96, max_output_tokens=4, repeats=1),
+                                model, smollm2_tokenizer)
+    runs = {r["label"]: r for r in result["runs"]}
+    assert list(runs) == [label for label, _ in RUNS]
+    assert runs["native"]["throughput_vs_native"] == 1.0
+    assert runs["indirection-only"]["tokens_evicted"] == runs["indirection-only + mass"]["tokens_evicted"] == 0
+    reclaiming = runs["vtoken dense (h2o 0.5)"]
+    assert reclaiming["blocks_reclaimed"] > 0 and reclaiming["host_seconds"]["forward"] > 0
+    assert set(reclaiming["host_seconds"]) == {"forward", "table", "policy", "mask", "plan", "copy", "commit"}
+
+
+def test_sweeps_vtoken_never_holds_more_than_naive_evict(model, smollm2_tokenizer):
+    from trtllm_vtoken.bench.sweeps import SweepsBenchConfig, run_sweeps_bench
+
+    cfg = SweepsBenchConfig(requests=2, max_prompt_tokens=96, max_output_tokens=4, tokens_per_block=(16, 32),
+                            ratios=(0.5,), thresholds=(1,))
+    points = run_sweeps_bench(cfg, model, smollm2_tokenizer)["points"]
+    assert len(points) == len(cfg.points()) == 2 * 2 + 2 + 1 + 2
+    for point in points:
+        if "fewer_slots_than_naive_pct" in point:
+            assert point["fewer_slots_than_naive_pct"] >= 0
+        if point["variant"] == "vtoken" and point["moves"]:
+            assert point["invariant_checks"] > 0
+
+
+def test_sla_scan_selects_levels_from_one_run(model, smollm2_tokenizer):
+    from trtllm_vtoken.bench.sla import SlaBenchConfig, run_sla_bench
+
+    cfg = SlaBenchConfig(concurrency=(1, 2), requests_per_client=1, max_prompt_tokens=96, max_output_tokens=4,
+                         num_blocks=64)
+    result = run_sla_bench(cfg, model, smollm2_tokenizer)
+    assert [lv["clients"] for lv in result["scans"]["vtoken"]] == [1, 2]
+    assert result["summary"]["c_ref"] in (1, 2) and result["summary"]["sla_p95_s"] > 0
+    assert all(lv["output_tokens"] == 4 * lv["requests"] for lv in result["scans"]["naive-evict"])

@@ -113,6 +113,12 @@ def serve_workload(engine, prompts, items, progress) -> tuple[dict[str, Any], li
         "relocations": backend.plans if backend else 0, "moves": backend.moves if backend else 0,
         "bytes_copied": backend.bytes_copied if backend else 0,
         "invariant_checks": backend.invariant_checks if backend else 0,
+        "host_seconds": {
+            "forward": stats.forward_seconds, "table": kv.stats.table_seconds,
+            "policy": kv.stats.policy_seconds, "mask": kv.stats.mask_seconds,
+            "plan": backend.plan_seconds if backend else 0.0, "copy": backend.copy_seconds if backend else 0.0,
+            "commit": backend.commit_seconds if backend else 0.0,
+        },
         "blocks_per_step": blocks,
     }
     return result, [r.output_ids for r in requests]

@@ -42,7 +42,8 @@ def register(sub) -> None:
 
     every = bench.add_parser(
         "all", help="every benchmark that runs on this machine, in turn",
-        description="variants, capacity, quality, core (and serve, unless --quick), sharing --out.")
+        description="variants, capacity, quality, core, overhead, sweeps, sla, sharing (and utilization and "
+                    "serve, unless --quick), sharing --out.")
     _finish(every, "each benchmark's quick form (minutes on 2 CPU cores)", run_all)
 
     util = bench.add_parser(
@@ -96,6 +97,10 @@ def register(sub) -> None:
     gpu.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     gpu.add_argument("--repeats", type=int, default=3, help="engine runs per row, alternating order (default 3)")
     _finish(gpu, "16 requests, 64 new tokens", run_gpu)
+
+    from trtllm_vtoken.cli import bench_experiments
+
+    bench_experiments.register(bench)
 
 
 def _finish(parser: argparse.ArgumentParser, quick_help: str, run) -> None:
@@ -251,7 +256,8 @@ def run_capacity(args: argparse.Namespace) -> int:
 def run_all(args: argparse.Namespace) -> int:
     from trtllm_vtoken.cli import main
 
-    names = ["variants", "capacity", "quality", "core"] + ([] if args.quick else ["serve"])
+    names = ["variants", "capacity", "quality", "core", "overhead", "sweeps", "sla", "sharing"]
+    names += [] if args.quick else ["utilization", "serve"]
     for name in names:
         print(f"\n== vtoken bench {name}{' --quick' if args.quick else ''} ==", flush=True)
         code = main(["bench", name, "--out", args.out] + (["--quick"] if args.quick else []))

@@ -15,6 +15,7 @@ on the host (CPU, tests).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,11 @@ class ReclaimStats:
     blocks_freed: int = 0
     bytes_copied: int = 0
     invariant_checks: int = 0
+    plan_seconds: float = 0.0
+    """Host time in ``reclaim``: planning, submitting copies (on CUDA: enqueueing them), and
+    committing (table, pool, plus the I1/I2 checks when on)."""
+    copy_seconds: float = 0.0
+    commit_seconds: float = 0.0
 
 
 @dataclass
@@ -140,13 +146,19 @@ class ReclaimBackend:
 
         With a ``stream`` (CUDA), commits are ordered on it instead of waited for on the host.
         """
-        freed = 0
+        freed, stats = 0, self.stats
         for req_id in req_ids:
+            t0 = time.perf_counter()
             plan = self.plan(req_id, pressure)
+            t1 = time.perf_counter()
+            stats.plan_seconds += t1 - t0
             if plan is None:
                 continue
             self.submit(plan)
+            t2 = time.perf_counter()
             done = self.commit_ordered(req_id, stream) if stream is not None else self.commit_blocking(req_id)
+            stats.copy_seconds += t2 - t1
+            stats.commit_seconds += time.perf_counter() - t2
             freed += len(done.blocks_to_free)
         return freed
 

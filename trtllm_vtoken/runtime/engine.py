@@ -41,6 +41,8 @@ class EngineStats:
     preemptions: int = 0
     finished: int = 0
     cancelled: int = 0
+    forward_seconds: float = 0.0
+    """Wall time of model forwards (logits copied to the host included)."""
 
 
 class Engine:
@@ -210,6 +212,7 @@ class Engine:
             positions[i, : len(row)] = torch.arange(first, first + len(row))
             slots[i, : len(row)] = torch.tensor(kv.staged_slots(req_id))
         valid = kv.set_batch(req_ids)
+        start = time.perf_counter()
         if self.graphs is not None and longest == 1:
             logits, mass = self.graphs.run(input_ids, positions, slots, valid)
             mass = None if mass is None else mass.clone()  # the graph's output buffer is reused
@@ -220,6 +223,7 @@ class Engine:
                 kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1,
             )
         last = logits.float().cpu()
+        self.stats.forward_seconds += time.perf_counter() - start
         for req_id in req_ids:
             kv.commit(req_id)
         return [(self.requests[r], last[i], None if mass is None else mass[i]) for i, r in enumerate(req_ids)]

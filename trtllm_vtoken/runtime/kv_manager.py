@@ -17,6 +17,7 @@ Per step and request the engine calls, in this order:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +39,12 @@ class KVStats:
     dead_blocks_released: int = 0
     """naive-evict: blocks freed because every token in them died."""
     peak_blocks_used: int = 0
+    table_seconds: float = 0.0
+    """Host time registering new tokens in the token table (``commit``)."""
+    policy_seconds: float = 0.0
+    """Host time in the policy: observing attention and choosing victims (``observe``, ``evict``)."""
+    mask_seconds: float = 0.0
+    """Host time building the validity mask (naive-evict, lazy mode)."""
 
 
 @dataclass(frozen=True)
@@ -155,11 +162,13 @@ class KVCacheManager:
         self.cache.set_batch([blocks for blocks, _ in rows], [length for _, length in rows])
         if not self.masks_positions:
             return None
+        start = time.perf_counter()
         valid = np.zeros((len(req_ids), self.cache.block_offsets.shape[1] * self.config.tokens_per_block), bool)
         for i, req_id in enumerate(req_ids):
             old = self.table.kv_len(req_id)
             valid[i, :old] = self.table.position_live_mask(req_id)
             valid[i, old : rows[i][1]] = True
+        self.stats.mask_seconds += time.perf_counter() - start
         return torch.from_numpy(valid).to(self.cache.pool.device)
 
     @property
@@ -169,26 +178,32 @@ class KVCacheManager:
 
     def commit(self, req_id: int) -> None:
         """The reserved tokens are written: they join the token table with the next logical ids."""
+        start = time.perf_counter()
         blocks, total = self._staged.pop(req_id)
         self.table.sync_new_tokens(req_id, blocks, total)
+        self.stats.table_seconds += time.perf_counter() - start
 
     def observe(self, req_id: int, mass: torch.Tensor) -> None:
         """Credits attention mass per physical position [>= kv_len] to the live tokens there."""
         if not self.needs_attention:
             return
+        start = time.perf_counter()
         seq = self.table.seq(req_id)
         tokens = seq.token_at[: seq.kv_len]
         live = self.table.position_live_mask(req_id)
         self.policy.observe(req_id, tokens[live].astype(np.int64), mass[: seq.kv_len].cpu().numpy()[live])
+        self.stats.policy_seconds += time.perf_counter() - start
 
     def evict(self, req_id: int) -> list[int]:
         """Applies the policy's decision; returns the logical ids it evicted."""
         if self.policy is None:
             return []
+        start = time.perf_counter()
         doomed = self.policy.select(policy_view(self.table, req_id)).tolist()
         if doomed:
             self.table.evict_tokens(req_id, doomed)
             self.stats.tokens_evicted += len(doomed)
+        self.stats.policy_seconds += time.perf_counter() - start
         return doomed
 
     def reclaim(self, req_id: int, pressure: bool = False) -> int:

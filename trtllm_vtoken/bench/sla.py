@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vtoken bench sla``: throughput under a latency SLA, closed loop, real model (issue 4,
+experiment 3).
+
+At each concurrency C, C clients each keep one request in flight (a new one as soon as the last
+finished) from one fixed KV block budget, until ``requests_per_client * C`` requests completed.
+Latency is submit-to-finish (queueing for blocks included); throughput is output tokens over
+wall time. Then, from the same run:
+
+    C_ref   the largest C at which naive-evict runs all C requests at once (none waits for blocks)
+    SLA     1.05 x naive-evict's p95 latency at C_ref
+    C_sel   per variant, the largest C whose p95 latency meets the SLA
+
+and reports throughput and p95 at C_sel for naive-evict and vtoken, and their ratio.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from trtllm_vtoken.runtime.config import EngineConfig
+
+VARIANTS = ("naive-evict", "vtoken")
+
+
+@dataclass(frozen=True)
+class SlaBenchConfig:
+    workload: str = "sharegpt"
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
+    requests_per_client: int = 3
+    max_prompt_tokens: int = 256
+    max_output_tokens: int = 48
+    num_blocks: int = 96
+    tokens_per_block: int = 16
+    policy: str = "h2o"
+    budget: str = "0.5"
+    sla_factor: float = 1.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or min(self.concurrency) <= 0 or list(self.concurrency) != sorted(self.concurrency):
+            raise ValueError(f"concurrency must be ascending positive levels, got {self.concurrency}")
+        if self.sla_factor < 1.0:
+            raise ValueError(f"sla_factor must be >= 1, got {self.sla_factor}")
+
+    def engine_config(self, variant: str) -> EngineConfig:
+        return EngineConfig(variant=variant, policy=self.policy, budget=self.budget,
+                            tokens_per_block=self.tokens_per_block, num_blocks=self.num_blocks,
+                            max_batch_size=max(self.concurrency),
+                            max_seq_len=self.max_prompt_tokens + self.max_output_tokens + 64, seed=self.seed)
+
+
+def closed_loop(engine, prompts: list[list[int]], max_tokens: list[int], clients: int, total: int) -> dict[str, Any]:
+    """Keeps ``clients`` requests in flight until ``total`` finished; measures each one."""
+    from trtllm_vtoken.runtime.sampling import SamplingParams
+
+    submitted_at: dict[int, float] = {}
+    latencies: list[float] = []
+    tokens, max_running, submitted = 0, 0, 0
+    started = time.perf_counter()
+
+    def submit() -> None:
+        nonlocal submitted
+        i = submitted % len(prompts)
+        req = engine.add_request(prompts[i], SamplingParams(max_tokens=max_tokens[i], ignore_eos=True))
+        submitted_at[req] = time.perf_counter()
+        submitted += 1
+
+    for _ in range(min(clients, total)):
+        submit()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                latencies.append(time.perf_counter() - submitted_at.pop(out.req_id))
+                tokens += len(engine.pop_finished(out.req_id).output_ids)
+                if submitted < total:
+                    submit()
+        max_running = max(max_running, len(engine.running))
+    wall = time.perf_counter() - started
+    return {"clients": clients, "requests": total, "output_tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "latency_p50_s": float(np.percentile(latencies, 50)),
+            "latency_p95_s": float(np.percentile(latencies, 95)), "max_running": max_running,
+            "preemptions": engine.stats.preemptions}
+
+
+def select(levels: list[dict[str, Any]], sla_s: float) -> dict[str, Any] | None:
+    """The highest-concurrency level meeting the SLA (None if none does)."""
+    meeting = [lv for lv in levels if lv["latency_p95_s"] <= sla_s]
+    return max(meeting, key=lambda lv: lv["clients"]) if meeting else None
+
+
+def run_sla_bench(cfg: SlaBenchConfig, model, tokenizer, progress=None) -> dict[str, Any]:
+    from trtllm_vtoken.runtime.engine import Engine
+    from trtllm_vtoken.workloads import make_workload
+
+    count = cfg.requests_per_client * max(cfg.concurrency)
+    items = make_workload(cfg.workload, count, tokenizer, seed=cfg.seed,
+                          max_prompt_tokens=cfg.max_prompt_tokens, max_output_tokens=cfg.max_output_tokens)
+    prompts = [tokenizer.encode(item.prompt, chat=True) for item in items]
+    max_tokens = [item.max_tokens for item in items]
+    scans: dict[str, list[dict[str, Any]]] = {}
+    for variant in VARIANTS:
+        scans[variant] = []
+        for clients in cfg.concurrency:
+            engine = Engine(model, cfg.engine_config(variant), tokenizer)
+            level = closed_loop(engine, prompts, max_tokens, clients, cfg.requests_per_client * clients)
+            if engine.kv.backend is not None:
+                level["invariant_checks"] = engine.kv.backend.stats.invariant_checks
+            scans[variant].append(level)
+            if progress is not None:
+                progress.update(1)
+    naive = scans["naive-evict"]
+    fitting = [lv for lv in naive if lv["max_running"] >= lv["clients"]]
+    reference = fitting[-1] if fitting else naive[0]
+    sla = cfg.sla_factor * reference["latency_p95_s"]
+    selected = {variant: select(scans[variant], sla) for variant in VARIANTS}
+    summary: dict[str, Any] = {"c_ref": reference["clients"], "sla_p95_s": sla,
+                               "selected": {v: (s["clients"] if s else None) for v, s in selected.items()}}
+    if all(selected.values()):
+        summary["throughput_ratio"] = selected["vtoken"]["tokens_per_s"] / selected["naive-evict"]["tokens_per_s"]
+        summary["throughput_gain_pct"] = 100.0 * (summary["throughput_ratio"] - 1.0)
+    return {"config": asdict(cfg), "scans": scans, "summary": summary}
+
+
+def plot_sla(result: dict[str, Any], path) -> None:
+    """Throughput vs p95 latency per concurrency level, with the SLA line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for variant, levels in result["scans"].items():
+        ax.plot([lv["latency_p95_s"] for lv in levels], [lv["tokens_per_s"] for lv in levels], marker="o", label=variant)
+        for lv in levels:
+            ax.annotate(f"C={lv['clients']}", (lv["latency_p95_s"], lv["tokens_per_s"]), fontsize=7)
+    ax.axvline(result["summary"]["sla_p95_s"], color="gray", linestyle=":", label="SLA (1.05 x naive-evict p95 at C_ref)")
+    ax.set(xlabel="p95 latency (s)", ylabel="output tokens / s", title="Throughput-latency frontier (closed loop)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

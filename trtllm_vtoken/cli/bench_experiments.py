@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vtoken bench overhead | sweeps | sla | sharing``: the ablation, sweep, SLA-frontier and
+prefix-sharing experiments (each prints a table and writes ``<out>/<name>.json`` and a PNG)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(bench) -> None:
+    from trtllm_vtoken.cli.bench import _finish
+
+    overhead = bench.add_parser(
+        "overhead", help="hooks-on/no-eviction cost vs native, and the host-time split (real model)",
+        description="native vs indirection-only (vtoken hooks, budget 1.0) in one run, repeated in "
+                    "alternating order; plus where a reclaiming run spends its host time.")
+    overhead.add_argument("--requests", type=int, default=16)
+    overhead.add_argument("--max-output-tokens", type=int, default=64)
+    overhead.add_argument("--repeats", type=int, default=3)
+    _finish(overhead, "8 requests, 24 new tokens, 3 repeats", run_overhead)
+
+    sweeps = bench.add_parser(
+        "sweeps", help="tokens_per_block, retention ratio, lazy threshold, dense vs lazy (real model)",
+        description="One knob at a time: retained KV, copies and throughput of vtoken (and naive-evict).")
+    sweeps.add_argument("--requests", type=int, default=8)
+    sweeps.add_argument("--max-output-tokens", type=int, default=48)
+    _finish(sweeps, "4 requests, prompts <= 128, 16 new tokens", run_sweeps)
+
+    sla = bench.add_parser(
+        "sla", help="throughput under a p95-latency SLA, closed loop (real model)",
+        description="Closed-loop concurrency scan of naive-evict and vtoken from one KV budget; "
+                    "SLA = 1.05 x naive-evict p95 at C_ref; throughput at each variant's C_sel.")
+    sla.add_argument("--concurrency", default="1,2,4,8,12,16", help="ascending levels (default 1,2,4,8,12,16)")
+    sla.add_argument("--requests-per-client", type=int, default=3)
+    sla.add_argument("--num-blocks", type=int, default=96, help="KV block budget (default 96)")
+    _finish(sla, "levels 2,4,8, two requests per client, 24 new tokens", run_sla)
+
+    sharing = bench.add_parser(
+        "sharing", help="prefix sharing at degree 1/2/4/8: retained blocks, no shared block moved (simulated)",
+        description="Shared prompt prefixes (reference-counted blocks) with private suffixes, H2O "
+                    "decoding; naive-evict with prefix caching vs vtoken dense.")
+    sharing.add_argument("--decode-tokens", type=int, default=256)
+    _finish(sharing, "64 decode steps", run_sharing)
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.overhead import RUNS, OverheadBenchConfig, plot_overhead, run_overhead_bench
+    from trtllm_vtoken.cli.bench import _load_model, _publish
+    from trtllm_vtoken.report import format_table
+
+    cfg = OverheadBenchConfig(requests=8 if args.quick else args.requests,
+                              max_output_tokens=24 if args.quick else args.max_output_tokens, repeats=args.repeats)
+    _, model, tokenizer = _load_model(None)
+    with tqdm(total=len(RUNS) * cfg.repeats, desc="bench overhead", unit="run", disable=None, file=sys.stderr) as bar:
+        result = run_overhead_bench(cfg, model, tokenizer, progress=bar)
+    print(f"vtoken bench overhead: {cfg.requests} ShareGPT requests, <= {cfg.max_output_tokens} new tokens, "
+          f"{cfg.repeats} runs per row in alternating order (median)")
+    print(format_table(["run", "tokens/s", "min", "max", "vs native", "overhead %", "blocks reclaimed"],
+                       [[r["label"], r["tokens_per_s"], r["tokens_per_s_min"], r["tokens_per_s_max"],
+                         r["throughput_vs_native"], r["overhead_pct"], r["blocks_reclaimed"]] for r in result["runs"]]))
+    split = result["runs"][-1]["host_seconds"]
+    wall = result["runs"][-1]["wall_s"]
+    print(f"\nhost time of {result['runs'][-1]['label']} (wall {wall:.2f} s):")
+    print(format_table(["stage", "seconds", "% of wall"], [[k, v, 100 * v / wall] for k, v in split.items()]))
+    _publish(args.out, "overhead", result, plot_overhead)
+    return 0
+
+
+def run_sweeps(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.sweeps import SweepsBenchConfig, plot_sweeps, run_sweeps_bench
+    from trtllm_vtoken.cli.bench import _load_model, _publish
+    from trtllm_vtoken.report import format_table
+
+    cfg = (SweepsBenchConfig(requests=4, max_prompt_tokens=128, max_output_tokens=16) if args.quick
+           else SweepsBenchConfig(requests=args.requests, max_output_tokens=args.max_output_tokens))
+    _, model, tokenizer = _load_model(None)
+    with tqdm(total=len(cfg.points()), desc="bench sweeps", unit="run", disable=None, file=sys.stderr) as bar:
+        result = run_sweeps_bench(cfg, model, tokenizer, progress=bar)
+    print(f"vtoken bench sweeps: {cfg.requests} ShareGPT requests, <= {cfg.max_output_tokens} new tokens, "
+          f"{cfg.policy}; I1/I2/I4 checked on every relocation")
+    print(format_table(
+        ["sweep", "value", "variant", "mode", "mean blocks", "peak blocks", "KV slots (mean)", "fewer than naive %",
+         "util %", "moves", "tokens/s", "checks"],
+        [[p["sweep"], p["value"], p["variant"], p["mode"], p["mean_blocks"], p["peak_blocks"], p["mean_slots"],
+          p.get("fewer_slots_than_naive_pct", "-"), 100 * p["kv_utilization"], p["moves"], p["tokens_per_s"],
+          p["invariant_checks"]] for p in result["points"]]))
+    _publish(args.out, "sweeps", result, plot_sweeps)
+    return 0
+
+
+def run_sla(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.sla import VARIANTS, SlaBenchConfig, plot_sla, run_sla_bench
+    from trtllm_vtoken.cli.bench import _load_model, _publish
+    from trtllm_vtoken.report import format_table
+
+    try:
+        levels = tuple(int(c) for c in ("2,4,8" if args.quick else args.concurrency).split(","))
+    except ValueError:
+        raise ValueError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
+    cfg = SlaBenchConfig(concurrency=levels, requests_per_client=2 if args.quick else args.requests_per_client,
+                         num_blocks=args.num_blocks, max_output_tokens=24 if args.quick else 48)
+    _, model, tokenizer = _load_model(None)
+    with tqdm(total=len(levels) * len(VARIANTS), desc="bench sla", unit="level", disable=None, file=sys.stderr) as bar:
+        result = run_sla_bench(cfg, model, tokenizer, progress=bar)
+    print(f"vtoken bench sla: closed loop, {cfg.num_blocks} blocks x {cfg.tokens_per_block} tokens, "
+          f"{cfg.policy} budget {cfg.budget}")
+    print(format_table(["variant", "C", "tokens/s", "p50 s", "p95 s", "most running", "preemptions"],
+                       [[v, lv["clients"], lv["tokens_per_s"], lv["latency_p50_s"], lv["latency_p95_s"],
+                         lv["max_running"], lv["preemptions"]] for v, levels_ in result["scans"].items() for lv in levels_]))
+    s = result["summary"]
+    print(f"\nC_ref {s['c_ref']}, SLA p95 <= {s['sla_p95_s']:.2f} s; C_sel: {s['selected']}"
+          + (f"; vtoken throughput at C_sel = {s['throughput_ratio']:.3f}x naive-evict's" if "throughput_ratio" in s else ""))
+    _publish(args.out, "sla", result, plot_sla)
+    return 0
+
+
+def run_sharing(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.sharing import VARIANTS, SharingBenchConfig, plot_sharing, run_sharing_bench
+    from trtllm_vtoken.cli.bench import _publish
+    from trtllm_vtoken.report import format_table
+
+    cfg = SharingBenchConfig(decode_tokens=64 if args.quick else args.decode_tokens)
+    total = len(cfg.degrees) * len(VARIANTS) * cfg.decode_tokens
+    with tqdm(total=total, desc="bench sharing", unit="step", disable=None, file=sys.stderr) as bar:
+        result = run_sharing_bench(cfg, progress=bar)
+    print(f"vtoken bench sharing (simulated): {cfg.requests} requests, {cfg.prefix_tokens}-token shared prefix, "
+          f"{cfg.suffix_tokens}-token private suffix, {cfg.decode_tokens} decode steps, H2O {cfg.budget}")
+    print(format_table(
+        ["degree", "variant", "blocks (end)", "blocks (mean)", "ideal", "shared blocks", "fewer than naive %",
+         "relocations", "plans touching shared", "invariant checks"],
+        [[r["degree"], r["variant"], r["blocks_end"], r["blocks_mean"], r["ideal_blocks_end"], r["shared_blocks"],
+          r.get("fewer_blocks_than_naive_pct", "-"), r["relocations"], r["plans_touching_shared"],
+          r["invariant_checks"]] for r in result["rows"]]))
+    for row in result["rows"]:
+        row.pop("blocks_per_step")
+    _publish(args.out, "sharing", result, plot_sharing)
+    return 0
