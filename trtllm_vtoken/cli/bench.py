@@ -155,7 +155,12 @@ def run_core(args: argparse.Namespace) -> int:
 def run_variants(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.variants import VARIANT_RUNS, VariantsBenchConfig, plot_variants, run_variants_bench
+    from trtllm_vtoken.bench.variants import (
+        VARIANT_RUNS,
+        VariantsBenchConfig,
+        plot_variants,
+        run_variants_bench,
+    )
     from trtllm_vtoken.report import format_table
 
     sizes = dict(requests=args.requests, max_prompt_tokens=args.max_prompt_tokens,
@@ -195,8 +200,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from trtllm_vtoken.report import format_table
     from trtllm_vtoken.runtime.checkpoint import ensure_default_model
     from trtllm_vtoken.serving.settings import ServingSettings
-    from trtllm_vtoken.serving.triton import (TritonServer, default_repository, free_ports,
-                                              prepare_repository, repository_parameters)
+    from trtllm_vtoken.serving.triton import (
+        TritonServer,
+        default_repository,
+        free_ports,
+        prepare_repository,
+        repository_parameters,
+    )
 
     try:
         levels = tuple(int(c) for c in args.concurrency.split(","))
@@ -232,7 +242,12 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_capacity(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.capacity import PAPER_SETTINGS, VARIANTS, plot_capacity, run_capacity_bench
+    from trtllm_vtoken.bench.capacity import (
+        PAPER_SETTINGS,
+        VARIANTS,
+        plot_capacity,
+        run_capacity_bench,
+    )
     from trtllm_vtoken.report import format_table
 
     scale = 8 if args.quick else args.scale
@@ -269,7 +284,12 @@ def run_all(args: argparse.Namespace) -> int:
 def run_quality(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.quality import RUNS, QualityBenchConfig, plot_quality, run_quality_bench
+    from trtllm_vtoken.bench.quality import (
+        RUNS,
+        QualityBenchConfig,
+        plot_quality,
+        run_quality_bench,
+    )
     from trtllm_vtoken.report import format_table
 
     cfg = QualityBenchConfig(prompts=24 if args.quick else args.prompts,
@@ -292,8 +312,12 @@ def run_quality(args: argparse.Namespace) -> int:
 def run_utilization(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.utilization import (VARIANTS, UtilizationBenchConfig, plot_utilization,
-                                                 run_utilization_bench)
+    from trtllm_vtoken.bench.utilization import (
+        VARIANTS,
+        UtilizationBenchConfig,
+        plot_utilization,
+        run_utilization_bench,
+    )
     from trtllm_vtoken.report import format_table
 
     sizes = dict(requests=args.requests, max_prompt_tokens=args.max_prompt_tokens,

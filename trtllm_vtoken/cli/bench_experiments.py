@@ -47,7 +47,12 @@ def register(bench) -> None:
 def run_overhead(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.overhead import RUNS, OverheadBenchConfig, plot_overhead, run_overhead_bench
+    from trtllm_vtoken.bench.overhead import (
+        RUNS,
+        OverheadBenchConfig,
+        plot_overhead,
+        run_overhead_bench,
+    )
     from trtllm_vtoken.cli.bench import _load_model, _publish
     from trtllm_vtoken.report import format_table
 
@@ -124,7 +129,12 @@ def run_sla(args: argparse.Namespace) -> int:
 def run_sharing(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.sharing import VARIANTS, SharingBenchConfig, plot_sharing, run_sharing_bench
+    from trtllm_vtoken.bench.sharing import (
+        VARIANTS,
+        SharingBenchConfig,
+        plot_sharing,
+        run_sharing_bench,
+    )
     from trtllm_vtoken.cli.bench import _publish
     from trtllm_vtoken.report import format_table
 
