@@ -62,8 +62,8 @@ def test_sweeps_vtoken_never_holds_more_than_naive_evict(model, smollm2_tokenize
     for point in points:
         if "fewer_slots_than_naive_pct" in point:
             assert point["fewer_slots_than_naive_pct"] >= 0
-        if point["variant"] == "vtoken" and point["moves"]:
-            assert point["invariant_checks"] > 0
+        if point["variant"] == "vtoken" and point["moves"]:  # checked, except the throughput rows
+            assert (point["invariant_checks"] > 0) == (point["sweep"] != "mode")
 
 
 def test_sla_scan_selects_levels_from_one_run(model, smollm2_tokenizer):

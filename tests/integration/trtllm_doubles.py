@@ -117,3 +117,91 @@ class TrtllmAttentionMetadataDouble121:
 
     def prepare(self) -> None:
         self.kv_lens = [c + n for c, n in zip(self.kv_cache_params.num_cached_tokens_per_seq, self.seq_lens_kv)]
+
+
+@dataclass
+class CompletionOutputDouble121:
+    """``tensorrt_llm.executor.result.CompletionOutput``: cumulative text and ids plus the diffs."""
+
+    token_ids: list = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+    _last_text_len: int = 0
+    _last_token_ids_len: int = 0
+
+    @property
+    def text_diff(self) -> str:
+        return self.text[self._last_text_len:]
+
+    @property
+    def token_ids_diff(self) -> list:
+        return self.token_ids[self._last_token_ids_len:]
+
+
+class GenerationResultDouble121:
+    """``generate_async(..., streaming=True)``'s result: async-iterable chunks, ``abort()``."""
+
+    def __init__(self, pieces: list[tuple[int, str]], delay_s: float = 0.0) -> None:
+        self.pieces, self.delay_s = pieces, delay_s
+        self.output = CompletionOutputDouble121()
+        self.outputs = [self.output]
+        self.finished = False
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def __aiter__(self):
+        return self._chunks()
+
+    async def _chunks(self):
+        import asyncio
+
+        for i, (token, text) in enumerate(self.pieces):
+            if self.aborted:
+                return
+            await asyncio.sleep(self.delay_s)
+            out = self.output
+            out._last_text_len, out._last_token_ids_len = len(out.text), len(out.token_ids)
+            out.text += text
+            out.token_ids.append(token)
+            self.finished = i == len(self.pieces) - 1
+            if self.finished:
+                out.finish_reason = "length"
+            yield self
+
+
+class LLMDouble121:
+    """``tensorrt_llm.LLM``: ``generate_async(inputs, sampling_params, streaming)`` and ``shutdown``.
+    Echoes the prompt's ids back as ``max_tokens`` pieces ("<id>" each)."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.results: list[GenerationResultDouble121] = []
+        self.shut_down = False
+
+    def generate_async(self, inputs, sampling_params=None, streaming=False):
+        if not inputs:
+            raise ValueError("empty prompt")
+        ids = (list(inputs) * sampling_params.max_tokens)[: sampling_params.max_tokens]
+        result = GenerationResultDouble121([(t, f"<{t}>") for t in ids], self.delay_s)
+        self.results.append(result)
+        return result
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+class SamplingParamsDouble121:
+    """``tensorrt_llm.SamplingParams`` (keyword fields only)."""
+
+    def __init__(self, **fields) -> None:
+        self.__dict__.update(fields)
+
+
+class TensorrtLlmApiDouble121:
+    """The ``tensorrt_llm`` module surface ``TRTLLMLoop`` reads."""
+
+    SamplingParams = SamplingParamsDouble121

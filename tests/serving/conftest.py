@@ -13,7 +13,12 @@ SERVER_PARAMETERS = {
 def triton_server(tmp_path_factory):
     """The real tritonserver (from nvidia-pytriton) on triton_model_repo, real model, CPU."""
     from trtllm_vtoken.runtime.checkpoint import ensure_default_model
-    from trtllm_vtoken.serving.triton import TritonServer, default_repository, free_ports, prepare_repository
+    from trtllm_vtoken.serving.triton import (
+        TritonServer,
+        default_repository,
+        free_ports,
+        prepare_repository,
+    )
 
     ensure_default_model()  # convert before the server's 180 s readiness clock starts
     scratch = tmp_path_factory.mktemp("triton")

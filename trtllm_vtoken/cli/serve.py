@@ -37,11 +37,13 @@ def register(sub) -> None:
     g.add_argument("--max-seq-len", type=int)
     g.add_argument("--max-tokens-limit", type=int)
     g.add_argument("--device")
+    g.add_argument("--backend", choices=["auto", "reference", "trtllm"],
+                   help="reference engine, TensorRT-LLM with vToken's hooks, or auto (trtllm where it runs)")
     parser.set_defaults(func=run)
 
 
 OVERRIDES = ("model", "variant", "mode", "policy", "budget", "tokens_per_block", "num_blocks",
-             "max_batch_size", "max_seq_len", "max_tokens_limit", "device")
+             "max_batch_size", "max_seq_len", "max_tokens_limit", "device", "backend")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,8 @@ ValueError (KeyError for an unknown request) and leaves the table as it was.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence as SequenceOf
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as SequenceOf
 
 import numpy as np
 
@@ -272,7 +273,7 @@ class TokenTable(TokenTableQueries):
     # ---- invariants ----------------------------------------------------------------------------
     def check_integrity(self, req_id: int | None = None) -> None:
         """I2 (unique mapping) plus bookkeeping; raises RuntimeError naming the first violation."""
-        from trtllm_vtoken.core.integrity import check_sequence, check_blocks_disjoint
+        from trtllm_vtoken.core.integrity import check_blocks_disjoint, check_sequence
 
         ids = self.request_ids() if req_id is None else [req_id]
         for rid in ids:

@@ -3,8 +3,20 @@
 
 from __future__ import annotations
 
-from trtllm_vtoken.policies import h2o, random, scissorhands, sliding_window, streaming_llm  # noqa: F401
-from trtllm_vtoken.policies.base import POLICIES, EvictionPolicy, PolicyView, ScorePolicy, make_policy
+from trtllm_vtoken.policies import (  # noqa: F401
+    h2o,
+    random,
+    scissorhands,
+    sliding_window,
+    streaming_llm,
+)
+from trtllm_vtoken.policies.base import (
+    POLICIES,
+    EvictionPolicy,
+    PolicyView,
+    ScorePolicy,
+    make_policy,
+)
 from trtllm_vtoken.policies.budget import Budget
 from trtllm_vtoken.policies.view import policy_view
 

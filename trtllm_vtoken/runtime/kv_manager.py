@@ -25,7 +25,12 @@ import torch
 
 from trtllm_vtoken.core import BlockPool, TokenTable
 from trtllm_vtoken.policies import EvictionPolicy, policy_view
-from trtllm_vtoken.reclaim import AdmissionConfig, AdmissionController, ReclaimBackend, ReclaimConfig
+from trtllm_vtoken.reclaim import (
+    AdmissionConfig,
+    AdmissionController,
+    ReclaimBackend,
+    ReclaimConfig,
+)
 from trtllm_vtoken.reclaim.copy import AccountingCopyExecutor, TorchCopyExecutor
 from trtllm_vtoken.reclaim.dead_blocks import release_dead_blocks
 from trtllm_vtoken.runtime.config import EngineConfig

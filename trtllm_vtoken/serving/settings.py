@@ -24,8 +24,13 @@ class ServingSettings:
     """Wrap ``text_input`` as one user turn of the model's chat template."""
     max_tokens_limit: int = 1024
     default_max_tokens: int = 64
+    backend: str = "auto"
+    """"reference": vToken's torch engine. "trtllm": TensorRT-LLM's LLM API with vToken installed
+    (needs tensorrt_llm and a GPU). "auto": trtllm where both are present, else reference."""
 
     def __post_init__(self) -> None:
+        if self.backend not in ("auto", "reference", "trtllm"):
+            raise ValueError(f"backend must be auto, reference or trtllm, got {self.backend!r}")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError(f"default_max_tokens must lie in [1, max_tokens_limit={self.max_tokens_limit}]")
 

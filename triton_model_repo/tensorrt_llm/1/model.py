@@ -3,6 +3,9 @@
 
 Each Triton request is parsed (``trtllm_vtoken.serving.protocol``), tokenized and handed to one
 ``EngineLoop``: requests from every client join and leave the same running batch between steps.
+With ``backend`` ``trtllm`` (or ``auto`` where tensorrt_llm imports and a GPU is present) the
+requests go to TensorRT-LLM's LLM API with vToken's hooks instead (``TRTLLMLoop``, same interface);
+the vtoken_* metrics then come from the reference engine only and stay at zero.
 Responses go back through the request's response sender: one final response, or with
 ``streaming`` one per text piece. A client that goes away is noticed through
 ``is_cancelled()`` and its request is cancelled, freeing its KV blocks at once.
@@ -102,10 +105,16 @@ class TritonPythonModel:
         self.settings = ServingSettings.from_parameters(parameters)
         engine_config = self.settings.engine
         self.served_policy = "none" if engine_config.variant == "native" else engine_config.policy
+        from trtllm_vtoken.serving.trtllm_loop import make_trtllm_loop, trtllm_available
+
         folder = resolve_model(self.settings.model)
         self.tokenizer = Tokenizer(folder)
-        engine = Engine(load_llama(folder), self.settings.engine, self.tokenizer)
         self.metrics = _Metrics({"model": args["model_name"], "version": args["model_version"]})
+        backend = self.settings.backend
+        if backend == "trtllm" or (backend == "auto" and trtllm_available()):
+            self.loop = make_trtllm_loop(self.settings)
+            return
+        engine = Engine(load_llama(folder), self.settings.engine, self.tokenizer)
         self.metrics.update(engine)
         self.loop = EngineLoop(engine, on_step=self.metrics.update).start()
 

@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Triton model's TensorRT-LLM path (``TRTLLMLoop``) over test doubles of the 1.2.1 LLM API:
+streamed pieces arrive in order and join to the full output, cancellation aborts the request,
+refusals reach only their client, and stop shuts the LLM down."""
+
+from __future__ import annotations
+
+import time
+
+from tests.integration.trtllm_doubles import LLMDouble121, TensorrtLlmApiDouble121
+from trtllm_vtoken.runtime.sampling import SamplingParams
+from trtllm_vtoken.serving.engine_loop import CollectingSink
+from trtllm_vtoken.serving.settings import ServingSettings
+from trtllm_vtoken.serving.trtllm_loop import TRTLLMLoop, trtllm_sampling
+
+
+def wait(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_requests_stream_in_order_and_finish():
+    llm = LLMDouble121()
+    loop = TRTLLMLoop(llm, TensorrtLlmApiDouble121).start()
+    sinks = [CollectingSink() for _ in range(8)]
+    for i, sink in enumerate(sinks):
+        loop.submit([i + 1, 100], SamplingParams(max_tokens=5), sink)
+    wait(lambda: all(s.done.is_set() for s in sinks))
+    for i, sink in enumerate(sinks):
+        assert sink.tokens == [i + 1, 100, i + 1, 100, i + 1]
+        assert sink.text == "".join(f"<{t}>" for t in sink.tokens)
+        assert [o.finished for o in sink.outputs] == [False] * 4 + [True]
+        assert sink.outputs[-1].finish_reason == "length" and sink.outputs[-1].num_output_tokens == 5
+    loop.stop()
+    assert llm.shut_down and loop.in_flight() == 0
+
+
+def test_a_cancelled_client_aborts_its_request():
+    llm = LLMDouble121(delay_s=0.01)
+    loop = TRTLLMLoop(llm, TensorrtLlmApiDouble121).start()
+    sink = CollectingSink(cancel_after=2)
+    loop.submit([7], SamplingParams(max_tokens=50), sink)
+    wait(sink.done.is_set)
+    assert llm.results[0].aborted and sink.outputs[-1].finish_reason == "cancelled"
+    assert len(sink.tokens) < 50
+    loop.stop()
+
+
+def test_a_refused_request_fails_only_its_client():
+    loop = TRTLLMLoop(LLMDouble121(), TensorrtLlmApiDouble121).start()
+    bad, good = CollectingSink(), CollectingSink()
+    loop.submit([], SamplingParams(max_tokens=3), bad)
+    loop.submit([3], SamplingParams(max_tokens=3), good)
+    wait(lambda: bad.done.is_set() and good.done.is_set())
+    assert "refused the request: empty prompt" in bad.error and good.tokens == [3, 3, 3]
+    loop.stop()
+
+
+def test_sampling_parameters_map_onto_tensorrt_llm_names():
+    greedy = trtllm_sampling(SamplingParams(max_tokens=9, stop=("END",), ignore_eos=True), TensorrtLlmApiDouble121)
+    assert (greedy.max_tokens, greedy.top_k, greedy.temperature, greedy.stop, greedy.ignore_eos) == (9, 1, None, ["END"], True)
+    sampled = trtllm_sampling(SamplingParams(temperature=0.7, top_p=0.9, seed=3), TensorrtLlmApiDouble121)
+    assert (sampled.temperature, sampled.top_p, sampled.top_k, sampled.seed) == (0.7, 0.9, None, 3)
+
+
+def test_backend_setting_is_validated():
+    assert ServingSettings.from_parameters({"backend": "trtllm"}).backend == "trtllm"
+    import pytest
+
+    with pytest.raises(ValueError, match="backend must be auto, reference or trtllm"):
+        ServingSettings.from_parameters({"backend": "vllm"})
