@@ -31,3 +31,21 @@ def test_sla_selects_the_highest_level_within_the_sla():
     assert select(levels, 0.5) is None
     with pytest.raises(ValueError, match="ascending"):
         SlaBenchConfig(concurrency=(4, 2))
+
+
+def test_alternating_repeats_report_the_median_run_per_row():
+    from trtllm_vtoken.bench.repeats import run_alternating
+
+    calls = []
+    speeds = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 6.0, 4.0])}
+
+    def run(label, spec):
+        calls.append(label)
+        return {"tokens_per_s": next(speeds[label]), "spec": spec}
+
+    rows = run_alternating([("a", 1), ("b", 2)], 3, run)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert [(r["label"], r["tokens_per_s"], r["tokens_per_s_min"], r["tokens_per_s_max"], r["spec"]) for r in rows] == \
+        [("a", 2.0, 1.0, 3.0, 1), ("b", 5.0, 4.0, 6.0, 2)]
+    with pytest.raises(ValueError, match="repeats must be positive"):
+        run_alternating([("a", 1)], 0, run)

@@ -153,6 +153,7 @@ def decode_bench(cfg: GpuBenchConfig, model) -> list[dict[str, Any]]:
 
 
 def engine_bench(cfg: GpuBenchConfig, model, progress=None) -> list[dict[str, Any]]:
+    from trtllm_vtoken.bench.repeats import run_alternating
     from trtllm_vtoken.bench.variants import serve_workload
     from trtllm_vtoken.runtime.engine import Engine
 
@@ -160,33 +161,25 @@ def engine_bench(cfg: GpuBenchConfig, model, progress=None) -> list[dict[str, An
     prompts = [torch.randint(0, model.config.vocab_size, (cfg.prompt_tokens,), generator=gen).tolist()
                for _ in range(cfg.requests)]
     items = [SimpleNamespace(max_tokens=cfg.output_tokens)] * cfg.requests
-    samples: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in ENGINE_RUNS}
     outputs = {}
-    for repeat in range(cfg.repeats):
-        order = ENGINE_RUNS if repeat % 2 == 0 else ENGINE_RUNS[::-1]
-        for label, overrides in order:
-            engine = Engine(model, cfg.engine_config(**overrides))
-            serve_workload(engine, prompts[:2], items[:2], None)  # warm-up: allocator, first captures
-            result, outputs[label] = serve_workload(engine, prompts, items, None)
-            result.pop("blocks_per_step")
-            result["graph_replays"] = engine.graphs.replays if engine.graphs else 0
-            samples[label].append(result)
-            if progress is not None:
-                progress.update(1)
-    runs = []
-    for label, _ in ENGINE_RUNS:
-        speeds = sorted(r["tokens_per_s"] for r in samples[label])
-        run = dict(samples[label][0], label=label, tokens_per_s=speeds[len(speeds) // 2],
-                   tokens_per_s_min=speeds[0], tokens_per_s_max=speeds[-1])
-        runs.append(run)
+
+    def run(label: str, overrides: dict[str, Any]) -> dict[str, Any]:
+        engine = Engine(model, cfg.engine_config(**overrides))
+        serve_workload(engine, prompts[:2], items[:2], None)  # warm-up: allocator, first captures
+        result, outputs[label] = serve_workload(engine, prompts, items, None)
+        result.pop("blocks_per_step")
+        result["graph_replays"] = engine.graphs.replays if engine.graphs else 0
+        return result
+
+    runs = run_alternating(ENGINE_RUNS, cfg.repeats, run, progress)
     reference = outputs["naive-evict"]
-    for run in runs:
-        if run["variant"] == "vtoken" and run["label"] != "indirection-only":
-            same = [a == b for a, b in zip(reference, outputs[run["label"]])]
-            run["exact_match_vs_naive_evict"] = sum(same) / len(same)
+    for row in runs:
+        if row["variant"] == "vtoken" and row["label"] != "indirection-only":
+            same = [a == b for a, b in zip(reference, outputs[row["label"]])]
+            row["exact_match_vs_naive_evict"] = sum(same) / len(same)
     native = next(r for r in runs if r["label"] == "native, graphs")["tokens_per_s"]
-    for run in runs:
-        run["throughput_vs_native_graphs"] = run["tokens_per_s"] / native
+    for row in runs:
+        row["throughput_vs_native_graphs"] = row["tokens_per_s"] / native
     return runs
 
 

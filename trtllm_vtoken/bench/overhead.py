@@ -54,6 +54,7 @@ class OverheadBenchConfig:
 
 
 def run_overhead_bench(cfg: OverheadBenchConfig, model, tokenizer, progress=None) -> dict[str, Any]:
+    from trtllm_vtoken.bench.repeats import run_alternating
     from trtllm_vtoken.bench.variants import serve_workload
     from trtllm_vtoken.runtime.engine import Engine
     from trtllm_vtoken.workloads import make_workload
@@ -61,23 +62,17 @@ def run_overhead_bench(cfg: OverheadBenchConfig, model, tokenizer, progress=None
     items = make_workload(cfg.workload, cfg.requests, tokenizer, seed=cfg.seed,
                           max_prompt_tokens=cfg.max_prompt_tokens, max_output_tokens=cfg.max_output_tokens)
     prompts = [tokenizer.encode(item.prompt, chat=True) for item in items]
-    samples: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in RUNS}
-    for repeat in range(cfg.repeats):
-        for label, overrides in (RUNS if repeat % 2 == 0 else RUNS[::-1]):
-            result, _ = serve_workload(Engine(model, cfg.engine_config(**overrides), tokenizer), prompts, items, None)
-            result.pop("blocks_per_step")
-            samples[label].append(result)
-            if progress is not None:
-                progress.update(1)
-    runs = []
-    for label, _ in RUNS:
-        speeds = sorted(r["tokens_per_s"] for r in samples[label])
-        median = samples[label][[r["tokens_per_s"] for r in samples[label]].index(speeds[len(speeds) // 2])]
-        runs.append(dict(median, label=label, tokens_per_s_min=speeds[0], tokens_per_s_max=speeds[-1]))
+
+    def run(label: str, overrides: dict[str, Any]) -> dict[str, Any]:
+        result, _ = serve_workload(Engine(model, cfg.engine_config(**overrides), tokenizer), prompts, items, None)
+        result.pop("blocks_per_step")
+        return result
+
+    runs = run_alternating(RUNS, cfg.repeats, run, progress)
     native = runs[0]["tokens_per_s"]
-    for run in runs:
-        run["throughput_vs_native"] = run["tokens_per_s"] / native
-        run["overhead_pct"] = 100.0 * (1.0 - run["throughput_vs_native"])
+    for row in runs:
+        row["throughput_vs_native"] = row["tokens_per_s"] / native
+        row["overhead_pct"] = 100.0 * (1.0 - row["throughput_vs_native"])
     return {"config": asdict(cfg), "runs": runs}
 
 
