@@ -4,7 +4,6 @@
 #include "token_table.h"
 
 #include <algorithm>
-#include <sstream>
 
 namespace vtoken {
 
@@ -24,12 +23,16 @@ bool has_repeats(const std::vector<int64_t>& values) {
 
 }  // namespace
 
+// No iostreams in this library: a process that loaded another libstdc++ first (a framework's
+// bundled one) can hand us locale facets of a different ABI, and formatting a number through them
+// crashed on such a machine. std::to_string does not touch the locale.
 std::string repr(const std::vector<int64_t>& values) {
-  std::ostringstream out;
-  out << '[';
-  for (size_t i = 0; i < values.size(); ++i) out << (i ? ", " : "") << values[i];
-  out << ']';
-  return out.str();
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(values[i]);
+  }
+  return out + "]";
 }
 
 TokenTable::TokenTable(int64_t tokens_per_block) : tpb_(tokens_per_block) {

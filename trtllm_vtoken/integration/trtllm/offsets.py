@@ -62,9 +62,9 @@ def write_row(offsets, pool_index: int, row: int, block_ids: Sequence[int], laye
     n = encoded.shape[1]
     if n > offsets.shape[-1]:
         raise ValueError(f"{n} blocks exceed max_blocks_per_seq {offsets.shape[-1]}")
-    if hasattr(offsets, "device"):  # torch: one host-to-device copy, no reallocation
+    if isinstance(offsets, np.ndarray):  # (numpy >= 2.1 arrays have a .device too)
+        offsets[pool_index, row, :, :n] = encoded
+    else:  # torch: one host-to-device copy, no reallocation
         import torch
 
         offsets[pool_index, row, :, :n].copy_(torch.from_numpy(encoded), non_blocking=True)
-    else:
-        offsets[pool_index, row, :, :n] = encoded
