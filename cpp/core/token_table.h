@@ -12,6 +12,8 @@
 //     kv_len     = 9
 //     slot_of[5] = 2 * B + 1                      logical id -> flat slot (block * B + offset)
 //
+// Not thread-safe: one table per engine, called from one thread at a time.
+//
 // Errors: every mutation validates all of its input first and throws, changing nothing:
 // UnknownRequest (KeyError in Python) for an unknown request, std::invalid_argument (ValueError)
 // for everything else. The batch calls apply requests in order: on an error, the requests before
