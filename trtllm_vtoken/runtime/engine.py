@@ -215,14 +215,16 @@ class Engine:
         start = time.perf_counter()
         if self.graphs is not None and longest == 1:
             logits, mass = self.graphs.run(input_ids, positions, slots, valid)
-            mass = None if mass is None else mass.clone()  # the graph's output buffer is reused
         else:
             q_lens = torch.tensor([len(t) for t in tokens]).to(device)
             logits, mass = self.model(
                 input_ids.to(device), positions.to(device), slots.to(device), q_lens,
                 kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1,
             )
+        # One device-to-host copy per forward for all rows (the policy reads each row on the host);
+        # it also takes the graph's reused output buffers out of the way of the next replay.
         last = logits.float().cpu()
+        mass = None if mass is None else mass.float().cpu()
         self.stats.forward_seconds += time.perf_counter() - start
         for req_id in req_ids:
             kv.commit(req_id)
