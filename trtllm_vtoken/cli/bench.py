@@ -75,32 +75,11 @@ def register(sub) -> None:
     capacity.add_argument("--seed", type=int, default=0)
     _finish(capacity, "--scale 8 (about a minute)", run_capacity)
 
-    serve = bench.add_parser(
-        "serve", help="throughput and latency through Triton vs the engine called directly",
-        description="Starts tritonserver on triton_model_repo, then runs closed-loop clients at each "
-                    "concurrency against the in-process engine and against Triton's generate endpoint.")
-    serve.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default 1,8,32)")
-    serve.add_argument("--requests-per-client", type=int, default=2)
-    serve.add_argument("--max-tokens", type=int, default=32)
-    serve.add_argument("--num-blocks", type=int, default=512)
-    serve.add_argument("--policy", default="h2o")
-    serve.add_argument("--budget", default="0.5")
-    _finish(serve, "concurrency 1,8, one request per client, 16 tokens", run_serve)
-
-    gpu = bench.add_parser(
-        "gpu", help="CUDA only: relocation kernel vs copies, CUDA-graph decode, the engine on CUDA",
-        description="Copy bandwidth of the relocation kernel, eager vs graph-replayed decode steps, "
-                    "and every variant end to end on the device (SmolLM2-135M shapes, random weights).")
-    gpu.add_argument("--requests", type=int, default=64)
-    gpu.add_argument("--prompt-tokens", type=int, default=256)
-    gpu.add_argument("--output-tokens", type=int, default=128)
-    gpu.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
-    gpu.add_argument("--repeats", type=int, default=3, help="engine runs per row, alternating order (default 3)")
-    _finish(gpu, "16 requests, 64 new tokens", run_gpu)
-
-    from trtllm_vtoken.cli import bench_experiments
+    from trtllm_vtoken.cli import bench_experiments, bench_gpu, bench_serve
 
     bench_experiments.register(bench)
+    bench_serve.register(bench)
+    bench_gpu.register(bench)
 
 
 def _finish(parser: argparse.ArgumentParser, quick_help: str, run) -> None:
@@ -188,55 +167,6 @@ def run_variants(args: argparse.Namespace) -> int:
     print(format_table(headers, rows))
     _publish(args.out, "variants", result, plot_variants)
     return 0
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    import tempfile
-    from pathlib import Path
-
-    from tqdm import tqdm
-
-    from trtllm_vtoken.bench.serving import ServeBenchConfig, run_serve_bench
-    from trtllm_vtoken.report import format_table
-    from trtllm_vtoken.runtime.checkpoint import ensure_default_model
-    from trtllm_vtoken.serving.settings import ServingSettings
-    from trtllm_vtoken.serving.triton import (
-        TritonServer,
-        default_repository,
-        free_ports,
-        prepare_repository,
-        repository_parameters,
-    )
-
-    try:
-        levels = tuple(int(c) for c in args.concurrency.split(","))
-    except ValueError:
-        raise ValueError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
-    cfg = ServeBenchConfig(concurrency=levels, requests_per_client=args.requests_per_client,
-                           max_tokens=args.max_tokens)
-    if args.quick:
-        cfg = ServeBenchConfig(concurrency=(1, 8), requests_per_client=1, max_tokens=16)
-    max_batch = max(cfg.concurrency)
-    overrides = {"policy": args.policy, "budget": args.budget, "num_blocks": str(args.num_blocks),
-                 "max_batch_size": str(max_batch)}
-    ensure_default_model()
-    scratch = Path(tempfile.mkdtemp(prefix="vtoken-bench-serve-"))
-    repository = prepare_repository(default_repository(), scratch / "repo", overrides)
-    settings = ServingSettings.from_parameters(repository_parameters(repository))
-    with TritonServer(repository, scratch, *free_ports(3)) as server, \
-            tqdm(total=2 * len(cfg.concurrency), desc="bench serve", unit="run", disable=None, file=sys.stderr) as bar:
-        result = run_serve_bench(cfg, settings, server, progress=bar)
-    headers = ["concurrency", "direct tok/s", "triton tok/s", "overhead %", "direct p50 s", "triton p50 s",
-               "direct p95 s", "triton p95 s"]
-    rows = [[r["concurrency"], r["direct"]["tokens_per_s"], r["triton"]["tokens_per_s"],
-             100 * r["triton_overhead"], r["direct"]["latency_p50_s"], r["triton"]["latency_p50_s"],
-             r["direct"]["latency_p95_s"], r["triton"]["latency_p95_s"]] for r in result["rows"]]
-    print(f"vtoken bench serve: SmolLM2-135M on CPU, {settings.engine.policy} budget {settings.engine.budget}, "
-          f"{cfg.requests_per_client} requests per client, {cfg.max_tokens} new tokens, ShareGPT prompts")
-    print(format_table(headers, rows))
-    _publish(args.out, "serve", result)
-    return 0
-
 
 
 def run_capacity(args: argparse.Namespace) -> int:
@@ -338,39 +268,6 @@ def run_utilization(args: argparse.Namespace) -> int:
           f"tokens_per_block {cfg.tokens_per_block}; blocks = time-averaged blocks held")
     print(format_table(headers, rows))
     _publish(args.out, "utilization", result, plot_utilization)
-    return 0
-
-
-def run_gpu(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from trtllm_vtoken.bench.gpu import ENGINE_RUNS, GpuBenchConfig, run_gpu_bench
-    from trtllm_vtoken.report import format_table
-
-    cfg = GpuBenchConfig(requests=16 if args.quick else args.requests, prompt_tokens=args.prompt_tokens,
-                         output_tokens=64 if args.quick else args.output_tokens, dtype=args.dtype,
-                         repeats=1 if args.quick else args.repeats)
-    with tqdm(total=len(ENGINE_RUNS) * cfg.repeats, desc="bench gpu (engine runs)", disable=None,
-              file=sys.stderr) as bar:
-        result = run_gpu_bench(cfg, progress=bar)
-    print(f"vtoken bench gpu on {result['device']} (torch {result['torch']}); relocation kernel "
-          f"{result['relocation_kernel']}")
-    print("\nrelocation copies, Llama-3.1-8B KV shapes (bf16, 128 KiB per token), bytes read + written:")
-    print(format_table(["moves", "MiB", "kernel GB/s", "torch GB/s", "d2d GB/s", "kernel/d2d"], [
-        [r["moves"], r["mib"], r.get("kernel_gbs", "-"), r["torch_gbs"], r["d2d_gbs"], r.get("kernel_vs_d2d", "-")]
-        for r in result["copy"]]))
-    print(f"\ndecode step, {cfg.prompt_tokens} tokens of context per row:")
-    print(format_table(["batch", "eager ms", "graph ms", "speedup"],
-                       [[r["batch"], r["eager_ms"], r["graph_ms"], r["speedup"]] for r in result["decode"]]))
-    print(f"\nengine ({cfg.repeats} runs per row, alternating order), {cfg.requests} requests x ({cfg.prompt_tokens} prompt + {cfg.output_tokens} new) tokens, "
-          f"{cfg.policy} budget {cfg.budget}:")
-    print(format_table(
-        ["run", "tokens/s (median)", "min", "max", "vs native graphs", "peak blocks", "moves", "MiB copied",
-         "exact match"],
-        [[r["label"], r["tokens_per_s"], r["tokens_per_s_min"], r["tokens_per_s_max"],
-          r["throughput_vs_native_graphs"], r["peak_blocks"],
-          r["moves"], r["bytes_copied"] / 2**20, r.get("exact_match_vs_naive_evict", "-")] for r in result["engine"]]))
-    _publish(args.out, "gpu", result)
     return 0
 
 
