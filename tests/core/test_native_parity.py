@@ -220,3 +220,4 @@ def test_step_batch_rejects_inconsistent_arrays():
         table.step_batch(one, one, np.array([0, 5], dtype=np.int64), one, np.zeros(2, dtype=np.int64), one, True)
     with pytest.raises(KeyError, match="unknown request 3"):
         table.step_batch(np.array([3]), one, np.zeros(2, dtype=np.int64), one, np.zeros(2, dtype=np.int64), one, True)
+
