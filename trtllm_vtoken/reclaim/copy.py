@@ -27,10 +27,11 @@ if TYPE_CHECKING:
 
 
 class CopyHandle:
-    """A submitted copy. ``event`` is None when the copy already ran synchronously (CPU)."""
+    """A submitted copy of one or more plans (one launch). ``event`` is None when the copy already
+    ran synchronously (CPU)."""
 
-    def __init__(self, plan: RelocationPlan, event: Any = None, keepalive: tuple = ()) -> None:
-        self.plan = plan
+    def __init__(self, plans: Sequence[RelocationPlan], event: Any = None, keepalive: tuple = ()) -> None:
+        self.plans = tuple(plans)
         self.event = event
         self._keepalive = keepalive  # index tensors the side stream still reads
 
@@ -50,11 +51,15 @@ class CopyHandle:
 
 
 class CopyExecutor(ABC):
-    """Moves KV for a plan. Does not touch the token table or the block pool."""
+    """Moves KV for plans. Does not touch the token table or the block pool."""
 
     @abstractmethod
+    def submit_many(self, plans: Sequence[RelocationPlan]) -> CopyHandle:
+        """Starts copying every plan's ``src_slots`` -> ``dst_slots`` as one copy (plans of
+        different requests touch disjoint blocks); returns at once on CUDA."""
+
     def submit(self, plan: RelocationPlan) -> CopyHandle:
-        """Starts copying ``plan.src_slots`` -> ``plan.dst_slots``; returns at once on CUDA."""
+        return self.submit_many([plan])
 
     @abstractmethod
     def bytes_per_move(self) -> int:
@@ -113,20 +118,21 @@ class TorchCopyExecutor(CopyExecutor):
     def bytes_per_move(self) -> int:
         return sum(p[0, :, :, :, 0].numel() * p.element_size() for p in self.pools)
 
-    def submit(self, plan: RelocationPlan) -> CopyHandle:
+    def submit_many(self, plans: Sequence[RelocationPlan]) -> CopyHandle:
         import torch
 
-        if plan.num_moves == 0:
-            return CopyHandle(plan)
+        src = [slot for plan in plans for slot in plan.src_slots]
+        dst = [slot for plan in plans for slot in plan.dst_slots]
+        if not src:
+            return CopyHandle(plans)
         if self._stream is None:
-            src = torch.tensor(plan.src_slots, dtype=torch.int64)
-            dst = torch.tensor(plan.dst_slots, dtype=torch.int64)
+            src_t, dst_t = torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)
             for pool in self.pools:
-                relocate_slots(pool, src, dst)
-            return CopyHandle(plan)
+                relocate_slots(pool, src_t, dst_t)
+            return CopyHandle(plans)
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)  # the KV to move was written by work queued there
-        indices = torch.tensor([plan.src_slots, plan.dst_slots], dtype=torch.int64).pin_memory()
+        indices = torch.tensor([src, dst], dtype=torch.int64).pin_memory()
         with torch.cuda.stream(self._stream):
             on_device = indices.to(self.device, non_blocking=True)
             if self.copy_delay_cycles:
@@ -140,7 +146,7 @@ class TorchCopyExecutor(CopyExecutor):
                     relocate_slots(pool, on_device[0], on_device[1])
             event = torch.cuda.Event()
             event.record(self._stream)
-        return CopyHandle(plan, event, keepalive=(indices, on_device))
+        return CopyHandle(plans, event, keepalive=(indices, on_device))
 
 
 class AccountingCopyExecutor(CopyExecutor):
@@ -155,5 +161,5 @@ class AccountingCopyExecutor(CopyExecutor):
     def bytes_per_move(self) -> int:
         return self._bytes_per_move
 
-    def submit(self, plan: RelocationPlan) -> CopyHandle:
-        return CopyHandle(plan)
+    def submit_many(self, plans: Sequence[RelocationPlan]) -> CopyHandle:
+        return CopyHandle(plans)

@@ -9,7 +9,8 @@ One ``step()``:
                      has room; each reserves blocks for its prompt (plus output, if resumed)
     3. forward       one batched decode forward; one prefill forward per joining request
     4. per request   commit the new tokens, credit attention, sample, detokenize, check stops
-    5. eviction      the policy marks tokens dead; reclamation frees blocks; admission is updated
+    5. eviction      the policy marks tokens dead; reclamation frees blocks (one copy for the
+                     whole batch); admission is updated
     6. leaving       finished requests release every block
 
 A request that could never fit (too long for ``max_seq_len`` or for the whole pool) is refused by
@@ -155,6 +156,12 @@ class Engine:
             self.stats.prefill_tokens += len(ids)
         for request, logits, mass in results:
             reported.append(self._advance(request, logits, mass))
+        # Reclamation for every request still running, with one copy for all of them; then
+        # admission learns what each now holds.
+        continuing = [request.req_id for request, _, _ in results if request.status is Status.RUNNING]
+        self.kv.reclaim(continuing)
+        for req_id in continuing:
+            self.kv.update(req_id, self.requests[req_id].remaining)
         self.stats.steps += 1
         return reported
 
@@ -276,8 +283,6 @@ class Engine:
             evicted = self.kv.evict(req_id)
             if self.record_trace:
                 request.evictions.append(tuple(evicted))
-            self.kv.reclaim(req_id)
-            self.kv.update(req_id, request.remaining)
         return self._output(request, [token], text)
 
     def _finish(self, request: Request, reason: str) -> None:

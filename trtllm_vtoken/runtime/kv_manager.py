@@ -10,7 +10,8 @@ Per step and request the engine calls, in this order:
     commit(req)             sync_new_tokens: the new tokens get logical ids
     observe(req, mass)      attention received, for H2O / Scissorhands
     evict(req)              the policy marks tokens dead (naive-evict, vtoken)
-    reclaim(req)            vtoken: relocate + free tail blocks; naive-evict: free fully dead blocks
+    reclaim(reqs)           vtoken: relocate (one copy for all) + free tail blocks; naive-evict:
+                            free fully dead blocks
     update(req, remaining)  admission learns what the request now holds
     release(req)            finished, cancelled or preempted: every block back to the pool
 """
@@ -211,17 +212,19 @@ class KVCacheManager:
         self.stats.policy_seconds += time.perf_counter() - start
         return doomed
 
-    def reclaim(self, req_id: int, pressure: bool = False) -> int:
-        """Frees what the variant can free of this request; returns the blocks freed."""
+    def reclaim(self, req_ids: list[int], pressure: bool = False) -> int:
+        """Frees what the variant can free of these requests; returns the blocks freed. vtoken
+        copies every request's moves at once (one launch on CUDA)."""
         if self.backend is not None:
             on_cuda = self.cache is not None and self.cache.pool.is_cuda and not self.config.synchronous_copies
             stream = torch.cuda.current_stream() if on_cuda else None
-            return self.backend.reclaim([req_id], pressure=pressure, stream=stream)
+            return self.backend.reclaim(req_ids, pressure=pressure, stream=stream)
+        freed = 0
         if self.policy is not None:
-            freed = release_dead_blocks(self.table, self.pool, req_id)
+            for req_id in req_ids:
+                freed += release_dead_blocks(self.table, self.pool, req_id)
             self.stats.dead_blocks_released += freed
-            return freed
-        return 0
+        return freed
 
     def update(self, req_id: int, remaining: int) -> None:
         seq = self.table.seq(req_id)
