@@ -157,3 +157,32 @@ def test_delayed_side_stream_copy_is_waited_on(kernel):
     torch.cuda.synchronize()
     assert torch.equal(unordered, stale_value), "the delayed copy finished before the control read"
     assert torch.equal(ordered, src_value)
+
+
+def test_several_requests_relocate_in_one_copy():
+    """One executor call carries every request's moves; each request commits on its own."""
+    pool, table = make_table(num_blocks=16)
+    kv = make_kv(pool)
+    add_sequence(pool, table, 0, 12)
+    add_sequence(pool, table, 1, 10)
+    expected = {(r, t): kv_of(table, kv, r, t) for r, n in ((0, 12), (1, 10)) for t in range(n)}
+    backend = make_backend(pool, table, kv)
+    calls = []
+    submit_many = backend.executor.submit_many
+    backend.executor.submit_many = lambda plans: calls.append(len(plans)) or submit_many(plans)
+    table.evict_tokens(0, [1, 5])
+    table.evict_tokens(1, [0, 3, 4])
+    assert backend.reclaim([0, 1]) == 1  # request 1: 7 live in blocks [3, 4], block 5 freed
+    assert calls == [2] and backend.stats.plans == 2 and backend.stats.invariant_checks == 2
+    for (r, t), value in expected.items():
+        if table.seq(r).live[t]:
+            assert torch.equal(kv_of(table, kv, r, t), value)
+    plan = backend.plan(0)
+    assert plan is None
+    from trtllm_vtoken.reclaim.planner import plan_dense
+
+    table.evict_tokens(0, [0])
+    first = plan_dense(table, 0)
+    with pytest.raises(ValueError, match="one plan per request"):
+        backend.submit_many([first, first])
+    assert not backend.in_flight(0)
