@@ -134,6 +134,8 @@ def apply(pair: Pair, op: str, r: np.random.Generator) -> None:
         pair.both(lambda: pair.py.release_blocks(req, pick), lambda: pair.cpp.release_blocks(req, pick))
     elif op == "holes":
         pair.both(lambda: pair.py.hole_positions(req), lambda: pair.cpp.hole_positions(req))
+        token = int(r.integers(-1, 70))
+        pair.both(lambda: pair.py.is_live(req, token), lambda: pair.cpp.is_live(req, token))
     elif op == "share":
         block = int(r.integers(0, pair.next_block + 1))
         flag = block not in pair.shared

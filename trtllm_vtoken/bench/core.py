@@ -120,7 +120,7 @@ def _run_native(cfg: CoreBenchConfig, progress=None) -> dict:
     for step in range(cfg.warmup + cfg.steps):
         victims, new_blocks, offsets = [], [], [0]
         for req in range(cfg.batch):  # the engine's side and the policy's choice: not timed
-            victims.append(_random_live_token_native(table, req, rng))
+            victims.append(_random_live_token(table, req, rng))
             if table.kv_len(req) == table.num_blocks(req) * tpb:
                 new_blocks += pool.allocate(1)
             offsets.append(len(new_blocks))
@@ -157,18 +157,10 @@ def _summary(cfg: CoreBenchConfig, stage_us: dict, totals: list[float], metadata
     }
 
 
-def _random_live_token_native(table, req_id: int, rng: np.random.Generator) -> int:
-    """The same draw as ``_random_live_token``, on the C++ table."""
+def _random_live_token(table, req_id: int, rng: np.random.Generator) -> int:
+    """A uniformly random live token, the same draw on the Python and the C++ table."""
     num_tokens = table.num_tokens(req_id)
     while True:
         token = int(rng.integers(num_tokens))
         if table.is_live(req_id, token):
-            return token
-
-
-def _random_live_token(table: TokenTable, req_id: int, rng: np.random.Generator) -> int:
-    seq = table.seq(req_id)
-    while True:
-        token = int(rng.integers(seq.num_tokens))
-        if seq.live[token]:
             return token

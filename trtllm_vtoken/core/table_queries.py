@@ -64,6 +64,11 @@ class TokenTableQueries:
     def version(self, req_id: int) -> int:
         return self.seq(req_id).version
 
+    def is_live(self, req_id: int, token_id: int) -> bool:
+        """Is this logical id a live token of the request? (False for ids out of range.)"""
+        seq = self.seq(req_id)
+        return 0 <= token_id < seq.num_tokens and bool(seq.live[token_id])
+
     def live_ids(self, req_id: int) -> np.ndarray:
         """Live logical ids, ascending. Shape: (num_live,), int64."""
         seq = self.seq(req_id)
