@@ -9,6 +9,8 @@ import torch
 from trtllm_vtoken.core import BlockPool, TokenTable
 from trtllm_vtoken.reclaim import ReclaimBackend, ReclaimConfig
 from trtllm_vtoken.reclaim.copy import TorchCopyExecutor
+from trtllm_vtoken.reclaim.invariants import validate_plan
+from trtllm_vtoken.reclaim.planner import fragmentation, plan_dense, plan_lazy
 
 
 def make_table(num_blocks: int = 16, tokens_per_block: int = 4) -> tuple[BlockPool, TokenTable]:
@@ -58,3 +60,61 @@ def kv_of(table: TokenTable, kv: torch.Tensor, req_id: int, token_id: int) -> to
 
 def ideal_blocks(num_live: int, tokens_per_block: int) -> int:
     return int(np.ceil(num_live / tokens_per_block))
+
+
+def py_commit(table: TokenTable, plan) -> list[int]:
+    """What ReclaimBackend does at commit, without a copy: the C++ ``commit``'s specification."""
+    validate_plan(table, plan, (), full=False)
+    table.apply_moves(plan.req_id, plan.token_ids, plan.dst_slots)
+    if plan.new_kv_len is not None:
+        table.truncate(plan.req_id, plan.new_kv_len)
+    else:
+        table.release_blocks(plan.req_id, plan.blocks_to_free)
+    return list(plan.blocks_to_free)
+
+
+def step_loop(table: TokenTable, step: dict, mode: str, threshold: int, pressure: bool) -> tuple[list, list]:
+    """The per-request loop ``step_batch`` is specified by: (moves per request, freed per request)."""
+    moves, freed = [], []
+    for req, added, n, victims in zip(step["req_ids"], step["new_blocks"], step["num_new"], step["evictions"]):
+        table.sync_new_tokens(req, table.block_ids(req) + added, table.kv_len(req) + n)
+        table.evict_tokens(req, victims)
+        if mode == "dense":
+            plan = plan_dense(table, req)
+        else:
+            plan = plan_lazy(table, req) if pressure or fragmentation(table, req) >= threshold else None
+        moves.append(plan.num_moves if plan else 0)
+        freed.append(py_commit(table, plan) if plan else [])
+    return moves, freed
+
+
+def random_step(rng: np.random.Generator, table: TokenTable, next_block: int) -> tuple[dict, int]:
+    """A valid random decode step for every request of ``table`` (any order): 0-2 new tokens,
+    sometimes a spare block, 0-2 evictions among the unprotected live tokens (the newest
+    included). Returns the step (lists, and ``csr``: step_batch's arguments) and the next free
+    block id."""
+    tpb = table.tokens_per_block
+    step = {"req_ids": rng.permutation(table.request_ids()).tolist(), "new_blocks": [], "num_new": [],
+            "evictions": []}
+    for req in step["req_ids"]:
+        n = int(rng.integers(0, 3))
+        need = max(-(-(table.kv_len(req) + n) // tpb) - table.num_blocks(req), 0) + int(rng.random() < 0.1)
+        step["new_blocks"].append(list(range(next_block, next_block + need)))
+        next_block += need
+        step["num_new"].append(n)
+        live = np.setdiff1d(table.live_ids(req), table.protected_ids(req)).tolist()
+        blocks, kv_len = table.block_ids(req) + step["new_blocks"][-1], table.kv_len(req)
+        live += [table.num_tokens(req) + j for j in range(n)  # this step's tokens
+                 if not table.is_shared(blocks[(kv_len + j) // tpb])]
+        k = min(len(live), int(rng.integers(0, 3)))
+        step["evictions"].append(rng.choice(live, size=k, replace=False).tolist() if k else [])
+
+    def as_csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        offsets = np.cumsum([0] + [len(row) for row in rows]).astype(np.int64)
+        return offsets, np.array([v for row in rows for v in row], dtype=np.int64)
+
+    block_offsets, blocks = as_csr(step["new_blocks"])
+    evict_offsets, evicts = as_csr(step["evictions"])
+    step["csr"] = (np.array(step["req_ids"], dtype=np.int64), np.array(step["num_new"], dtype=np.int64),
+                   block_offsets, blocks, evict_offsets, evicts)
+    return step, next_block

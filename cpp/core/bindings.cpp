@@ -47,6 +47,13 @@ NB_MODULE(_core, m) {
       .def("add_request", &TokenTable::add_request, "req_id"_a)
       .def("remove_request", &TokenTable::remove_request, "req_id"_a)
       .def("sync_new_tokens", &TokenTable::sync_new_tokens, "req_id"_a, "block_ids"_a, "total_len"_a)
+      .def(
+          "append_tokens",
+          [](TokenTable& t, int64_t req_id, const std::vector<int64_t>& new_block_ids, int64_t num_new) {
+            return t.append_tokens(req_id, new_block_ids.data(), static_cast<int64_t>(new_block_ids.size()),
+                                   num_new);
+          },
+          "req_id"_a, "new_block_ids"_a, "num_new"_a)
       .def("evict_tokens", &TokenTable::evict_tokens, "req_id"_a, "token_ids"_a)
       .def("apply_moves", &TokenTable::apply_moves, "req_id"_a, "token_ids"_a, "dst_slots"_a)
       .def("truncate", &TokenTable::truncate, "req_id"_a, "new_kv_len"_a)

@@ -9,14 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import py_commit, random_step, step_loop
 from trtllm_vtoken.core import TokenTable
 from trtllm_vtoken.core.native import load, native_table, to_relocation_plan
-from trtllm_vtoken.reclaim.invariants import validate_plan
 from trtllm_vtoken.reclaim.planner import fragmentation, plan_dense, plan_lazy
+from trtllm_vtoken.reclaim.step_batch import step_batch
 
 pytestmark = pytest.mark.skipif(load() is None, reason="the C++ token table is not built")
 
-OPS = ["add", "sync", "sync", "sync", "evict", "evict", "dense", "lazy", "moves", "truncate",
+OPS = ["add", "sync", "sync", "append", "evict", "evict", "dense", "lazy", "step", "moves", "truncate",
        "release", "holes", "share", "remove"]
 
 
@@ -56,17 +57,6 @@ class Pair:
         assert self.py.metadata_bytes_per_token() == pytest.approx(self.cpp.metadata_bytes_per_token())
 
 
-def py_commit(table: TokenTable, plan) -> list[int]:
-    """What ReclaimBackend does at commit, without a copy: the C++ ``commit``'s specification."""
-    validate_plan(table, plan, (), full=False)
-    table.apply_moves(plan.req_id, plan.token_ids, plan.dst_slots)
-    if plan.new_kv_len is not None:
-        table.truncate(plan.req_id, plan.new_kv_len)
-    else:
-        table.release_blocks(plan.req_id, plan.blocks_to_free)
-    return list(plan.blocks_to_free)
-
-
 def plan_and_commit(pair: Pair, req: int, mode: str) -> None:
     planner = plan_dense if mode == "dense" else plan_lazy
     try:
@@ -81,6 +71,30 @@ def plan_and_commit(pair: Pair, req: int, mode: str) -> None:
         return
     assert to_relocation_plan(cpp_plan) == py_plan
     pair.both(lambda: py_commit(pair.py, py_plan), lambda: pair.cpp.commit(cpp_plan))
+
+
+def step_both(pair: Pair, r: np.random.Generator) -> None:
+    """Python and C++ ``step_batch`` on 1-3 requests, sometimes unknown or with bad victims:
+    same results, or the same error after the same partial progress."""
+    reqs = pair.py.request_ids()
+    batch = [int(r.choice(reqs)) if reqs and r.random() < 0.9 else int(r.integers(0, 50))
+             for _ in range(int(r.integers(1, 4)))]
+    batch = list(dict.fromkeys(batch))
+    num_new = [int(r.integers(0, 3)) for _ in batch]
+    new_blocks, victims = [], []
+    for req, n in zip(batch, num_new):
+        known = req in pair.py
+        need = max(-(-(pair.py.kv_len(req) + n) // pair.tpb) - pair.py.num_blocks(req), 0) if known else 1
+        new_blocks.append(list(range(pair.next_block, pair.next_block + need)))
+        pair.next_block += need
+        live = pair.py.live_ids(req).tolist() if known else []
+        pick = r.choice(live, size=min(len(live), int(r.integers(0, 3))), replace=False).tolist() if live else []
+        victims.append(pick if r.random() < 0.9 else pick + [int(r.integers(-1, 70))])
+    csr = [np.cumsum([0] + [len(x) for x in rows]).astype(np.int64) for rows in (new_blocks, victims)]
+    flat = [np.array([v for x in rows for v in x], dtype=np.int64) for rows in (new_blocks, victims)]
+    args = (np.array(batch, dtype=np.int64), np.array(num_new, dtype=np.int64), csr[0], flat[0], csr[1], flat[1],
+            r.random() < 0.5, int(r.integers(1, 3)), r.random() < 0.2)
+    pair.both(lambda: tuple(step_batch(pair.py, *args)), lambda: tuple(pair.cpp.step_batch(*args)))
 
 
 def apply(pair: Pair, op: str, r: np.random.Generator) -> None:
@@ -103,6 +117,16 @@ def apply(pair: Pair, op: str, r: np.random.Generator) -> None:
         total = min(total, len(blocks) * tpb) if r.random() < 0.9 else total
         pair.both(lambda: pair.py.sync_new_tokens(req, blocks, total).start,
                   lambda: pair.cpp.sync_new_tokens(req, blocks, total))
+    elif op == "append":
+        fresh = list(range(pair.next_block, pair.next_block + int(r.integers(0, 3))))
+        pair.next_block += len(fresh)
+        if r.random() < 0.1:  # invalid: a block the request holds, or a negative one
+            fresh.append(pair.py.block_ids(req)[0] if req in pair.py and pair.py.num_blocks(req) else -1)
+        num_new = int(r.integers(-1, 2 * tpb))
+        pair.both(lambda: pair.py.append_tokens(req, fresh, num_new).start,
+                  lambda: pair.cpp.append_tokens(req, fresh, num_new))
+    elif op == "step":
+        step_both(pair, r)
     elif op == "evict":
         n = pair.py.num_tokens(req) if req in pair.py else 3
         ids = r.integers(-1, n + 1, size=int(r.integers(0, 4))).tolist()
@@ -157,21 +181,6 @@ def test_random_operation_sequences_agree(ops, tpb, seed):
         pair.check()
 
 
-def _python_step(table, pool_free, req_ids, new_blocks, num_new, evictions, mode, threshold, pressure):
-    """The loop ``step_batch`` is specified by."""
-    moves, freed = [], []
-    for req, added, n, victims in zip(req_ids, new_blocks, num_new, evictions):
-        table.sync_new_tokens(req, table.block_ids(req) + added, table.kv_len(req) + n)
-        table.evict_tokens(req, victims)
-        if mode == "dense":
-            plan = plan_dense(table, req)
-        else:
-            plan = plan_lazy(table, req) if pressure or fragmentation(table, req) >= threshold else None
-        moves.append(plan.num_moves if plan else 0)
-        freed.append(py_commit(table, plan) if plan else [])
-    return moves, freed
-
-
 @settings(max_examples=60, deadline=None)
 @given(mode=st.sampled_from(["dense", "lazy"]), tpb=st.sampled_from([2, 4, 8]), batch=st.integers(1, 6),
        steps=st.integers(1, 25), threshold=st.integers(1, 3), seed=st.integers(0, 2**31))
@@ -186,27 +195,10 @@ def test_step_batch_equals_the_python_loop(mode, tpb, batch, steps, threshold, s
         pair.py.add_request(req), pair.cpp.add_request(req)
         pair.py.sync_new_tokens(req, blocks, n), pair.cpp.sync_new_tokens(req, blocks, n)
     for _ in range(steps):
-        req_ids = rng.permutation(batch).tolist()
-        new_blocks, num_new, evictions = [], [], []
-        for req in req_ids:
-            n = int(rng.integers(0, 3))
-            need = -(-(pair.py.kv_len(req) + n) // tpb) - len(pair.py.block_ids(req))
-            new_blocks.append(list(range(next_block, next_block + max(need, 0))))
-            next_block += max(need, 0)
-            num_new.append(n)
-            live = pair.py.live_ids(req).tolist()
-            # victims among the tokens live before this step (all but the newest stay candidates)
-            k = min(len(live), int(rng.integers(0, 3)))
-            evictions.append(rng.choice(live, size=k, replace=False).tolist() if k else [])
+        step, next_block = random_step(rng, pair.py, next_block)
         pressure = bool(rng.random() < 0.2)
-        want = _python_step(pair.py, None, req_ids, new_blocks, num_new, evictions, mode, threshold, pressure)
-        as_csr = lambda rows: (np.cumsum([0] + [len(x) for x in rows]).astype(np.int64),  # noqa: E731
-                               np.array([v for x in rows for v in x], dtype=np.int64))
-        block_offsets, block_values = as_csr(new_blocks)
-        evict_offsets, evict_values = as_csr(evictions)
-        moves, freed_offsets, freed = pair.cpp.step_batch(
-            np.array(req_ids, dtype=np.int64), np.array(num_new, dtype=np.int64), block_offsets, block_values,
-            evict_offsets, evict_values, mode == "dense", threshold, pressure)
+        want = step_loop(pair.py, step, mode, threshold, pressure)
+        moves, freed_offsets, freed = pair.cpp.step_batch(*step["csr"], mode == "dense", threshold, pressure)
         assert moves == want[0]
         assert [freed[freed_offsets[i]: freed_offsets[i + 1]] for i in range(batch)] == want[1]
         pair.check()

@@ -6,13 +6,20 @@ token the engine wrote (allocating a block when the last one is full), evict one
 uniformly random one, as a policy might), plan the relocation, apply its moves and release the
 freed tail. No KV moves (metadata only): this is the host work a decode step pays before launch.
 
-``impl="python"`` times each stage of the Python specification request by request;
-``impl="cpp"`` times the C++ core's ``step_batch`` (one call for the whole batch) plus freeing the
-released blocks in the pool. Both see the same seeded evictions and must free the same blocks.
+Three implementations of the same work, seeing the same seeded evictions and freeing the same
+blocks:
+
+    calls    the per-call API as the engine drives it (TokenTable + ReclaimBackend), request by
+             request, each stage timed on its own
+    python   the Python core's ``step_batch``: the whole batch in one call
+    cpp      the C++ core's ``step_batch``: the whole batch in one native call
+
+``python`` and ``cpp`` time the call plus freeing the released blocks in the pool.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict, dataclass
 
@@ -20,8 +27,10 @@ import numpy as np
 
 from trtllm_vtoken.core import BlockPool, TokenTable
 from trtllm_vtoken.reclaim import ReclaimBackend, ReclaimConfig
+from trtllm_vtoken.reclaim.step_batch import step_batch
 
 STAGES = ("sync", "evict", "plan", "apply")
+IMPLS = ("calls", "python", "cpp")
 
 
 @dataclass(frozen=True)
@@ -42,14 +51,14 @@ class CoreBenchConfig:
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         ReclaimConfig(mode=self.mode)  # validates the mode name
-        if self.impl not in ("python", "cpp"):
-            raise ValueError(f"impl must be 'python' or 'cpp', got {self.impl!r}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
 
 
 def run_core_bench(cfg: CoreBenchConfig, progress=None) -> dict:
     """Runs the benchmark; returns per-stage median microseconds per step and metadata bytes."""
-    if cfg.impl == "cpp":
-        return _run_native(cfg, progress)
+    if cfg.impl != "calls":
+        return _run_step_batch(cfg, progress)
     tpb = cfg.tokens_per_block
     blocks_per_req = -(-(cfg.context + cfg.steps + cfg.warmup + 1) // tpb) + 1
     pool = BlockPool(cfg.batch * blocks_per_req, tpb)
@@ -101,13 +110,18 @@ def run_core_bench(cfg: CoreBenchConfig, progress=None) -> dict:
                     table.metadata_bytes_per_token(), backend.stats.blocks_freed, backend.stats.moves)
 
 
-def _run_native(cfg: CoreBenchConfig, progress=None) -> dict:
-    from trtllm_vtoken.core.native import native_table
-
+def _run_step_batch(cfg: CoreBenchConfig, progress=None) -> dict:
     tpb = cfg.tokens_per_block
     blocks_per_req = -(-(cfg.context + cfg.steps + cfg.warmup + 1) // tpb) + 1
     pool = BlockPool(cfg.batch * blocks_per_req, tpb)
-    table = native_table(tpb)
+    if cfg.impl == "cpp":
+        from trtllm_vtoken.core.native import native_table
+
+        table = native_table(tpb)
+        batch_step = table.step_batch
+    else:
+        table = TokenTable(tpb, pool.is_shared)
+        batch_step = functools.partial(step_batch, table)
     rng = np.random.default_rng(cfg.seed)
     for req in range(cfg.batch):
         length = cfg.context - req % tpb
@@ -127,8 +141,8 @@ def _run_native(cfg: CoreBenchConfig, progress=None) -> dict:
         victims_arr = np.array(victims, dtype=np.int64)
         blocks_arr, offsets_arr = np.array(new_blocks, dtype=np.int64), np.array(offsets, dtype=np.int64)
         start = time.perf_counter_ns()
-        step_moves, _, freed = table.step_batch(req_ids, num_new, offsets_arr, blocks_arr, evict_offsets,
-                                                victims_arr, cfg.mode == "dense", 1, False)
+        step_moves, _, freed = batch_step(req_ids, num_new, offsets_arr, blocks_arr, evict_offsets,
+                                          victims_arr, cfg.mode == "dense", 1, False)
         pool.free(freed)
         elapsed = (time.perf_counter_ns() - start) / 1e3
         moves += sum(step_moves)
@@ -137,6 +151,8 @@ def _run_native(cfg: CoreBenchConfig, progress=None) -> dict:
             progress.update(1)
         if step >= cfg.warmup:
             totals.append(elapsed)
+    if cfg.impl == "python":
+        table.check_integrity()
     pool.check_integrity()
     # One call covers every stage: no per-stage split (None in the JSON).
     return _summary(cfg, dict.fromkeys(STAGES), totals, table.metadata_bytes_per_token(),

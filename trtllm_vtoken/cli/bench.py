@@ -17,9 +17,10 @@ def register(sub) -> None:
     core.add_argument("--tokens-per-block", type=int, default=32, help="default 32")
     core.add_argument("--steps", type=int, default=50, help="timed decode steps (default 50)")
     core.add_argument("--mode", choices=["dense", "lazy", "both"], default="both")
-    core.add_argument("--impl", choices=["python", "cpp", "both"], default="both",
-                      help="Python specification, C++ core, or both in one run (default; python only "
-                           "where the C++ core is not built)")
+    core.add_argument("--impl", choices=["calls", "python", "cpp", "all"], default="all",
+                      help="the per-call API (engine path, per-stage split), the Python core's step_batch, "
+                           "the C++ core's step_batch, or all in one run (default; cpp skipped where the "
+                           "C++ core is not built)")
     core.add_argument("--seed", type=int, default=0)
     _finish(core, "10 steps: a smoke run", run_core)
 
@@ -97,10 +98,10 @@ def run_core(args: argparse.Namespace) -> int:
     from trtllm_vtoken.report import format_table
 
     modes = ["dense", "lazy"] if args.mode == "both" else [args.mode]
-    impls = ["python", "cpp"] if args.impl == "both" else [args.impl]
-    if args.impl == "both" and load_native() is None:
-        impls = ["python"]
-        print("note: the C++ core is not built; timing the Python specification only", file=sys.stderr)
+    impls = ["calls", "python", "cpp"] if args.impl == "all" else [args.impl]
+    if args.impl == "all" and load_native() is None:
+        impls.remove("cpp")
+        print("note: the C++ core is not built; timing the Python core only", file=sys.stderr)
     steps = 10 if args.quick else args.steps
     results = []
     for mode in modes:
@@ -112,14 +113,18 @@ def run_core(args: argparse.Namespace) -> int:
             with tqdm(total=cfg.warmup + cfg.steps, desc=f"bench core ({impl}, {mode})", unit="step",
                       disable=None, file=sys.stderr) as bar:
                 results.append(run_core_bench(cfg, progress=bar))
-    python_us = {r["config"]["mode"]: r["total_us_median"] for r in results if r["config"]["impl"] == "python"}
+    base_us = {(r["config"]["impl"], r["config"]["mode"]): r["total_us_median"] for r in results}
+
+    def speedup(r: dict, base: str) -> str:
+        key = (base, r["config"]["mode"])
+        return f"{base_us[key] / r['total_us_median']:.1f}x" if key in base_us else "-"
+
     headers = ["impl", "mode", "sync us", "evict us", "plan us", "apply us", "step us (p50)", "step us (p90)",
-               "us/request", "vs python", "metadata B/token", "moves", "blocks freed"]
+               "us/request", "vs calls", "vs python", "metadata B/token", "moves", "blocks freed"]
     rows = [
         [r["config"]["impl"], r["config"]["mode"],
          *("-" if r["step_us"][s] is None else r["step_us"][s] for s in ("sync", "evict", "plan", "apply")),
-         r["total_us_median"], r["total_us_p90"], r["per_request_us"],
-         f"{python_us[r['config']['mode']] / r['total_us_median']:.1f}x" if r["config"]["mode"] in python_us else "-",
+         r["total_us_median"], r["total_us_p90"], r["per_request_us"], speedup(r, "calls"), speedup(r, "python"),
          r["metadata_bytes_per_token"], r["moves"], r["blocks_freed"]]
         for r in results
     ]

@@ -37,7 +37,7 @@ class TokenTableQueries:
         seq = self.seq(req_id)
         if not 0 <= token_id < seq.num_tokens:
             raise ValueError(f"request {req_id}: token id {token_id} out of range [0, {seq.num_tokens})")
-        slot = int(seq.slot_of[token_id])
+        slot = seq.slot_of_mv[token_id]
         return None if slot == NO_SLOT else divmod(slot, self.tokens_per_block)
 
     def token_at_slot(self, req_id: int, slot: int) -> int | None:
@@ -46,11 +46,14 @@ class TokenTableQueries:
         block_id, offset = divmod(slot, self.tokens_per_block)
         if block_id not in seq.block_index:
             raise ValueError(f"request {req_id}: slot {slot} is not in one of its blocks")
-        token = int(seq.token_at[seq.block_index[block_id] * self.tokens_per_block + offset])
+        token = seq.token_at_mv[seq.block_index[block_id] * self.tokens_per_block + offset]
         return None if token == NO_TOKEN else token
 
     def block_ids(self, req_id: int) -> list[int]:
         return list(self.seq(req_id).block_ids)
+
+    def num_blocks(self, req_id: int) -> int:
+        return len(self.seq(req_id).block_ids)
 
     def kv_len(self, req_id: int) -> int:
         return self.seq(req_id).kv_len
@@ -67,7 +70,7 @@ class TokenTableQueries:
     def is_live(self, req_id: int, token_id: int) -> bool:
         """Is this logical id a live token of the request? (False for ids out of range.)"""
         seq = self.seq(req_id)
-        return 0 <= token_id < seq.num_tokens and bool(seq.live[token_id])
+        return 0 <= token_id < seq.num_tokens and bool(seq.live_mv[token_id])
 
     def live_ids(self, req_id: int) -> np.ndarray:
         """Live logical ids, ascending. Shape: (num_live,), int64."""
@@ -100,7 +103,7 @@ class TokenTableQueries:
     def hole_positions(self, req_id: int) -> list[int]:
         """Positions in ``[0, kv_len)`` holding a dead token or nothing, ascending."""
         seq = self.seq(req_id)
-        pending, token_at, live = seq.pending_dead, seq.token_at, seq.live
+        pending, token_at, live = seq.pending_dead, seq.token_at_mv, seq.live_mv
         if len(pending) == 1:  # the decode step's single eviction
             p = pending[0]
             if p < seq.kv_len and (token_at[p] == NO_TOKEN or not live[token_at[p]]):

@@ -61,7 +61,7 @@ class TokenTable(TokenTableQueries):
         Returns:
             The logical ids of the new tokens.
         """
-        seq, tpb = self.seq(req_id), self.tokens_per_block
+        seq = self.seq(req_id)
         current = seq.block_ids
         known = len(current)
         if type(block_ids) is not list:
@@ -71,32 +71,42 @@ class TokenTable(TokenTableQueries):
                 f"request {req_id}: block list must extend the current one {current}, "
                 f"got {block_ids}"
             )
-        added = block_ids[known:]
+        return self.append_tokens(req_id, block_ids[known:], total_len - seq.kv_len)
+
+    def append_tokens(self, req_id: int, new_block_ids: SequenceOf[int], num_new: int) -> range:
+        """``sync_new_tokens`` given only what changed: blocks appended to the list, tokens written.
+
+        The decode path's form (no copy of the whole block list). Raises ValueError, changing
+        nothing, if a new block repeats or is negative, or the tokens do not fit the blocks.
+        """
+        seq, tpb = self.seq(req_id), self.tokens_per_block
+        added = new_block_ids if type(new_block_ids) is list else [int(b) for b in new_block_ids]
         if added and (
             len(set(added)) != len(added) or any(b in seq.block_index or b < 0 for b in added)
         ):
             raise ValueError(f"request {req_id}: new blocks {added} repeat a block or are negative")
-        if not seq.kv_len <= total_len <= len(block_ids) * tpb:
+        num_blocks = len(seq.block_ids) + len(added)
+        total_len = seq.kv_len + num_new
+        if not seq.kv_len <= total_len <= num_blocks * tpb:
             raise ValueError(
                 f"request {req_id}: total_len {total_len} must lie in [{seq.kv_len}, "
-                f"{len(block_ids) * tpb}] (current length, capacity of {len(block_ids)} blocks)"
+                f"{num_blocks * tpb}] (current length, capacity of {num_blocks} blocks)"
             )
-        num_new = total_len - seq.kv_len
         first_id = seq.num_tokens
         if first_id + num_new > len(seq.slot_of):
             seq.reserve_tokens(first_id + num_new)
-        if len(block_ids) * tpb > len(seq.token_at) or len(block_ids) > len(seq.live_per_block):
-            seq.reserve_blocks(len(block_ids), tpb)
+        if num_blocks * tpb > len(seq.token_at) or num_blocks > len(seq.live_per_block):
+            seq.reserve_blocks(num_blocks, tpb)
         for block_id in added:
             seq.block_index[block_id] = len(seq.block_ids)
             seq.block_ids.append(block_id)
         if num_new == 1:  # the decode step: scalar writes beat building arrays
             pos = seq.kv_len
             block_idx = pos // tpb
-            seq.slot_of[first_id] = seq.block_ids[block_idx] * tpb + pos % tpb
-            seq.token_at[pos] = first_id
-            seq.live_per_block[block_idx] += 1
-            seq.live[first_id] = 1
+            seq.slot_of_mv[first_id] = seq.block_ids[block_idx] * tpb + pos % tpb
+            seq.token_at_mv[pos] = first_id
+            seq.live_per_block_mv[block_idx] += 1
+            seq.live_mv[first_id] = 1
         elif num_new:
             positions = np.arange(seq.kv_len, total_len)
             blocks = np.asarray(seq.block_ids, dtype=np.int64)
@@ -113,16 +123,16 @@ class TokenTable(TokenTableQueries):
     def evict_token(self, req_id: int, token_id: int) -> None:
         """Marks one token dead. No KV moves; attention excludes it from the next step on."""
         seq, tpb = self.seq(req_id), self.tokens_per_block
-        if not 0 <= token_id < seq.num_tokens or not seq.live[token_id]:
+        if not 0 <= token_id < seq.num_tokens or not seq.live_mv[token_id]:
             self.evict_tokens(req_id, (token_id,))  # raises the precise error
             return
-        block_id, offset = divmod(int(seq.slot_of[token_id]), tpb)
+        block_id, offset = divmod(seq.slot_of_mv[token_id], tpb)
         if self.is_shared(block_id):
             self.evict_tokens(req_id, (token_id,))
             return
         block_idx = seq.block_index[block_id]
-        seq.live[token_id] = 0
-        seq.live_per_block[block_idx] -= 1
+        seq.live_mv[token_id] = 0
+        seq.live_per_block_mv[block_idx] -= 1
         seq.pending_dead.append(block_idx * tpb + offset)
         seq.num_live -= 1
         seq.version += 1
@@ -141,17 +151,18 @@ class TokenTable(TokenTableQueries):
         for token_id in ids:
             if not 0 <= token_id < seq.num_tokens:
                 raise ValueError(f"request {req_id}: token id {token_id} out of range [0, {seq.num_tokens})")
-            if not seq.live[token_id]:
+            if not seq.live_mv[token_id]:
                 raise ValueError(f"request {req_id}: token {token_id} is already dead")
-            slot = int(seq.slot_of[token_id])
+            slot = seq.slot_of_mv[token_id]
             if self.is_shared(slot // tpb):
                 raise ValueError(
                     f"request {req_id}: token {token_id} is protected: block {slot // tpb} is shared"
                 )
             positions.append(seq.block_index[slot // tpb] * tpb + slot % tpb)
+        live, live_per_block = seq.live_mv, seq.live_per_block_mv
         for token_id, pos in zip(ids, positions):
-            seq.live[token_id] = 0
-            seq.live_per_block[pos // tpb] -= 1
+            live[token_id] = 0
+            live_per_block[pos // tpb] -= 1
         seq.pending_dead.extend(positions)
         seq.num_live -= len(ids)
         seq.version += 1
@@ -173,7 +184,7 @@ class TokenTable(TokenTableQueries):
         src_pos = [self._position_of_token(req_id, seq, t) for t in ids]
         dst_pos = [self._writable_position(req_id, seq, d) for d in dsts]
         moving_from = set(src_pos)
-        token_at, live, slot_of, is_shared = seq.token_at, seq.live, seq.slot_of, self.is_shared
+        token_at, live, slot_of, is_shared = seq.token_at_mv, seq.live_mv, seq.slot_of_mv, self.is_shared
         for token_id, dst, src, pos in zip(ids, dsts, src_pos, dst_pos):
             if pos in moving_from:
                 raise ValueError(f"request {req_id}: slot {dst} is the source of another move")
@@ -182,7 +193,7 @@ class TokenTable(TokenTableQueries):
                 raise ValueError(f"request {req_id}: slot {dst} is occupied by live token {occupant}")
             if is_shared(seq.block_ids[src // tpb]):
                 raise ValueError(f"request {req_id}: token {token_id} sits in a shared block")
-        live_per_block = seq.live_per_block
+        live_per_block = seq.live_per_block_mv
         for token_id, dst, src, pos in zip(ids, dsts, src_pos, dst_pos):
             occupant = token_at[pos]
             if occupant != NO_TOKEN:
@@ -218,8 +229,8 @@ class TokenTable(TokenTableQueries):
         for block_id in released:
             del seq.block_index[block_id]
         del seq.block_ids[keep_blocks:]
-        if released:
-            seq.live_per_block[keep_blocks : keep_blocks + len(released)] = 0
+        for block_idx in range(keep_blocks, keep_blocks + len(released)):
+            seq.live_per_block_mv[block_idx] = 0
         seq.kv_len = new_kv_len
         if seq.pending_dead:
             seq.pending_dead = [p for p in seq.pending_dead if p < new_kv_len]
@@ -285,7 +296,7 @@ class TokenTable(TokenTableQueries):
     def _position_of_token(self, req_id: int, seq: Sequence, token_id: int) -> int:
         if not 0 <= token_id < seq.num_tokens:
             raise ValueError(f"request {req_id}: token id {token_id} out of range [0, {seq.num_tokens})")
-        slot = int(seq.slot_of[token_id])
+        slot = seq.slot_of_mv[token_id]
         if slot == NO_SLOT:
             raise ValueError(f"request {req_id}: token {token_id} holds no slot to move from")
         block_id, offset = divmod(slot, self.tokens_per_block)

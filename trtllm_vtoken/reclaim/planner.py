@@ -78,22 +78,22 @@ def plan_lazy(table: TokenTable, req_id: int) -> RelocationPlan | None:
     num_to_free = min(len(usable) // tpb, len(candidates))
     if num_to_free == 0:
         return None
-    live_per_block = seq.live_per_block
+    live_per_block, token_at, live = seq.live_per_block_mv, seq.token_at_mv, seq.live_mv
     # Fewest live tokens first; among equals the later block (its tokens are younger, and the
     # prefix stays put), which keeps plans stable from step to step.
-    candidates.sort(key=lambda i: (int(live_per_block[i]), -i))
+    candidates.sort(key=lambda i: (live_per_block[i], -i))
     sources = sorted(candidates[:num_to_free])
     source_set = set(sources)
     src_pos = [
         int(p)
         for i in sources
         for p in range(i * tpb, (i + 1) * tpb)
-        if seq.token_at[p] != NO_TOKEN and seq.live[seq.token_at[p]]
+        if token_at[p] != NO_TOKEN and live[token_at[p]]
     ]
     # Destinations: holes of the kept blocks, fullest block first, so the blocks left with holes
     # are the emptiest ones and become the next plan's cheap sources.
     targets = [h for h in usable if h // tpb not in source_set]
-    targets.sort(key=lambda h: (-int(live_per_block[h // tpb]), h))
+    targets.sort(key=lambda h: (-live_per_block[h // tpb], h))
     dst_pos = targets[: len(src_pos)]
     assert len(dst_pos) == len(src_pos), "lazy plan: not enough holes for the chosen sources"
     blocks_to_free = tuple(blocks[i] for i in sources)
@@ -116,12 +116,12 @@ def _make_plan(
     new_kv_len: int | None,
 ) -> RelocationPlan:
     seq, tpb = table.seq(req_id), table.tokens_per_block
-    blocks, token_at = seq.block_ids, seq.token_at
+    blocks, token_at = seq.block_ids, seq.token_at_mv
     return RelocationPlan(
         req_id=req_id,
         mode=mode,
         version=seq.version,
-        token_ids=tuple(token_at[src_pos].tolist()) if src_pos else (),
+        token_ids=tuple(token_at[p] for p in src_pos),
         src_slots=tuple(blocks[p // tpb] * tpb + p % tpb for p in src_pos),
         dst_slots=tuple(blocks[p // tpb] * tpb + p % tpb for p in dst_pos),
         blocks_to_free=blocks_to_free,

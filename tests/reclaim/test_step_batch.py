@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Python core's ``step_batch`` against the per-request loop that specifies it: same results,
+same tables (to the byte, hint lists included), same errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import trtllm_vtoken.reclaim.step_batch as step_module
+from tests.helpers import random_step, step_loop, table_fingerprint
+from trtllm_vtoken.core import TokenTable
+from trtllm_vtoken.reclaim.step_batch import step_batch
+
+
+def fingerprint(table: TokenTable) -> tuple:
+    hints = tuple((r, tuple(table.seq(r).pending_dead), tuple(table.seq(r).block_index.items()))
+                  for r in sorted(table.request_ids()))
+    return table_fingerprint(table), hints
+
+
+def twin_tables(tpb: int, lengths: list[int], shared: set[int]) -> tuple[TokenTable, TokenTable, int]:
+    """Two identical tables; if block 0 is in ``shared``, every request starts with it."""
+    shared_prefix = 0 in shared
+    tables = [TokenTable(tpb, shared.__contains__) for _ in range(2)]
+    next_block = 1
+    for req, n in enumerate(lengths):
+        blocks = [0] if shared_prefix else []
+        n = max(n, tpb) if shared_prefix else n
+        blocks += list(range(next_block, next_block + -(-n // tpb) - len(blocks)))
+        next_block += len(blocks) - (1 if shared_prefix else 0)
+        for table in tables:
+            table.add_request(req)
+            table.sync_new_tokens(req, blocks, n)
+    return tables[0], tables[1], next_block
+
+
+@settings(max_examples=80, deadline=None)
+@given(mode=st.sampled_from(["dense", "lazy"]), tpb=st.sampled_from([1, 2, 4, 8]),
+       lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6), steps=st.integers(1, 30),
+       threshold=st.integers(1, 3), shared_prefix=st.booleans(), seed=st.integers(0, 2**31))
+def test_step_batch_equals_the_loop(mode, tpb, lengths, steps, threshold, shared_prefix, seed):
+    rng = np.random.default_rng(seed)
+    shared = {0} if shared_prefix else set()
+    spec, fast, next_block = twin_tables(tpb, lengths, shared)
+    for _ in range(steps):
+        if rng.random() < 0.1:  # a block becomes shared (prefix caching registers it) mid-run
+            shared.add(int(rng.integers(0, next_block)))
+        step, next_block = random_step(rng, spec, next_block)
+        pressure = bool(rng.random() < 0.2)
+        want_moves, want_freed = step_loop(spec, step, mode, threshold, pressure)
+        moves, offsets, freed = step_batch(fast, *step["csr"], mode == "dense", threshold, pressure)
+        assert moves == want_moves
+        assert [freed[offsets[i]: offsets[i + 1]] for i in range(len(moves))] == want_freed
+        assert fingerprint(fast) == fingerprint(spec)
+        fast.check_integrity()
+
+
+def test_one_eviction_fills_the_hole_with_the_last_token(monkeypatch):
+    """tokens_per_block 4, blocks [7, 2] full (tokens 0-7). The step writes token 8 into new block
+    9 and evicts token 3: token 8 moves to slot 7*4+3 = 31 and block 9 goes back."""
+    table = TokenTable(4)
+    table.add_request(0)
+    table.sync_new_tokens(0, [7, 2], 8)
+    fast_path = []
+    original = step_module._fill_single_hole
+    monkeypatch.setattr(step_module, "_fill_single_hole", lambda *a: fast_path.append(1) or original(*a))
+    moves, offsets, freed = step_batch(table, [0], [1], [0, 1], [9], [0, 1], [3], dense=True)
+    assert (moves, offsets, freed) == ([1], [0, 1], [9])
+    assert fast_path == [1]
+    assert table.lookup(0, 8) == (7, 3) and table.lookup(0, 3) is None
+    assert table.block_ids(0) == [7, 2] and table.kv_len(0) == 8 and table.num_live(0) == 8
+    assert table.version(0) == 5  # sync; then append, evict, apply_moves, truncate, as the loop counts
+    table.check_integrity()
+
+
+def test_evicting_the_newest_token_moves_nothing():
+    table = TokenTable(4)
+    table.add_request(0)
+    table.sync_new_tokens(0, [7, 2], 8)
+    assert step_batch(table, [0], [1], [0, 1], [9], [0, 1], [8], dense=True) == ([0], [0, 1], [9])
+    assert table.lookup(0, 8) is None and table.kv_len(0) == 8 and table.block_ids(0) == [7, 2]
+
+
+def test_lazy_mode_waits_for_a_whole_block_of_holes():
+    table = TokenTable(4)
+    table.add_request(0)
+    table.sync_new_tokens(0, [7, 2, 5], 12)
+    assert step_batch(table, [0], [0], [0, 0], [], [0, 3], [0, 1, 5], dense=False) == ([0], [0, 0], [])
+    # A fourth hole: blocks 7 and 2 keep two live tokens each; the later one, 2, empties its
+    # tokens 4 and 7 into block 7's holes (offsets 0 and 1).
+    moves, _, freed = step_batch(table, [0], [0], [0, 0], [], [0, 1], [6], dense=False)
+    assert (moves, freed) == ([2], [2])
+    assert table.block_ids(0) == [7, 5] and table.lookup(0, 4) == (7, 0) and table.lookup(0, 7) == (7, 1)
+
+
+def test_inconsistent_arrays_change_nothing():
+    table = TokenTable(4)
+    table.add_request(0)
+    table.sync_new_tokens(0, [1], 4)
+    before = table_fingerprint(table)
+    with pytest.raises(ValueError, match="one more"):
+        step_batch(table, [0], [1], [0], [], [0, 0], [], dense=True)
+    with pytest.raises(ValueError, match="new_block_offsets must start at 0"):
+        step_batch(table, [0], [1], [0, 5], [2], [0, 0], [], dense=True)
+    with pytest.raises(ValueError, match="evict_offsets must start at 0, never decrease"):
+        step_batch(table, [0], [1], [0, 1], [2], [1, 0], [3], dense=True)
+    assert table_fingerprint(table) == before
+
+
+def test_bad_request_stops_the_batch_where_the_loop_would():
+    """Request 0's step is done; request 1 is unknown (KeyError); request 2 is untouched. A bad
+    victim fails that request's eviction after its append, as the loop does."""
+    table = TokenTable(4)
+    for req in (0, 2):
+        table.add_request(req)
+        table.sync_new_tokens(req, [req * 10], 3)
+    with pytest.raises(KeyError, match="unknown request 1"):
+        step_batch(table, [0, 1, 2], [1, 1, 1], [0, 0, 0, 0], [], [0, 1, 2, 3], [0, 0, 0], dense=True)
+    assert table.kv_len(0) == 3 and table.num_tokens(0) == 4 and table.lookup(0, 3) == (0, 0)
+    assert table.num_tokens(2) == 3
+    with pytest.raises(ValueError, match="token 0 is already dead"):
+        step_batch(table, [0], [0], [0, 0], [], [0, 1], [0], dense=True)
+    assert table.num_live(0) == 3 and table.version(0) == 6  # the append (of 0 tokens) counted
