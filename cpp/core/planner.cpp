@@ -54,6 +54,8 @@ bool TokenTable::plan_dense_into(int64_t req_id, Plan& out) {
 }
 
 bool TokenTable::plan_lazy_into(int64_t req_id, Plan& out) {
+  // Holes are among the pending hints: too few to empty a block means no plan, no rescan.
+  if (static_cast<int64_t>(seq(req_id).pending_dead.size()) < tpb_) return false;
   const std::vector<int64_t>& holes = holes_into(req_id);
   if (static_cast<int64_t>(holes.size()) < tpb_) return false;
   const Sequence& s = seq(req_id);

@@ -68,6 +68,8 @@ def plan_lazy(table: TokenTable, req_id: int) -> RelocationPlan | None:
     Returns None unless at least one block is freed: the request's block count must strictly drop.
     """
     seq, tpb = table.seq(req_id), table.tokens_per_block
+    if len(seq.pending_dead) < tpb:
+        return None  # holes are among these hints: too few to empty a block (no rescan needed)
     holes = table.hole_positions(req_id)
     if len(holes) < tpb:
         return None
