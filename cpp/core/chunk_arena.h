@@ -37,6 +37,7 @@ class ChunkArena {
 
   // A chunk of `bytes` (a power of two, at most one slab), aligned to its size.
   void* take(size_t bytes) {
+    if (bytes == 0 || (bytes & (bytes - 1)) != 0 || bytes > kSlab) throw std::bad_alloc();
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<void*>& spare = free_[bytes];
     if (!spare.empty()) {
