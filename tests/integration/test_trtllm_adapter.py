@@ -26,9 +26,11 @@ from trtllm_vtoken.integration.trtllm.metadata import build_metadata_class
 from trtllm_vtoken.integration.trtllm.offsets import decode, encode, write_row
 from trtllm_vtoken.integration.trtllm.scores import QueryRecorder, decode_attention_mass
 from trtllm_vtoken.integration.trtllm.settings import ENV_VAR, VTokenSettings, check_llm_args
+from trtllm_vtoken.integration.trtllm.stats import StatsFile, read_stats
 from trtllm_vtoken.policies import POLICIES
 from trtllm_vtoken.runtime.attention import paged_attention
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
+from trtllm_vtoken.serving.metrics import METRICS
 
 HAS_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
 TPB, LAYERS, KV_HEADS, HEADS, DIM = 4, 2, 2, 4, 8
@@ -127,9 +129,9 @@ def test_query_recorder_keeps_the_decode_rows():
 
 
 # ---- the manager over the 1.2.1 doubles -----------------------------------------------------------
-def make_manager(policy: str, budget=8, num_blocks=64):
+def make_manager(policy: str, budget=8, num_blocks=64, **extra):
     settings = VTokenSettings(policy=policy, budget=budget, policy_options=POLICY_OPTIONS.get(policy, {}),
-                              check_invariants=True)
+                              check_invariants=True, **extra)
     cls = build_manager_class(KVCacheManagerDouble121)
     return cls(KvCacheConfigDouble121(tokens_per_block=TPB), "SELF", num_layers=LAYERS, num_kv_heads=KV_HEADS,
                head_dim=DIM, tokens_per_block=TPB, max_seq_len=64, max_batch_size=4, num_blocks=num_blocks,
@@ -183,6 +185,50 @@ def test_manager_compacts_rewinds_and_agrees_with_the_allocator(policy):
     for request in requests:
         manager.free_resources(request)
     assert manager.get_num_free_blocks() == 64 and not table.request_ids()
+
+
+def test_manager_publishes_its_counters_for_the_metrics(tmp_path):
+    """The worker-side half of the TensorRT-LLM path's metrics: every metric name is one the
+    Triton model exports, and the file agrees with the manager after each request leaves."""
+    stats = tmp_path / "stats.json"
+    manager, gen = make_manager("sliding_window", budget=6, stats_file=str(stats)), torch.Generator().manual_seed(2)
+    requests = [LlmRequestDouble121(req, prompt_len=9, max_new_tokens=12) for req in range(2)]
+    manager.prepare_resources(ScheduledRequestsDouble121(context_requests=requests))
+    for _ in range(12):
+        batch = ScheduledRequestsDouble121(generation_requests=requests)
+        manager.prepare_resources(batch)
+        for request in requests:
+            write_new_kv(manager, request.py_request_id, gen)
+        manager.update_resources(batch)
+    assert read_stats(stats) is not None and manager.vtoken_stats.writes >= 1
+    manager.free_resources(requests[0])
+    published = read_stats(stats)
+    assert set(published) <= {spec.name for spec in METRICS}
+    table, backend = manager.vtoken.table, manager.vtoken.backend.stats
+    assert published["vtoken_requests_running"] == 1
+    assert published["vtoken_kv_blocks_retained"] == table.num_blocks(1) == 64 - manager.get_num_free_blocks()
+    assert published["vtoken_kv_utilization"] == table.num_live(1) / (table.num_blocks(1) * TPB)
+    assert published["vtoken_tokens_evicted"] == manager.vtoken.stats.tokens_evicted > 0
+    assert (published["vtoken_relocations"], published["vtoken_tokens_relocated"]) == (backend.plans, backend.moves)
+    assert published["vtoken_bytes_copied"] == backend.bytes_copied > 0
+    assert published["vtoken_blocks_reclaimed"] == manager.vtoken.stats.blocks_released > 0
+
+
+def test_stats_file_writes_at_most_once_per_interval(tmp_path):
+    now = [0.0]
+    stats = StatsFile(tmp_path / "s.json", interval_s=0.5, clock=lambda: now[0])
+    assert read_stats(tmp_path / "s.json") is None  # nothing published yet
+    assert stats.maybe_write(lambda: {"vtoken_relocations": 1})
+    now[0] = 0.4
+    assert not stats.maybe_write(lambda: {"vtoken_relocations": 2})
+    assert stats.maybe_write(lambda: {"vtoken_relocations": 3}, force=True)
+    now[0] = 1.0
+    assert stats.maybe_write(lambda: {"vtoken_relocations": 4})
+    assert read_stats(tmp_path / "s.json") == {"vtoken_relocations": 4.0} and stats.writes == 3
+    (tmp_path / "s.json").write_text("{not json")
+    assert read_stats(tmp_path / "s.json") is None
+    with pytest.raises(ValueError, match="stats_interval_s must be positive"):
+        VTokenSettings(stats_interval_s=0)
 
 
 def test_budget_aware_resource_need_and_refused_settings():

@@ -8,8 +8,10 @@ from __future__ import annotations
 import time
 
 from tests.integration.trtllm_doubles import LLMDouble121, TensorrtLlmApiDouble121
+from trtllm_vtoken.integration.trtllm.stats import StatsFile
 from trtllm_vtoken.runtime.sampling import SamplingParams
 from trtllm_vtoken.serving.engine_loop import CollectingSink
+from trtllm_vtoken.serving.metrics import METRICS
 from trtllm_vtoken.serving.settings import ServingSettings
 from trtllm_vtoken.serving.trtllm_loop import TRTLLMLoop, trtllm_sampling
 
@@ -35,6 +37,24 @@ def test_requests_stream_in_order_and_finish():
         assert sink.outputs[-1].finish_reason == "length" and sink.outputs[-1].num_output_tokens == 5
     loop.stop()
     assert llm.shut_down and loop.in_flight() == 0
+
+
+def test_metrics_merge_the_workers_counters_with_the_loops(tmp_path):
+    stats_file = tmp_path / "stats.json"
+    StatsFile(stats_file).maybe_write(lambda: {"vtoken_tokens_evicted": 42, "vtoken_requests_running": 0})
+    seen = []
+    loop = TRTLLMLoop(LLMDouble121(), TensorrtLlmApiDouble121, stats_file, on_stats=seen.append, poll_s=0.01).start()
+    sinks = [CollectingSink() for _ in range(3)]
+    for sink in sinks:
+        loop.submit([5], SamplingParams(max_tokens=2), sink)
+    wait(lambda: all(s.done.is_set() for s in sinks))
+    wait(lambda: seen[-1]["vtoken_requests_finished"] == 3)
+    assert seen[-1]["vtoken_tokens_evicted"] == 42 and seen[-1]["vtoken_requests_waiting"] == 0
+    assert set(seen[-1]) <= {spec.name for spec in METRICS}
+    loop.stop()
+    # Without a worker file yet: only the loop's own counters.
+    assert TRTLLMLoop(LLMDouble121(), TensorrtLlmApiDouble121, tmp_path / "none.json").metrics() == \
+        {"vtoken_requests_finished": 0.0, "vtoken_requests_waiting": 0.0}
 
 
 def test_a_cancelled_client_aborts_its_request():

@@ -83,6 +83,9 @@ class KVCacheManagerDouble121:
     def get_num_free_blocks(self) -> int:
         return len(self._free)
 
+    def get_max_resource_count(self) -> int:
+        return self.num_blocks
+
     def get_buffers(self, layer_idx: int, kv_layout: str = "NHD") -> torch.Tensor:
         layer = self._pool[:, layer_idx]  # [P, 2, H, tpb, D]
         return layer if kv_layout == "HND" else layer.transpose(2, 3)

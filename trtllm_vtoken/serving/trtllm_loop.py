@@ -7,6 +7,10 @@ Triton model does not care which one runs. One asyncio event loop in a thread dr
 request's ``generate_async(prompt_ids, sampling_params, streaming=True)``; TensorRT-LLM's executor
 batches them in flight. Each streamed chunk becomes a ``RequestOutput`` for the request's sink; a
 sink that reports ``is_cancelled()`` has its request aborted, freeing its KV.
+
+Metrics: the executor worker publishes vToken's counters to ``stats_file``
+(``integration/trtllm/stats.py``); the loop polls it every ``poll_s``, adds what only it knows
+(requests finished, requests waiting for their first token) and hands the values to ``on_stats``.
 """
 
 from __future__ import annotations
@@ -14,9 +18,13 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import itertools
+import tempfile
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from trtllm_vtoken.integration.trtllm.stats import read_stats
 from trtllm_vtoken.runtime.request import RequestOutput
 from trtllm_vtoken.runtime.sampling import SamplingParams
 from trtllm_vtoken.serving.engine_loop import Sink
@@ -45,20 +53,39 @@ def trtllm_sampling(params: SamplingParams, api: Any) -> Any:
 
 class TRTLLMLoop:
     """Serves submitted requests through a ``tensorrt_llm.LLM`` (or anything with its
-    ``generate_async`` / ``shutdown`` surface)."""
+    ``generate_async`` / ``shutdown`` surface).
 
-    def __init__(self, llm: Any, api: Any = None) -> None:
+    Args:
+        stats_file: where the worker's ``VTokenKVCacheManager`` publishes its counters; None: no
+            metrics.
+        on_stats: called on the loop's thread with the metric values every ``poll_s``.
+    """
+
+    def __init__(self, llm: Any, api: Any = None, stats_file: str | Path | None = None,
+                 on_stats: Callable[[dict[str, float]], None] | None = None, poll_s: float = 0.5) -> None:
         if api is None:
             import tensorrt_llm as api
         self.llm, self.api = llm, api
+        self.stats_file, self.on_stats, self.poll_s = stats_file, on_stats, poll_s
+        self.finished = 0
         self._ids = itertools.count()
         self._results: dict[int, Any] = {}
+        self._started: set[int] = set()  # requests that produced a first chunk
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vtoken-trtllm-loop", daemon=True)
 
     def start(self) -> TRTLLMLoop:
         self._thread.start()
+        if self.on_stats is not None:
+            asyncio.run_coroutine_threadsafe(self._poll_stats(), self._loop)
         return self
+
+    def metrics(self) -> dict[str, float]:
+        """The worker's last published counters (if any) plus the loop's own."""
+        values = (read_stats(self.stats_file) if self.stats_file else None) or {}
+        values["vtoken_requests_finished"] = float(self.finished)
+        values["vtoken_requests_waiting"] = float(len(self._results) - len(self._started))
+        return values
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> int:
         req_id = next(self._ids)
@@ -82,6 +109,11 @@ class TRTLLMLoop:
             self._thread.join(timeout_s)
         self.llm.shutdown()
 
+    async def _poll_stats(self) -> None:
+        while True:
+            self.on_stats(self.metrics())
+            await asyncio.sleep(self.poll_s)
+
     async def _serve(self, req_id: int, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
         try:
             result = self.llm.generate_async(prompt_ids, sampling_params=trtllm_sampling(params, self.api),
@@ -97,9 +129,11 @@ class TRTLLMLoop:
                     result.abort()
                     sink.emit(RequestOutput(req_id, (), "", True, "cancelled", produced))
                     return
+                self._started.add(req_id)
                 out = chunk.outputs[0]
                 produced = len(out.token_ids)
                 finished = bool(chunk.finished)
+                self.finished += finished
                 sink.emit(RequestOutput(req_id, tuple(out.token_ids_diff), out.text_diff, finished,
                                        (out.finish_reason or "stop") if finished else None, produced,
                                        out.stop_reason, float(getattr(out, "cumulative_logprob", None) or 0.0)))
@@ -107,10 +141,12 @@ class TRTLLMLoop:
             sink.fail(f"TensorRT-LLM request failed: {exc}")
         finally:
             self._results.pop(req_id, None)
+            self._started.discard(req_id)
 
 
-def make_trtllm_loop(settings) -> TRTLLMLoop:
-    """The LLM for the Triton model's settings, with vToken's hooks, wrapped in a started loop."""
+def make_trtllm_loop(settings, on_stats: Callable[[dict[str, float]], None] | None = None) -> TRTLLMLoop:
+    """The LLM for the Triton model's settings, with vToken's hooks, wrapped in a started loop
+    whose metrics reach ``on_stats``."""
     import tensorrt_llm
 
     from trtllm_vtoken.integration.trtllm import vtoken_llm_args
@@ -119,9 +155,11 @@ def make_trtllm_loop(settings) -> TRTLLMLoop:
     engine = settings.engine
     if engine.variant != "vtoken" or engine.mode != "dense":
         raise ValueError("the TensorRT-LLM path serves variant 'vtoken' in mode 'dense' only")
+    stats_file = Path(tempfile.mkdtemp(prefix="vtoken-trtllm-")) / "stats.json"
     llm = tensorrt_llm.LLM(str(resolve_model(settings.model)), max_batch_size=engine.max_batch_size,
                            max_seq_len=engine.max_seq_len,
                            **vtoken_llm_args(policy=engine.policy, budget=engine.budget,
                                              tokens_per_block=engine.tokens_per_block,
-                                             policy_options=dict(engine.policy_options)))
-    return TRTLLMLoop(llm, tensorrt_llm).start()
+                                             policy_options=dict(engine.policy_options),
+                                             stats_file=str(stats_file)))
+    return TRTLLMLoop(llm, tensorrt_llm, stats_file, on_stats).start()

@@ -5,7 +5,8 @@ Each Triton request is parsed (``trtllm_vtoken.serving.protocol``), tokenized an
 ``EngineLoop``: requests from every client join and leave the same running batch between steps.
 With ``backend`` ``trtllm`` (or ``auto`` where tensorrt_llm imports and a GPU is present) the
 requests go to TensorRT-LLM's LLM API with vToken's hooks instead (``TRTLLMLoop``, same interface);
-the vtoken_* metrics then come from the reference engine only and stay at zero.
+the vtoken_* metrics then come from the executor worker's KV-cache manager, which publishes them
+to a file the loop polls (``integration/trtllm/stats.py``; requests_preempted is not exported there).
 Responses go back through the request's response sender: one final response, or with
 ``streaming`` one per text piece. A client that goes away is noticed through
 ``is_cancelled()`` and its request is cancelled, freeing its KV blocks at once.
@@ -77,10 +78,11 @@ class _Metrics:
         self.metrics = {s.name: (s.kind, f.Metric(labels=labels)) for s, f in zip(METRICS, self.families)}
         self.last: dict[str, float] = {}
 
-    def update(self, engine) -> None:
-        from trtllm_vtoken.serving.metrics import snapshot
-
-        for name, value in snapshot(engine).items():
+    def update(self, values: dict[str, float]) -> None:
+        """Sets gauges; advances counters by what they grew since the last update."""
+        for name, value in values.items():
+            if name not in self.metrics:
+                continue
             kind, metric = self.metrics[name]
             if kind == "gauge":
                 metric.set(value)
@@ -96,6 +98,7 @@ class TritonPythonModel:
         from trtllm_vtoken.runtime.model import load_llama
         from trtllm_vtoken.runtime.tokenizer import Tokenizer
         from trtllm_vtoken.serving.engine_loop import EngineLoop
+        from trtllm_vtoken.serving.metrics import snapshot
         from trtllm_vtoken.serving.settings import ServingSettings
 
         config = json.loads(args["model_config"])
@@ -112,11 +115,11 @@ class TritonPythonModel:
         self.metrics = _Metrics({"model": args["model_name"], "version": args["model_version"]})
         backend = self.settings.backend
         if backend == "trtllm" or (backend == "auto" and trtllm_available()):
-            self.loop = make_trtllm_loop(self.settings)
+            self.loop = make_trtllm_loop(self.settings, on_stats=self.metrics.update)
             return
         engine = Engine(load_llama(folder), self.settings.engine, self.tokenizer)
-        self.metrics.update(engine)
-        self.loop = EngineLoop(engine, on_step=self.metrics.update).start()
+        self.metrics.update(snapshot(engine))
+        self.loop = EngineLoop(engine, on_step=lambda e: self.metrics.update(snapshot(e))).start()
 
     def execute(self, requests):
         from trtllm_vtoken.serving.protocol import parse_request

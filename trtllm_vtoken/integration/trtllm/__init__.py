@@ -48,7 +48,8 @@ def llm_args_dict(tokens_per_block: int = 32) -> dict[str, Any]:
 def vtoken_llm_args(policy: str = "h2o", budget: int | float | str = 0.5, tokens_per_block: int = 32,
                     **settings: Any) -> dict[str, Any]:
     """Keyword arguments for ``tensorrt_llm.LLM``; also exports the vToken settings (policy,
-    budget, ``policy_options``, ``check_invariants``) to the worker through the environment.
+    budget, ``policy_options``, ``check_invariants``, ``stats_file``) to the worker through the
+    environment.
     Raises ValueError for bad settings, RuntimeError if tensorrt_llm is not importable."""
     chosen = VTokenSettings(policy=policy, budget=budget, **settings)
     try:

@@ -12,6 +12,7 @@ same code runs on the real class inside the executor worker and on the test doub
                            against the physical length), super, then the tables learn the new
                            token / prompt; the execution stream waits on the copy events (I3)
     free_resources         drop the token table, then super
+    (both)                 publish vToken's counters for the Triton model's metrics (stats.py)
     add_dummy_requests     CUDA-graph padding requests: super only; vToken treats them as empty
     get_needed_resource_to_completion   budget-aware (used by Python capacity schedulers)
 """
@@ -25,6 +26,7 @@ import torch
 from trtllm_vtoken.integration.trtllm.scores import QueryRecorder, decode_attention_mass
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
 from trtllm_vtoken.integration.trtllm.state import VTokenState
+from trtllm_vtoken.integration.trtllm.stats import StatsFile, state_snapshot
 
 
 def manager_pools(manager: Any) -> list[torch.Tensor]:
@@ -69,6 +71,8 @@ def build_manager_class(base: type) -> type:
             self._vtoken_rows: dict[int, int] = {}
             self._vtoken_num_contexts = 0
             self.vtoken = VTokenState(settings, self.tokens_per_block, pools, self._vtoken_mass)
+            self.vtoken_stats = StatsFile(settings.stats_file, settings.stats_interval_s) \
+                if settings.stats_file else None
 
         # ---- iteration hooks -----------------------------------------------------------------
         def prepare_resources(self, scheduled_batch) -> None:
@@ -91,10 +95,12 @@ def build_manager_class(base: type) -> type:
         def update_resources(self, scheduled_batch, attn_metadata=None, kv_cache_dtype_byte_size=None) -> None:
             super().update_resources(scheduled_batch, attn_metadata, kv_cache_dtype_byte_size)
             self.vtoken.after_forward([r.py_request_id for r in scheduled_batch.generation_requests])
+            self._vtoken_publish(force=False)
 
         def free_resources(self, request, *args, **kwargs) -> None:
             self.vtoken.forget(request.py_request_id)
             super().free_resources(request, *args, **kwargs)
+            self._vtoken_publish(force=True)  # gauges must not keep a finished request
 
         def get_needed_resource_to_completion(self, request) -> int:
             total = request.prompt_len + request.max_new_tokens
@@ -107,6 +113,12 @@ def build_manager_class(base: type) -> type:
         def vtoken_evicted(self, request_id: int) -> int:
             """Logical minus physical tokens of a request (0 for unknown and padding rows)."""
             return self.vtoken.num_evicted(request_id)
+
+        def _vtoken_publish(self, force: bool) -> None:
+            if self.vtoken_stats is not None:
+                self.vtoken_stats.maybe_write(
+                    lambda: state_snapshot(self.vtoken, self.get_num_free_blocks(), self.get_max_resource_count()),
+                    force)
 
         def _vtoken_release(self, req_id: int, num_tokens: int) -> None:
             before = len(self.vtoken.table.block_ids(req_id)) + len(self.vtoken.blocks.freed)

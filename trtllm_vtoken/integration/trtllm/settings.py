@@ -34,9 +34,14 @@ class VTokenSettings:
     """TensorRT-LLM's kernels attend every position below kv_len: only "dense" is exact there."""
     fragmentation_threshold: int = 1
     check_invariants: bool = False
+    stats_file: str = ""
+    """Where the worker publishes vToken's counters for the Triton model's metrics ("" = nowhere)."""
+    stats_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
         ReclaimConfig(self.mode, self.fragmentation_threshold, self.check_invariants)
+        if self.stats_interval_s <= 0:
+            raise ValueError(f"stats_interval_s must be positive, got {self.stats_interval_s}")
         if self.mode != "dense":
             raise ValueError("the TensorRT-LLM path supports mode 'dense' only: its attention kernels have "
                              "no per-token mask, so holes below kv_len would be attended")
