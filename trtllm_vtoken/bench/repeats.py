@@ -10,9 +10,9 @@ from typing import Any
 
 
 def run_alternating(rows: Sequence[tuple[str, Any]], repeats: int, run: Callable[[str, Any], dict[str, Any]],
-                    progress=None) -> list[dict[str, Any]]:
+                    progress=None, key: str = "tokens_per_s") -> list[dict[str, Any]]:
     """Calls ``run(label, spec)`` ``repeats`` times per row; returns, in row order, each row's
-    median run (by ``tokens_per_s``) with ``label``, ``tokens_per_s_min`` and ``tokens_per_s_max``."""
+    median run (by ``key``) with ``label``, ``{key}_min`` and ``{key}_max``."""
     if repeats <= 0:
         raise ValueError(f"repeats must be positive, got {repeats}")
     samples: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in rows}
@@ -23,7 +23,7 @@ def run_alternating(rows: Sequence[tuple[str, Any]], repeats: int, run: Callable
                 progress.update(1)
     summary = []
     for label, _ in rows:
-        ordered = sorted(samples[label], key=lambda r: r["tokens_per_s"])
-        summary.append(dict(ordered[len(ordered) // 2], label=label, tokens_per_s_min=ordered[0]["tokens_per_s"],
-                            tokens_per_s_max=ordered[-1]["tokens_per_s"]))
+        ordered = sorted(samples[label], key=lambda r: r[key])
+        summary.append(dict(ordered[len(ordered) // 2], label=label, **{f"{key}_min": ordered[0][key],
+                                                                          f"{key}_max": ordered[-1][key]}))
     return summary

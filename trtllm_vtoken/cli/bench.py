@@ -22,7 +22,9 @@ def register(sub) -> None:
                            "the C++ core's step_batch, or all in one run (default; cpp skipped where the "
                            "C++ core is not built)")
     core.add_argument("--seed", type=int, default=0)
-    _finish(core, "10 steps: a smoke run", run_core)
+    core.add_argument("--repeats", type=int, default=3,
+                      help="runs per row in alternating order; the median run is reported (default 3)")
+    _finish(core, "10 steps, one run per row: a smoke run", run_core)
 
     variants = bench.add_parser(
         "variants", help="native / naive-evict / vtoken on the real model: blocks, utilization, speed",
@@ -94,6 +96,7 @@ def run_core(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from trtllm_vtoken.bench.core import CoreBenchConfig, run_core_bench
+    from trtllm_vtoken.bench.repeats import run_alternating
     from trtllm_vtoken.core.native import load as load_native
     from trtllm_vtoken.report import format_table
 
@@ -103,35 +106,34 @@ def run_core(args: argparse.Namespace) -> int:
         impls.remove("cpp")
         print("note: the C++ core is not built; timing the Python core only", file=sys.stderr)
     steps = 10 if args.quick else args.steps
-    results = []
-    for mode in modes:
-        for impl in impls:
-            cfg = CoreBenchConfig(
-                batch=args.batch, context=args.context, tokens_per_block=args.tokens_per_block,
-                steps=steps, warmup=min(5, steps), mode=mode, impl=impl, seed=args.seed,
-            )
-            with tqdm(total=cfg.warmup + cfg.steps, desc=f"bench core ({impl}, {mode})", unit="step",
-                      disable=None, file=sys.stderr) as bar:
-                results.append(run_core_bench(cfg, progress=bar))
+    repeats = 1 if args.quick else args.repeats
+    rows = [(f"{impl} {mode}", CoreBenchConfig(
+                batch=args.batch, context=args.context, tokens_per_block=args.tokens_per_block, steps=steps,
+                warmup=min(5, steps), mode=mode, impl=impl, seed=args.seed))
+            for mode in modes for impl in impls]
+    with tqdm(total=len(rows) * repeats, desc="bench core", unit="run", disable=None, file=sys.stderr) as bar:
+        results = run_alternating(rows, repeats, lambda label, cfg: run_core_bench(cfg), bar, key="total_us_median")
     base_us = {(r["config"]["impl"], r["config"]["mode"]): r["total_us_median"] for r in results}
 
     def speedup(r: dict, base: str) -> str:
         key = (base, r["config"]["mode"])
         return f"{base_us[key] / r['total_us_median']:.1f}x" if key in base_us else "-"
 
-    headers = ["impl", "mode", "sync us", "evict us", "plan us", "apply us", "step us (p50)", "step us (p90)",
-               "us/request", "vs calls", "vs python", "metadata B/token", "moves", "blocks freed"]
-    rows = [
+    headers = ["impl", "mode", "sync us", "evict us", "plan us", "apply us", "step us (p50)", "p50 of runs",
+               "step us (p90)", "us/request", "vs calls", "vs python", "metadata B/token", "moves", "blocks freed"]
+    table = [
         [r["config"]["impl"], r["config"]["mode"],
          *("-" if r["step_us"][s] is None else r["step_us"][s] for s in ("sync", "evict", "plan", "apply")),
-         r["total_us_median"], r["total_us_p90"], r["per_request_us"], speedup(r, "calls"), speedup(r, "python"),
+         r["total_us_median"], f"{r['total_us_median_min']:,.0f}-{r['total_us_median_max']:,.0f}",
+         r["total_us_p90"], r["per_request_us"], speedup(r, "calls"), speedup(r, "python"),
          r["metadata_bytes_per_token"], r["moves"], r["blocks_freed"]]
         for r in results
     ]
     c = results[0]["config"]
     print(f"vtoken bench core: batch {c['batch']}, context {c['context']}, tokens_per_block "
-          f"{c['tokens_per_block']}, one eviction per request per step, {steps} steps (median)")
-    print(format_table(headers, rows))
+          f"{c['tokens_per_block']}, one eviction per request per step, {steps} steps; the median of {repeats} "
+          f"alternating runs per row")
+    print(format_table(headers, table))
     _publish(args.out, "core", {"results": results})
     return 0
 
