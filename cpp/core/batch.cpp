@@ -75,13 +75,18 @@ StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, 
                         num_new[i]);
     victims.assign(evict_ids + evict_offsets[i], evict_ids + evict_offsets[i + 1]);
     table.evict_tokens(req, victims);
+    int64_t moves = 0;
+    if (dense && table.fill_single_hole(req, moves, out.freed)) {
+      out.moves.push_back(moves);
+      out.freed_offsets.push_back(static_cast<int64_t>(out.freed.size()));
+      continue;
+    }
     bool planned = false;
     if (dense) {
       planned = table.plan_dense_into(req, plan);
     } else if (pressure || table.fragmentation(req) >= fragmentation_threshold) {
       planned = table.plan_lazy_into(req, plan);
     }
-    int64_t moves = 0;
     if (planned) {
       moves = static_cast<int64_t>(plan.token_ids.size());
       table.commit_in_place(plan);

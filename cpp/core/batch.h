@@ -17,6 +17,8 @@ namespace vtoken {
 //     plan = plan_lazy(req) if pressure or fragmentation(req) >= threshold else None   # lazy
 //     if plan: commit it (apply_moves, then truncate / release_blocks)
 //
+// Dense requests whose one hole is their one eviction (most of a decode step) take
+// TokenTable::fill_single_hole, which leaves the table exactly as plan_dense + commit would.
 // new_blocks and evict_ids come as CSR arrays: request i's entries are
 // values[offsets[i]:offsets[i + 1]]. Metadata only: the caller copies KV for plans it needs
 // copied (use the single calls for that) and frees `freed` in its block pool.

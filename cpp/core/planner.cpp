@@ -149,4 +149,45 @@ std::vector<int64_t> TokenTable::commit(const Plan& plan) {
   return plan.blocks_to_free;
 }
 
+bool TokenTable::fill_single_hole(int64_t req_id, int64_t& num_moves, std::vector<int64_t>& released) {
+  Sequence& s = mut(req_id);
+  if (s.pending_dead.size() != 1) return false;
+  const int64_t hole = s.pending_dead[0];
+  if (hole >= s.kv_len) return false;
+  const int32_t evicted = s.token_at[hole];
+  if (evicted == kNoToken || s.live[evicted]) return false;  // a stale hint or an empty hole
+  const int64_t new_len = s.kv_len - 1;
+  const int64_t keep_blocks = ceil_div(new_len, tpb_);
+  const auto num_blocks = static_cast<int64_t>(s.block_ids.size());
+  if (is_shared(s.block_ids[hole / tpb_]) || is_shared(s.block_ids[new_len / tpb_])) return false;
+  for (int64_t i = keep_blocks; i < num_blocks; ++i) {
+    if (is_shared(s.block_ids[i])) return false;
+  }
+  const int32_t moved = s.token_at[new_len];
+  if (hole < new_len && (moved == kNoToken || !s.live[moved])) return false;
+  num_moves = 0;
+  if (hole < new_len) {  // the last token moves into the hole; the evicted token loses its slot
+    s.slot_of[evicted] = kNoSlot;
+    s.token_at[hole] = moved;
+    s.slot_of[moved] = static_cast<int32_t>(s.block_ids[hole / tpb_] * tpb_ + hole % tpb_);
+    s.live_per_block[new_len / tpb_] -= 1;
+    s.live_per_block[hole / tpb_] += 1;
+    num_moves = 1;
+  } else {  // the evicted token was the last one
+    s.slot_of[moved] = kNoSlot;
+  }
+  s.token_at[new_len] = kNoToken;
+  for (int64_t i = keep_blocks; i < num_blocks; ++i) {
+    released.push_back(s.block_ids[i]);
+    s.block_index.erase(s.block_ids[i]);
+  }
+  s.block_ids.resize(keep_blocks);
+  s.token_at.resize(keep_blocks * tpb_);
+  s.live_per_block.resize(keep_blocks);
+  s.kv_len = new_len;
+  s.pending_dead.clear();
+  s.version += 2;  // apply_moves, then truncate
+  return true;
+}
+
 }  // namespace vtoken
