@@ -45,7 +45,13 @@ class ChunkArena {
       spare.pop_back();
       return chunk;
     }
-    if (left_ < bytes) new_slab();
+    size_t pad = (0 - reinterpret_cast<uintptr_t>(cursor_)) & (bytes - 1);  // to a multiple of bytes
+    if (left_ < pad + bytes) {
+      new_slab();
+      pad = 0;
+    }
+    cursor_ += pad;
+    left_ -= pad;
     void* chunk = cursor_;
     cursor_ += bytes;
     left_ -= bytes;
@@ -79,7 +85,7 @@ class ChunkArena {
     if (slab == nullptr) throw std::bad_alloc();
 #endif
     cursor_ = slab;
-    left_ = kSlab;  // the previous slab's remainder (if any) is abandoned: chunk sizes divide a slab
+    left_ = kSlab;  // the previous slab's remainder (too small for the chunk asked) is abandoned
   }
 
   std::mutex mu_;
