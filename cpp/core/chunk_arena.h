@@ -35,7 +35,8 @@ class ChunkArena {
     return *arena;
   }
 
-  // A chunk of `bytes` (a power of two, at most one slab), aligned to its size.
+  // A chunk of `bytes` (a power of two, at most one slab), aligned to a cache line (or to its size
+  // if smaller).
   void* take(size_t bytes) {
     if (bytes == 0 || (bytes & (bytes - 1)) != 0 || bytes > kSlab) throw std::bad_alloc();
     std::lock_guard<std::mutex> lock(mu_);
@@ -45,7 +46,10 @@ class ChunkArena {
       spare.pop_back();
       return chunk;
     }
-    size_t pad = (0 - reinterpret_cast<uintptr_t>(cursor_)) & (bytes - 1);  // to a multiple of bytes
+    // Cache-line alignment, not alignment to the size: chunks carved at staggered page offsets
+    // keep the arrays' hot tails (every request near the same length) out of the same cache sets.
+    const size_t align = bytes < kLine ? bytes : kLine;
+    size_t pad = (0 - reinterpret_cast<uintptr_t>(cursor_)) & (align - 1);
     if (left_ < pad + bytes) {
       new_slab();
       pad = 0;
@@ -65,6 +69,7 @@ class ChunkArena {
 
  private:
   static constexpr size_t kSlab = size_t{2} << 20;
+  static constexpr size_t kLine = 64;
 
   void new_slab() {
     char* slab = nullptr;
