@@ -16,6 +16,7 @@ def test_bench_core_prints_table_and_writes_json(tmp_path, capsys):
                  "--steps", "3", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "dense |" in out and "lazy |" in out and "metadata B/token" in out
+    assert (tmp_path / "core.png").stat().st_size > 0
     data = json.loads((tmp_path / "core.json").read_text())
     runs = {(r["config"]["impl"], r["config"]["mode"]): r for r in data["results"]}
     impls = ["calls", "python", "cpp"] if native.load() is not None else ["calls", "python"]

@@ -194,3 +194,39 @@ def _random_live_token(table, req_id: int, rng: np.random.Generator) -> int:
         token = int(rng.integers(num_tokens))
         if table.is_live(req_id, token):
             return token
+
+
+def plot_core(result: dict, path) -> None:
+    """Step time per implementation and mode (log scale; whiskers: range over the runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["results"]
+    modes = list(dict.fromkeys(r["config"]["mode"] for r in runs))
+    impls = list(dict.fromkeys(r["config"]["impl"] for r in runs))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(impls)
+    for k, impl in enumerate(impls):
+        rows = [next(r for r in runs if r["config"]["impl"] == impl and r["config"]["mode"] == m) for m in modes]
+        values = [r["total_us_median"] for r in rows]
+        spread = [[v - r.get("total_us_median_min", v) for v, r in zip(values, rows)],
+                  [r.get("total_us_median_max", v) - v for v, r in zip(values, rows)]]
+        xs = [i + (k - (len(impls) - 1) / 2) * width for i in range(len(modes))]
+        ax.bar(xs, values, width, yerr=spread, capsize=3, label=impl)
+        for x, v in zip(xs, values):
+            ax.annotate(f"{v:,.0f}", (x, v), ha="center", va="bottom", fontsize=8)
+    for target, label in ((2000, "Python target (2 ms)"), (200, "C++ target (200 us)")):
+        ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
+        ax.annotate(label, (-0.45, target), ha="left", va="bottom", fontsize=8, color="grey")
+    c = runs[0]["config"]
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=10)
+    ax.set_xticks(range(len(modes)), modes)
+    ax.set(ylabel="host time per decode step (us)",
+           title=f"vtoken bench core: batch {c['batch']}, {c['context']} tokens, tokens_per_block {c['tokens_per_block']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -95,7 +95,7 @@ def _finish(parser: argparse.ArgumentParser, quick_help: str, run) -> None:
 def run_core(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.core import CoreBenchConfig, run_core_bench
+    from trtllm_vtoken.bench.core import CoreBenchConfig, plot_core, run_core_bench
     from trtllm_vtoken.bench.repeats import run_alternating
     from trtllm_vtoken.core.native import load as load_native
     from trtllm_vtoken.report import format_table
@@ -134,7 +134,7 @@ def run_core(args: argparse.Namespace) -> int:
           f"{c['tokens_per_block']}, one eviction per request per step, {steps} steps; the median of {repeats} "
           f"alternating runs per row")
     print(format_table(headers, table))
-    _publish(args.out, "core", {"results": results})
+    _publish(args.out, "core", {"results": results}, plot_core)
     return 0
 
 
