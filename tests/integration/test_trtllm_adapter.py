@@ -151,6 +151,9 @@ def write_new_kv(manager, req_id: int, gen: torch.Generator) -> None:
 @pytest.mark.parametrize("policy", POLICIES.names())
 def test_manager_compacts_rewinds_and_agrees_with_the_allocator(policy):
     manager, gen = make_manager(policy), torch.Generator().manual_seed(1)
+    executor, copies = manager.vtoken.backend.executor, []
+    submit_many = executor.submit_many
+    executor.submit_many = lambda plans: copies.append(len(plans)) or submit_many(plans)
     requests = [LlmRequestDouble121(req, prompt_len=5 + 3 * req, max_new_tokens=20) for req in range(3)]
     manager.prepare_resources(ScheduledRequestsDouble121(context_requests=requests))
     for request in requests:
@@ -180,6 +183,8 @@ def test_manager_compacts_rewinds_and_agrees_with_the_allocator(policy):
         table.check_integrity()
     backend = manager.vtoken.backend.stats
     assert manager.vtoken.stats.tokens_evicted > 0 and backend.plans > 0
+    assert len(copies) <= 20 and sum(copies) == backend.plans  # one copy per step for every request's plan
+    assert max(copies) > 1
     assert backend.invariant_checks == backend.plans  # I1/I2/I4 on every relocation
     assert manager.vtoken.stats.blocks_released > 0
     for request in requests:

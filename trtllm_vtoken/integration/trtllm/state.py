@@ -6,9 +6,9 @@ block list and drives the same planner, copy executor and invariant checks as th
 runtime. Per iteration (overlap scheduler off, so N's update runs before N+1's prepare):
 
     after_forward(N)      the policy marks dead tokens (attention mass from the recorded queries)
-    compact(N+1)          dense plan per request -> copy on the side stream (after forward N) ->
-                          commit in the table -> release(req, n): TensorRT-LLM's rewind_kv_cache
-                          returns the tail blocks to its free list
+    compact(N+1)          a dense plan per request -> one copy of all their moves on the side
+                          stream (after forward N) -> commit in the table -> release(req, n):
+                          TensorRT-LLM's rewind_kv_cache returns the tail blocks to its free list
     ... super().prepare_resources: add_sequence / add_token on the physical length ...
     sync(N+1)             the table learns the new token (or the prompt) and its block list
     num_evicted(req)      logical - physical tokens: subtracted from num_cached_tokens_per_seq
@@ -85,18 +85,19 @@ class VTokenState:
     # ---- before the forward ------------------------------------------------------------------------
     def compact(self, req_ids: Sequence[int], release: Callable[[int, int], None], stream: Any = None) -> int:
         """Relocates each request's live tokens into a dense prefix and releases its tail: calls
-        ``release(req_id, num_tokens)`` with the physical tokens to drop. Returns blocks freed."""
-        freed = 0
-        for req_id in req_ids:
-            if req_id == CUDA_GRAPH_DUMMY_REQUEST_ID or req_id not in self.table:
-                continue
-            before = self.table.kv_len(req_id)
-            self.blocks.freed.clear()
-            freed += self.backend.reclaim([req_id], stream=stream)
-            dropped = before - self.table.kv_len(req_id)
+        ``release(req_id, num_tokens)`` with the physical tokens to drop. Returns blocks freed.
+
+        Every request's moves go in one copy (one kernel launch on CUDA), as in the engine."""
+        table = self.table
+        live = [r for r in req_ids if r != CUDA_GRAPH_DUMMY_REQUEST_ID and r in table]
+        before = {r: (table.kv_len(r), table.num_blocks(r)) for r in live}
+        self.blocks.freed.clear()
+        freed = self.backend.reclaim(live, stream=stream)
+        for req_id, (kv_len, _) in before.items():
+            dropped = kv_len - table.kv_len(req_id)
             if dropped:
                 release(req_id, dropped)
-            assert len(self.blocks.freed) == -(-before // self.table.tokens_per_block) - len(self.table.block_ids(req_id))
+        assert len(self.blocks.freed) == freed == sum(n - table.num_blocks(r) for r, (_, n) in before.items())
         self.stats.blocks_released += freed
         return freed
 
