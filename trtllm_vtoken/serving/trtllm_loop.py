@@ -16,6 +16,7 @@ Metrics: the executor worker publishes vToken's counters to ``stats_file``
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib.util
 import itertools
 import tempfile
@@ -71,13 +72,14 @@ class TRTLLMLoop:
         self._ids = itertools.count()
         self._results: dict[int, Any] = {}
         self._started: set[int] = set()  # requests that produced a first chunk
+        self._poller: concurrent.futures.Future | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vtoken-trtllm-loop", daemon=True)
 
     def start(self) -> TRTLLMLoop:
         self._thread.start()
         if self.on_stats is not None:
-            asyncio.run_coroutine_threadsafe(self._poll_stats(), self._loop)
+            self._poller = asyncio.run_coroutine_threadsafe(self._poll_stats(), self._loop)
         return self
 
     def metrics(self) -> dict[str, float]:
@@ -104,6 +106,8 @@ class TRTLLMLoop:
         """Aborts what is still running, stops the event loop and shuts the LLM down."""
         for req_id in list(self._results):
             self.cancel(req_id)
+        if self._poller is not None:
+            self._poller.cancel()
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout_s)
