@@ -18,12 +18,14 @@ from tests.integration.trtllm_doubles import (
     KVCacheParamsDouble121,
     LlmRequestDouble121,
     ScheduledRequestsDouble121,
+    TrtllmAttentionDouble121,
     TrtllmAttentionMetadataDouble121,
 )
 from trtllm_vtoken.integration.trtllm import llm_args_dict
 from trtllm_vtoken.integration.trtllm.manager import build_manager_class
 from trtllm_vtoken.integration.trtllm.metadata import build_metadata_class
 from trtllm_vtoken.integration.trtllm.offsets import decode, encode, write_row
+from trtllm_vtoken.integration.trtllm.patches import record_queries
 from trtllm_vtoken.integration.trtllm.scores import QueryRecorder, decode_attention_mass
 from trtllm_vtoken.integration.trtllm.settings import ENV_VAR, VTokenSettings, check_llm_args
 from trtllm_vtoken.integration.trtllm.stats import StatsFile, read_stats
@@ -126,6 +128,20 @@ def test_query_recorder_keeps_the_decode_rows():
     recorder.record(1, q, num_generation=3)
     assert recorder.q.shape == (4, 2, HEADS, DIM)
     assert torch.equal(recorder.q[:3, 1], q[2:].view(3, HEADS, DIM)) and not recorder.q[:, 0].any()
+
+
+def test_patched_forward_takes_the_queries_out_of_fused_qkv():
+    """TrtllmAttention gets q, k and v fused (k = v = None): only the first num_heads heads are
+    queries. One context request of 3 tokens, then 2 decode rows."""
+    manager, gen = make_manager("h2o"), torch.Generator().manual_seed(3)
+    attention = TrtllmAttentionDouble121(layer_idx=1, num_heads=HEADS, head_dim=DIM, num_kv_heads=KV_HEADS)
+    metadata = TrtllmAttentionMetadataDouble121(manager, [0, 1, 2], 1, None, None)
+    q, k, v = (torch.randn(5, heads * DIM, generator=gen) for heads in (HEADS, KV_HEADS, KV_HEADS))
+    record_queries(attention, torch.cat([q, k, v], dim=-1), None, metadata)
+    assert torch.equal(manager.vtoken_queries.q[:2, 1], q[3:].view(2, HEADS, DIM))
+    manager.vtoken_queries.q.zero_()
+    record_queries(attention, q, k, metadata)  # separate tensors: q is the queries alone
+    assert torch.equal(manager.vtoken_queries.q[:2, 1], q[3:].view(2, HEADS, DIM))
 
 
 # ---- the manager over the 1.2.1 doubles -----------------------------------------------------------

@@ -118,8 +118,27 @@ class TrtllmAttentionMetadataDouble121:
         self.seq_lens_kv = seq_lens_kv
         self.kv_lens: list[int] | None = None
 
+    @property
+    def num_seqs(self) -> int:
+        return len(self.request_ids)
+
     def prepare(self) -> None:
         self.kv_lens = [c + n for c, n in zip(self.kv_cache_params.num_cached_tokens_per_seq, self.seq_lens_kv)]
+
+
+class TrtllmAttentionDouble121:
+    """``TrtllmAttention(layer_idx, num_heads, head_dim, num_kv_heads=None, quant_config=None, ...)``:
+    the attributes the patched forward reads. It supports fused QKV, so ``Attention.convert_qkv``
+    passes it ``q`` = [tokens, (num_heads + 2 * num_kv_heads) * head_dim] with k = v = None."""
+
+    def __init__(self, layer_idx: int, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
+                 **kwargs) -> None:
+        self.layer_idx, self.num_heads, self.head_dim = layer_idx, num_heads, head_dim
+        self.num_kv_heads = num_kv_heads or num_heads
+
+    @classmethod
+    def support_fused_qkv(cls) -> bool:
+        return True
 
 
 @dataclass

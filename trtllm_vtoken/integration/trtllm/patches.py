@@ -42,6 +42,24 @@ def _require(owner, name: str):
     return getattr(owner, name)
 
 
+def record_queries(attention, q, k, metadata) -> None:
+    """What the patched ``TrtllmAttention.forward`` adds: the decode rows' rotated queries go to the
+    manager's recorder (for H2O / Scissorhands).
+
+    ``TrtllmAttention`` supports fused QKV, so ``Attention.convert_qkv`` hands it one tensor
+    ``[num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]`` with ``k`` and ``v`` None, after
+    RoPE (unfused RoPE is applied before the fusion): the queries are its first
+    ``num_heads * head_dim`` columns. With separate tensors ``q`` is the queries alone.
+    """
+    manager = getattr(metadata, "kv_cache_manager", None)
+    queries = getattr(manager, "vtoken_queries", None)
+    if queries is None or not manager.vtoken.needs_attention:
+        return
+    if k is None:
+        q = q[..., : attention.num_heads * attention.head_dim]
+    queries.record(attention.layer_idx, q, metadata.num_seqs - metadata.num_contexts)
+
+
 def install() -> list[str]:
     """Applies the patches once per process; returns what was patched. RuntimeError if TensorRT-LLM
     is absent or lacks a hook."""
@@ -73,10 +91,7 @@ def install() -> list[str]:
     original_forward = _require(backend, "forward")
 
     def forward(self, q, k, v, metadata, *args, **kwargs):
-        manager = getattr(metadata, "kv_cache_manager", None)
-        queries = getattr(manager, "vtoken_queries", None)
-        if queries is not None and manager.vtoken.needs_attention:
-            queries.record(self.layer_idx, q, metadata.num_seqs - metadata.num_contexts)
+        record_queries(self, q, k, metadata)
         return original_forward(self, q, k, v, metadata, *args, **kwargs)
 
     backend.forward = forward
