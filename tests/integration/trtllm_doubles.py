@@ -110,8 +110,10 @@ class KVCacheParamsDouble121:
 class TrtllmAttentionMetadataDouble121:
     """``prepare()`` turns cached counts into ``kv_lens`` (cached + new tokens per row)."""
 
-    def __init__(self, kv_cache_manager, request_ids, num_contexts, kv_cache_params, seq_lens_kv) -> None:
+    def __init__(self, kv_cache_manager, request_ids, num_contexts, kv_cache_params, seq_lens_kv,
+                 seq_lens=None) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.seq_lens = seq_lens  # CPU int tensor: new tokens per sequence, context rows first
         self.request_ids = request_ids
         self.num_contexts = num_contexts
         self.kv_cache_params = kv_cache_params

@@ -6,7 +6,9 @@ The class is built on the base it extends (``build_manager_class(KVCacheManager)
 same code runs on the real class inside the executor worker and on the test double built from the
 1.2.1 signatures in CPU tests. Overrides, in the order an iteration calls them (hooks.md §9):
 
-    update_resources(N)    super; the policy marks dead tokens (mass from the recorded queries)
+    update_resources(N)    super; the policy marks dead tokens of the prompts just prefilled and of
+                           the decoded requests (prefill mass summed in the forward; decode mass
+                           from the recorded queries)
     prepare_resources(N+1) dense compaction of every generation request on the side stream,
                            rewind_kv_cache of the freed tail (before super, so add_token allocates
                            against the physical length), super, then the tables learn the new
@@ -91,10 +93,13 @@ def build_manager_class(base: type) -> type:
             rows = [r.py_request_id for r in scheduled_batch.context_requests] + generation
             self._vtoken_rows = {req_id: i for i, req_id in enumerate(rows)}
             self._vtoken_num_contexts = len(scheduled_batch.context_requests)
+            self.vtoken_queries.start_batch()
 
         def update_resources(self, scheduled_batch, attn_metadata=None, kv_cache_dtype_byte_size=None) -> None:
             super().update_resources(scheduled_batch, attn_metadata, kv_cache_dtype_byte_size)
-            self.vtoken.after_forward([r.py_request_id for r in scheduled_batch.generation_requests])
+            # Prompts too: the policy sees their prefill attention and may evict before decoding.
+            self.vtoken.after_forward([r.py_request_id for r in scheduled_batch.context_requests]
+                                      + [r.py_request_id for r in scheduled_batch.generation_requests])
             self._vtoken_publish(force=False)
 
         def free_resources(self, request, *args, **kwargs) -> None:
@@ -129,7 +134,11 @@ def build_manager_class(base: type) -> type:
                 f" (was {before} blocks)")
 
         def _vtoken_mass(self, req_id: int, kv_len: int, block_ids: list[int]) -> torch.Tensor:
-            row = self._vtoken_rows[req_id] - self._vtoken_num_contexts
+            row = self._vtoken_rows[req_id]
+            if row < self._vtoken_num_contexts:  # a prompt: its mass was summed during the forward
+                prefill = self.vtoken_queries.prefill.get(row)
+                return prefill[:kv_len] if prefill is not None else torch.zeros(kv_len)
+            row -= self._vtoken_num_contexts
             pools = self.vtoken.backend.executor.pools
             layers = self.kv_cache_pool_mapping[:, 1].tolist()  # single pool: layer index inside it
             return decode_attention_mass(self.vtoken_queries.q[row], pools[0], block_ids, kv_len, layers)

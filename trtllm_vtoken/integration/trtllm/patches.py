@@ -8,7 +8,8 @@ module layout moved in 2026 releases: ``attention_backend`` -> ``attention/backe
     _util.get_kv_cache_manager_cls   returns VTokenKVCacheManager where it would return KVCacheManager
     TrtllmAttention.Metadata         VTokenAttentionMetadata: physical kv_lens (metadata.py)
     TrtllmAttention.support_fused_rope   False: RoPE from logical position ids, never re-rotated
-    TrtllmAttention.forward          records decode queries for H2O / Scissorhands (scores.py)
+    TrtllmAttention.forward          records decode queries and prefill mass for H2O / Scissorhands
+                                     (scores.py)
 """
 
 from __future__ import annotations
@@ -43,21 +44,32 @@ def _require(owner, name: str):
 
 
 def record_queries(attention, q, k, metadata) -> None:
-    """What the patched ``TrtllmAttention.forward`` adds: the decode rows' rotated queries go to the
-    manager's recorder (for H2O / Scissorhands).
+    """What the patched ``TrtllmAttention.forward`` adds, for H2O / Scissorhands: the decode rows'
+    rotated queries go to the manager's recorder, and each context row's prefill mass of this
+    layer is added to it.
 
     ``TrtllmAttention`` supports fused QKV, so ``Attention.convert_qkv`` hands it one tensor
     ``[num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]`` with ``k`` and ``v`` None, after
     RoPE (unfused RoPE is applied before the fusion): the queries are its first
-    ``num_heads * head_dim`` columns. With separate tensors ``q`` is the queries alone.
+    ``num_heads * head_dim`` columns, the keys the next ``num_kv_heads * head_dim``. With separate
+    tensors ``q`` and ``k`` are the queries and keys. Context tokens come first, row by row
+    (``metadata.seq_lens``); a batch with context rows is never graph-captured.
     """
     manager = getattr(metadata, "kv_cache_manager", None)
     queries = getattr(manager, "vtoken_queries", None)
     if queries is None or not manager.vtoken.needs_attention:
         return
+    width, kv_width = attention.num_heads * attention.head_dim, attention.num_kv_heads * attention.head_dim
     if k is None:
-        q = q[..., : attention.num_heads * attention.head_dim]
-    queries.record(attention.layer_idx, q, metadata.num_seqs - metadata.num_contexts)
+        q, k = q[..., :width], q[..., width : width + kv_width]
+    num_contexts = metadata.num_contexts
+    queries.record(attention.layer_idx, q, metadata.num_seqs - num_contexts)
+    start = 0
+    for row, length in enumerate(metadata.seq_lens[:num_contexts].tolist() if num_contexts else []):
+        rows = slice(start, start + length)
+        queries.add_prefill(row, q[rows].reshape(length, attention.num_heads, attention.head_dim),
+                            k[rows].reshape(length, attention.num_kv_heads, attention.head_dim))
+        start += length
 
 
 def install() -> list[str]:
@@ -100,6 +112,6 @@ def install() -> list[str]:
         f"{util.__name__}.get_kv_cache_manager_cls -> {manager_cls.__qualname__}",
         f"{backend.__name__}.Metadata -> {backend.Metadata.__qualname__}",
         f"{backend.__name__}.support_fused_rope -> False",
-        f"{backend.__name__}.forward records decode queries",
+        f"{backend.__name__}.forward records decode queries and prefill attention mass",
     ])
     return list(_installed)

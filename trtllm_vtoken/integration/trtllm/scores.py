@@ -11,6 +11,10 @@ keys, gathered through the block list (HND inside a block, the layout the TRTLLM
     mass[t] =  sum over layers and heads of softmax_t(q . k_t / sqrt(head_dim))   t < kv_len
 
 which is exactly what the reference runtime's paged attention reports for a decode row.
+
+Prefill (context) steps are never captured, so their mass is computed inside the forward, layer by
+layer, from the prompt's own rotated queries and keys (``prefill_attention_mass``, causal) and
+accumulated per context row until the manager's update reads it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,30 @@ def decode_attention_mass(q: torch.Tensor, pool: torch.Tensor, block_ids: Sequen
     return torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
 
 
+def prefill_attention_mass(q: torch.Tensor, k: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """Mass per prompt position for one context row: the causal softmax of every query over the
+    prompt's keys, summed over heads and queries (what paged attention reports for a prefill row).
+
+    Args:
+        q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim], after RoPE.
+        chunk: queries per block of scores; bounds the memory to chunk x num_heads x num_tokens.
+    Returns: float32 [num_tokens] on ``q.device``.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    keys = k.float().transpose(0, 1)  # [Hkv, T, D]
+    positions = torch.arange(num_tokens, device=q.device)
+    mass = torch.zeros(num_tokens, dtype=torch.float32, device=q.device)
+    for start in range(0, num_tokens, chunk):
+        rows = q[start : start + chunk].float()
+        qg = rows.view(rows.shape[0], num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.einsum("chgd,htd->chgt", qg, keys) / math.sqrt(head_dim)  # [c, Hkv, g, T]
+        future = positions[None, :] > positions[start : start + rows.shape[0], None]  # [c, T]
+        scores.masked_fill_(future[:, None, None, :], float("-inf"))
+        mass += torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
+    return mass
+
+
 class QueryRecorder:
     """The static query buffer the forward writes (one copy per layer, graph-safe).
 
@@ -57,6 +85,16 @@ class QueryRecorder:
     def __init__(self, max_batch_size: int, num_layers: int, head_dim: int, device: torch.device | str) -> None:
         self.max_batch_size, self.num_layers, self.head_dim, self.device = max_batch_size, num_layers, head_dim, device
         self.q: torch.Tensor | None = None  # [max_batch_size, num_layers, num_heads, head_dim]
+        self.prefill: dict[int, torch.Tensor] = {}  # context row -> mass [prompt_len], all layers so far
+
+    def start_batch(self) -> None:
+        """A new iteration: forgets the previous one's prefill mass."""
+        self.prefill = {}
+
+    def add_prefill(self, row: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Adds one layer's mass for context row ``row`` (q: [T, H, D], k: [T, Hkv, D])."""
+        mass = prefill_attention_mass(q, k)
+        self.prefill[row] = mass if row not in self.prefill else self.prefill[row] + mass
 
     def record(self, layer_idx: int, q: torch.Tensor, num_generation: int) -> None:
         """q: [num_tokens, num_heads * head_dim]; the last ``num_generation`` tokens are the decode
