@@ -26,7 +26,11 @@ from trtllm_vtoken.integration.trtllm.manager import build_manager_class
 from trtllm_vtoken.integration.trtllm.metadata import build_metadata_class
 from trtllm_vtoken.integration.trtllm.offsets import decode, encode, write_row
 from trtllm_vtoken.integration.trtllm.patches import record_queries
-from trtllm_vtoken.integration.trtllm.scores import QueryRecorder, decode_attention_mass, prefill_attention_mass
+from trtllm_vtoken.integration.trtllm.scores import (
+    QueryRecorder,
+    decode_attention_mass,
+    prefill_attention_mass,
+)
 from trtllm_vtoken.integration.trtllm.settings import ENV_VAR, VTokenSettings, check_llm_args
 from trtllm_vtoken.integration.trtllm.stats import StatsFile, read_stats
 from trtllm_vtoken.policies import POLICIES
