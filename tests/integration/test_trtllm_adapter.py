@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The TensorRT-LLM adapter on CPU: settings checks, the block-offset encoding, attention mass
-from recorded queries, and VTokenKVCacheManager driven over the 1.2.1 test doubles through
-prefill and decode iterations for every policy, with I1/I2/I4 checked on every relocation."""
+"""The TensorRT-LLM adapter on CPU: settings checks, the block-offset encoding, and
+VTokenKVCacheManager driven over the 1.2.1 test doubles through prefill and decode iterations for
+every policy, with I1/I2/I4 checked on every relocation, and its published counters. (Attention
+mass: test_trtllm_scores.py.)"""
 
 from __future__ import annotations
 
