@@ -10,7 +10,7 @@ from trtllm_vtoken.core import BlockPool, TokenTable
 from trtllm_vtoken.reclaim import ReclaimBackend, ReclaimConfig
 from trtllm_vtoken.reclaim.copy import TorchCopyExecutor
 from trtllm_vtoken.reclaim.invariants import validate_plan
-from trtllm_vtoken.reclaim.planner import fragmentation, plan_dense, plan_lazy
+from trtllm_vtoken.reclaim.planner import commit_plan, plan_for_mode
 
 
 def make_table(num_blocks: int = 16, tokens_per_block: int = 4) -> tuple[BlockPool, TokenTable]:
@@ -65,12 +65,7 @@ def ideal_blocks(num_live: int, tokens_per_block: int) -> int:
 def py_commit(table: TokenTable, plan) -> list[int]:
     """What ReclaimBackend does at commit, without a copy: the C++ ``commit``'s specification."""
     validate_plan(table, plan, (), full=False)
-    table.apply_moves(plan.req_id, plan.token_ids, plan.dst_slots)
-    if plan.new_kv_len is not None:
-        table.truncate(plan.req_id, plan.new_kv_len)
-    else:
-        table.release_blocks(plan.req_id, plan.blocks_to_free)
-    return list(plan.blocks_to_free)
+    return commit_plan(table, plan)
 
 
 def step_loop(table: TokenTable, step: dict, mode: str, threshold: int, pressure: bool) -> tuple[list, list]:
@@ -79,10 +74,7 @@ def step_loop(table: TokenTable, step: dict, mode: str, threshold: int, pressure
     for req, added, n, victims in zip(step["req_ids"], step["new_blocks"], step["num_new"], step["evictions"]):
         table.sync_new_tokens(req, table.block_ids(req) + added, table.kv_len(req) + n)
         table.evict_tokens(req, victims)
-        if mode == "dense":
-            plan = plan_dense(table, req)
-        else:
-            plan = plan_lazy(table, req) if pressure or fragmentation(table, req) >= threshold else None
+        plan = plan_for_mode(table, req, mode, threshold, pressure)
         moves.append(plan.num_moves if plan else 0)
         freed.append(py_commit(table, plan) if plan else [])
     return moves, freed
@@ -109,12 +101,14 @@ def random_step(rng: np.random.Generator, table: TokenTable, next_block: int) ->
         k = min(len(live), int(rng.integers(0, 3)))
         step["evictions"].append(rng.choice(live, size=k, replace=False).tolist() if k else [])
 
-    def as_csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        offsets = np.cumsum([0] + [len(row) for row in rows]).astype(np.int64)
-        return offsets, np.array([v for row in rows for v in row], dtype=np.int64)
-
     block_offsets, blocks = as_csr(step["new_blocks"])
     evict_offsets, evicts = as_csr(step["evictions"])
     step["csr"] = (np.array(step["req_ids"], dtype=np.int64), np.array(step["num_new"], dtype=np.int64),
                    block_offsets, blocks, evict_offsets, evicts)
     return step, next_block
+
+
+def as_csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """step_batch's form of per-request lists: (offsets [len(rows) + 1], values), int64."""
+    offsets = np.cumsum([0] + [len(row) for row in rows]).astype(np.int64)
+    return offsets, np.array([v for row in rows for v in row], dtype=np.int64)

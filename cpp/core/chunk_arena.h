@@ -6,7 +6,7 @@
 // slot and liveness, the hole's token). At batch 256 x 4k tokens those arrays span ~10 MB, so
 // with 4 KiB pages most such loads miss the TLB as well as the cache, and under a hypervisor the
 // page walk costs more than the miss. A 2 MiB page covers 512 small ones: `vtoken bench core`
-// drops ~20% (dense) to ~35% (lazy) on the 2-core KVM VM.
+// drops ~20% (dense) and ~25% (lazy) on the 2-core KVM VM.
 //
 // Chunks are recycled through per-size free lists; slabs are kept for the life of the process
 // (they hold at most the tables' peak size) and the arena itself is never destroyed, so tables

@@ -111,7 +111,7 @@ class TokenTable {
   bool plan_dense_into(int64_t req_id, Plan& out);  // false: no plan (plan_dense's nullopt)
   bool plan_lazy_into(int64_t req_id, Plan& out);
   void commit_in_place(const Plan& plan);             // the freed blocks are plan.blocks_to_free
-  // step_batch's fast path (reclaim/step_batch.py, _fill_single_hole): dense plan + commit, done
+  // The single-hole shortcut (core/single_hole.py, fill_single_hole): dense plan + commit, done
   // straight on the arrays, for a request whose one hole is its one pending eviction. Appends the
   // released blocks to `released`, sets `num_moves` (0 or 1). Returns false, changing nothing,
   // in any other case, for plan_dense_into + commit_in_place to handle.

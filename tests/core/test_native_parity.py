@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import py_commit, random_step, step_loop
+from tests.helpers import as_csr, py_commit, random_step, step_loop
 from trtllm_vtoken.core import TokenTable
 from trtllm_vtoken.core.native import load, native_table, to_relocation_plan
 from trtllm_vtoken.reclaim.planner import fragmentation, plan_dense, plan_lazy
@@ -90,10 +90,8 @@ def step_both(pair: Pair, r: np.random.Generator) -> None:
         live = pair.py.live_ids(req).tolist() if known else []
         pick = r.choice(live, size=min(len(live), int(r.integers(0, 3))), replace=False).tolist() if live else []
         victims.append(pick if r.random() < 0.9 else pick + [int(r.integers(-1, 70))])
-    csr = [np.cumsum([0] + [len(x) for x in rows]).astype(np.int64) for rows in (new_blocks, victims)]
-    flat = [np.array([v for x in rows for v in x], dtype=np.int64) for rows in (new_blocks, victims)]
-    args = (np.array(batch, dtype=np.int64), np.array(num_new, dtype=np.int64), csr[0], flat[0], csr[1], flat[1],
-            r.random() < 0.5, int(r.integers(1, 3)), r.random() < 0.2)
+    args = (np.array(batch, dtype=np.int64), np.array(num_new, dtype=np.int64), *as_csr(new_blocks),
+            *as_csr(victims), r.random() < 0.5, int(r.integers(1, 3)), r.random() < 0.2)
     pair.both(lambda: tuple(step_batch(pair.py, *args)), lambda: tuple(pair.cpp.step_batch(*args)))
 
 

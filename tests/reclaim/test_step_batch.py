@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import trtllm_vtoken.reclaim.step_batch as step_module
 from tests.helpers import random_step, step_loop, table_fingerprint
 from trtllm_vtoken.core import TokenTable
 from trtllm_vtoken.reclaim.step_batch import step_batch
@@ -65,8 +64,8 @@ def test_one_eviction_fills_the_hole_with_the_last_token(monkeypatch):
     table.add_request(0)
     table.sync_new_tokens(0, [7, 2], 8)
     fast_path = []
-    original = step_module._fill_single_hole
-    monkeypatch.setattr(step_module, "_fill_single_hole", lambda *a: fast_path.append(1) or original(*a))
+    original = TokenTable.fill_single_hole
+    monkeypatch.setattr(TokenTable, "fill_single_hole", lambda *a: fast_path.append(1) or original(*a))
     moves, offsets, freed = step_batch(table, [0], [1], [0, 1], [9], [0, 1], [3], dense=True)
     assert (moves, offsets, freed) == ([1], [0, 1], [9])
     assert fast_path == [1]

@@ -72,18 +72,29 @@ def run_core_bench(cfg: CoreBenchConfig, progress=None) -> dict:
             gc.enable()
 
 
-def _run_calls(cfg: CoreBenchConfig, progress=None) -> dict:
+def _pool(cfg: CoreBenchConfig) -> BlockPool:
+    """Room for every request's context plus one block per step and a spare."""
     tpb = cfg.tokens_per_block
-    blocks_per_req = -(-(cfg.context + cfg.steps + cfg.warmup + 1) // tpb) + 1
-    pool = BlockPool(cfg.batch * blocks_per_req, tpb)
-    table = TokenTable(tpb, pool.is_shared)
-    backend = ReclaimBackend(table, pool, None, ReclaimConfig(mode=cfg.mode))
-    rng = np.random.default_rng(cfg.seed)
+    return BlockPool(cfg.batch * (-(-(cfg.context + cfg.steps + cfg.warmup + 1) // tpb) + 1), tpb)
+
+
+def _fill(cfg: CoreBenchConfig, table, pool: BlockPool) -> None:
+    """Adds the batch's requests with their contexts. Lengths are staggered by up to one block, so
+    requests cross block boundaries on different steps."""
+    tpb = cfg.tokens_per_block
     for req in range(cfg.batch):
-        # Stagger lengths by up to one block so requests cross block boundaries on different steps.
         length = cfg.context - req % tpb
         table.add_request(req)
         table.sync_new_tokens(req, pool.allocate(-(-length // tpb)), length)
+
+
+def _run_calls(cfg: CoreBenchConfig, progress=None) -> dict:
+    tpb = cfg.tokens_per_block
+    pool = _pool(cfg)
+    table = TokenTable(tpb, pool.is_shared)
+    backend = ReclaimBackend(table, pool, None, ReclaimConfig(mode=cfg.mode))
+    rng = np.random.default_rng(cfg.seed)
+    _fill(cfg, table, pool)
 
     samples = {stage: [] for stage in STAGES}
     totals = []
@@ -126,8 +137,7 @@ def _run_calls(cfg: CoreBenchConfig, progress=None) -> dict:
 
 def _run_step_batch(cfg: CoreBenchConfig, progress=None) -> dict:
     tpb = cfg.tokens_per_block
-    blocks_per_req = -(-(cfg.context + cfg.steps + cfg.warmup + 1) // tpb) + 1
-    pool = BlockPool(cfg.batch * blocks_per_req, tpb)
+    pool = _pool(cfg)
     if cfg.impl == "cpp":
         from trtllm_vtoken.core.native import native_table
 
@@ -137,10 +147,7 @@ def _run_step_batch(cfg: CoreBenchConfig, progress=None) -> dict:
         table = TokenTable(tpb, pool.is_shared)
         batch_step = functools.partial(step_batch, table)
     rng = np.random.default_rng(cfg.seed)
-    for req in range(cfg.batch):
-        length = cfg.context - req % tpb
-        table.add_request(req)
-        table.sync_new_tokens(req, pool.allocate(-(-length // tpb)), length)
+    _fill(cfg, table, pool)
     req_ids = np.arange(cfg.batch, dtype=np.int64)
     num_new = np.ones(cfg.batch, dtype=np.int64)
     evict_offsets = np.arange(cfg.batch + 1, dtype=np.int64)

@@ -18,12 +18,13 @@ from collections.abc import Sequence as SequenceOf
 import numpy as np
 
 from trtllm_vtoken.core.sequence import NO_SLOT, NO_TOKEN, Sequence
+from trtllm_vtoken.core.single_hole import SingleHoleCompaction
 from trtllm_vtoken.core.table_queries import TokenTableQueries
 
 __all__ = ["NO_SLOT", "NO_TOKEN", "TokenTable"]
 
 
-class TokenTable(TokenTableQueries):
+class TokenTable(TokenTableQueries, SingleHoleCompaction):
     """Token tables of all requests served from one block pool.
 
     Args:

@@ -32,7 +32,7 @@ from trtllm_vtoken.reclaim.invariants import (
     validate_plan,
 )
 from trtllm_vtoken.reclaim.plan import RelocationPlan
-from trtllm_vtoken.reclaim.planner import fragmentation, plan_dense, plan_lazy
+from trtllm_vtoken.reclaim.planner import commit_plan, plan_for_mode
 
 
 @dataclass
@@ -95,11 +95,7 @@ class ReclaimBackend:
         """
         if req_id in self._in_flight:
             return None
-        if self.config.mode == "dense":
-            return plan_dense(self.table, req_id)
-        if not pressure and fragmentation(self.table, req_id) < self.config.fragmentation_threshold:
-            return None
-        return plan_lazy(self.table, req_id)
+        return plan_for_mode(self.table, req_id, self.config.mode, self.config.fragmentation_threshold, pressure)
 
     # ---- stage 4: copy -------------------------------------------------------------------------
     def submit(self, plan: RelocationPlan) -> CopyHandle:
@@ -182,13 +178,7 @@ class ReclaimBackend:
 
     def _commit(self, entry: _InFlight) -> RelocationPlan:
         plan, table = entry.plan, self.table
-        table.apply_moves(plan.req_id, plan.token_ids, plan.dst_slots)
-        if plan.new_kv_len is not None:
-            released = table.truncate(plan.req_id, plan.new_kv_len)
-            assert released == list(plan.blocks_to_free), f"released {released}, planned {plan.blocks_to_free}"
-        else:
-            table.release_blocks(plan.req_id, plan.blocks_to_free)
-        self.pool.free(plan.blocks_to_free)
+        self.pool.free(commit_plan(table, plan))
         del self._in_flight[plan.req_id]
         self.stats.plans += 1
         self.stats.moves += plan.num_moves

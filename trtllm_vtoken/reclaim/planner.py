@@ -102,6 +102,30 @@ def plan_lazy(table: TokenTable, req_id: int) -> RelocationPlan | None:
     return _make_plan(table, req_id, "lazy", src_pos, dst_pos, blocks_to_free, None)
 
 
+def plan_for_mode(table: TokenTable, req_id: int, mode: str, fragmentation_threshold: int = 1,
+                  pressure: bool = False) -> RelocationPlan | None:
+    """The plan a compaction mode makes now: dense always plans; lazy only at or past the
+    fragmentation threshold, or under memory ``pressure``."""
+    if mode == "dense":
+        return plan_dense(table, req_id)
+    if not pressure and fragmentation(table, req_id) < fragmentation_threshold:
+        return None
+    return plan_lazy(table, req_id)
+
+
+def commit_plan(table: TokenTable, plan: RelocationPlan) -> list[int]:
+    """The table's half of a commit, once the plan's KV is copied: ``apply_moves``, then
+    ``truncate`` (dense) or ``release_blocks`` (lazy). Returns the released block ids, which the
+    caller frees in its pool."""
+    table.apply_moves(plan.req_id, plan.token_ids, plan.dst_slots)
+    if plan.new_kv_len is None:
+        table.release_blocks(plan.req_id, plan.blocks_to_free)
+        return list(plan.blocks_to_free)
+    released = table.truncate(plan.req_id, plan.new_kv_len)
+    assert released == list(plan.blocks_to_free), f"released {released}, planned {plan.blocks_to_free}"
+    return released
+
+
 def fragmentation(table: TokenTable, req_id: int) -> int:
     """Blocks held beyond the ideal ceil(live / tokens_per_block)."""
     seq, tpb = table.seq(req_id), table.tokens_per_block

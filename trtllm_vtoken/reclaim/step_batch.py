@@ -6,20 +6,17 @@ shared with the C++ core's ``TokenTable.step_batch``, see ``cpp/core/batch.h``):
 
     table.append_tokens(req, new_blocks[i], num_new[i])
     table.evict_tokens(req, evict_ids[i])
-    plan = plan_dense(table, req)                                              # dense
-    plan = plan_lazy(table, req) if pressure or fragmentation >= threshold else None  # lazy
-    if plan: apply_moves, then truncate (dense) or release_blocks (lazy)
+    plan = plan_for_mode(table, req, "dense" if dense else "lazy", fragmentation_threshold, pressure)
+    if plan: commit_plan(table, plan)        # apply_moves, then truncate / release_blocks
 
 Metadata only: the caller copies the KV of plans it needs copied (use ``ReclaimBackend`` for
 that) and frees the returned blocks in its pool. Lists of ids come in CSR form: request i's
 entries are ``values[offsets[i]:offsets[i + 1]]``.
 
-Most requests of a decode step have one shape: one eviction that leaves the only hole, in dense
-mode. For those, ``_fill_single_hole`` moves the last token into the hole and drops the tail
-position straight on the arrays (a few memoryview writes), where the general calls build a plan
-object, re-validate each move and filter hint lists. With it a dense step costs ~5 us a request
-instead of ~30 us through the per-call API (``vtoken bench core``, batch 256), and it leaves the
-table exactly as the general calls do (``tests/reclaim/test_step_batch.py``).
+Dense requests whose one hole is their one eviction (most of a decode step) take
+``TokenTable.fill_single_hole``, which leaves the table exactly as plan + commit would: a dense
+step then costs ~5 us a request instead of ~30 us through the per-call API (``vtoken bench
+core``, batch 256).
 """
 
 from __future__ import annotations
@@ -28,9 +25,8 @@ from collections.abc import Sequence as SequenceOf
 
 import numpy as np
 
-from trtllm_vtoken.core.sequence import NO_SLOT, NO_TOKEN, Sequence
 from trtllm_vtoken.core.token_table import TokenTable
-from trtllm_vtoken.reclaim.planner import fragmentation, plan_dense, plan_lazy
+from trtllm_vtoken.reclaim.planner import commit_plan, plan_for_mode
 
 StepResult = tuple[list[int], list[int], list[int]]
 """(moves per request, freed_offsets [batch + 1], freed block ids request by request)."""
@@ -66,7 +62,7 @@ def step_batch(
     moves: list[int] = []
     freed_offsets = [0]
     freed: list[int] = []
-    tpb, is_shared = table.tokens_per_block, table.is_shared
+    mode = "dense" if dense else "lazy"
     for i, req in enumerate(req_ids):
         table.append_tokens(req, blocks[block_offsets[i] : block_offsets[i + 1]], num_new[i])
         victims = evicts[evict_offsets[i] : evict_offsets[i + 1]]
@@ -74,74 +70,14 @@ def step_batch(
             table.evict_token(req, victims[0])
         else:
             table.evict_tokens(req, victims)
-        seq = table.seq(req)
-        done = _fill_single_hole(seq, tpb, is_shared) if dense and len(seq.pending_dead) == 1 else None
+        done = table.fill_single_hole(req) if dense else None
         if done is None:
-            done = _plan_and_commit(table, req, dense, fragmentation_threshold, pressure)
+            plan = plan_for_mode(table, req, mode, fragmentation_threshold, pressure)
+            done = (plan.num_moves, commit_plan(table, plan)) if plan is not None else (0, [])
         moves.append(done[0])
         freed.extend(done[1])
         freed_offsets.append(len(freed))
     return moves, freed_offsets, freed
-
-
-def _fill_single_hole(seq: Sequence, tpb: int, is_shared) -> tuple[int, list[int]] | None:
-    """Dense compaction of a request whose one hole is its one pending eviction.
-
-    Does what ``plan_dense`` + ``apply_moves`` + ``truncate`` do for that case: the hole below the
-    new length R = kv_len - 1 takes the token at position R (one move); position R empties; a block
-    left wholly beyond R is released. Returns None (changing nothing) for any other case,
-    including any shared block in sight, for the general calls to handle.
-    """
-    hole = seq.pending_dead[0]
-    kv_len, token_at, live = seq.kv_len, seq.token_at_mv, seq.live_mv
-    if hole >= kv_len or token_at[hole] == NO_TOKEN or live[token_at[hole]]:
-        return None  # a stale hint or an empty hole: the general path sorts it out
-    new_len = kv_len - 1
-    keep_blocks = -(-new_len // tpb)
-    blocks = seq.block_ids
-    released = blocks[keep_blocks:]
-    if is_shared(blocks[hole // tpb]) or is_shared(blocks[new_len // tpb]) or any(map(is_shared, released)):
-        return None
-    moved = token_at[new_len]
-    if hole < new_len and (moved == NO_TOKEN or not live[moved]):
-        return None
-    slot_of, live_per_block = seq.slot_of_mv, seq.live_per_block_mv
-    num_moves = 0
-    if hole < new_len:  # the last token moves into the hole; the evicted token loses its slot
-        slot_of[token_at[hole]] = NO_SLOT
-        token_at[hole] = moved
-        slot_of[moved] = blocks[hole // tpb] * tpb + hole % tpb
-        live_per_block[new_len // tpb] -= 1
-        live_per_block[hole // tpb] += 1
-        num_moves = 1
-    else:  # the evicted token was the last one: it just loses its slot
-        slot_of[moved] = NO_SLOT
-    token_at[new_len] = NO_TOKEN
-    for block_idx in range(keep_blocks, len(blocks)):
-        del seq.block_index[blocks[block_idx]]
-        live_per_block[block_idx] = 0
-    del blocks[keep_blocks:]
-    seq.kv_len = new_len
-    seq.pending_dead = []
-    seq.version += 2  # apply_moves, then truncate
-    return num_moves, released
-
-
-def _plan_and_commit(table: TokenTable, req: int, dense: bool, threshold: int, pressure: bool) -> tuple[int, list[int]]:
-    if dense:
-        plan = plan_dense(table, req)
-    elif pressure or fragmentation(table, req) >= threshold:
-        plan = plan_lazy(table, req)
-    else:
-        plan = None
-    if plan is None:
-        return 0, []
-    table.apply_moves(req, plan.token_ids, plan.dst_slots)
-    if plan.new_kv_len is not None:
-        table.truncate(req, plan.new_kv_len)
-    else:
-        table.release_blocks(req, plan.blocks_to_free)
-    return plan.num_moves, list(plan.blocks_to_free)
 
 
 def _as_list(values: SequenceOf[int]) -> list[int]:

@@ -53,8 +53,9 @@ class ExternalBlocks:
 
 @dataclass
 class VTokenStats:
+    """What the policy did; relocations and freed blocks are counted in ``backend.stats``."""
+
     tokens_evicted: int = 0
-    blocks_released: int = 0
 
 
 class VTokenState:
@@ -98,7 +99,6 @@ class VTokenState:
             if dropped:
                 release(req_id, dropped)
         assert len(self.blocks.freed) == freed == sum(n - table.num_blocks(r) for r, (_, n) in before.items())
-        self.stats.blocks_released += freed
         return freed
 
     def sync(self, req_id: int, block_ids: Sequence[int], physical_len: int) -> None:

@@ -47,7 +47,7 @@ def state_snapshot(state, free_blocks: int, total_blocks: int) -> dict[str, floa
         "vtoken_relocations": float(backend.plans),
         "vtoken_tokens_relocated": float(backend.moves),
         "vtoken_bytes_copied": float(backend.bytes_copied),
-        "vtoken_blocks_reclaimed": float(state.stats.blocks_released),
+        "vtoken_blocks_reclaimed": float(backend.blocks_freed),
     }
 
 
