@@ -71,6 +71,8 @@ def plan_and_commit(pair: Pair, req: int, mode: str) -> None:
         return
     assert to_relocation_plan(cpp_plan) == py_plan
     pair.both(lambda: py_commit(pair.py, py_plan), lambda: pair.cpp.commit(cpp_plan))
+    # A plan commits once: the second commit is refused by both, changing nothing.
+    pair.both(lambda: py_commit(pair.py, py_plan), lambda: pair.cpp.commit(cpp_plan))
 
 
 def step_both(pair: Pair, r: np.random.Generator) -> None:

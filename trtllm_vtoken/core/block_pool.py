@@ -97,13 +97,14 @@ class BlockPool:
 
     # ---- private ------------------------------------------------------------------------------
     def _take(self) -> int:
-        block_id = self.free_ids.popleft()
-        assert self.ref_counts[block_id] == 0, f"block {block_id} on free list with refs"
+        block_id = self.free_ids[0]
+        if self.ref_counts[block_id] != 0:  # handing it out would give two owners one block's KV
+            raise RuntimeError(f"block {block_id} is on the free list with {self.ref_counts[block_id]} reference(s)")
+        self.free_ids.popleft()
         self.ref_counts[block_id] = 1
         return block_id
 
     def _release(self, block_id: int) -> None:
-        assert self.ref_counts[block_id] > 0, f"block {block_id} released while free"
         self.ref_counts[block_id] -= 1
         if self.ref_counts[block_id] == 0:
             self.free_ids.append(block_id)

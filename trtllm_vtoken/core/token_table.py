@@ -19,12 +19,13 @@ import numpy as np
 
 from trtllm_vtoken.core.sequence import NO_SLOT, NO_TOKEN, Sequence
 from trtllm_vtoken.core.single_hole import SingleHoleCompaction
+from trtllm_vtoken.core.table_checks import TableChecks
 from trtllm_vtoken.core.table_queries import TokenTableQueries
 
 __all__ = ["NO_SLOT", "NO_TOKEN", "TokenTable"]
 
 
-class TokenTable(TokenTableQueries, SingleHoleCompaction):
+class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
     """Token tables of all requests served from one block pool.
 
     Args:
@@ -178,22 +179,8 @@ class TokenTable(TokenTableQueries, SingleHoleCompaction):
         seq, tpb = self.seq(req_id), self.tokens_per_block
         ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(map(int, token_ids))
         dsts = dst_slots.tolist() if isinstance(dst_slots, np.ndarray) else list(map(int, dst_slots))
-        if len(ids) != len(dsts):
-            raise ValueError(f"request {req_id}: {len(ids)} tokens but {len(dsts)} destination slots")
-        if len(set(ids)) != len(ids) or len(set(dsts)) != len(dsts):
-            raise ValueError(f"request {req_id}: a token or a destination slot repeats in the moves")
-        src_pos = [self._position_of_token(req_id, seq, t) for t in ids]
-        dst_pos = [self._writable_position(req_id, seq, d) for d in dsts]
-        moving_from = set(src_pos)
-        token_at, live, slot_of, is_shared = seq.token_at_mv, seq.live_mv, seq.slot_of_mv, self.is_shared
-        for token_id, dst, src, pos in zip(ids, dsts, src_pos, dst_pos):
-            if pos in moving_from:
-                raise ValueError(f"request {req_id}: slot {dst} is the source of another move")
-            occupant = token_at[pos]
-            if occupant != NO_TOKEN and live[occupant]:
-                raise ValueError(f"request {req_id}: slot {dst} is occupied by live token {occupant}")
-            if is_shared(seq.block_ids[src // tpb]):
-                raise ValueError(f"request {req_id}: token {token_id} sits in a shared block")
+        src_pos, dst_pos = self.move_positions(req_id, ids, dsts)
+        token_at, live, slot_of = seq.token_at_mv, seq.live_mv, seq.slot_of_mv
         live_per_block = seq.live_per_block_mv
         for token_id, dst, src, pos in zip(ids, dsts, src_pos, dst_pos):
             occupant = token_at[pos]
@@ -217,15 +204,8 @@ class TokenTable(TokenTableQueries, SingleHoleCompaction):
         length or a released block is shared.
         """
         seq, tpb = self.seq(req_id), self.tokens_per_block
-        if not 0 <= new_kv_len <= seq.kv_len:
-            raise ValueError(f"request {req_id}: new length {new_kv_len} not in [0, {seq.kv_len}]")
-        if seq.has_live_in(new_kv_len, seq.kv_len):
-            raise ValueError(f"request {req_id}: live tokens beyond new length {new_kv_len}")
-        keep_blocks = -(-new_kv_len // tpb)
-        released = seq.block_ids[keep_blocks:]
-        shared = [b for b in released if self.is_shared(b)]
-        if shared:
-            raise ValueError(f"request {req_id}: cannot release shared blocks {shared}")
+        released = self.check_truncate(req_id, new_kv_len)
+        keep_blocks = len(seq.block_ids) - len(released)
         seq.drop_tokens_in(new_kv_len, seq.kv_len)
         for block_id in released:
             del seq.block_index[block_id]
@@ -247,15 +227,7 @@ class TokenTable(TokenTableQueries, SingleHoleCompaction):
         """
         seq, tpb = self.seq(req_id), self.tokens_per_block
         blocks = [int(b) for b in block_ids]
-        if len(set(blocks)) != len(blocks):
-            raise ValueError(f"request {req_id}: blocks to release repeat: {blocks}")
-        for block_id in blocks:
-            if block_id not in seq.block_index:
-                raise ValueError(f"request {req_id}: block {block_id} is not one of its blocks")
-            if self.is_shared(block_id):
-                raise ValueError(f"request {req_id}: cannot release shared block {block_id}")
-            if seq.live_per_block[seq.block_index[block_id]]:
-                raise ValueError(f"request {req_id}: block {block_id} still holds live tokens")
+        self.check_release(req_id, blocks)
         if not blocks:
             return
         drop = np.array(sorted(seq.block_index[b] for b in blocks))
@@ -292,24 +264,3 @@ class TokenTable(TokenTableQueries, SingleHoleCompaction):
             check_sequence(rid, self.seq(rid), self.tokens_per_block)
         if req_id is None:
             check_blocks_disjoint({rid: s.block_ids for rid, s in self._seqs.items()}, self.is_shared)
-
-    # ---- private -------------------------------------------------------------------------------
-    def _position_of_token(self, req_id: int, seq: Sequence, token_id: int) -> int:
-        if not 0 <= token_id < seq.num_tokens:
-            raise ValueError(f"request {req_id}: token id {token_id} out of range [0, {seq.num_tokens})")
-        slot = seq.slot_of_mv[token_id]
-        if slot == NO_SLOT:
-            raise ValueError(f"request {req_id}: token {token_id} holds no slot to move from")
-        block_id, offset = divmod(slot, self.tokens_per_block)
-        return seq.block_index[block_id] * self.tokens_per_block + offset
-
-    def _writable_position(self, req_id: int, seq: Sequence, slot: int) -> int:
-        block_id, offset = divmod(slot, self.tokens_per_block)
-        if slot < 0 or block_id not in seq.block_index:
-            raise ValueError(f"request {req_id}: slot {slot} is not in one of its blocks")
-        if self.is_shared(block_id):
-            raise ValueError(f"request {req_id}: slot {slot} is in shared block {block_id}")
-        pos = seq.block_index[block_id] * self.tokens_per_block + offset
-        if pos >= seq.kv_len:
-            raise ValueError(f"request {req_id}: slot {slot} lies beyond kv_len {seq.kv_len}")
-        return pos

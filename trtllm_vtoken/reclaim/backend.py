@@ -4,7 +4,8 @@
     plan(req)            eligibility + dense/lazy planner, from one table snapshot (I4)
     submit(plan)         validate (I4), hash live KV (I1, if checking), start the copy
     commit_*(req)        apply_moves + truncate/release in the table, free blocks in the pool,
-                         re-hash (I1) and check the table (I2), if checking
+                         re-hash (I1) and check the table (I2), if checking; a plan that no
+                         longer applies is refused whole (ValueError) and dropped
 
 Commit variants differ only in how they know the copy is done: ``try_commit`` polls the copy's
 event (lazy background compaction: attention keeps reading the sources meanwhile, which stay
@@ -178,7 +179,14 @@ class ReclaimBackend:
 
     def _commit(self, entry: _InFlight) -> RelocationPlan:
         plan, table = entry.plan, self.table
-        self.pool.free(commit_plan(table, plan))
+        try:
+            released = commit_plan(table, plan)
+        except (KeyError, ValueError):
+            # Refused whole, the table unchanged: the plan is dropped so the request can be planned
+            # again. Its copy only wrote into the plan's destinations, slots that held no live KV.
+            del self._in_flight[plan.req_id]
+            raise
+        self.pool.free(released)
         del self._in_flight[plan.req_id]
         self.stats.plans += 1
         self.stats.moves += plan.num_moves

@@ -48,7 +48,9 @@ def plan_dense(table: TokenTable, req_id: int) -> RelocationPlan | None:
     dst_pos = holes[:below]
     dead_tail = set(holes[below:])
     src_pos = [p for p in range(seq.kv_len - 1, new_len - 1, -1) if p not in dead_tail]
-    assert len(src_pos) == len(dst_pos), "dense plan: live tokens above R must match holes below R"
+    if len(src_pos) != len(dst_pos):  # a broken table: moving these would overwrite live KV
+        raise RuntimeError(f"dense plan for request {req_id}: {len(src_pos)} live tokens above the new "
+                           f"length {new_len} but {len(dst_pos)} holes below it")
     blocks, is_shared = seq.block_ids, table.is_shared
     blocks_to_free = tuple(blocks[-(-new_len // tpb) :])
     if (
@@ -97,7 +99,9 @@ def plan_lazy(table: TokenTable, req_id: int) -> RelocationPlan | None:
     targets = [h for h in usable if h // tpb not in source_set]
     targets.sort(key=lambda h: (-live_per_block[h // tpb], h))
     dst_pos = targets[: len(src_pos)]
-    assert len(dst_pos) == len(src_pos), "lazy plan: not enough holes for the chosen sources"
+    if len(dst_pos) != len(src_pos):  # a broken table: the sources' live KV would be lost
+        raise RuntimeError(f"lazy plan for request {req_id}: {len(dst_pos)} holes for the "
+                           f"{len(src_pos)} live tokens of the chosen sources")
     blocks_to_free = tuple(blocks[i] for i in sources)
     return _make_plan(table, req_id, "lazy", src_pos, dst_pos, blocks_to_free, None)
 
@@ -116,14 +120,40 @@ def plan_for_mode(table: TokenTable, req_id: int, mode: str, fragmentation_thres
 def commit_plan(table: TokenTable, plan: RelocationPlan) -> list[int]:
     """The table's half of a commit, once the plan's KV is copied: ``apply_moves``, then
     ``truncate`` (dense) or ``release_blocks`` (lazy). Returns the released block ids, which the
-    caller frees in its pool."""
+    caller frees in its pool.
+
+    All or nothing: raises ValueError (KeyError for a removed request), changing nothing, if the
+    plan no longer applies (``check_commit``).
+    """
+    check_commit(table, plan)
     table.apply_moves(plan.req_id, plan.token_ids, plan.dst_slots)
     if plan.new_kv_len is None:
         table.release_blocks(plan.req_id, plan.blocks_to_free)
         return list(plan.blocks_to_free)
-    released = table.truncate(plan.req_id, plan.new_kv_len)
-    assert released == list(plan.blocks_to_free), f"released {released}, planned {plan.blocks_to_free}"
-    return released
+    return table.truncate(plan.req_id, plan.new_kv_len)
+
+
+def check_commit(table: TokenTable, plan: RelocationPlan) -> None:
+    """Runs every check of ``commit_plan``'s calls before the first one changes anything.
+
+    A dense plan commits only against the table version it was taken from (as the C++ core's
+    ``commit``): its new length and released tail come from that snapshot, and a token written
+    since lies beyond them. A lazy plan may commit after evictions and appends made while its
+    copy ran (background compaction), as long as its moves and releases still apply.
+    """
+    req_id = plan.req_id
+    version = table.version(req_id)
+    if plan.mode == "dense" and plan.version != version:
+        raise ValueError(
+            f"plan for request {req_id} was taken from table version {plan.version}, table is at {version}"
+        )
+    moves = table.move_positions(req_id, list(plan.token_ids), list(plan.dst_slots))
+    if plan.new_kv_len is None:
+        table.check_release(req_id, list(plan.blocks_to_free), moves)
+        return
+    released = table.check_truncate(req_id, plan.new_kv_len, moves)
+    if released != list(plan.blocks_to_free):
+        raise ValueError(f"plan for request {req_id}: truncating releases {released}, planned {plan.blocks_to_free}")
 
 
 def fragmentation(table: TokenTable, req_id: int) -> int:
