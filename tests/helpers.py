@@ -9,6 +9,7 @@ import torch
 from trtllm_vtoken.core import BlockPool, TokenTable
 from trtllm_vtoken.reclaim import ReclaimBackend, ReclaimConfig
 from trtllm_vtoken.reclaim.copy import TorchCopyExecutor
+from trtllm_vtoken.reclaim.dead_blocks import fully_dead_blocks
 from trtllm_vtoken.reclaim.invariants import validate_plan
 from trtllm_vtoken.reclaim.planner import commit_plan, plan_for_mode
 
@@ -69,15 +70,28 @@ def py_commit(table: TokenTable, plan) -> list[int]:
 
 
 def step_loop(table: TokenTable, step: dict, mode: str, threshold: int, pressure: bool) -> tuple[list, list]:
-    """The per-request loop ``step_batch`` is specified by: (moves per request, freed per request)."""
+    """The per-request loop ``step_batch`` is specified by: (moves per request as (token, source
+    slot, destination slot) lists, freed blocks per request)."""
     moves, freed = [], []
     for req, added, n, victims in zip(step["req_ids"], step["new_blocks"], step["num_new"], step["evictions"]):
         table.sync_new_tokens(req, table.block_ids(req) + added, table.kv_len(req) + n)
         table.evict_tokens(req, victims)
+        if mode == "dead-blocks":
+            dead = fully_dead_blocks(table, req)
+            table.release_blocks(req, dead)
+            moves.append([])
+            freed.append(dead)
+            continue
         plan = plan_for_mode(table, req, mode, threshold, pressure)
-        moves.append(plan.num_moves if plan else 0)
+        moves.append(list(zip(plan.token_ids, plan.src_slots, plan.dst_slots)) if plan else [])
         freed.append(py_commit(table, plan) if plan else [])
     return moves, freed
+
+
+def result_lists(result) -> tuple[list, list]:
+    """A ``StepBatchResult`` as ``step_loop``'s (moves per request, freed per request)."""
+    batch = len(result.kv_lens)
+    return [result.moves_of(i) for i in range(batch)], [result.freed_of(i) for i in range(batch)]
 
 
 def random_step(rng: np.random.Generator, table: TokenTable, next_block: int) -> tuple[dict, int]:

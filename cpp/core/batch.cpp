@@ -3,14 +3,33 @@
 
 namespace vtoken {
 
+namespace {
+
+// The blocks naive-evict frees: unshared, holding positions below kv_len, no live token (as
+// reclaim/dead_blocks.py's fully_dead_blocks), in list order.
+void fully_dead_blocks(const TokenTable& table, const Sequence& s, std::vector<int64_t>& out) {
+  out.clear();
+  const int64_t tpb = table.tokens_per_block();
+  for (size_t i = 0; i < s.block_ids.size(); ++i) {
+    if (s.live_per_block[i] == 0 && static_cast<int64_t>(i) * tpb < s.kv_len && !table.is_shared(s.block_ids[i])) {
+      out.push_back(s.block_ids[i]);
+    }
+  }
+}
+
+}  // namespace
+
 StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, const int64_t* num_new,
                       const int64_t* new_block_offsets, const int64_t* new_blocks,
-                      const int64_t* evict_offsets, const int64_t* evict_ids, bool dense,
+                      const int64_t* evict_offsets, const int64_t* evict_ids, Compaction mode,
                       int64_t fragmentation_threshold, bool pressure) {
   StepResult out;
-  out.moves.reserve(batch);
+  out.move_offsets.reserve(batch + 1);
+  out.move_offsets.push_back(0);
   out.freed_offsets.reserve(batch + 1);
   out.freed_offsets.push_back(0);
+  out.kv_lens.reserve(batch);
+  std::vector<int64_t> dead;
   std::vector<int64_t> victims;
   Plan plan;  // reused: its vectors keep their capacity from request to request
   // A large batch's state exceeds the caches, and evictions hit random tokens. Each request's
@@ -74,20 +93,49 @@ StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, 
                         num_new[i]);
     victims.assign(evict_ids + evict_offsets[i], evict_ids + evict_offsets[i + 1]);
     table.evict_tokens(req, victims);
-    int64_t moves = 0;
     bool planned = false;
-    if (dense) {  // the single-hole shortcut commits on its own; otherwise plan, then commit below
-      planned = !table.fill_single_hole(req, moves, out.freed) && table.plan_dense_into(req, plan);
-    } else if (pressure || table.fragmentation(req) >= fragmentation_threshold) {
-      planned = table.plan_lazy_into(req, plan);
+    if (mode == Compaction::kDense) {
+      // The single-hole shortcut commits on its own; its one possible move is the last token
+      // into the hole, read before it runs. Otherwise plan, then commit below.
+      const Sequence& s = table.seq(req);
+      int64_t token = -1, src = -1, dst = -1;
+      if (s.pending_dead.size() == 1 && s.kv_len > 0) {
+        const int64_t last = s.kv_len - 1, hole = s.pending_dead[0];
+        if (hole < last) {
+          token = s.token_at[last];
+          src = s.block_ids[last / tpb] * tpb + last % tpb;
+          dst = s.block_ids[hole / tpb] * tpb + hole % tpb;
+        }
+      }
+      int64_t moved = 0;
+      if (table.fill_single_hole(req, moved, out.freed)) {
+        if (moved) {
+          out.move_tokens.push_back(token);
+          out.move_src.push_back(src);
+          out.move_dst.push_back(dst);
+        }
+      } else {
+        planned = table.plan_dense_into(req, plan);
+      }
+    } else if (mode == Compaction::kLazy) {
+      if (pressure || table.fragmentation(req) >= fragmentation_threshold) planned = table.plan_lazy_into(req, plan);
+    } else {
+      fully_dead_blocks(table, table.seq(req), dead);
+      if (!dead.empty()) {
+        table.release_blocks(req, dead);
+        out.freed.insert(out.freed.end(), dead.begin(), dead.end());
+      }
     }
     if (planned) {
-      moves = static_cast<int64_t>(plan.token_ids.size());
       table.commit_in_place(plan);
+      out.move_tokens.insert(out.move_tokens.end(), plan.token_ids.begin(), plan.token_ids.end());
+      out.move_src.insert(out.move_src.end(), plan.src_slots.begin(), plan.src_slots.end());
+      out.move_dst.insert(out.move_dst.end(), plan.dst_slots.begin(), plan.dst_slots.end());
       out.freed.insert(out.freed.end(), plan.blocks_to_free.begin(), plan.blocks_to_free.end());
     }
-    out.moves.push_back(moves);
+    out.move_offsets.push_back(static_cast<int64_t>(out.move_tokens.size()));
     out.freed_offsets.push_back(static_cast<int64_t>(out.freed.size()));
+    out.kv_lens.push_back(table.seq(req).kv_len);
   }
   return out;
 }

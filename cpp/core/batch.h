@@ -9,28 +9,42 @@
 
 namespace vtoken {
 
-// Per request i of the batch, in order, exactly as this Python loop (the specification):
+// What a step does after the evictions (reclaim/step_batch.py, COMPACTIONS).
+enum class Compaction : int64_t {
+  kDense = 0,       // fill every hole below the new length, release the tail (plan_dense)
+  kLazy = 1,        // past the fragmentation threshold or under pressure: empty blocks (plan_lazy)
+  kDeadBlocks = 2,  // no relocation: release blocks in which every token is dead (naive-evict)
+};
+
+// Per request i of the batch, in order, exactly as this Python loop (the specification,
+// reclaim/step_batch.py):
 //
-//     table.sync_new_tokens(req, table.block_ids(req) + new_blocks[i], table.kv_len(req) + num_new[i])
+//     table.append_tokens(req, new_blocks[i], num_new[i])
 //     table.evict_tokens(req, evict_ids[i])
-//     plan = plan_dense(req)                                          # dense
-//     plan = plan_lazy(req) if pressure or fragmentation(req) >= threshold else None   # lazy
+//     dense:        plan = plan_dense(req)
+//     lazy:         plan = plan_lazy(req) if pressure or fragmentation(req) >= threshold else None
 //     if plan: commit it (apply_moves, then truncate / release_blocks)
+//     dead blocks:  table.release_blocks(req, fully_dead_blocks(req))
 //
 // Dense requests whose one hole is their one eviction (most of a decode step) take
 // TokenTable::fill_single_hole, which leaves the table exactly as plan_dense + commit would.
 // new_blocks and evict_ids come as CSR arrays: request i's entries are
-// values[offsets[i]:offsets[i + 1]]. Metadata only: the caller copies KV for plans it needs
-// copied (use the single calls for that) and frees `freed` in its block pool.
+// values[offsets[i]:offsets[i + 1]]. Metadata only: every relocation is committed in the table
+// at once and returned, so that the caller copies the KV of all of them in one copy (before the
+// next attention reads it, I3) and frees `freed` in its block pool.
 struct StepResult {
-  std::vector<int64_t> moves;          // [batch] tokens relocated per request
+  std::vector<int64_t> move_offsets;  // [batch + 1] CSR into move_tokens / move_src / move_dst
+  std::vector<int64_t> move_tokens;   // logical id of each moved token
+  std::vector<int64_t> move_src;      // its flat slot before the move (block * tpb + offset)
+  std::vector<int64_t> move_dst;      // its flat slot after
   std::vector<int64_t> freed_offsets;  // [batch + 1] CSR into freed
   std::vector<int64_t> freed;          // block ids released, request by request
+  std::vector<int64_t> kv_lens;        // [batch] physical length after the step
 };
 
 StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, const int64_t* num_new,
                       const int64_t* new_block_offsets, const int64_t* new_blocks,
-                      const int64_t* evict_offsets, const int64_t* evict_ids, bool dense,
+                      const int64_t* evict_offsets, const int64_t* evict_ids, Compaction mode,
                       int64_t fragmentation_threshold, bool pressure);
 
 }  // namespace vtoken

@@ -18,6 +18,18 @@ using vtoken::Plan;
 using vtoken::TokenTable;
 
 using Ids = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using OwnedIds = nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>;
+
+namespace {
+
+// A numpy array that owns the vector's buffer (no copy).
+OwnedIds to_numpy(std::vector<int64_t>&& values) {
+  auto* owner = new std::vector<int64_t>(std::move(values));
+  nb::capsule free_when_done(owner, [](void* p) noexcept { delete static_cast<std::vector<int64_t>*>(p); });
+  return OwnedIds(owner->data(), {owner->size()}, free_when_done);
+}
+
+}  // namespace
 
 NB_MODULE(_core, m) {
   m.doc() = "C++ token table and relocation planners (mirror of the Python specification)";
@@ -92,13 +104,16 @@ NB_MODULE(_core, m) {
       .def(
           "step_batch",
           [](TokenTable& t, Ids req_ids, Ids num_new, Ids new_block_offsets, Ids new_blocks,
-             Ids evict_offsets, Ids evict_ids, bool dense, int64_t threshold, bool pressure) {
+             Ids evict_offsets, Ids evict_ids, int64_t compaction, int64_t threshold, bool pressure) {
             const auto batch = static_cast<int64_t>(req_ids.shape(0));
             if (num_new.shape(0) != static_cast<size_t>(batch) ||
                 new_block_offsets.shape(0) != static_cast<size_t>(batch + 1) ||
                 evict_offsets.shape(0) != static_cast<size_t>(batch + 1)) {
               throw std::invalid_argument("step_batch: num_new needs one entry per request and "
                                           "each offsets array one more");
+            }
+            if (compaction < 0 || compaction > 2) {
+              throw std::invalid_argument("step_batch: compaction must be 0 (dense), 1 (lazy) or 2 (dead blocks)");
             }
             auto check_csr = [batch](const Ids& offsets, const Ids& values, const char* name) {
               const int64_t* o = offsets.data();
@@ -115,11 +130,16 @@ NB_MODULE(_core, m) {
             {
               nb::gil_scoped_release release;
               r = vtoken::step_batch(t, req_ids.data(), batch, num_new.data(), new_block_offsets.data(),
-                                     new_blocks.data(), evict_offsets.data(), evict_ids.data(), dense,
-                                     threshold, pressure);
+                                     new_blocks.data(), evict_offsets.data(), evict_ids.data(),
+                                     static_cast<vtoken::Compaction>(compaction), threshold, pressure);
             }
-            return nb::make_tuple(r.moves, r.freed_offsets, r.freed);
+            return nb::make_tuple(to_numpy(std::move(r.move_offsets)), to_numpy(std::move(r.move_tokens)),
+                                  to_numpy(std::move(r.move_src)), to_numpy(std::move(r.move_dst)),
+                                  to_numpy(std::move(r.freed_offsets)), to_numpy(std::move(r.freed)),
+                                  to_numpy(std::move(r.kv_lens)));
           },
           "req_ids"_a, "num_new"_a, "new_block_offsets"_a, "new_blocks"_a, "evict_offsets"_a,
-          "evict_ids"_a, "dense"_a, "fragmentation_threshold"_a = 1, "pressure"_a = false);
+          "evict_ids"_a, "compaction"_a, "fragmentation_threshold"_a = 1, "pressure"_a = false,
+          "One decode step of a batch (cpp/core/batch.h). Returns int64 arrays: (move_offsets, "
+          "move_tokens, move_src, move_dst, freed_offsets, freed, kv_lens).");
 }

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import as_csr, py_commit, random_step, step_loop
+from tests.helpers import as_csr, py_commit, random_step, result_lists, step_loop
 from trtllm_vtoken.core import TokenTable
 from trtllm_vtoken.core.native import load, native_table, to_relocation_plan
 from trtllm_vtoken.reclaim.planner import fragmentation, plan_dense, plan_lazy
-from trtllm_vtoken.reclaim.step_batch import step_batch
+from trtllm_vtoken.reclaim.step_batch import COMPACTIONS, StepBatchResult, step_batch
 
 pytestmark = pytest.mark.skipif(load() is None, reason="the C++ token table is not built")
 
@@ -93,8 +93,10 @@ def step_both(pair: Pair, r: np.random.Generator) -> None:
         pick = r.choice(live, size=min(len(live), int(r.integers(0, 3))), replace=False).tolist() if live else []
         victims.append(pick if r.random() < 0.9 else pick + [int(r.integers(-1, 70))])
     args = (np.array(batch, dtype=np.int64), np.array(num_new, dtype=np.int64), *as_csr(new_blocks),
-            *as_csr(victims), r.random() < 0.5, int(r.integers(1, 3)), r.random() < 0.2)
-    pair.both(lambda: tuple(step_batch(pair.py, *args)), lambda: tuple(pair.cpp.step_batch(*args)))
+            *as_csr(victims))
+    compaction, rest = str(r.choice(COMPACTIONS)), (int(r.integers(1, 3)), r.random() < 0.2)
+    pair.both(lambda: [a.tolist() for a in step_batch(pair.py, *args, compaction, *rest)],
+              lambda: [a.tolist() for a in pair.cpp.step_batch(*args, COMPACTIONS.index(compaction), *rest)])
 
 
 def apply(pair: Pair, op: str, r: np.random.Generator) -> None:
@@ -182,7 +184,7 @@ def test_random_operation_sequences_agree(ops, tpb, seed):
 
 
 @settings(max_examples=60, deadline=None)
-@given(mode=st.sampled_from(["dense", "lazy"]), tpb=st.sampled_from([2, 4, 8]), batch=st.integers(1, 6),
+@given(mode=st.sampled_from(COMPACTIONS), tpb=st.sampled_from([2, 4, 8]), batch=st.integers(1, 6),
        steps=st.integers(1, 25), threshold=st.integers(1, 3), seed=st.integers(0, 2**31))
 def test_step_batch_equals_the_python_loop(mode, tpb, batch, steps, threshold, seed):
     rng = np.random.default_rng(seed)
@@ -198,9 +200,9 @@ def test_step_batch_equals_the_python_loop(mode, tpb, batch, steps, threshold, s
         step, next_block = random_step(rng, pair.py, next_block)
         pressure = bool(rng.random() < 0.2)
         want = step_loop(pair.py, step, mode, threshold, pressure)
-        moves, freed_offsets, freed = pair.cpp.step_batch(*step["csr"], mode == "dense", threshold, pressure)
-        assert moves == want[0]
-        assert [freed[freed_offsets[i]: freed_offsets[i + 1]] for i in range(batch)] == want[1]
+        result = StepBatchResult(*pair.cpp.step_batch(*step["csr"], COMPACTIONS.index(mode), threshold, pressure))
+        assert result_lists(result) == want
+        assert result.kv_lens.tolist() == [pair.py.kv_len(r) for r in step["req_ids"]]
         pair.check()
 
 
@@ -209,9 +211,11 @@ def test_step_batch_rejects_inconsistent_arrays():
     table.add_request(0)
     one = np.zeros(1, dtype=np.int64)
     with pytest.raises(ValueError, match="one more"):
-        table.step_batch(one, one, one, one, one, one, True)
+        table.step_batch(one, one, one, one, one, one, 0)
     with pytest.raises(ValueError, match="new_block_offsets must start at 0"):
-        table.step_batch(one, one, np.array([0, 5], dtype=np.int64), one, np.zeros(2, dtype=np.int64), one, True)
+        table.step_batch(one, one, np.array([0, 5], dtype=np.int64), one, np.zeros(2, dtype=np.int64), one, 0)
+    with pytest.raises(ValueError, match="compaction must be 0"):
+        table.step_batch(one, one, np.zeros(2, dtype=np.int64), one, np.zeros(2, dtype=np.int64), one, 3)
     with pytest.raises(KeyError, match="unknown request 3"):
-        table.step_batch(np.array([3]), one, np.zeros(2, dtype=np.int64), one, np.zeros(2, dtype=np.int64), one, True)
+        table.step_batch(np.array([3]), one, np.zeros(2, dtype=np.int64), one, np.zeros(2, dtype=np.int64), one, 0)
 

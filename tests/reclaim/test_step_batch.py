@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import random_step, step_loop, table_fingerprint
+from tests.helpers import random_step, result_lists, step_loop, table_fingerprint
 from trtllm_vtoken.core import TokenTable
 from trtllm_vtoken.reclaim.step_batch import step_batch
 
@@ -37,7 +37,7 @@ def twin_tables(tpb: int, lengths: list[int], shared: set[int]) -> tuple[TokenTa
 
 
 @settings(max_examples=80, deadline=None)
-@given(mode=st.sampled_from(["dense", "lazy"]), tpb=st.sampled_from([1, 2, 4, 8]),
+@given(mode=st.sampled_from(["dense", "lazy", "dead-blocks"]), tpb=st.sampled_from([1, 2, 4, 8]),
        lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6), steps=st.integers(1, 30),
        threshold=st.integers(1, 3), shared_prefix=st.booleans(), seed=st.integers(0, 2**31))
 def test_step_batch_equals_the_loop(mode, tpb, lengths, steps, threshold, shared_prefix, seed):
@@ -49,10 +49,10 @@ def test_step_batch_equals_the_loop(mode, tpb, lengths, steps, threshold, shared
             shared.add(int(rng.integers(0, next_block)))
         step, next_block = random_step(rng, spec, next_block)
         pressure = bool(rng.random() < 0.2)
-        want_moves, want_freed = step_loop(spec, step, mode, threshold, pressure)
-        moves, offsets, freed = step_batch(fast, *step["csr"], mode == "dense", threshold, pressure)
-        assert moves == want_moves
-        assert [freed[offsets[i]: offsets[i + 1]] for i in range(len(moves))] == want_freed
+        want = step_loop(spec, step, mode, threshold, pressure)
+        result = step_batch(fast, *step["csr"], mode, threshold, pressure)
+        assert result_lists(result) == want
+        assert result.kv_lens.tolist() == [spec.kv_len(r) for r in step["req_ids"]]
         assert fingerprint(fast) == fingerprint(spec)
         fast.check_integrity()
 
@@ -66,8 +66,8 @@ def test_one_eviction_fills_the_hole_with_the_last_token(monkeypatch):
     fast_path = []
     original = TokenTable.fill_single_hole
     monkeypatch.setattr(TokenTable, "fill_single_hole", lambda *a: fast_path.append(1) or original(*a))
-    moves, offsets, freed = step_batch(table, [0], [1], [0, 1], [9], [0, 1], [3], dense=True)
-    assert (moves, offsets, freed) == ([1], [0, 1], [9])
+    result = step_batch(table, [0], [1], [0, 1], [9], [0, 1], [3], "dense")
+    assert result_lists(result) == ([[(8, 9 * 4, 7 * 4 + 3)]], [[9]]) and result.kv_lens.tolist() == [8]
     assert fast_path == [1]
     assert table.lookup(0, 8) == (7, 3) and table.lookup(0, 3) is None
     assert table.block_ids(0) == [7, 2] and table.kv_len(0) == 8 and table.num_live(0) == 8
@@ -79,7 +79,7 @@ def test_evicting_the_newest_token_moves_nothing():
     table = TokenTable(4)
     table.add_request(0)
     table.sync_new_tokens(0, [7, 2], 8)
-    assert step_batch(table, [0], [1], [0, 1], [9], [0, 1], [8], dense=True) == ([0], [0, 1], [9])
+    assert result_lists(step_batch(table, [0], [1], [0, 1], [9], [0, 1], [8], "dense")) == ([[]], [[9]])
     assert table.lookup(0, 8) is None and table.kv_len(0) == 8 and table.block_ids(0) == [7, 2]
 
 
@@ -87,11 +87,11 @@ def test_lazy_mode_waits_for_a_whole_block_of_holes():
     table = TokenTable(4)
     table.add_request(0)
     table.sync_new_tokens(0, [7, 2, 5], 12)
-    assert step_batch(table, [0], [0], [0, 0], [], [0, 3], [0, 1, 5], dense=False) == ([0], [0, 0], [])
+    assert result_lists(step_batch(table, [0], [0], [0, 0], [], [0, 3], [0, 1, 5], "lazy")) == ([[]], [[]])
     # A fourth hole: blocks 7 and 2 keep two live tokens each; the later one, 2, empties its
     # tokens 4 and 7 into block 7's holes (offsets 0 and 1).
-    moves, _, freed = step_batch(table, [0], [0], [0, 0], [], [0, 1], [6], dense=False)
-    assert (moves, freed) == ([2], [2])
+    moves, freed = result_lists(step_batch(table, [0], [0], [0, 0], [], [0, 1], [6], "lazy"))
+    assert (moves, freed) == ([[(4, 2 * 4, 7 * 4), (7, 2 * 4 + 3, 7 * 4 + 1)]], [[2]])
     assert table.block_ids(0) == [7, 5] and table.lookup(0, 4) == (7, 0) and table.lookup(0, 7) == (7, 1)
 
 
@@ -101,11 +101,11 @@ def test_inconsistent_arrays_change_nothing():
     table.sync_new_tokens(0, [1], 4)
     before = table_fingerprint(table)
     with pytest.raises(ValueError, match="one more"):
-        step_batch(table, [0], [1], [0], [], [0, 0], [], dense=True)
+        step_batch(table, [0], [1], [0], [], [0, 0], [], "dense")
     with pytest.raises(ValueError, match="new_block_offsets must start at 0"):
-        step_batch(table, [0], [1], [0, 5], [2], [0, 0], [], dense=True)
+        step_batch(table, [0], [1], [0, 5], [2], [0, 0], [], "dense")
     with pytest.raises(ValueError, match="evict_offsets must start at 0, never decrease"):
-        step_batch(table, [0], [1], [0, 1], [2], [1, 0], [3], dense=True)
+        step_batch(table, [0], [1], [0, 1], [2], [1, 0], [3], "dense")
     assert table_fingerprint(table) == before
 
 
@@ -117,9 +117,9 @@ def test_bad_request_stops_the_batch_where_the_loop_would():
         table.add_request(req)
         table.sync_new_tokens(req, [req * 10], 3)
     with pytest.raises(KeyError, match="unknown request 1"):
-        step_batch(table, [0, 1, 2], [1, 1, 1], [0, 0, 0, 0], [], [0, 1, 2, 3], [0, 0, 0], dense=True)
+        step_batch(table, [0, 1, 2], [1, 1, 1], [0, 0, 0, 0], [], [0, 1, 2, 3], [0, 0, 0], "dense")
     assert table.kv_len(0) == 3 and table.num_tokens(0) == 4 and table.lookup(0, 3) == (0, 0)
     assert table.num_tokens(2) == 3
     with pytest.raises(ValueError, match="token 0 is already dead"):
-        step_batch(table, [0], [0], [0, 0], [], [0, 1], [0], dense=True)
+        step_batch(table, [0], [0], [0, 0], [], [0, 1], [0], "dense")
     assert table.num_live(0) == 3 and table.version(0) == 6  # the append (of 0 tokens) counted

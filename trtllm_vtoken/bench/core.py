@@ -28,7 +28,7 @@ import numpy as np
 
 from trtllm_vtoken.core import BlockPool, TokenTable
 from trtllm_vtoken.reclaim import ReclaimBackend, ReclaimConfig
-from trtllm_vtoken.reclaim.step_batch import step_batch
+from trtllm_vtoken.reclaim.step_batch import COMPACTIONS, step_batch
 
 STAGES = ("sync", "evict", "plan", "apply")
 IMPLS = ("calls", "python", "cpp")
@@ -142,10 +142,10 @@ def _run_step_batch(cfg: CoreBenchConfig, progress=None) -> dict:
         from trtllm_vtoken.core.native import native_table
 
         table = native_table(tpb)
-        batch_step = table.step_batch
+        batch_step = functools.partial(table.step_batch, compaction=COMPACTIONS.index(cfg.mode))
     else:
         table = TokenTable(tpb, pool.is_shared)
-        batch_step = functools.partial(step_batch, table)
+        batch_step = functools.partial(step_batch, table, compaction=cfg.mode)
     rng = np.random.default_rng(cfg.seed)
     _fill(cfg, table, pool)
     req_ids = np.arange(cfg.batch, dtype=np.int64)
@@ -162,11 +162,11 @@ def _run_step_batch(cfg: CoreBenchConfig, progress=None) -> dict:
         victims_arr = np.array(victims, dtype=np.int64)
         blocks_arr, offsets_arr = np.array(new_blocks, dtype=np.int64), np.array(offsets, dtype=np.int64)
         start = time.perf_counter_ns()
-        step_moves, _, freed = batch_step(req_ids, num_new, offsets_arr, blocks_arr, evict_offsets,
-                                          victims_arr, cfg.mode == "dense", 1, False)
-        pool.free(freed)
+        result = batch_step(req_ids, num_new, offsets_arr, blocks_arr, evict_offsets, victims_arr)
+        freed = result[5]
+        pool.free(freed.tolist())
         elapsed = (time.perf_counter_ns() - start) / 1e3
-        moves += sum(step_moves)
+        moves += len(result[1])
         freed_total += len(freed)
         if progress is not None:
             progress.update(1)

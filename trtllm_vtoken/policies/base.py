@@ -1,18 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
 """Eviction policies see logical ids and statistics, never blocks (design §4).
 
-A policy is asked, per request and step, which live tokens to evict so the request fits its
-budget. ``ScorePolicy`` owns what every score-based policy shares (sink tokens, a recent window,
-protected tokens, bottom-k selection); a concrete policy only scores.
+A policy is asked which live tokens to evict so a request fits its budget, in two forms with one
+answer:
+
+    select(view)              one request (``PolicyView``): the specification, readable
+    select_batch(view)        a whole batch at once (``BatchView``, padded [batch, length] arrays):
+                              what hosts call every step, vectorised; equal to ``select`` row by row
+
+``ScorePolicy`` owns what every score-based policy shares (sink tokens, a recent window,
+protected tokens, bottom-k selection, both forms); a concrete policy only scores (``score`` and
+``score_batch``) and, if it learns from attention, observes (``observe`` / ``observe_batch``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
+from trtllm_vtoken.policies.batch import BatchView, BatchVictims
 from trtllm_vtoken.policies.budget import Budget
 from trtllm_vtoken.registry import Registry
 
@@ -34,16 +43,34 @@ class PolicyView:
 
 @dataclass
 class EvictionPolicy(ABC):
-    """Decides which live tokens of a request die. Stateful only through its statistics."""
+    """Decides which live tokens of a request die. Stateful only through its statistics.
+
+    Rank-independent by construction (tensor / pipeline parallelism): a decision depends only on
+    the request's table and the attention it observed, never on the process (no global RNG).
+    """
 
     budget: Budget = field(default_factory=lambda: Budget(ratio=0.5))
+    slot_stats: ClassVar[dict[str, type]] = {}
+    """Per-token statistics ``observe_batch`` keeps, by name and numpy dtype. The step stores them
+    per physical slot (0 for a new token) and moves them with the KV; ``BatchView.stats`` holds
+    them in the batch layout."""
 
     def observe(self, req_id: int, token_ids: np.ndarray, attention: np.ndarray) -> None:
         """Records attention received by ``token_ids`` at one step (summed over heads, layers and
-        queries). Shapes: (n,) int64 and (n,) float. Default: ignored."""
+        queries), in position order. Shapes: (n,) int64 and (n,) float. Default: ignored."""
+
+    def observe_batch(self, view: BatchView, mass: np.ndarray) -> None:
+        """The batched ``observe``: ``mass`` [B, L] is the attention each position received (its
+        value where no live token sits is meaningless); updates ``view.stats`` in place. Default:
+        ignored."""
+
+    def observes_attention(self) -> bool:
+        """Does the policy learn from attention mass (hosts then compute it)?"""
+        cls = type(self)
+        return cls.observe is not EvictionPolicy.observe or cls.observe_batch is not EvictionPolicy.observe_batch
 
     def forget(self, req_id: int) -> None:
-        """Drops the statistics of a finished request. Default: nothing kept."""
+        """Drops the per-request statistics of ``observe`` for a finished request. Default: none kept."""
 
     @abstractmethod
     def select(self, view: PolicyView) -> np.ndarray:
@@ -51,6 +78,18 @@ class EvictionPolicy(ABC):
 
         Returns: Shape (num_evict,), int64; empty when the request is within its budget.
         """
+
+    def select_batch(self, view: BatchView) -> BatchVictims:
+        """``select`` for every row of ``view`` at once. This default asks ``select`` row by row
+        (a policy written for one request still runs in a batch); ``ScorePolicy`` vectorises it."""
+        rows, positions = [], []
+        for row in range(view.size):
+            ids = self.select(row_view(view, row))
+            if len(ids):
+                where = {int(t): p for p, t in enumerate(view.tokens[row].tolist()) if t >= 0}
+                rows += [row] * len(ids)
+                positions += [where[int(t)] for t in ids]
+        return BatchVictims(np.array(rows, dtype=np.int64), np.array(positions, dtype=np.int64))
 
 
 @dataclass
@@ -79,6 +118,24 @@ class ScorePolicy(EvictionPolicy):
         """How many of the newest tokens to protect at this budget target."""
         return self.recent_window
 
+    scores_are_ids: ClassVar[bool] = False
+    """The score of a token is its logical id (newer = kept): selection needs no score array."""
+
+    def score_batch(self, view: BatchView) -> np.ndarray:
+        """``score`` for every row: [B, L] float64 (any value where ``view.tokens`` is -1).
+        Default: ``score`` row by row; the built-in policies vectorise it. Must be pure."""
+        out = np.zeros(view.tokens.shape)
+        for row in range(view.size):
+            single = row_view(view, row)
+            positions = np.flatnonzero(view.tokens[row] >= 0)
+            order = np.argsort(view.tokens[row, positions], kind="stable")
+            out[row, positions[order]] = self.score(single)
+        return out
+
+    def recent_tokens_batch(self, targets: np.ndarray) -> np.ndarray:
+        """``recent_tokens`` for an array of targets."""
+        return np.full(len(targets), self.recent_window, dtype=np.int64)
+
     def select(self, view: PolicyView) -> np.ndarray:
         target = self.budget.target(view.num_tokens)
         excess = len(view.live_ids) - target
@@ -97,6 +154,75 @@ class ScorePolicy(EvictionPolicy):
         scores = np.asarray(self.score(view), dtype=np.float64)[candidate]
         order = np.lexsort((cand_ids, scores))[:excess]
         return np.sort(cand_ids[order]).astype(np.int64)
+
+
+    def select_batch(self, view: BatchView) -> BatchVictims:
+        """``select`` row by row, vectorised over the batch (the same victims, checked by
+        ``tests/policies/test_batch_select.py``): candidate masks over [B, L], then the lowest
+        score per row with ties to the lower id; rows evicting several tokens at once (right
+        after a prefill, or a budget change) take the exact per-row sort."""
+        targets = self.budget.targets(view.num_tokens)
+        excess = view.num_live - targets
+        active = np.flatnonzero(excess > 0)
+        if not len(active):
+            return BatchVictims.none()
+        if len(active) < view.size:
+            view, targets, excess = view.rows(active), targets[active], excess[active]
+        protected = view.protected
+        kept = (protected & (view.tokens >= 0)).sum(axis=1) if protected is not None else 0  # protected live tokens
+        room = np.maximum(0, targets - kept)
+        n_sink = np.minimum(self.n_sink, room)
+        recent = np.minimum(self.recent_tokens_batch(targets), room - n_sink)
+        tokens = view.tokens
+        candidate = (tokens >= n_sink[:, None]) & (tokens < (view.num_tokens - recent)[:, None])
+        if protected is not None:
+            candidate &= ~protected
+        num_candidates = candidate.sum(axis=1)
+        rows, positions = [], []
+        take_all = np.flatnonzero(num_candidates <= excess)
+        if len(take_all):
+            r, p = np.nonzero(candidate[take_all])
+            rows.append(take_all[r]), positions.append(p)
+        scored = np.flatnonzero(num_candidates > excess)
+        if len(scored):
+            whole = len(scored) == view.size
+            sub = view if whole else view.rows(scored)
+            mask = candidate if whole else candidate[scored]
+            big = np.iinfo(tokens.dtype).max
+            if self.scores_are_ids:
+                keys = np.where(mask, sub.tokens, big)
+            else:
+                keys = np.where(mask, np.asarray(self.score_batch(sub), dtype=np.float64), np.inf)
+            single = np.flatnonzero(excess[scored] == 1)
+            if len(single):
+                k = keys if len(single) == len(scored) else keys[single]
+                t = sub.tokens if len(single) == len(scored) else sub.tokens[single]
+                if self.scores_are_ids:
+                    best = k.argmin(axis=1)
+                else:  # the lowest score; among equal scores the lowest id
+                    best = np.where(k == k.min(axis=1)[:, None], t, big).argmin(axis=1)
+                rows.append(scored[single]), positions.append(best)
+            for i in np.flatnonzero(excess[scored] > 1):  # several victims: the spec's exact sort
+                cand = np.flatnonzero(mask[i])
+                ids = sub.tokens[i, cand]
+                order = np.lexsort((ids, keys[i, cand]))[: excess[scored[i]]]
+                rows.append(np.full(len(order), scored[i])), positions.append(cand[order])
+        rows_all = np.concatenate(rows).astype(np.int64)
+        positions_all = np.concatenate(positions).astype(np.int64)
+        order = np.lexsort((tokens[rows_all, positions_all], rows_all))
+        rows_all, positions_all = rows_all[order], positions_all[order]
+        return BatchVictims(active[rows_all], positions_all)  # rows of the caller's view
+
+
+def row_view(view: BatchView, row: int) -> PolicyView:
+    """Row ``row`` of a batch view as the single-request view ``select`` takes."""
+    tokens = view.tokens[row]
+    positions = np.flatnonzero(tokens >= 0)
+    order = np.argsort(tokens[positions], kind="stable")
+    live_ids = tokens[positions[order]].astype(np.int64)
+    protected = (view.protected[row, positions[order]] if view.protected is not None
+                 else np.zeros(len(live_ids), dtype=bool))
+    return PolicyView(int(view.req_ids[row]), int(view.num_tokens[row]), live_ids, protected)
 
 
 def make_policy(name: str, budget: Budget | int | float | str, **kwargs) -> EvictionPolicy:

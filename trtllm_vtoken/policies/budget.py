@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -43,6 +45,13 @@ class Budget:
         if self.tokens is not None:
             return min(self.tokens, num_tokens)
         return min(num_tokens, math.ceil(self.ratio * num_tokens))
+
+    def targets(self, num_tokens: np.ndarray) -> np.ndarray:
+        """``target`` for an array of lengths (the same float arithmetic). int64, same shape."""
+        num_tokens = np.asarray(num_tokens, dtype=np.int64)
+        if self.tokens is not None:
+            return np.minimum(self.tokens, num_tokens)
+        return np.minimum(num_tokens, np.ceil(self.ratio * num_tokens).astype(np.int64))
 
     def __str__(self) -> str:
         return f"{self.tokens} tokens" if self.tokens is not None else f"{self.ratio:g} of length"

@@ -8,10 +8,12 @@ Models", NeurIPS 2023 (https://arxiv.org/abs/2306.14048).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
 from trtllm_vtoken.policies.base import POLICIES, PolicyView, ScorePolicy
+from trtllm_vtoken.policies.batch import BatchView
 from trtllm_vtoken.policies.stats import PerTokenAccumulator
 
 
@@ -21,6 +23,7 @@ class H2OPolicy(ScorePolicy):
     recent_ratio: float = 0.5
     """Share of the budget given to the most recent tokens; the rest goes to heavy hitters."""
     _mass: PerTokenAccumulator = field(default_factory=PerTokenAccumulator, repr=False)
+    slot_stats: ClassVar[dict[str, type]] = {"mass": np.float64}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -30,11 +33,20 @@ class H2OPolicy(ScorePolicy):
     def recent_tokens(self, target: int) -> int:
         return max(self.recent_window, int(target * self.recent_ratio))
 
+    def recent_tokens_batch(self, targets: np.ndarray) -> np.ndarray:
+        return np.maximum(self.recent_window, (targets * self.recent_ratio).astype(np.int64))
+
     def observe(self, req_id: int, token_ids: np.ndarray, attention: np.ndarray) -> None:
         self._mass.add(req_id, token_ids, attention)
 
     def forget(self, req_id: int) -> None:
         self._mass.forget(req_id)
 
+    def observe_batch(self, view: BatchView, mass: np.ndarray) -> None:
+        view.stats["mass"] += mass  # accumulated per slot; float64 as the per-request accumulator
+
     def score(self, view: PolicyView) -> np.ndarray:
         return self._mass.get(view.req_id, view.live_ids)
+
+    def score_batch(self, view: BatchView) -> np.ndarray:
+        return view.stats["mass"]

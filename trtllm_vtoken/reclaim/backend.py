@@ -113,7 +113,7 @@ class ReclaimBackend:
         for plan in plans:
             validate_plan(self.table, plan, self._in_flight, full=self.config.check_invariants)
         befores = [self._snapshot(plan.req_id) if self.config.check_invariants else None for plan in plans]
-        handle = self.executor.submit_many(plans) if self.executor else CopyHandle(plans)
+        handle = self.executor.submit_many(plans) if self.executor else CopyHandle()
         for plan, before in zip(plans, befores):
             self._in_flight[plan.req_id] = _InFlight(plan, handle, before)
         return handle

@@ -20,6 +20,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from trtllm_vtoken.reclaim.plan import RelocationPlan
 
 if TYPE_CHECKING:
@@ -27,11 +29,10 @@ if TYPE_CHECKING:
 
 
 class CopyHandle:
-    """A submitted copy of one or more plans (one launch). ``event`` is None when the copy already
-    ran synchronously (CPU)."""
+    """A submitted copy (one launch for any number of moves). ``event`` is None when the copy
+    already ran synchronously (CPU)."""
 
-    def __init__(self, plans: Sequence[RelocationPlan], event: Any = None, keepalive: tuple = ()) -> None:
-        self.plans = tuple(plans)
+    def __init__(self, event: Any = None, keepalive: tuple = ()) -> None:
         self.event = event
         self._keepalive = keepalive  # index tensors the side stream still reads
 
@@ -51,12 +52,18 @@ class CopyHandle:
 
 
 class CopyExecutor(ABC):
-    """Moves KV for plans. Does not touch the token table or the block pool."""
+    """Moves KV between slots. Does not touch the token table or the block pool."""
 
     @abstractmethod
+    def submit_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> CopyHandle:
+        """Starts copying slot ``src_slots[i]`` to ``dst_slots[i]`` for every i, as one copy
+        (sources and destinations disjoint); returns at once on CUDA. int64 arrays [moves]."""
+
     def submit_many(self, plans: Sequence[RelocationPlan]) -> CopyHandle:
-        """Starts copying every plan's ``src_slots`` -> ``dst_slots`` as one copy (plans of
-        different requests touch disjoint blocks); returns at once on CUDA."""
+        """One copy of every plan's moves (plans of different requests touch disjoint blocks)."""
+        src = np.fromiter((s for plan in plans for s in plan.src_slots), dtype=np.int64)
+        dst = np.fromiter((d for plan in plans for d in plan.dst_slots), dtype=np.int64)
+        return self.submit_slots(src, dst)
 
     def submit(self, plan: RelocationPlan) -> CopyHandle:
         return self.submit_many([plan])
@@ -118,21 +125,20 @@ class TorchCopyExecutor(CopyExecutor):
     def bytes_per_move(self) -> int:
         return sum(p[0, :, :, :, 0].numel() * p.element_size() for p in self.pools)
 
-    def submit_many(self, plans: Sequence[RelocationPlan]) -> CopyHandle:
+    def submit_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> CopyHandle:
         import torch
 
-        src = [slot for plan in plans for slot in plan.src_slots]
-        dst = [slot for plan in plans for slot in plan.dst_slots]
-        if not src:
-            return CopyHandle(plans)
+        if not len(src_slots):
+            return CopyHandle()
         if self._stream is None:
-            src_t, dst_t = torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)
+            src_t = torch.from_numpy(np.ascontiguousarray(src_slots, dtype=np.int64))
+            dst_t = torch.from_numpy(np.ascontiguousarray(dst_slots, dtype=np.int64))
             for pool in self.pools:
                 relocate_slots(pool, src_t, dst_t)
-            return CopyHandle(plans)
+            return CopyHandle()
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)  # the KV to move was written by work queued there
-        indices = torch.tensor([src, dst], dtype=torch.int64).pin_memory()
+        indices = torch.from_numpy(np.stack([src_slots, dst_slots]).astype(np.int64)).pin_memory()
         with torch.cuda.stream(self._stream):
             on_device = indices.to(self.device, non_blocking=True)
             if self.copy_delay_cycles:
@@ -146,7 +152,7 @@ class TorchCopyExecutor(CopyExecutor):
                     relocate_slots(pool, on_device[0], on_device[1])
             event = torch.cuda.Event()
             event.record(self._stream)
-        return CopyHandle(plans, event, keepalive=(indices, on_device))
+        return CopyHandle(event, keepalive=(indices, on_device))
 
 
 class AccountingCopyExecutor(CopyExecutor):
@@ -161,5 +167,5 @@ class AccountingCopyExecutor(CopyExecutor):
     def bytes_per_move(self) -> int:
         return self._bytes_per_move
 
-    def submit_many(self, plans: Sequence[RelocationPlan]) -> CopyHandle:
-        return CopyHandle(plans)
+    def submit_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> CopyHandle:
+        return CopyHandle()

@@ -44,17 +44,22 @@ class LiveSnapshot:
 
 def snapshot_live(table: TokenTable, req_id: int, pools: Sequence[torch.Tensor]) -> LiveSnapshot:
     """Reads every live token's KV back to the host: a check, never on the decode hot path."""
+    ids = table.live_ids(req_id)
+    return snapshot_slots(table.num_tokens(req_id), ids, table.slots_of(req_id, ids), pools)
+
+
+def snapshot_slots(num_tokens: int, ids: np.ndarray, slots: np.ndarray, pools: Sequence[torch.Tensor]) -> LiveSnapshot:
+    """The snapshot of live ``ids`` (ascending) stored at flat ``slots``, KV read from ``pools``."""
     import torch
 
-    ids = table.live_ids(req_id)
     rows = [np.zeros((len(ids), 0), dtype=np.uint8)]
     if len(ids) and pools:
-        slots = torch.from_numpy(table.slots_of(req_id, ids)).to(pools[0].device)
+        where = torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(pools[0].device)
         tpb = pools[0].shape[4]
         for pool in pools:
-            values = pool[slots // tpb, :, :, :, slots % tpb].contiguous().cpu()
+            values = pool[where // tpb, :, :, :, where % tpb].contiguous().cpu()
             rows.append(values.view(torch.uint8).reshape(len(ids), -1).numpy())
-    return LiveSnapshot(table.num_tokens(req_id), ids, np.concatenate(rows, axis=1))
+    return LiveSnapshot(num_tokens, np.asarray(ids, dtype=np.int64), np.concatenate(rows, axis=1))
 
 
 def check_conservation(req_id: int, before: LiveSnapshot, after: LiveSnapshot) -> str:

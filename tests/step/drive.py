@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Random batches for the step's tests: requests joining and leaving, prefill and decode rows,
+several policies in one batch (and requests that never evict), blocks becoming shared."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from trtllm_vtoken.policies import make_policy
+from trtllm_vtoken.reclaim.copy import TorchCopyExecutor
+from trtllm_vtoken.step import DecodeStep, StepConfig, StepInput
+
+POLICY_SPECS = [("h2o", 6, {}), ("scissorhands", 0.6, {"history_window": 3, "recent_window": 2}),
+                ("streaming_llm", 5, {"n_sink": 2}), ("sliding_window", 0.5, {}), ("random", 7, {"seed": 3})]
+
+
+class Host:
+    """A block pool (free list, shared set) and a KV pool, as a host keeps them."""
+
+    def __init__(self, num_blocks: int, tpb: int, seed: int = 0) -> None:
+        self.num_blocks, self.tpb = num_blocks, tpb
+        self.free = list(range(num_blocks))
+        self.shared: set[int] = set()
+        gen = torch.Generator().manual_seed(seed)
+        self.kv = torch.randn(num_blocks, 2, 2, 1, tpb, 4, generator=gen)
+
+    def allocate(self, n: int) -> list[int]:
+        taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+    def release(self, blocks) -> None:
+        self.free.extend(int(b) for b in blocks)
+
+
+def make_step(host: Host, impl: str, compaction: str, threshold: int = 1, policy=None) -> DecodeStep:
+    return DecodeStep(StepConfig(compaction, threshold, check_invariants=True, impl=impl), host.num_blocks, host.tpb,
+                      policy, TorchCopyExecutor([host.kv]), host.shared.__contains__, lambda: host.shared)
+
+
+def random_policies(rng: np.random.Generator) -> list:
+    """Fresh policy objects, one per spec, plus None (a request that opts out)."""
+    return [make_policy(name, budget, **options) for name, budget, options in POLICY_SPECS] + [None]
+
+
+def random_batch(rng: np.random.Generator, step: DecodeStep, host: Host, new_requests: list[int]) -> StepInput:
+    """A batch of some running requests (one token each) and the new ones (a prompt each), with
+    the blocks the host allocates for them and a random attention mass."""
+    running = [r for r in step.request_ids() if r not in new_requests]
+    rows = [r for r in running if rng.random() < 0.8] + new_requests
+    rows = [rows[i] for i in rng.permutation(len(rows))]
+    num_new, blocks = [], []
+    for req in rows:
+        n = int(rng.integers(1, 4 * host.tpb)) if req in new_requests else 1
+        need = -(-(step.kv_len(req) + n) // host.tpb) - step.num_blocks(req)
+        num_new.append(n)
+        blocks.append(host.allocate(max(need, 0) + int(rng.random() < 0.05)))
+    width = max((step.kv_len(r) + n for r, n in zip(rows, num_new)), default=0) + int(rng.integers(0, 3))
+    mass = rng.random((len(rows), width)) * rng.lognormal(0, 2, (len(rows), width))
+    offsets = np.cumsum([0] + [len(b) for b in blocks])
+    return StepInput(rows, num_new, offsets, [b for bl in blocks for b in bl], mass=mass,
+                     pressure=bool(rng.random() < 0.15))

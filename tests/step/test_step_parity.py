@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The step served by the C++ core equals the step served by the Python core: the same random
+batches (prefill and decode rows, five policies and opted-out requests mixed in one batch,
+requests joining and leaving, blocks becoming shared) give the same victims, moves, freed blocks,
+lengths, tables and KV, with I1/I2 checked around every step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.step.drive import Host, make_step, random_batch, random_policies
+from trtllm_vtoken.core.native import load
+
+pytestmark = pytest.mark.skipif(load() is None, reason="the C++ core is not built")
+
+
+def outputs_equal(a, b) -> None:
+    for name in ("req_ids", "victim_offsets", "victims", "lost", "num_tokens"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    for name, x, y in zip(a.table._fields, a.table, b.table):
+        assert np.array_equal(x, y), name
+
+
+def tables_equal(a, b) -> None:
+    assert a.request_ids() == b.request_ids()
+    for req in a.request_ids():
+        sa, sb = a.core.sequence(req), b.core.sequence(req)
+        nb = len(sa.block_ids) * a.tokens_per_block
+        assert (sa.block_ids, sa.kv_len, sa.num_tokens, sa.num_live, sa.version) == \
+            (sb.block_ids, sb.kv_len, sb.num_tokens, sb.num_live, sb.version), req
+        assert np.array_equal(sa.token_at[:nb], sb.token_at[:nb]) and sorted(sa.pending_dead) == sorted(sb.pending_dead)
+        assert np.array_equal(sa.live[: sa.num_tokens], sb.live[: sb.num_tokens])
+
+
+@settings(max_examples=40, deadline=None)
+@given(compaction=st.sampled_from(["dense", "lazy", "dead-blocks"]), tpb=st.sampled_from([2, 4, 8]),
+       steps=st.integers(1, 25), threshold=st.integers(1, 3), seed=st.integers(0, 2**31))
+def test_cpp_step_equals_python_step(compaction, tpb, steps, threshold, seed):
+    rng = np.random.default_rng(seed)
+    hosts = [Host(256, tpb, seed), Host(256, tpb, seed)]
+    policies = [random_policies(np.random.default_rng(seed)) for _ in hosts]
+    steps_ = [make_step(h, impl, compaction, threshold, p[0]) for h, impl, p in zip(hosts, ("python", "cpp"), policies)]
+    next_req = 0
+    for _ in range(steps):
+        joining = list(range(next_req, next_req + int(rng.integers(0, 3))))
+        next_req += len(joining)
+        choice = [int(rng.integers(0, len(policies[0]))) for _ in joining]
+        for step, pols in zip(steps_, policies):
+            for req, k in zip(joining, choice):
+                step.add_request(req, pols[k])
+        if not steps_[0].request_ids():
+            continue
+        if rng.random() < 0.1 and steps_[0].request_ids():  # a block becomes shared (prefix caching)
+            req = int(rng.choice(steps_[0].request_ids()))
+            if steps_[0].num_blocks(req):
+                for host in hosts:
+                    host.shared.add(steps_[0].block_ids(req)[0])
+        state = rng.bit_generator.state
+        inputs = []
+        for step, host in zip(steps_, hosts):
+            rng.bit_generator.state = state
+            inputs.append(random_batch(rng, step, host, joining))
+        outs = [step.run(inp) for step, inp in zip(steps_, inputs)]
+        outputs_equal(*outs)
+        for host, out in zip(hosts, outs):
+            host.release(out.table.freed)
+        tables_equal(*steps_)
+        assert torch.equal(hosts[0].kv, hosts[1].kv)
+        for req in steps_[0].request_ids():  # some finish
+            if rng.random() < 0.08:
+                for step, host in zip(steps_, hosts):
+                    host.release(b for b in step.remove_request(req) if b not in host.shared)
+    for step in steps_:
+        step.check_integrity()
+    assert steps_[0].stats.tokens_evicted == steps_[1].stats.tokens_evicted

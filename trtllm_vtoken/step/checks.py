@@ -1,0 +1,80 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The step's invariant checks (``StepConfig.check_invariants``), around each ``run``:
+
+- I1: the live ids of every request that changed, and their KV bytes, hash the same before the
+  table call and after the copy (new tokens, moved ones included; evicted ones leave).
+- I2: every live id maps to one slot, no slot twice, counters agree (``core.integrity``), for the
+  batch's requests; and the step's batch layout agrees with the table: per position, the live
+  logical id (or -1), block rows, lengths, counts.
+
+A check, never the decode hot path: it reads tables and KV back to the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from trtllm_vtoken.reclaim.invariants import LiveSnapshot, check_conservation, snapshot_slots
+from trtllm_vtoken.step.io import StepOutput
+
+if TYPE_CHECKING:
+    from trtllm_vtoken.step.step import DecodeStep
+
+
+class StepChecks:
+    def __init__(self, step: DecodeStep) -> None:
+        self.step = step
+
+    def _pools(self) -> list:
+        return list(getattr(self.step.executor, "pools", ()) or ())
+
+    def before(self, req_ids: np.ndarray, new_slots: np.ndarray, num_new: np.ndarray) -> list[LiveSnapshot]:
+        """Snapshots of the batch after the new tokens were written, before the table call."""
+        core, pools = self.step.core, self._pools()
+        out, start = [], 0
+        for req_id, n in zip(req_ids.tolist(), num_new.tolist()):
+            ids, slots = core.live_slots(req_id)
+            first = core.num_tokens(req_id)
+            ids = np.concatenate([ids, np.arange(first, first + n)])
+            slots = np.concatenate([slots, new_slots[start : start + n]])
+            start += n
+            out.append(snapshot_slots(first + n, ids, slots, pools))
+        return out
+
+    def after(self, out: StepOutput, before: list[LiveSnapshot], changed: np.ndarray) -> None:
+        """I1 for the requests that changed (after their copy completed), I2 for the batch."""
+        if out.copy is not None:
+            out.copy.synchronize()
+        core, pools = self.step.core, self._pools()
+        for i in np.flatnonzero(changed).tolist():
+            req_id = int(out.req_ids[i])
+            ids, slots = core.live_slots(req_id)
+            check_conservation(req_id, before[i], snapshot_slots(core.num_tokens(req_id), ids, slots, pools))
+        self.layout(out.req_ids.tolist())
+        self.step.stats.invariant_checks += int(changed.sum())
+
+    def layout(self, req_ids: Collection[int]) -> None:
+        """I2 and the batch layout against the table. Raises RuntimeError naming what differs."""
+        step = self.step
+        step.core.check_integrity(req_ids, step.is_shared)
+        slots = step.slots
+        for req_id in req_ids:
+            seq, row = step.core.sequence(req_id), slots.row_of[req_id]
+            counters = (int(slots.kv_len[row]), int(slots.num_tokens[row]), int(slots.num_live[row]))
+            if counters != (seq.kv_len, seq.num_tokens, seq.num_live):
+                raise RuntimeError(f"request {req_id}: the step counts (kv_len, tokens, live) {counters}, "
+                                   f"the table {(seq.kv_len, seq.num_tokens, seq.num_live)}")
+            if step.block_ids(req_id) != list(seq.block_ids):
+                raise RuntimeError(f"request {req_id}: the step's block row {step.block_ids(req_id)} is not "
+                                   f"the table's {list(seq.block_ids)}")
+            tokens = step.batch_tokens([req_id])[0, : len(seq.block_ids) * step.tokens_per_block]
+            held = seq.token_at[: len(tokens)].astype(np.int64)
+            expected = np.where(held >= 0, held, -1)
+            expected[held >= 0] = np.where(seq.live[held[held >= 0]] > 0, held[held >= 0], -1)
+            if not np.array_equal(tokens, expected):
+                bad = int(np.flatnonzero(tokens != expected)[0])
+                raise RuntimeError(f"request {req_id}: position {bad} holds live token {expected[bad]} in the "
+                                   f"table but {tokens[bad]} in the step's slots")

@@ -1,0 +1,52 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The step's settings (frozen, validated) and its counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trtllm_vtoken.reclaim.step_batch import COMPACTIONS
+from trtllm_vtoken.step.core import IMPLS
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    compaction: str = "dense"
+    """"dense": fill every hole before the next attention and release the tail (kernels without a
+    per-token mask: TensorRT-LLM's). "lazy": holes stay (masked attention); a request is compacted
+    once it holds ``fragmentation_threshold`` blocks beyond the ideal, or under pressure.
+    "dead-blocks": nothing moves, only blocks whose every token is dead are released (naive-evict)."""
+    fragmentation_threshold: int = 1
+    check_invariants: bool = False
+    """Around every step: I1 (live ids + KV bytes hash the same), I2 (the table and the step's
+    batch layout agree, no slot twice), the plan checks of I4."""
+    impl: str = "auto"
+    """"cpp", "python" or "auto" (cpp where built): the token-table implementation."""
+
+    def __post_init__(self) -> None:
+        if self.compaction not in COMPACTIONS:
+            raise ValueError(f"compaction must be one of {COMPACTIONS}, got {self.compaction!r}")
+        if self.fragmentation_threshold < 1:
+            raise ValueError(f"fragmentation_threshold must be >= 1, got {self.fragmentation_threshold}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+
+
+@dataclass
+class StepStats:
+    steps: int = 0
+    tokens_evicted: int = 0
+    compactions: int = 0
+    """Request-steps whose physical layout changed (tokens moved, length shortened or blocks
+    released): what one relocation plan per request did before."""
+    moves: int = 0
+    blocks_freed: int = 0
+    bytes_copied: int = 0
+    invariant_checks: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("table", "policy", "core", "copy", "checks"), 0.0))
+    """Host time: "table" the batch layout's upkeep (slots, block rows, counters); "policy" mass
+    reduction, observation and selection; "core" the one token-table call (append, evict, plan,
+    commit); "copy" submitting the copy and ordering it; "checks" invariant checks."""
+    mass_seconds: float = 0.0
+    """Time in a ``Mass`` function (the simulated attention): not host work of the step."""

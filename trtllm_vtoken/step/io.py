@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What a host hands the step once per iteration, and what it gets back. B = requests in the
+batch; lists per request come in CSR form (request i's entries are
+``values[offsets[i]:offsets[i + 1]]``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trtllm_vtoken.reclaim.copy import CopyHandle
+from trtllm_vtoken.reclaim.step_batch import StepBatchResult
+
+Mass = Callable[[np.ndarray], Any]
+"""A function of the batch's token layout (int [B, L], the live logical id at each position or
+-1) returning the attention mass per position [B, >= L]: for hosts whose attention is computed
+from that layout (the simulated backend). Its time is not counted as the step's."""
+
+
+@dataclass
+class StepInput:
+    """One iteration of a batch, after the forward wrote the new tokens' KV."""
+
+    req_ids: Sequence[int]
+    """[B] requests of the batch, each added to the step (``DecodeStep.add_request``) once."""
+    num_new: Sequence[int]
+    """[B] tokens each request wrote this iteration: 1 when decoding, the prompt at prefill."""
+    new_block_offsets: Sequence[int]
+    """[B + 1] CSR offsets into ``new_blocks``."""
+    new_blocks: Sequence[int]
+    """Blocks the host appended to each request's list for the new tokens (allocated by it)."""
+    mass: Any = None
+    """Attention each physical position received this iteration, summed over layers, heads and
+    queries: [B, >= L] (numpy or torch; L covers every row's length after the new tokens), or a
+    ``Mass`` function, or None when no policy of the batch observes attention."""
+    pressure: bool = False
+    """The pool is short of free blocks: lazy compaction runs whatever the fragmentation."""
+    stream: Any = None
+    """CUDA: the stream the next forward runs on; it is made to wait on the copy (I3). None: the
+    host waits for the copy (CPU: it is synchronous)."""
+
+    @classmethod
+    def decode(cls, req_ids: Sequence[int], new_blocks: Sequence[Sequence[int]] | None = None,
+               **kwargs: Any) -> StepInput:
+        """One new token per request; ``new_blocks[i]``: request i's new blocks (default none)."""
+        lists = new_blocks if new_blocks is not None else [[] for _ in req_ids]
+        offsets = np.cumsum([0] + [len(b) for b in lists])
+        flat = [b for blocks in lists for b in blocks]
+        return cls(list(req_ids), [1] * len(req_ids), offsets, flat, **kwargs)
+
+
+@dataclass
+class StepOutput:
+    """What the step did. int64 arrays; CSR as the input."""
+
+    req_ids: np.ndarray
+    """[B]."""
+    victim_offsets: np.ndarray
+    """[B + 1] into ``victims``."""
+    victims: np.ndarray
+    """Logical ids evicted this step, each request's ascending."""
+    table: StepBatchResult
+    """The token table's step: moves (token, source slot, destination slot; already copied or
+    the copy submitted), the blocks released request by request (the host frees them in its pool,
+    or its allocator releases them: TensorRT-LLM's rewind_kv_cache by ``lost``), and each
+    request's physical KV length after the step (the refreshed lengths for the kernels)."""
+    lost: np.ndarray
+    """[B] physical tokens each request's length lost this step (after its new tokens): what a
+    position-shift pass rotates its surviving keys by (-lost), what TensorRT-LLM rewinds."""
+    num_tokens: np.ndarray
+    """[B] logical lengths (prompt + generated): the next token's position is this."""
+    copy: CopyHandle | None = None
+    """The submitted copy, already ordered before the host's next forward (None: no moves)."""
+
+    def victims_of(self, i: int) -> list[int]:
+        return self.victims[self.victim_offsets[i] : self.victim_offsets[i + 1]].tolist()

@@ -1,0 +1,191 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The step's batch layout: per physical slot of the pool, which live logical id it holds and the
+policies' per-token statistics; per request, a row of a block table and its counters.
+
+    tokens  int32 [(num_blocks + 1) * B]     slot -> live logical id, -1 if none (the last block is
+                                             a scratch block that padding reads)
+    stats   name -> [(num_blocks + 1) * B]   e.g. H2O's accumulated mass, beside the KV
+    block_table  int32 [rows, max_blocks]    row r = one request's block list, scratch-padded
+
+A batch's view is one gather through its rows of the block table, block by block:
+
+    block_table[rows]       [[7, 2, 9, S], [4, 1, S, S]]           (S: the scratch block)
+    tokens.reshape(-1, B)[that]  -> [2, 4, B] -> [2, 4 * B]        positions of each request
+
+The step keeps both in step with the token table: new tokens write their ids (statistics start at
+0), evictions clear them, relocations move ids and statistics from source to destination slot,
+released blocks leave the rows. Every slot that does not hold a live token holds -1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+NO_TOKEN = -1
+
+
+class SlotMap:
+    """Batch-layout state of one step over a pool of ``num_blocks`` blocks."""
+
+    def __init__(self, num_blocks: int, tokens_per_block: int) -> None:
+        if num_blocks <= 0 or tokens_per_block <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and tokens_per_block ({tokens_per_block}) must be positive")
+        self.num_blocks, self.tokens_per_block = num_blocks, tokens_per_block
+        self.scratch = num_blocks
+        self.tokens = np.full((num_blocks + 1) * tokens_per_block, NO_TOKEN, dtype=np.int32)
+        self.stats: dict[str, np.ndarray] = {}
+        self.row_of: dict[int, int] = {}
+        self._free_rows: list[int] = []
+        self.block_table = np.full((8, 8), self.scratch, dtype=np.int32)
+        self.num_blocks_of = np.zeros(8, dtype=np.int64)
+        self.kv_len = np.zeros(8, dtype=np.int64)
+        self.num_tokens = np.zeros(8, dtype=np.int64)
+        self.num_live = np.zeros(8, dtype=np.int64)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_stat(self, name: str, dtype: type) -> None:
+        """Keeps a per-slot statistic (0 everywhere to start), once per name."""
+        if name in self.stats:
+            if self.stats[name].dtype != np.dtype(dtype):
+                raise ValueError(f"slot statistic {name!r} is {self.stats[name].dtype}, asked again as {dtype}")
+            return
+        self.stats[name] = np.zeros(len(self.tokens), dtype=dtype)
+
+    def add_request(self, req_id: int) -> int:
+        """A row for a new request (no blocks, no tokens); returns it."""
+        if req_id in self.row_of:
+            raise ValueError(f"request {req_id} already has a row")
+        if self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            row = len(self.row_of)
+            if row >= len(self.kv_len):
+                self._grow_rows(2 * len(self.kv_len))
+        self.row_of[req_id] = row
+        self.num_blocks_of[row] = self.kv_len[row] = self.num_tokens[row] = self.num_live[row] = 0
+        self.block_table[row] = self.scratch
+        return row
+
+    def remove_request(self, req_id: int, block_ids: Sequence[int], is_shared: Callable[[int], bool]) -> None:
+        """Frees the request's row; its blocks' slots are emptied unless another request shares them."""
+        row = self.row_of.pop(req_id)
+        own = [b for b in block_ids if not is_shared(b)]
+        if own:
+            self.tokens.reshape(-1, self.tokens_per_block)[own] = NO_TOKEN
+        self.block_table[row] = self.scratch
+        self._free_rows.append(row)
+
+    def rows(self, req_ids: Iterable[int]) -> np.ndarray:
+        """[B] int64 rows of the requests. KeyError names an unknown request."""
+        try:
+            return np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64)
+        except KeyError as err:
+            raise KeyError(f"unknown request {err.args[0]}") from None
+
+    # ---- the step's updates -----------------------------------------------------------------------
+    def append_blocks(self, rows: np.ndarray, offsets: np.ndarray, blocks: np.ndarray) -> None:
+        """Appends CSR ``blocks`` (request i: blocks[offsets[i]:offsets[i + 1]]) to the rows."""
+        counts = np.diff(offsets)
+        if not len(blocks):
+            return
+        needed = int((self.num_blocks_of[rows] + counts).max())
+        if needed > self.block_table.shape[1]:
+            self._grow_columns(needed)
+        owner = np.repeat(rows, counts)
+        columns = self.num_blocks_of[owner] + (np.arange(len(blocks)) - np.repeat(offsets[:-1], counts))
+        self.block_table[owner, columns] = blocks
+        self.num_blocks_of[rows] += counts
+
+    def register(self, rows: np.ndarray, num_new: np.ndarray) -> np.ndarray:
+        """New tokens at positions [kv_len, kv_len + num_new) of each row get the next logical ids;
+        their statistics start at 0. Returns their slots (row by row)."""
+        total = int(num_new.sum())
+        if not total:
+            return np.zeros(0, dtype=np.int64)
+        tpb = self.tokens_per_block
+        owner = np.repeat(rows, num_new)
+        step = np.arange(total) - np.repeat(np.cumsum(num_new) - num_new, num_new)
+        positions = self.kv_len[owner] + step
+        slots = self.block_table[owner, positions // tpb].astype(np.int64) * tpb + positions % tpb
+        self.tokens[slots] = self.num_tokens[owner] + step
+        for values in self.stats.values():
+            values[slots] = 0
+        self.kv_len[rows] += num_new
+        self.num_tokens[rows] += num_new
+        self.num_live[rows] += num_new
+        return slots
+
+    def slots_at(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Flat slots of (row, position) pairs. int64."""
+        tpb = self.tokens_per_block
+        return self.block_table[rows, positions // tpb].astype(np.int64) * tpb + positions % tpb
+
+    def evict(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """The tokens at ``slots`` (of ``rows``, one entry per victim) died."""
+        self.tokens[slots] = NO_TOKEN
+        np.subtract.at(self.num_live, rows, 1)
+
+    def move(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Relocations: ids and statistics go from ``src`` to ``dst`` slots (disjoint sets)."""
+        if not len(src):
+            return
+        self.tokens[dst] = self.tokens[src]
+        self.tokens[src] = NO_TOKEN
+        for values in self.stats.values():
+            values[dst] = values[src]
+
+    def set_rows(self, rows: np.ndarray, kv_lens: np.ndarray, blocks: Callable[[int], list[int]],
+                 freed_counts: np.ndarray, tail_only: bool) -> None:
+        """After the table step: new physical lengths, and released blocks leave the rows (the tail
+        in dense mode; any block otherwise, where ``blocks(row index)`` rebuilds the row)."""
+        self.kv_len[rows] = kv_lens
+        shrunk = np.flatnonzero(freed_counts)
+        if not len(shrunk):
+            return
+        if tail_only:
+            r, k = rows[shrunk], freed_counts[shrunk]
+            kept = self.num_blocks_of[r] - k
+            owner = np.repeat(r, k)
+            self.block_table[owner, np.repeat(kept, k) + (np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k))] = \
+                self.scratch
+            self.num_blocks_of[r] = kept
+            return
+        for i in shrunk.tolist():
+            row, listed = int(rows[i]), blocks(i)
+            self.block_table[row] = self.scratch
+            self.block_table[row, : len(listed)] = listed
+            self.num_blocks_of[row] = len(listed)
+
+    # ---- batch views ---------------------------------------------------------------------------
+    def block_rows(self, rows: np.ndarray) -> np.ndarray:
+        """[B, nb] the rows of the block table, nb = the longest list (scratch-padded)."""
+        width = int(self.num_blocks_of[rows].max()) if len(rows) else 0
+        return self.block_table[rows, : max(width, 1)]
+
+    def gather(self, values: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Per-slot ``values`` in the batch layout [B, nb * tokens_per_block] (a copy)."""
+        tpb = self.tokens_per_block
+        return values.reshape(-1, tpb)[blocks].reshape(len(blocks), blocks.shape[1] * tpb)
+
+    def scatter(self, values: np.ndarray, blocks: np.ndarray, batch: np.ndarray) -> None:
+        """Writes a batch-layout array back to its slots (scratch and shared blocks: any writer)."""
+        tpb = self.tokens_per_block
+        values.reshape(-1, tpb)[blocks] = batch.reshape(*blocks.shape, tpb)
+
+    # ---- private -------------------------------------------------------------------------------
+    def _grow_rows(self, capacity: int) -> None:
+        extra = capacity - len(self.kv_len)
+        self.block_table = np.vstack([self.block_table,
+                                      np.full((extra, self.block_table.shape[1]), self.scratch, dtype=np.int32)])
+        for name in ("num_blocks_of", "kv_len", "num_tokens", "num_live"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, dtype=np.int64)]))
+
+    def _grow_columns(self, needed: int) -> None:
+        width = self.block_table.shape[1]
+        while width < needed:
+            width *= 2
+        grown = np.full((self.block_table.shape[0], width), self.scratch, dtype=np.int32)
+        grown[:, : self.block_table.shape[1]] = self.block_table
+        self.block_table = grown

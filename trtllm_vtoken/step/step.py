@@ -1,0 +1,323 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``DecodeStep``: vToken's whole per-iteration work for a batch, in one call a host makes after
+each forward (design: "One step for every host").
+
+    run(StepInput)
+      1. register   the new tokens and blocks (batch layout: slots, block rows, counters)
+      2. decide     per policy group: mass (optionally reduced across ranks), observe, select,
+                    all vectorised over [requests, positions]
+      3. table      one call of the token-table core: append, evict, plan (dense / lazy), commit
+                    (C++ where built: ``cpp/core/batch.cpp``; else ``reclaim/step_batch.py``)
+      4. copy       ONE copy of every request's moves through the copy executor, ordered before
+                    the host's next forward (I3)
+      5. out        victims, moves, freed blocks, refreshed lengths, lost lengths (``StepOutput``)
+
+Requests in one batch may follow different policies (``add_request(req, policy)``; None: the
+request never evicts). The host owns the blocks: it allocates the new ones it passes in and frees
+the ones the output lists. Shared blocks (prefix caching) are protected: no policy evicts their
+tokens, no plan moves in or out of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Collection
+from typing import Any
+
+import numpy as np
+
+from trtllm_vtoken.policies import EvictionPolicy
+from trtllm_vtoken.policies.batch import BatchView
+from trtllm_vtoken.reclaim.copy import CopyExecutor
+from trtllm_vtoken.step.checks import StepChecks
+from trtllm_vtoken.step.config import StepConfig, StepStats
+from trtllm_vtoken.step.core import TableCore, make_core
+from trtllm_vtoken.step.io import StepInput, StepOutput
+from trtllm_vtoken.step.slots import SlotMap
+
+DEFAULT = object()
+"""``add_request``'s policy argument: the step's default policy."""
+
+
+class DecodeStep:
+    """One step for every host. See the module docstring.
+
+    Args:
+        num_blocks: Blocks in the host's pool (block ids lie in [0, num_blocks)).
+        policy: The default policy (None: requests never evict unless given one).
+        executor: Copies KV for the moves; None for metadata-only hosts (no KV tensors).
+        is_shared / shared_blocks: Prefix caching: whether a block is shared, and the set of shared
+            blocks now. Default: nothing is ever shared.
+        reduce_mass: Applied to the batch's mass [B, L] before any policy sees it: tensor /
+            pipeline parallelism sums it over the ranks here, so every rank decides alike.
+    """
+
+    def __init__(self, config: StepConfig, num_blocks: int, tokens_per_block: int,
+                 policy: EvictionPolicy | None = None, executor: CopyExecutor | None = None,
+                 is_shared: Callable[[int], bool] | None = None,
+                 shared_blocks: Callable[[], Collection[int]] | None = None,
+                 reduce_mass: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        self.config = config
+        self.tokens_per_block = tokens_per_block
+        self.is_shared = is_shared or (lambda block_id: False)
+        self.shared_blocks = shared_blocks or (lambda: ())
+        self.core: TableCore = make_core(config.impl, tokens_per_block, self.is_shared)
+        self.impl = self.core.impl
+        self.slots = SlotMap(num_blocks, tokens_per_block)
+        self.executor = executor
+        self.reduce_mass = reduce_mass
+        self.policy = policy
+        self.stats = StepStats()
+        self.checks = StepChecks(self) if config.check_invariants else None
+        self._policies: list[EvictionPolicy] = []
+        self._policy_of: dict[int, int] = {}  # request -> index into _policies (absent: never evicts)
+        self._pushed_shared: frozenset[int] = frozenset()
+        self._broken: str | None = None
+        if policy is not None:
+            self._policy_index(policy)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, req_id: int, policy: Any = DEFAULT) -> None:
+        """A new request, with no tokens yet (its first ``run`` registers its prompt)."""
+        chosen = self.policy if policy is DEFAULT else policy
+        self.core.add_request(req_id)
+        self.slots.add_request(req_id)
+        if chosen is not None:
+            self._policy_of[req_id] = self._policy_index(chosen)
+
+    def remove_request(self, req_id: int) -> list[int]:
+        """Forgets the request; returns its block list, which the host frees in its pool."""
+        blocks = self.core.remove_request(req_id)
+        self.slots.remove_request(req_id, blocks, self.is_shared)
+        index = self._policy_of.pop(req_id, None)
+        if index is not None:
+            self._policies[index].forget(req_id)
+        return blocks
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self.slots.row_of
+
+    def request_ids(self) -> list[int]:
+        return self.core.request_ids()
+
+    def policy_of(self, req_id: int) -> EvictionPolicy | None:
+        index = self._policy_of.get(req_id)
+        return None if index is None else self._policies[index]
+
+    def observes_attention(self, req_ids: Collection[int] | None = None) -> bool:
+        """Does any of these requests' policies (default: any policy) need the attention mass?"""
+        if req_ids is None:
+            return any(p.observes_attention() for p in self._policies)
+        return any(self._policies[self._policy_of[r]].observes_attention() for r in req_ids if r in self._policy_of)
+
+    # ---- queries (the table's) ---------------------------------------------------------------------
+    def kv_len(self, req_id: int) -> int:
+        return int(self.slots.kv_len[self.slots.row_of[req_id]])
+
+    def num_tokens(self, req_id: int) -> int:
+        return int(self.slots.num_tokens[self.slots.row_of[req_id]])
+
+    def num_live(self, req_id: int) -> int:
+        return int(self.slots.num_live[self.slots.row_of[req_id]])
+
+    def num_blocks(self, req_id: int) -> int:
+        return int(self.slots.num_blocks_of[self.slots.row_of[req_id]])
+
+    def block_ids(self, req_id: int) -> list[int]:
+        row = self.slots.row_of[req_id]
+        return self.slots.block_table[row, : self.slots.num_blocks_of[row]].tolist()
+
+    def block_rows(self, req_ids: Collection[int]) -> np.ndarray:
+        """[B, nb] int32: the requests' block lists, padded with ``num_blocks`` (a scratch id)."""
+        return self.slots.block_rows(self.slots.rows(req_ids))
+
+    def batch_tokens(self, req_ids: Collection[int]) -> np.ndarray:
+        """[B, L] int32: the live logical id at each physical position of each request, -1 where
+        none (what the attention of a masked kernel may read)."""
+        return self.slots.gather(self.slots.tokens, self.block_rows(req_ids))
+
+    def metadata_bytes_per_token(self) -> float:
+        return self.core.metadata_bytes_per_token()
+
+    # ---- the step ------------------------------------------------------------------------------
+    def run(self, inp: StepInput) -> StepOutput:
+        """One iteration of the batch. Raises ValueError/KeyError for bad input (nothing changed);
+        RuntimeError if the token table refused the step midway (the step is then unusable)."""
+        if self._broken:
+            raise RuntimeError(f"the step is unusable after an earlier failure: {self._broken}")
+        clock, seconds = time.perf_counter, self.stats.seconds
+        t0 = clock()
+        req_ids, num_new, block_offsets, new_blocks = self._validated(inp)
+        rows = self.slots.rows(req_ids)
+        self._push_shared()
+        self.slots.append_blocks(rows, block_offsets, new_blocks)
+        new_slots = self.slots.register(rows, num_new)
+        length = self.slots.kv_len[rows].copy()
+        t1 = clock()
+        victim_index, victim_pos = self._decide(req_ids, rows, inp.mass)
+        victim_rows = rows[victim_index]
+        victim_slots = self.slots.slots_at(victim_rows, victim_pos)
+        victim_ids = self.slots.tokens[victim_slots].astype(np.int64)
+        victim_offsets = np.searchsorted(victim_index, np.arange(len(rows) + 1)).astype(np.int64)
+        t2 = clock()
+        before = self.checks.before(req_ids, new_slots, num_new) if self.checks else None
+        t3 = clock()
+        try:
+            result = self.core.step(req_ids, num_new, block_offsets, new_blocks, victim_offsets, victim_ids,
+                                    self.config.compaction, self.config.fragmentation_threshold, inp.pressure)
+        except (KeyError, ValueError) as exc:
+            self._broken = f"the token table refused a step: {exc}"
+            raise RuntimeError(self._broken) from exc
+        t4 = clock()
+        self.slots.evict(victim_rows, victim_slots)
+        self.slots.move(result.move_src, result.move_dst)
+        freed_counts = np.diff(result.freed_offsets)
+        self.slots.set_rows(rows, result.kv_lens, lambda i: self.core.block_ids(int(req_ids[i])), freed_counts,
+                            tail_only=self.config.compaction == "dense")
+        t5 = clock()
+        handle = None
+        if len(result.move_src) and self.executor is not None:
+            handle = self.executor.submit_slots(result.move_src, result.move_dst)
+            if inp.stream is not None:
+                handle.make_stream_wait(inp.stream)  # the next forward runs after the copy (I3)
+            else:
+                handle.synchronize()
+        t6 = clock()
+        lost = length - result.kv_lens
+        out = StepOutput(req_ids, victim_offsets, victim_ids, result, lost, self.slots.num_tokens[rows].copy(), handle)
+        changed = (np.diff(result.move_offsets) > 0) | (freed_counts > 0) | (lost > 0)
+        if self.checks:
+            self.checks.after(out, before, changed)
+        t7 = clock()
+        stats = self.stats
+        stats.steps += 1
+        stats.tokens_evicted += len(victim_ids)
+        stats.compactions += int(changed.sum())
+        stats.moves += len(result.move_src)
+        stats.blocks_freed += len(result.freed)
+        if self.executor is not None:
+            stats.bytes_copied += len(result.move_src) * self.executor.bytes_per_move()
+        seconds["table"] += (t1 - t0) + (t5 - t4)
+        seconds["policy"] += t2 - t1
+        seconds["core"] += t4 - t3
+        seconds["copy"] += t6 - t5
+        seconds["checks"] += (t3 - t2) + (t7 - t6)
+        return out
+
+    def check_integrity(self) -> None:
+        """I2 over every request, and the batch layout against the table. RuntimeError if broken."""
+        StepChecks(self).layout(self.request_ids())
+
+    def table_digest(self, req_ids: Collection[int] | None = None) -> str:
+        """SHA-256 of the requests' tables (lengths, block lists, logical id per position, liveness):
+        equal on every tensor/pipeline-parallel rank when their decisions agreed."""
+        digest = hashlib.sha256()
+        for req_id in sorted(self.request_ids() if req_ids is None else req_ids):
+            seq = self.core.sequence(req_id)
+            digest.update(np.array([req_id, seq.kv_len, seq.num_tokens, seq.num_live], dtype="<i8").tobytes())
+            digest.update(np.asarray(seq.block_ids, dtype="<i8").tobytes())
+            digest.update(seq.token_at[: seq.kv_len].astype("<i4").tobytes())
+            digest.update(seq.live[: seq.num_tokens].tobytes())
+        return digest.hexdigest()
+
+    # ---- private -------------------------------------------------------------------------------
+    def _policy_index(self, policy: EvictionPolicy) -> int:
+        for i, known in enumerate(self._policies):
+            if known is policy:
+                return i
+        for name, dtype in policy.slot_stats.items():
+            self.slots.add_stat(name, dtype)
+        self._policies.append(policy)
+        return len(self._policies) - 1
+
+    def _validated(self, inp: StepInput) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        req_ids = np.asarray(inp.req_ids, dtype=np.int64).reshape(-1)
+        num_new = np.asarray(inp.num_new, dtype=np.int64).reshape(-1)
+        offsets = np.asarray(inp.new_block_offsets, dtype=np.int64).reshape(-1)
+        blocks = np.asarray(inp.new_blocks, dtype=np.int64).reshape(-1)
+        batch = len(req_ids)
+        if len(num_new) != batch or len(offsets) != batch + 1:
+            raise ValueError(f"step: {batch} requests need {batch} num_new and {batch + 1} block offsets, "
+                             f"got {len(num_new)} and {len(offsets)}")
+        if len(set(req_ids.tolist())) != batch:
+            raise ValueError("step: a request appears twice in the batch")
+        if offsets[0] != 0 or offsets[-1] != len(blocks) or (np.diff(offsets) < 0).any():
+            raise ValueError("step: new_block_offsets must start at 0, never decrease and end at len(new_blocks)")
+        if (num_new < 0).any():
+            raise ValueError(f"step: num_new must be >= 0, got {num_new[num_new < 0][:4].tolist()}")
+        if len(blocks) and ((blocks < 0) | (blocks >= self.slots.num_blocks)).any():
+            raise ValueError(f"step: new block ids must lie in [0, {self.slots.num_blocks})")
+        if len(set(blocks.tolist())) != len(blocks):
+            raise ValueError("step: a new block is given twice")
+        rows = self.slots.rows(req_ids)
+        capacity = (self.slots.num_blocks_of[rows] + np.diff(offsets)) * self.tokens_per_block
+        short = np.flatnonzero(self.slots.kv_len[rows] + num_new > capacity)
+        if len(short):
+            i = int(short[0])
+            raise ValueError(f"step: request {req_ids[i]}'s {num_new[i]} new tokens do not fit its blocks")
+        return req_ids, num_new, offsets, blocks
+
+    def _push_shared(self) -> None:
+        """The C++ table keeps its own set of shared blocks: send it what changed."""
+        if self.impl != "cpp":
+            return
+        shared = frozenset(self.shared_blocks())
+        if shared != self._pushed_shared:
+            for block_id in shared - self._pushed_shared:
+                self.core.set_shared(block_id, True)
+            for block_id in self._pushed_shared - shared:
+                self.core.set_shared(block_id, False)
+            self._pushed_shared = shared
+
+    def _decide(self, req_ids: np.ndarray, rows: np.ndarray, mass: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Victims of the batch: (batch index, position) pairs sorted by index, then logical id."""
+        index = np.fromiter((self._policy_of.get(r, -1) for r in req_ids.tolist()), dtype=np.int64, count=len(rows))
+        if not self._policies or (index < 0).all():
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        slots = self.slots
+        blocks = slots.block_rows(rows)
+        tokens = slots.gather(slots.tokens, blocks)
+        observing = {i for i in set(index.tolist()) if i >= 0 and self._policies[i].observes_attention()}
+        mass_rows = self._mass(mass, tokens) if observing else None
+        shared = self.shared_blocks()
+        protected = (np.repeat(np.isin(blocks, list(shared)), self.tokens_per_block, axis=1) if len(shared) else None)
+        picked_index, picked_pos = [], []
+        for policy_index in sorted(set(index.tolist()) - {-1}):
+            policy = self._policies[policy_index]
+            group = slice(None) if (index == policy_index).all() else np.flatnonzero(index == policy_index)
+            group_blocks = blocks[group]
+            view = BatchView(req_ids[group], slots.num_tokens[rows[group]], slots.num_live[rows[group]], tokens[group],
+                             None if protected is None else protected[group],
+                             {name: slots.gather(slots.stats[name], group_blocks) for name in policy.slot_stats})
+            if policy_index in observing:
+                policy.observe_batch(view, mass_rows[group])
+                for name, values in view.stats.items():
+                    slots.scatter(slots.stats[name], group_blocks, values)
+            victims = policy.select_batch(view)
+            at = np.arange(len(rows))[group]
+            picked_index.append(at[victims.rows]), picked_pos.append(victims.positions)
+        victim_index = np.concatenate(picked_index)
+        victim_pos = np.concatenate(picked_pos)
+        if len(picked_index) > 1:
+            order = np.lexsort((tokens[victim_index, victim_pos], victim_index))
+            victim_index, victim_pos = victim_index[order], victim_pos[order]
+        return victim_index, victim_pos
+
+    def _mass(self, mass: Any, tokens: np.ndarray) -> np.ndarray:
+        """The batch's mass as float [B, L] (L = the token layout's width), reduced if asked."""
+        if mass is None:
+            raise ValueError("a policy of this batch observes attention: pass the mass per position")
+        if callable(mass):
+            start = time.perf_counter()
+            mass = mass(tokens)
+            self.stats.mass_seconds += time.perf_counter() - start
+        if not isinstance(mass, np.ndarray):  # a torch tensor (on any device)
+            mass = mass.detach().float().cpu().numpy()
+        width = tokens.shape[1]
+        if mass.ndim != 2 or mass.shape[0] != tokens.shape[0]:
+            raise ValueError(f"mass must be [{tokens.shape[0]}, >= L], got {list(mass.shape)}")
+        if mass.shape[1] < width:
+            mass = np.pad(mass, ((0, 0), (0, width - mass.shape[1])))
+        mass = mass[:, :width]
+        return self.reduce_mass(mass) if self.reduce_mass is not None else mass
