@@ -112,58 +112,63 @@ def make_manager(policy: str, budget=8, num_blocks=64, **extra):
                vtoken_settings=settings)
 
 
-def write_new_kv(manager, req_id: int, gen: torch.Generator) -> None:
-    """The forward's KV write: random K/V for the request's newest token at its slot."""
-    table = manager.vtoken.table
-    pool = manager.vtoken.backend.executor.pools[0]
-    for token in range(table.num_tokens(req_id)):
-        where = table.lookup(req_id, token)
-        if where is not None and not pool[where[0], :, :, :, where[1]].any():
-            pool[where[0], :, :, :, where[1]] = torch.randn(pool[0, :, :, :, 0].shape, generator=gen)
+def write_new_kv(manager, request, gen: torch.Generator) -> None:
+    """The forward's KV write: random K/V at the physical positions this iteration added to the
+    request (its prompt, or one token), through TensorRT-LLM's block list."""
+    step, req_id = manager.vtoken.step, request.py_request_id
+    start, count = (step.kv_len(req_id), 1) if req_id in step else (0, request.prompt_len)
+    blocks = manager.get_cache_indices(request)
+    pool = step.executor.pools[0]
+    for p in range(start, start + count):
+        pool[blocks[p // TPB], :, :, :, p % TPB] = torch.randn(pool[0, :, :, :, 0].shape, generator=gen)
 
 
 @pytest.mark.parametrize("policy", POLICIES.names())
 def test_manager_compacts_rewinds_and_agrees_with_the_allocator(policy):
     manager, gen = make_manager(policy), torch.Generator().manual_seed(1)
-    executor, copies = manager.vtoken.backend.executor, []
-    submit_many = executor.submit_many
-    executor.submit_many = lambda plans: copies.append(len(plans)) or submit_many(plans)
+    step = manager.vtoken.step
+    copies = []
+    submit_slots = step.executor.submit_slots
+    step.executor.submit_slots = lambda src, dst: copies.append(len(src)) or submit_slots(src, dst)
     requests = [LlmRequestDouble121(req, prompt_len=5 + 3 * req, max_new_tokens=20) for req in range(3)]
-    manager.prepare_resources(ScheduledRequestsDouble121(context_requests=requests))
+    prefill = ScheduledRequestsDouble121(context_requests=requests)
+    manager.prepare_resources(prefill)
     for request in requests:
-        write_new_kv(manager, request.py_request_id, gen)
-    table = manager.vtoken.table
-    for step in range(20):
+        write_new_kv(manager, request, gen)
+    manager.update_resources(prefill)  # the step registers the prompts (the policy may evict)
+    for _ in range(20):
         batch = ScheduledRequestsDouble121(generation_requests=requests)
-        manager.prepare_resources(batch)
+        manager.prepare_resources(batch)  # TensorRT-LLM's add_token, on the physical length
         for request in requests:
             req = request.py_request_id
-            write_new_kv(manager, req, gen)
-            # C++ and vToken agree on the block list; every position below kv_len is live (dense).
-            assert manager.get_cache_indices(request) == table.block_ids(req)
-            assert table.num_live(req) == table.kv_len(req)
-            assert manager.vtoken_evicted(req) == table.num_tokens(req) - table.kv_len(req)
+            write_new_kv(manager, request, gen)
+            held = manager.get_cache_indices(request)
+            assert held[: step.num_blocks(req)] == step.block_ids(req) and len(held) - step.num_blocks(req) <= 1
+            assert manager.vtoken_evicted(req) == step.num_tokens(req) - step.kv_len(req)
         metadata = build_metadata_class(TrtllmAttentionMetadataDouble121)(
             manager, [r.py_request_id for r in requests], 0,
-            KVCacheParamsDouble121([table.num_tokens(r.py_request_id) - 1 for r in requests]), [1] * 3)
+            KVCacheParamsDouble121([step.num_tokens(r.py_request_id) for r in requests]), [1] * 3)
         metadata.prepare()
-        assert metadata.kv_lens == [table.kv_len(r.py_request_id) for r in requests]  # physical
+        assert metadata.kv_lens == [step.kv_len(r.py_request_id) + 1 for r in requests]  # physical
         if manager.vtoken.needs_attention:  # the forward recorded decode queries
             for layer in range(LAYERS):
                 manager.vtoken_queries.record(layer, torch.randn(3, HEADS * DIM, generator=gen), 3)
-        manager.update_resources(batch)
-        for request in requests:  # the policy kept the budget
-            assert table.num_live(request.py_request_id) <= 8
-        table.check_integrity()
-    backend = manager.vtoken.backend.stats
-    assert manager.vtoken.stats.tokens_evicted > 0 and backend.plans > 0
-    assert len(copies) <= 20 and sum(copies) == backend.plans  # one copy per step for every request's plan
+        manager.update_resources(batch)  # one step: register, decide, compact, copy, rewind
+        for request in requests:
+            req = request.py_request_id
+            # TensorRT-LLM and vToken agree on the block list; every position below kv_len is live (dense).
+            assert manager.get_cache_indices(request) == step.block_ids(req)
+            assert step.num_live(req) == step.kv_len(req) <= 8  # the policy kept the budget
+        step.check_integrity()
+    stats = step.stats
+    assert stats.tokens_evicted > 0 and stats.compactions > 0
+    assert len(copies) <= 21 and sum(copies) == stats.moves  # one copy per step for every request's moves
     assert max(copies) > 1
-    assert backend.invariant_checks == backend.plans  # I1/I2/I4 on every relocation
-    assert backend.blocks_freed > 0
+    assert stats.invariant_checks == stats.compactions  # I1/I2 on every compaction
+    assert stats.blocks_freed > 0
     for request in requests:
         manager.free_resources(request)
-    assert manager.get_num_free_blocks() == 64 and not table.request_ids()
+    assert manager.get_num_free_blocks() == 64 and not step.request_ids()
 
 
 def test_manager_publishes_its_counters_for_the_metrics(tmp_path):
@@ -172,25 +177,24 @@ def test_manager_publishes_its_counters_for_the_metrics(tmp_path):
     stats = tmp_path / "stats.json"
     manager, gen = make_manager("sliding_window", budget=6, stats_file=str(stats)), torch.Generator().manual_seed(2)
     requests = [LlmRequestDouble121(req, prompt_len=9, max_new_tokens=12) for req in range(2)]
-    manager.prepare_resources(ScheduledRequestsDouble121(context_requests=requests))
-    for _ in range(12):
-        batch = ScheduledRequestsDouble121(generation_requests=requests)
+    for i in range(13):
+        batch = ScheduledRequestsDouble121(**{"generation_requests" if i else "context_requests": requests})
         manager.prepare_resources(batch)
         for request in requests:
-            write_new_kv(manager, request.py_request_id, gen)
+            write_new_kv(manager, request, gen)
         manager.update_resources(batch)
     assert read_stats(stats) is not None and manager.vtoken_stats.writes >= 1
     manager.free_resources(requests[0])
     published = read_stats(stats)
     assert set(published) <= {spec.name for spec in METRICS}
-    table, backend = manager.vtoken.table, manager.vtoken.backend.stats
+    step, stats = manager.vtoken.step, manager.vtoken.step.stats
     assert published["vtoken_requests_running"] == 1
-    assert published["vtoken_kv_blocks_retained"] == table.num_blocks(1) == 64 - manager.get_num_free_blocks()
-    assert published["vtoken_kv_utilization"] == table.num_live(1) / (table.num_blocks(1) * TPB)
-    assert published["vtoken_tokens_evicted"] == manager.vtoken.stats.tokens_evicted > 0
-    assert (published["vtoken_relocations"], published["vtoken_tokens_relocated"]) == (backend.plans, backend.moves)
-    assert published["vtoken_bytes_copied"] == backend.bytes_copied > 0
-    assert published["vtoken_blocks_reclaimed"] == backend.blocks_freed > 0
+    assert published["vtoken_kv_blocks_retained"] == step.num_blocks(1) == 64 - manager.get_num_free_blocks()
+    assert published["vtoken_kv_utilization"] == step.num_live(1) / (step.num_blocks(1) * TPB)
+    assert published["vtoken_tokens_evicted"] == stats.tokens_evicted > 0
+    assert (published["vtoken_relocations"], published["vtoken_tokens_relocated"]) == (stats.compactions, stats.moves)
+    assert published["vtoken_bytes_copied"] == stats.bytes_copied > 0
+    assert published["vtoken_blocks_reclaimed"] == stats.blocks_freed > 0
 
 
 def test_stats_file_writes_at_most_once_per_interval(tmp_path):
@@ -211,9 +215,25 @@ def test_stats_file_writes_at_most_once_per_interval(tmp_path):
 
 
 def test_budget_aware_resource_need_and_refused_settings():
-    manager = make_manager("sliding_window", budget=8)
+    """TensorRT-LLM's demand is the reference runtime's admission formula: a 40-token prompt is
+    written whole before its first eviction (41 tokens with the first new one: 11 blocks, not
+    ceil(100 / 4) = 25); once it runs at its budget of 8 it needs no block beyond what it holds."""
+    from trtllm_vtoken.core import BlockPool
+    from trtllm_vtoken.reclaim.admission import AdmissionConfig, AdmissionController, RequestState
+
+    manager, gen = make_manager("sliding_window", budget=8), torch.Generator().manual_seed(3)
     request = LlmRequestDouble121(0, prompt_len=40, max_new_tokens=60)
-    assert manager.get_needed_resource_to_completion(request) == 8 // TPB + 1  # not ceil(100 / 4)
+    engine_admission = AdmissionController(BlockPool(64, TPB), AdmissionConfig("vtoken"))
+    assert manager.get_needed_resource_to_completion(request) == 11 == \
+        engine_admission.peak_blocks(RequestState(40, 40, 60, 8))
+    for i in range(3):
+        batch = ScheduledRequestsDouble121(**{"generation_requests" if i else "context_requests": [request]})
+        manager.prepare_resources(batch)
+        write_new_kv(manager, request, gen)
+        manager.update_resources(batch)
+    step = manager.vtoken.step
+    assert step.num_live(0) == 8 and step.num_blocks(0) == 2
+    assert manager.get_needed_resource_to_completion(request) == 3 - 2  # ceil((8 + 1) / 4) - held
     cls = build_manager_class(KVCacheManagerDouble121)
     with pytest.raises(ValueError, match="enable_block_reuse=False"):
         cls(KvCacheConfigDouble121(enable_block_reuse=True), "SELF", num_layers=1, num_kv_heads=1, head_dim=2,
@@ -228,8 +248,8 @@ def test_padding_rows_and_unknown_requests_are_empty():
 
     manager = make_manager("random")
     assert manager.vtoken_evicted(CUDA_GRAPH_DUMMY_REQUEST_ID) == 0 and manager.vtoken_evicted(17) == 0
-    manager.vtoken.sync(CUDA_GRAPH_DUMMY_REQUEST_ID, [0], 1)
-    assert CUDA_GRAPH_DUMMY_REQUEST_ID not in manager.vtoken.table
+    assert manager.vtoken.run([(CUDA_GRAPH_DUMMY_REQUEST_ID, [0], 1)]) is None
+    assert CUDA_GRAPH_DUMMY_REQUEST_ID not in manager.vtoken.step
 
 
 # ---- the real thing, where it imports ---------------------------------------------------------------

@@ -97,25 +97,25 @@ def test_prefilled_prompts_reach_the_policy_with_their_attention():
     batch = ScheduledRequestsDouble121(context_requests=requests)
     manager.prepare_resources(batch)
     for request in requests:
-        write_new_kv(manager, request.py_request_id, gen)
-    table, pool = manager.vtoken.table, manager.vtoken.backend.executor.pools[0]
+        write_new_kv(manager, request, gen)
+    step, pool = manager.vtoken.step, manager.vtoken.step.executor.pools[0]
     metadata = TrtllmAttentionMetadataDouble121(manager, [0, 1], 2, None, None, seq_lens=torch.tensor([5, 9]))
     queries = torch.randn(LAYERS, 14, HEADS * DIM, generator=gen)
     keys = []  # [14, L, Hkv, D]: the K the forward wrote, prompt after prompt
     for request in requests:
-        for token in range(request.prompt_len):
-            block, offset = table.lookup(request.py_request_id, token)
-            keys.append(pool[block, :, 0, :, offset])
+        blocks = manager.get_cache_indices(request)
+        for token in range(request.prompt_len):  # prefill writes token t at position t
+            keys.append(pool[blocks[token // TPB], :, 0, :, token % TPB])
     keys = torch.stack(keys)
     for layer in range(LAYERS):
         attention = TrtllmAttentionDouble121(layer_idx=layer, num_heads=HEADS, head_dim=DIM, num_kv_heads=KV_HEADS)
         fused = torch.cat([queries[layer], keys[:, layer].reshape(14, -1), torch.zeros(14, KV_HEADS * DIM)], dim=-1)
         record_queries(attention, fused, None, metadata)
     manager.update_resources(batch)
-    policy = manager.vtoken.policy
     for request, span in zip(requests, (slice(0, 5), slice(5, 14))):
         n = request.prompt_len
         want = sum(prefill_attention_mass(queries[layer, span].view(n, HEADS, DIM), keys[span, layer])
                    for layer in range(LAYERS))
-        np.testing.assert_allclose(policy._mass.get(request.py_request_id, np.arange(n)), want.numpy(), rtol=1e-5)
-        assert table.num_live(request.py_request_id) == min(n, 6)  # evicted right after prefill
+        live, mass = step.token_stats(request.py_request_id, "mass")  # H2O's accumulator, per live token
+        np.testing.assert_allclose(mass, want.numpy()[live], rtol=1e-5)
+        assert step.num_live(request.py_request_id) == len(live) == min(n, 6)  # evicted right after prefill

@@ -46,14 +46,14 @@ def run(engine: Engine, batch: list[list[int]], params: SamplingParams, each_ste
         if each_step:
             each_step(engine)
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks, "blocks left after all finished"
-    assert not engine.kv.admission.running and not engine.kv.table.request_ids()
+    assert not engine.kv.admission.running and not engine.kv.layout.request_ids()
     return [engine.pop_finished(i) for i in ids]
 
 
 def dense_holds_ideal_blocks(engine: Engine) -> None:
     for req_id in engine.running:
-        live = engine.kv.table.num_live(req_id)
-        assert len(engine.kv.table.block_ids(req_id)) == -(-live // TPB), req_id
+        live = engine.kv.step.num_live(req_id)
+        assert len(engine.kv.step.block_ids(req_id)) == -(-live // TPB), req_id
 
 
 LONG = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -73,17 +73,17 @@ def test_vtoken_matches_naive_evict_decisions_and_outputs(model, policy):
             assert a.evictions == b.evictions, f"{mode}: request {a.req_id} evicted differently"
             assert a.output_ids == b.output_ids, f"{mode}: request {a.req_id} generated differently"
             torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), rtol=1e-4, atol=1e-4)
-        stats = engine.kv.backend.stats
-        assert stats.plans > 0 and stats.invariant_checks == stats.plans
+        stats = engine.kv.step_stats
+        assert stats.compactions > 0 and stats.invariant_checks == stats.compactions
 
 
 def test_native_keeps_everything_and_evictions_free_blocks(model):
     native = Engine(model, config(variant="native"))
     run(native, prompts(), LONG)
-    assert native.kv.stats.tokens_evicted == 0
+    assert native.kv.step is None and native.kv.step_stats.tokens_evicted == 0  # no table, no policy
     vtoken = Engine(model, config(variant="vtoken"))
     run(vtoken, prompts(), LONG)
-    assert vtoken.kv.stats.tokens_evicted > 0
+    assert vtoken.kv.step_stats.tokens_evicted > 0
     assert vtoken.kv.stats.peak_blocks_used < native.kv.stats.peak_blocks_used
 
 
@@ -217,4 +217,4 @@ def test_cuda_engine_agrees_with_cpu(model, variant, mode):
         assert a.evictions == b.evictions and a.output_ids == b.output_ids
         torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), rtol=1e-3, atol=1e-3)
     if variant == "vtoken":
-        assert gpu_engine.kv.backend.stats.invariant_checks == gpu_engine.kv.backend.stats.plans > 0
+        assert gpu_engine.kv.step_stats.invariant_checks == gpu_engine.kv.step_stats.compactions > 0

@@ -36,14 +36,14 @@ def test_simulated_engine_holds_real_block_accounting(variant, mode):
         engine.kv.check_integrity()
         if variant == "vtoken" and mode == "dense":
             for r in engine.running:
-                assert len(engine.kv.table.block_ids(r)) == -(-engine.kv.table.num_live(r) // 16)
+                assert len(engine.kv.step.block_ids(r)) == -(-engine.kv.step.num_live(r) // 16)
     done = [engine.pop_finished(i) for i in ids]
     assert all(len(r.output_ids) == 200 for r in done) and engine.kv.pool.num_free == 400
     assert engine.kv.cache is None  # no KV tensors at all
     if variant == "vtoken":
-        stats = engine.kv.backend.stats
+        stats = engine.kv.step_stats
         assert stats.bytes_copied == stats.moves * shape.kv_bytes_per_token > 0
-        assert stats.invariant_checks == stats.plans
+        assert stats.invariant_checks == stats.compactions
 
 
 def test_capacity_frontier_at_small_scale_matches_the_packed_and_full_bounds():

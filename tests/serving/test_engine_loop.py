@@ -56,7 +56,7 @@ def test_concurrent_submitters_get_the_outputs_of_a_direct_run(model):
     assert max(m["vtoken_requests_running"] for m in steps) == 8  # one batch, many clients
     final = snapshot(loop.engine)
     assert final["vtoken_kv_blocks_retained"] == 0 and final["vtoken_requests_finished"] == 24
-    assert final["vtoken_tokens_evicted"] == direct.kv.stats.tokens_evicted
+    assert final["vtoken_tokens_evicted"] == direct.kv.step_stats.tokens_evicted
     assert {m.name for m in METRICS} == set(final)
 
 

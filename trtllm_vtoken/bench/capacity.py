@@ -71,11 +71,10 @@ def run_once(setting: CapacitySetting, variant: str, concurrency: int, budget: f
         if engine.stats.preemptions or (steps == 1 and engine.waiting):
             feasible = False
             break
-    backend = engine.kv.backend
+    stats = engine.kv.step_stats
     return {"variant": variant, "concurrency": concurrency, "feasible": feasible, "steps": steps,
             "peak_blocks": engine.kv.stats.peak_blocks_used, "wall_s": time.perf_counter() - start,
-            "bytes_copied": backend.stats.bytes_copied if backend else 0,
-            "relocations": backend.stats.plans if backend else 0}
+            "bytes_copied": stats.bytes_copied, "relocations": stats.compactions if variant == "vtoken" else 0}
 
 
 def analytic_bound(setting: CapacitySetting, variant: str, budget: float) -> int:

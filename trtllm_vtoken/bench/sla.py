@@ -108,8 +108,8 @@ def run_sla_bench(cfg: SlaBenchConfig, model, tokenizer, progress=None) -> dict[
         for clients in cfg.concurrency:
             engine = Engine(model, cfg.engine_config(variant), tokenizer)
             level = closed_loop(engine, prompts, max_tokens, clients, cfg.requests_per_client * clients)
-            if engine.kv.backend is not None:
-                level["invariant_checks"] = engine.kv.backend.stats.invariant_checks
+            if engine.kv.step is not None:
+                level["invariant_checks"] = engine.kv.step_stats.invariant_checks
             scans[variant].append(level)
             if progress is not None:
                 progress.update(1)

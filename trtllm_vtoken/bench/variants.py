@@ -96,7 +96,7 @@ def serve_workload(engine, prompts, items, progress) -> tuple[dict[str, Any], li
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
     requests = [engine.pop_finished(i) for i in ids]
     cfg, kv, stats = engine.config, engine.kv, engine.stats
-    backend = kv.backend.stats if kv.backend else None
+    step = kv.step_stats
     tokens = sum(len(r.output_ids) for r in requests)
     latency = np.array([finished_at[i] for i in ids])
     slots = np.array(blocks) * cfg.tokens_per_block
@@ -108,17 +108,12 @@ def serve_workload(engine, prompts, items, progress) -> tuple[dict[str, Any], li
         "mean_blocks": float(np.mean(blocks)),
         "kv_utilization": float(np.sum(live) / max(np.sum(slots), 1)),
         "max_running": max(running), "mean_running": float(np.mean(running)),
-        "preemptions": stats.preemptions, "tokens_evicted": kv.stats.tokens_evicted,
-        "blocks_reclaimed": backend.blocks_freed if backend else kv.stats.dead_blocks_released,
-        "relocations": backend.plans if backend else 0, "moves": backend.moves if backend else 0,
-        "bytes_copied": backend.bytes_copied if backend else 0,
-        "invariant_checks": backend.invariant_checks if backend else 0,
-        "host_seconds": {
-            "forward": stats.forward_seconds, "table": kv.stats.table_seconds,
-            "policy": kv.stats.policy_seconds, "mask": kv.stats.mask_seconds,
-            "plan": backend.plan_seconds if backend else 0.0, "copy": backend.copy_seconds if backend else 0.0,
-            "commit": backend.commit_seconds if backend else 0.0,
-        },
+        "preemptions": stats.preemptions, "tokens_evicted": step.tokens_evicted,
+        "blocks_reclaimed": step.blocks_freed,
+        "relocations": step.compactions if cfg.variant == "vtoken" else 0, "moves": step.moves,
+        "bytes_copied": step.bytes_copied, "invariant_checks": step.invariant_checks,
+        "host_seconds": {"forward": stats.forward_seconds, "lists": kv.stats.lists_seconds,
+                         "mask": kv.stats.mask_seconds, **step.seconds},
         "blocks_per_step": blocks,
     }
     return result, [r.output_ids for r in requests]

@@ -50,11 +50,10 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     engine = llm.engine
     tokens = engine.stats.decode_tokens + len(args.prompts)
-    kv = engine.kv.stats
-    freed = engine.kv.backend.stats.blocks_freed if engine.kv.backend else kv.dead_blocks_released
+    kv, step = engine.kv.stats, engine.kv.step_stats
     print(f"[{config.variant}{'/' + config.mode if config.variant == 'vtoken' else ''}, "
           f"{config.policy if config.variant != 'native' else 'no eviction'}] {tokens} tokens in "
           f"{elapsed:.1f} s ({tokens / elapsed:.1f} tok/s); peak {kv.peak_blocks_used} blocks of "
-          f"{config.tokens_per_block} tokens; {kv.tokens_evicted} tokens evicted, {freed} blocks "
+          f"{config.tokens_per_block} tokens; {step.tokens_evicted} tokens evicted, {step.blocks_freed} blocks "
           f"reclaimed", file=sys.stderr)
     return 0

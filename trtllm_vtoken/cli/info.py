@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vtoken info``: versions, the active core implementation, registered names."""
+"""``vtoken info``: versions, the implementation each host's step uses, registered names."""
 
 from __future__ import annotations
 
@@ -18,21 +18,37 @@ def run(args: argparse.Namespace) -> int:
     import numpy
     import torch
 
+    from trtllm_vtoken.core import native
     from trtllm_vtoken.policies import POLICIES
-    from trtllm_vtoken.reclaim import PLANNERS, cuda_kernel
+    from trtllm_vtoken.reclaim import cuda_kernel
+    from trtllm_vtoken.reclaim.step_batch import COMPACTIONS
     from trtllm_vtoken.workloads import WORKLOADS
 
     print(f"trtllm_vtoken {__version__} (Python {platform.python_version()})")
-    from trtllm_vtoken.core import native
-
     print(f"core implementation: {native.describe()}")
+    print("the step each host runs once per iteration (its token table):")
+    for host, impl in step_implementations():
+        print(f"  {host}: {impl}")
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
     print(f"CUDA relocation kernel: {cuda_kernel.describe()}")
     print(f"numpy {numpy.__version__}")
     print(f"policies: {', '.join(POLICIES.names())}")
-    print(f"compaction modes: {', '.join(PLANNERS.names())}")
+    print(f"compaction modes: {', '.join(COMPACTIONS)}")
     print(f"workloads: {', '.join(WORKLOADS.names())}")
     return 0
+
+
+def step_implementations() -> list[tuple[str, str]]:
+    """(host, the implementation its step uses with its default settings): what each host's
+    construction resolves ``step_impl`` to (checked against the hosts by the tests)."""
+    from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
+    from trtllm_vtoken.runtime.config import EngineConfig
+    from trtllm_vtoken.step import resolve_impl
+
+    engine = resolve_impl(EngineConfig().step_impl)
+    return [("reference engine (naive-evict, vtoken)", engine), ("simulated backend", engine),
+            ("TensorRT-LLM manager", resolve_impl(VTokenSettings.from_env().step_impl)),
+            ("native baseline", "none: plain block lists, no token table")]
 
 
 def machine() -> dict:

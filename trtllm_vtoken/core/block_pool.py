@@ -25,6 +25,8 @@ class BlockPool:
         self.tokens_per_block = tokens_per_block
         self.ref_counts = [0] * num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))
+        self.shared: set[int] = set()
+        """Blocks referenced by several requests now (``is_shared``), kept as the counts change."""
 
     # ---- queries ------------------------------------------------------------------------------
     @property
@@ -62,6 +64,8 @@ class BlockPool:
             self._check_allocated(block_id)
         for block_id in ids:
             self.ref_counts[block_id] += 1
+            if self.ref_counts[block_id] == 2:
+                self.shared.add(block_id)
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drops one reference from each block; a block whose count reaches 0 is free again.
@@ -106,6 +110,8 @@ class BlockPool:
 
     def _release(self, block_id: int) -> None:
         self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 1:
+            self.shared.discard(block_id)
         if self.ref_counts[block_id] == 0:
             self.free_ids.append(block_id)
 

@@ -16,6 +16,9 @@ plus ``evacuation_headroom`` blocks kept free for the whole pool, so a relocatio
 block that is not there. Because ``peak`` follows the eviction budget, blocks that compaction
 returns to the pool are credited to admission at once, instead of being re-reserved as in a
 reservation based on the logical length.
+
+``peak_blocks`` is the one demand formula: the reference runtime's admission and TensorRT-LLM's
+``get_needed_resource_to_completion`` (``integration/trtllm``) both use it.
 """
 
 from __future__ import annotations
@@ -69,12 +72,10 @@ class AdmissionController:
 
     def peak_blocks(self, state: RequestState) -> int:
         """Most blocks the request can hold from now to completion (see module docstring)."""
-        tpb, cfg = self.pool.tokens_per_block, self.config
-        if cfg.variant != "vtoken" or state.budget is None:
-            return _ceil(state.logical_len + state.remaining, tpb)
-        peak_live = min(state.live + state.remaining, max(state.live, state.budget) + 1)
-        extra = cfg.fragmentation_threshold if cfg.mode == "lazy" else 0
-        return _ceil(peak_live, tpb) + extra
+        cfg = self.config
+        return peak_blocks(self.pool.tokens_per_block, state.logical_len, state.live, state.remaining,
+                           state.budget if cfg.variant == "vtoken" else None,
+                           cfg.fragmentation_threshold if cfg.mode == "lazy" else 0)
 
     def reserved_blocks(self) -> int:
         """Free blocks promised to running requests, plus the evacuation headroom."""
@@ -90,9 +91,7 @@ class AdmissionController:
         first eviction) or its steady-state peak, whichever is larger."""
         if prompt_len <= 0 or max_new_tokens <= 0:
             raise ValueError(f"prompt_len ({prompt_len}) and max_new_tokens ({max_new_tokens}) must be positive")
-        state = RequestState(prompt_len, prompt_len, max_new_tokens, budget)
-        need = max(_ceil(prompt_len, self.pool.tokens_per_block), self.peak_blocks(state))
-        return need <= self.available_blocks()
+        return self.peak_blocks(RequestState(prompt_len, prompt_len, max_new_tokens, budget)) <= self.available_blocks()
 
     def admit(
         self, req_id: int, prompt_len: int, max_new_tokens: int, budget: int | None, force: bool = False
@@ -124,6 +123,23 @@ class AdmissionController:
             return self.running[req_id]
         except KeyError:
             raise KeyError(f"request {req_id} is not admitted") from None
+
+
+def peak_blocks(tokens_per_block: int, logical_len: int, live: int, remaining: int, budget: int | None,
+                extra_blocks: int = 0) -> int:
+    """Most blocks a request can hold from now to completion (the module docstring's formula).
+
+    Args:
+        logical_len / live: its tokens so far, and those still live (a new request: its prompt).
+        remaining: tokens it may still generate.
+        budget: live tokens its policy keeps at completion; None when nothing is evicted.
+        extra_blocks: lazy compaction's tolerance (its fragmentation threshold).
+    """
+    if budget is None:
+        return _ceil(logical_len + remaining, tokens_per_block)
+    # At least the whole prompt: prefill writes it before the first eviction.
+    peak_live = min(live + remaining, max(live, budget) + 1)
+    return _ceil(peak_live, tokens_per_block) + extra_blocks
 
 
 def _ceil(a: int, b: int) -> int:

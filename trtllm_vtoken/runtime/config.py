@@ -47,6 +47,9 @@ class EngineConfig:
     relocation_kernel: Literal["auto", "cuda", "torch"] = "auto"
     """On CUDA: "auto" uses the CUDA relocation kernel when it is built, "cuda" requires it,
     "torch" copies with torch indexing."""
+    step_impl: Literal["auto", "cpp", "python"] = "auto"
+    """The step's token table (naive-evict, vtoken): "cpp" (the C++ core), "python" (the
+    specification), or "auto" (cpp where it is built). ``vtoken info`` shows what auto picks."""
     synchronous_copies: bool = False
     """On CUDA: wait on the host for every relocation instead of ordering the compute stream
     after its event (the ablation of the asynchronous side-stream copy)."""
@@ -61,6 +64,8 @@ class EngineConfig:
             raise ValueError(f"admission must be 'peak' or 'greedy', got {self.admission!r}")
         if self.relocation_kernel not in ("auto", "cuda", "torch"):
             raise ValueError(f"relocation_kernel must be 'auto', 'cuda' or 'torch', got {self.relocation_kernel!r}")
+        if self.step_impl not in ("auto", "cpp", "python"):
+            raise ValueError(f"step_impl must be 'auto', 'cpp' or 'python', got {self.step_impl!r}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         for name in ("tokens_per_block", "num_blocks", "max_batch_size", "max_seq_len",

@@ -8,9 +8,10 @@ One ``step()``:
     2. admission     waiting requests join in arrival order while admission allows and the batch
                      has room; each reserves blocks for its prompt (plus output, if resumed)
     3. forward       one batched decode forward; one prefill forward per joining request
-    4. per request   commit the new tokens, credit attention, sample, detokenize, check stops
-    5. eviction      the policy marks tokens dead; reclamation frees blocks (one copy for the
-                     whole batch); admission is updated
+    4. per request   sample, detokenize, check stops
+    5. the step      one call for every request that goes on (``KVCacheManager.step_batch``): the
+                     new tokens join, the policy decides for the batch, compaction frees blocks
+                     with one copy for the whole batch; admission is updated
     6. leaving       finished requests release every block
 
 A request that could never fit (too long for ``max_seq_len`` or for the whole pool) is refused by
@@ -146,7 +147,7 @@ class Engine:
         reported, self._reported = self._reported, []
         decode = self._schedule_decode()
         prefill = self._admit()
-        results: list[tuple[Request, torch.Tensor, torch.Tensor | None]] = []
+        results: list[tuple[Request, torch.Tensor, torch.Tensor | None, int]] = []
         if decode:
             results += self._forward(decode, [[self.requests[r].pending] for r in decode])
             self.stats.decode_tokens += len(decode)
@@ -154,13 +155,18 @@ class Engine:
             ids = self.requests[req_id].prefill_ids()
             results += self._forward([req_id], [ids])
             self.stats.prefill_tokens += len(ids)
-        for request, logits, mass in results:
-            reported.append(self._advance(request, logits, mass))
-        # Reclamation for every request still running, with one copy for all of them; then
-        # admission learns what each now holds.
-        continuing = [request.req_id for request, _, _ in results if request.status is Status.RUNNING]
-        self.kv.reclaim(continuing)
-        for req_id in continuing:
+        continuing, masses, queries = [], [], []
+        for request, logits, mass, num_queries in results:
+            reported.append(self._advance(request, logits))
+            if request.status is Status.RUNNING:
+                continuing.append(request.req_id), masses.append(mass), queries.append(num_queries)
+        # One step for every request that goes on: its new tokens join the table, the policy
+        # decides for the whole batch, one copy relocates every request's KV; then admission
+        # learns what each now holds.
+        out = self.kv.step_batch(continuing, self._batch_mass(continuing, masses, queries))
+        for i, req_id in enumerate(continuing):
+            if self.record_trace:
+                self.requests[req_id].evictions.append(tuple(out.victims_of(i)) if out is not None else ())
             self.kv.update(req_id, self.requests[req_id].remaining)
         self.stats.steps += 1
         return reported
@@ -205,7 +211,8 @@ class Engine:
         self.waiting.appendleft(req_id)
 
     def _forward(self, req_ids: list[int], tokens: list[list[int]]):
-        """One forward over rows of new tokens; returns (request, last logits, mass) per row."""
+        """One forward over rows of new tokens; returns (request, last logits, mass, new tokens)
+        per row."""
         if self.simulated:
             return self._simulate(req_ids, tokens)
         kv, device = self.kv, self.config.device
@@ -214,7 +221,7 @@ class Engine:
         positions = torch.zeros_like(input_ids)
         slots = torch.full_like(input_ids, -1)
         for i, (req_id, row) in enumerate(zip(req_ids, tokens)):
-            first = kv.table.num_tokens(req_id)  # logical ids continue: RoPE never re-rotates
+            first = kv.layout.num_tokens(req_id)  # logical ids continue: RoPE never re-rotates
             input_ids[i, : len(row)] = torch.tensor(row)
             positions[i, : len(row)] = torch.arange(first, first + len(row))
             slots[i, : len(row)] = torch.tensor(kv.staged_slots(req_id))
@@ -233,25 +240,33 @@ class Engine:
         last = logits.float().cpu()
         mass = None if mass is None else mass.float().cpu()
         self.stats.forward_seconds += time.perf_counter() - start
-        for req_id in req_ids:
-            kv.commit(req_id)
-        return [(self.requests[r], last[i], None if mass is None else mass[i]) for i, r in enumerate(req_ids)]
+        return [(self.requests[r], last[i], None if mass is None else mass[i], len(row))
+                for i, (r, row) in enumerate(zip(req_ids, tokens))]
 
     def _simulate(self, req_ids: list[int], tokens: list[list[int]]):
-        """The simulated backend's forward: tokens are committed, no model runs (token 1 always)."""
-        kv, logits = self.kv, torch.tensor([0.0, 1.0])
-        kv.set_batch(req_ids)
-        rows = []
-        for req_id, row in zip(req_ids, tokens):
-            kv.commit(req_id)
-            mass = self.model.mass(kv.table, req_id, len(row), kv.table.kv_len(req_id)) if kv.needs_attention else None
-            rows.append((self.requests[req_id], logits, mass))
-        return rows
+        """The simulated backend's forward: no model runs (token 1 always); the attention mass is
+        computed at the step from the batch's token layout (``SimulatedModel.batch_mass``)."""
+        self.kv.set_batch(req_ids)
+        logits = torch.tensor([0.0, 1.0])
+        return [(self.requests[r], logits, None, len(row)) for r, row in zip(req_ids, tokens)]
 
-    def _advance(self, request: Request, logits: torch.Tensor, mass: torch.Tensor | None) -> RequestOutput:
+    def _batch_mass(self, req_ids: list[int], masses: list, queries: list[int]):
+        """The attention mass of the requests going on, as the step takes it: [B, L] from the
+        forwards' rows, or the simulated attention's function of the token layout."""
+        if not self.kv.needs_attention or not req_ids:
+            return None
+        if self.simulated:
+            lengths = [self.kv.staged_blocks(r)[1] - self.kv.layout.kv_len(r) + self.kv.layout.num_tokens(r)
+                       for r in req_ids]
+            return self.model.batch_mass(req_ids, lengths, queries)
+        width = max(m.shape[0] for m in masses)
+        out = torch.zeros(len(masses), width)
+        for i, m in enumerate(masses):
+            out[i, : m.shape[0]] = m
+        return out
+
+    def _advance(self, request: Request, logits: torch.Tensor) -> RequestOutput:
         req_id, params = request.req_id, request.params
-        if mass is not None:
-            self.kv.observe(req_id, mass)
         if self.record_trace:
             request.logits.append(logits)
         token = sample(logits, params, self._generators.get(req_id, self._generator), request.output_ids)
@@ -279,10 +294,6 @@ class Engine:
             self.kv.release(req_id)
             self.stats.finished += 1
             self._finish(request, reason)
-        else:
-            evicted = self.kv.evict(req_id)
-            if self.record_trace:
-                request.evictions.append(tuple(evicted))
         return self._output(request, [token], text)
 
     def _finish(self, request: Request, reason: str) -> None:

@@ -94,12 +94,18 @@ class SimulatedModel(torch.nn.Module):
         self.config = shape.as_llama_config()
         self.attention = attention or SyntheticAttention()
 
-    def mass(self, table, req_id: int, num_queries: int, length: int) -> torch.Tensor:
-        """[length] attention per physical position of the request (after its new tokens)."""
-        seq = table.seq(req_id)
-        out = np.zeros(length)
-        tokens = seq.token_at[: seq.kv_len]
-        live = table.position_live_mask(req_id)
-        ids = tokens[live].astype(np.int64)
-        out[np.flatnonzero(live)] = self.attention.scores(req_id, ids, seq.num_tokens, num_queries)
-        return torch.from_numpy(out)
+    def batch_mass(self, req_ids: list[int], num_tokens: list[int], num_queries: list[int]):
+        """The step's ``Mass`` function for a batch: attention per physical position of the
+        batch's token layout (tokens [B, L], -1 where no live token), from ``num_queries`` queries
+        of requests now ``num_tokens`` long. Stands in for the attention of a forward, so the step
+        does not count its time as its own."""
+
+        def mass(tokens: np.ndarray) -> np.ndarray:
+            out = np.zeros(tokens.shape)
+            for i, req_id in enumerate(req_ids):
+                live = np.flatnonzero(tokens[i] >= 0)
+                out[i, live] = self.attention.scores(req_id, tokens[i, live].astype(np.int64), num_tokens[i],
+                                                     num_queries[i])
+            return out
+
+        return mass

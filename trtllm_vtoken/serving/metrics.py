@@ -20,14 +20,8 @@ class MetricSpec:
     read: Callable[[Engine], float]
 
 
-def _backend(engine: Engine, field: str) -> float:
-    backend = engine.kv.backend
-    return float(getattr(backend.stats, field)) if backend is not None else 0.0
-
-
-def _reclaimed(engine: Engine) -> float:
-    kv = engine.kv
-    return float(kv.backend.stats.blocks_freed if kv.backend else kv.stats.dead_blocks_released)
+def _step(engine: Engine, field: str) -> float:
+    return float(getattr(engine.kv.step_stats, field))
 
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -45,15 +39,15 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("vtoken_requests_waiting", "gauge", "Requests waiting for admission",
                lambda e: float(len(e.waiting))),
     MetricSpec("vtoken_tokens_evicted", "counter", "Tokens the eviction policy marked dead",
-               lambda e: float(e.kv.stats.tokens_evicted)),
-    MetricSpec("vtoken_relocations", "counter", "Relocation plans committed",
-               lambda e: _backend(e, "plans")),
+               lambda e: _step(e, "tokens_evicted")),
+    MetricSpec("vtoken_relocations", "counter", "Request compactions committed (moves, a shorter length or freed blocks)",
+               lambda e: _step(e, "compactions")),
     MetricSpec("vtoken_tokens_relocated", "counter", "Live tokens copied to new slots",
-               lambda e: _backend(e, "moves")),
+               lambda e: _step(e, "moves")),
     MetricSpec("vtoken_bytes_copied", "counter", "KV bytes moved by relocation",
-               lambda e: _backend(e, "bytes_copied")),
+               lambda e: _step(e, "bytes_copied")),
     MetricSpec("vtoken_blocks_reclaimed", "counter", "Blocks returned to the pool by reclamation",
-               _reclaimed),
+               lambda e: _step(e, "blocks_freed")),
     MetricSpec("vtoken_requests_preempted", "counter", "Requests preempted (freed, recomputed later)",
                lambda e: float(e.stats.preemptions)),
     MetricSpec("vtoken_requests_finished", "counter", "Requests finished (not cancelled)",

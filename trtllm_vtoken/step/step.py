@@ -137,6 +137,12 @@ class DecodeStep:
         none (what the attention of a masked kernel may read)."""
         return self.slots.gather(self.slots.tokens, self.block_rows(req_ids))
 
+    def token_stats(self, req_id: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(live ids ascending, the per-slot statistic ``name`` of each): what a policy has
+        accumulated for the request's tokens (e.g. H2O's "mass")."""
+        ids, slots = self.core.live_slots(req_id)
+        return ids, self.slots.stats[name][slots]
+
     def metadata_bytes_per_token(self) -> float:
         return self.core.metadata_bytes_per_token()
 

@@ -6,17 +6,19 @@ The class is built on the base it extends (``build_manager_class(KVCacheManager)
 same code runs on the real class inside the executor worker and on the test double built from the
 1.2.1 signatures in CPU tests. Overrides, in the order an iteration calls them (hooks.md §9):
 
-    update_resources(N)    super; the policy marks dead tokens of the prompts just prefilled and of
-                           the decoded requests (prefill mass summed in the forward; decode mass
-                           from the recorded queries)
-    prepare_resources(N+1) dense compaction of every generation request on the side stream,
-                           rewind_kv_cache of the freed tail (before super, so add_token allocates
-                           against the physical length), super, then the tables learn the new
-                           token / prompt; the execution stream waits on the copy events (I3)
+    prepare_resources(N)   super (add_sequence / add_token on the physical length); the rows of the
+                           recorded queries follow the batch
+    update_resources(N)    super; then ONE step for the batch (``VTokenState.run``): the tables
+                           learn the prompts and new tokens, the policy decides for all at once
+                           (prefill mass summed in the forward; decode mass from the recorded
+                           queries), dense compaction copies every request's moves in one launch on
+                           the side stream, the execution stream waits on it (I3), and
+                           rewind_kv_cache returns each request's freed tail before the scheduler
+                           of N+1 counts free blocks
     free_resources         drop the token table, then super
     (both)                 publish vToken's counters for the Triton model's metrics (stats.py)
     add_dummy_requests     CUDA-graph padding requests: super only; vToken treats them as empty
-    get_needed_resource_to_completion   budget-aware (used by Python capacity schedulers)
+    get_needed_resource_to_completion   the reference runtime's admission demand (budget-aware)
 """
 
 from __future__ import annotations
@@ -72,25 +74,15 @@ def build_manager_class(base: type) -> type:
                                                 pools[0].shape[5], pools[0].device)
             self._vtoken_rows: dict[int, int] = {}
             self._vtoken_num_contexts = 0
-            self.vtoken = VTokenState(settings, self.tokens_per_block, pools, self._vtoken_mass)
+            self.vtoken = VTokenState(settings, self.tokens_per_block, pools[0].shape[0], pools, self._vtoken_mass)
             self.vtoken_stats = StatsFile(settings.stats_file, settings.stats_interval_s) \
                 if settings.stats_file else None
 
         # ---- iteration hooks -----------------------------------------------------------------
         def prepare_resources(self, scheduled_batch) -> None:
-            generation = [r.py_request_id for r in scheduled_batch.generation_requests]
-            stream = torch.cuda.current_stream() if self.vtoken.backend.executor and \
-                self.vtoken.backend.executor.device.type == "cuda" else None
-            self.vtoken.compact(generation, self._vtoken_release, stream)
             super().prepare_resources(scheduled_batch)
-            for request in scheduled_batch.context_requests:
-                self.vtoken.sync(request.py_request_id, self.get_cache_indices(request), request.prompt_len)
-            for request in scheduled_batch.generation_requests:
-                req_id = request.py_request_id
-                if req_id in self.vtoken.table:
-                    self.vtoken.sync(req_id, self.get_cache_indices(request), self.vtoken.table.kv_len(req_id) + 1)
             # Rows of the recorded queries follow the batch order: context first, then generation.
-            rows = [r.py_request_id for r in scheduled_batch.context_requests] + generation
+            rows = [r.py_request_id for r in scheduled_batch.context_requests + scheduled_batch.generation_requests]
             self._vtoken_rows = {req_id: i for i, req_id in enumerate(rows)}
             self._vtoken_num_contexts = len(scheduled_batch.context_requests)
             self.vtoken_queries.start_batch()
@@ -98,8 +90,17 @@ def build_manager_class(base: type) -> type:
         def update_resources(self, scheduled_batch, attn_metadata=None, kv_cache_dtype_byte_size=None) -> None:
             super().update_resources(scheduled_batch, attn_metadata, kv_cache_dtype_byte_size)
             # Prompts too: the policy sees their prefill attention and may evict before decoding.
-            self.vtoken.after_forward([r.py_request_id for r in scheduled_batch.context_requests]
-                                      + [r.py_request_id for r in scheduled_batch.generation_requests])
+            written = [(r.py_request_id, self.get_cache_indices(r), r.prompt_len)
+                       for r in scheduled_batch.context_requests]
+            written += [(r.py_request_id, self.get_cache_indices(r), 1) for r in scheduled_batch.generation_requests
+                        if r.py_request_id in self.vtoken.step]
+            executor = self.vtoken.step.executor
+            stream = torch.cuda.current_stream() if executor is not None and executor.device.type == "cuda" else None
+            out = self.vtoken.run(written, stream)
+            if out is not None:
+                for req_id, lost in zip(out.req_ids.tolist(), out.lost.tolist()):
+                    if lost:
+                        self._vtoken_release(req_id, lost)
             self._vtoken_publish(force=False)
 
         def free_resources(self, request, *args, **kwargs) -> None:
@@ -108,11 +109,7 @@ def build_manager_class(base: type) -> type:
             self._vtoken_publish(force=True)  # gauges must not keep a finished request
 
         def get_needed_resource_to_completion(self, request) -> int:
-            total = request.prompt_len + request.max_new_tokens
-            live = self.vtoken.final_live_tokens(total)
-            held = len(self.vtoken.table.block_ids(request.py_request_id)) if request.py_request_id in \
-                self.vtoken.table else 0
-            return max(-(-live // self.tokens_per_block) + 1 - held, 0)  # + 1: the evacuation block
+            return self.vtoken.needed_blocks(request.py_request_id, request.prompt_len, request.max_new_tokens)
 
         # ---- vToken's view -------------------------------------------------------------------
         def vtoken_evicted(self, request_id: int) -> int:
@@ -126,12 +123,13 @@ def build_manager_class(base: type) -> type:
                     force)
 
         def _vtoken_release(self, req_id: int, num_tokens: int) -> None:
-            before = len(self.vtoken.table.block_ids(req_id)) + len(self.vtoken.blocks.freed)
+            """TensorRT-LLM drops the request's last ``num_tokens`` physical tokens and the blocks
+            they leave empty; its block list must then be vToken's, or KV would be corrupted."""
             self.rewind_kv_cache(_RequestRef(req_id), num_tokens)
-            held = self.get_cache_indices(_RequestRef(req_id))
-            assert list(held) == self.vtoken.table.block_ids(req_id), (
-                f"TensorRT-LLM holds {list(held)} for request {req_id}, vToken {self.vtoken.table.block_ids(req_id)}"
-                f" (was {before} blocks)")
+            held = list(self.get_cache_indices(_RequestRef(req_id)))
+            if held != self.vtoken.step.block_ids(req_id):
+                raise RuntimeError(f"TensorRT-LLM holds blocks {held} for request {req_id} after rewinding "
+                                   f"{num_tokens} tokens, vToken {self.vtoken.step.block_ids(req_id)}")
 
         def _vtoken_mass(self, req_id: int, kv_len: int, block_ids: list[int]) -> torch.Tensor:
             row = self._vtoken_rows[req_id]
@@ -139,7 +137,7 @@ def build_manager_class(base: type) -> type:
                 prefill = self.vtoken_queries.prefill.get(row)
                 return prefill[:kv_len] if prefill is not None else torch.zeros(kv_len)
             row -= self._vtoken_num_contexts
-            pools = self.vtoken.backend.executor.pools
+            pools = self.vtoken.step.executor.pools
             layers = self.kv_cache_pool_mapping[:, 1].tolist()  # single pool: layer index inside it
             return decode_attention_mass(self.vtoken_queries.q[row], pools[0], block_ids, kv_len, layers)
 

@@ -20,6 +20,7 @@ from typing import Any
 from trtllm_vtoken.config_base import from_dict
 from trtllm_vtoken.policies import Budget, make_policy
 from trtllm_vtoken.reclaim.config import ReclaimConfig
+from trtllm_vtoken.step.core import IMPLS
 
 ENV_VAR = "VTOKEN_TRTLLM_SETTINGS"
 
@@ -37,9 +38,13 @@ class VTokenSettings:
     stats_file: str = ""
     """Where the worker publishes vToken's counters for the Triton model's metrics ("" = nowhere)."""
     stats_interval_s: float = 0.5
+    step_impl: str = "auto"
+    """The step's token table: "cpp" (the C++ core), "python", or "auto" (cpp where built)."""
 
     def __post_init__(self) -> None:
         ReclaimConfig(self.mode, self.fragmentation_threshold, self.check_invariants)
+        if self.step_impl not in IMPLS:
+            raise ValueError(f"step_impl must be one of {IMPLS}, got {self.step_impl!r}")
         if self.stats_interval_s <= 0:
             raise ValueError(f"stats_interval_s must be positive, got {self.stats_interval_s}")
         if self.mode != "dense":

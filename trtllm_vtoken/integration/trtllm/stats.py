@@ -33,21 +33,21 @@ def state_snapshot(state, free_blocks: int, total_blocks: int) -> dict[str, floa
         free_blocks / total_blocks: the manager's ``get_num_free_blocks()`` and
             ``get_max_resource_count()``.
     """
-    table, backend = state.table, state.backend.stats
-    requests = table.request_ids()
-    held_slots = sum(table.num_blocks(r) for r in requests) * table.tokens_per_block
-    live = sum(table.num_live(r) for r in requests)
+    step, stats = state.step, state.step.stats
+    requests = step.request_ids()
+    held_slots = sum(step.num_blocks(r) for r in requests) * step.tokens_per_block
+    live = sum(step.num_live(r) for r in requests)
     return {
         "vtoken_kv_blocks_retained": float(total_blocks - free_blocks),
         "vtoken_kv_blocks_total": float(total_blocks),
         "vtoken_kv_utilization": live / held_slots if held_slots else 0.0,
         "vtoken_admission_headroom_blocks": float(free_blocks),
         "vtoken_requests_running": float(len(requests)),
-        "vtoken_tokens_evicted": float(state.stats.tokens_evicted),
-        "vtoken_relocations": float(backend.plans),
-        "vtoken_tokens_relocated": float(backend.moves),
-        "vtoken_bytes_copied": float(backend.bytes_copied),
-        "vtoken_blocks_reclaimed": float(backend.blocks_freed),
+        "vtoken_tokens_evicted": float(stats.tokens_evicted),
+        "vtoken_relocations": float(stats.compactions),
+        "vtoken_tokens_relocated": float(stats.moves),
+        "vtoken_bytes_copied": float(stats.bytes_copied),
+        "vtoken_blocks_reclaimed": float(stats.blocks_freed),
     }
 
 
