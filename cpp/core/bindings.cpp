@@ -10,6 +10,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "batch.h"
+#include "select.h"
 #include "token_table.h"
 
 namespace nb = nanobind;
@@ -40,6 +41,64 @@ NB_MODULE(_core, m) {
       PyErr_SetString(PyExc_KeyError, e.what());
     }
   });
+
+  m.def(
+      "select_lowest",
+      [](nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> tokens,
+         nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> block_table, int64_t tokens_per_block,
+         Ids rows, Ids kv_len, Ids lo, Ids hi, Ids excess,
+         std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
+         std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass) {
+        const auto batch = static_cast<int64_t>(rows.shape(0));
+        for (const Ids* a : {&kv_len, &lo, &hi, &excess}) {
+          if (a->shape(0) != static_cast<size_t>(batch)) {
+            throw std::invalid_argument("select_lowest: rows, kv_len, lo, hi and excess need one entry per request");
+          }
+        }
+        if (tokens_per_block <= 0 || tokens.shape(0) % tokens_per_block != 0) {
+          throw std::invalid_argument("select_lowest: tokens must hold whole blocks of tokens_per_block slots");
+        }
+        if (stat && stat->shape(0) != tokens.shape(0)) {
+          throw std::invalid_argument("select_lowest: stat needs one entry per slot");
+        }
+        if (mass && (!stat || mass->shape(0) != static_cast<size_t>(batch))) {
+          throw std::invalid_argument("select_lowest: mass needs a statistic to add to and one row per request");
+        }
+        const bool single = mass && mass->dtype() == nb::dtype<float>();
+        if (mass && !single && mass->dtype() != nb::dtype<double>()) {
+          throw std::invalid_argument("select_lowest: mass must be float32 or float64");
+        }
+        const auto table_rows = static_cast<int64_t>(block_table.shape(0));
+        const auto stride = static_cast<int64_t>(block_table.shape(1));
+        for (int64_t i = 0; i < batch; ++i) {
+          const int64_t length = kv_len.data()[i];
+          if (rows.data()[i] < 0 || rows.data()[i] >= table_rows || length < 0 || length > stride * tokens_per_block ||
+              (mass && length > static_cast<int64_t>(mass->shape(1)))) {
+            throw std::invalid_argument("select_lowest: request " + std::to_string(i) +
+                                        "'s row or length does not fit the block table / mass");
+          }
+        }
+        const vtoken::SlotLayout layout{tokens.data(), block_table.data(), stride, tokens_per_block,
+                                        static_cast<int64_t>(tokens.shape(0)) / tokens_per_block};
+        vtoken::Selection r;
+        {
+          nb::gil_scoped_release release;
+          const int64_t stride = mass ? static_cast<int64_t>(mass->shape(1)) : 0;
+          double* accumulated = stat ? stat->data() : nullptr;
+          if (single) {
+            r = vtoken::select_lowest(layout, rows.data(), batch, kv_len.data(), lo.data(), hi.data(), excess.data(),
+                                      accumulated, static_cast<const float*>(mass->data()), stride);
+          } else {
+            r = vtoken::select_lowest(layout, rows.data(), batch, kv_len.data(), lo.data(), hi.data(), excess.data(),
+                                      accumulated, mass ? static_cast<const double*>(mass->data()) : nullptr, stride);
+          }
+        }
+        return nb::make_tuple(to_numpy(std::move(r.rows)), to_numpy(std::move(r.positions)));
+      },
+      "tokens"_a, "block_table"_a, "tokens_per_block"_a, "rows"_a, "kv_len"_a, "lo"_a, "hi"_a, "excess"_a,
+      "stat"_a = nb::none(), "mass"_a = nb::none(),
+      "A score policy's decision for a batch over the step's slot layout (cpp/core/select.h): "
+      "(batch rows, positions) of the victims.");
 
   nb::class_<Plan>(m, "Plan")
       .def_ro("req_id", &Plan::req_id)

@@ -56,3 +56,21 @@ def test_capacity_frontier_at_small_scale_matches_the_packed_and_full_bounds():
     assert frontier(setting, "naive-evict")["max_concurrency"] >= native["max_concurrency"]
     infeasible = run_once(setting, "native", 30)
     assert not infeasible["feasible"] and infeasible["steps"] == 1  # most requests could not even start
+
+
+def test_lazy_compaction_runs_under_memory_pressure():
+    """Lazy mode with a threshold no request reaches compacts only when the pool runs short: the
+    manager passes ``pressure`` when fewer blocks are free than the batch may need next step."""
+    def run(num_blocks: int):
+        engine = Engine(SimulatedModel(MODEL_SHAPES["llama-3.1-8b"]), EngineConfig(
+            variant="vtoken", mode="lazy", fragmentation_threshold=40, policy="h2o", budget=0.5,
+            tokens_per_block=16, num_blocks=num_blocks, max_seq_len=512, admission="greedy", check_invariants=True))
+        for _ in range(4):
+            engine.add_request([1] * 100, SamplingParams(max_tokens=120, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        return engine
+
+    roomy, tight = run(400), run(48)  # 4 requests x 14 blocks at full length do not fit 48
+    assert roomy.kv.step_stats.blocks_freed == 0 and roomy.kv.step_stats.compactions == 0
+    assert tight.kv.step_stats.blocks_freed > 0 and tight.stats.preemptions == 0

@@ -56,7 +56,12 @@ def random_batch(rng: np.random.Generator, step: DecodeStep, host: Host, new_req
         num_new.append(n)
         blocks.append(host.allocate(max(need, 0) + int(rng.random() < 0.05)))
     width = max((step.kv_len(r) + n for r, n in zip(rows, num_new)), default=0) + int(rng.integers(0, 3))
-    mass = rng.random((len(rows), width)) * rng.lognormal(0, 2, (len(rows), width))
+    if rng.random() < 0.3:  # ties on purpose: a few distinct values
+        mass = rng.choice([0.0, 0.5, 1.0, 2.0], size=(len(rows), width))
+    else:
+        mass = rng.random((len(rows), width)) * rng.lognormal(0, 2, (len(rows), width))
+    if rng.random() < 0.3:
+        mass = mass.astype(np.float32)  # what attention kernels return
     offsets = np.cumsum([0] + [len(b) for b in blocks])
     return StepInput(rows, num_new, offsets, [b for bl in blocks for b in bl], mass=mass,
                      pressure=bool(rng.random() < 0.15))

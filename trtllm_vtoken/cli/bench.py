@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trtllm_vtoken.cli.info import machine
+from trtllm_vtoken.cli.bench_common import add_output_options, load_model, publish
 
 
 def register(sub) -> None:
@@ -24,7 +24,7 @@ def register(sub) -> None:
     core.add_argument("--seed", type=int, default=0)
     core.add_argument("--repeats", type=int, default=3,
                       help="runs per row in alternating order; the median run is reported (default 3)")
-    _finish(core, "10 steps, one run per row: a smoke run", run_core)
+    add_output_options(core, "10 steps, one run per row: a smoke run", run_core)
 
     variants = bench.add_parser(
         "variants", help="native / naive-evict / vtoken on the real model: blocks, utilization, speed",
@@ -41,13 +41,13 @@ def register(sub) -> None:
     variants.add_argument("--max-batch-size", type=int, default=32)
     variants.add_argument("--no-check", action="store_true", help="skip I1/I2/I4 checks per relocation")
     variants.add_argument("--seed", type=int, default=0)
-    _finish(variants, "16 requests, prompts <= 256, outputs <= 48 tokens, 80 blocks", run_variants)
+    add_output_options(variants, "16 requests, prompts <= 256, outputs <= 48 tokens, 80 blocks", run_variants)
 
     every = bench.add_parser(
         "all", help="every benchmark that runs on this machine, in turn",
-        description="variants, capacity, quality, core, overhead, sweeps, sla, sharing (and utilization and "
-                    "serve, unless --quick), sharing --out.")
-    _finish(every, "each benchmark's quick form (minutes on 2 CPU cores)", run_all)
+        description="variants, capacity, quality, core, step, overhead, sweeps, sla, sharing (and utilization "
+                    "and serve, unless --quick).")
+    add_output_options(every, "each benchmark's quick form (minutes on 2 CPU cores)", run_all)
 
     util = bench.add_parser(
         "utilization", help="KV utilization and retained blocks, every policy x workload (real model)",
@@ -57,7 +57,7 @@ def register(sub) -> None:
     util.add_argument("--max-prompt-tokens", type=int, default=512)
     util.add_argument("--max-output-tokens", type=int, default=64)
     util.add_argument("--budget", default="0.5")
-    _finish(util, "4 requests, prompts <= 192, 16 new tokens", run_utilization)
+    add_output_options(util, "4 requests, prompts <= 192, 16 new tokens", run_utilization)
 
     quality = bench.add_parser(
         "quality", help="vtoken vs naive-evict greedy outputs on real prompts: exact match, ROUGE-L",
@@ -67,7 +67,7 @@ def register(sub) -> None:
     quality.add_argument("--policy", default="h2o")
     quality.add_argument("--budget", default="0.5")
     quality.add_argument("--model", default=None, help="Hugging Face Llama folder (default: SmolLM2-135M)")
-    _finish(quality, "24 prompts, 32 tokens", run_quality)
+    add_output_options(quality, "24 prompts, 32 tokens", run_quality)
 
     capacity = bench.add_parser(
         "capacity", help="largest concurrency fitting a fixed block budget, at paper scale (simulated)",
@@ -76,20 +76,14 @@ def register(sub) -> None:
     capacity.add_argument("--scale", type=int, default=1, help="divide lengths and pools by this (default 1)")
     capacity.add_argument("--budget", type=float, default=0.5, help="H2O retention ratio (default 0.5)")
     capacity.add_argument("--seed", type=int, default=0)
-    _finish(capacity, "--scale 8 (about a minute)", run_capacity)
+    add_output_options(capacity, "--scale 8 (about a minute)", run_capacity)
 
-    from trtllm_vtoken.cli import bench_experiments, bench_gpu, bench_serve
+    from trtllm_vtoken.cli import bench_experiments, bench_gpu, bench_serve, bench_step
 
+    bench_step.register(bench)
     bench_experiments.register(bench)
     bench_serve.register(bench)
     bench_gpu.register(bench)
-
-
-def _finish(parser: argparse.ArgumentParser, quick_help: str, run) -> None:
-    """The options every benchmark shares: its quick form and the output folder."""
-    parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument("--out", default="out", help="folder for the JSON (and PNG) results (default ./out)")
-    parser.set_defaults(func=run)
 
 
 def run_core(args: argparse.Namespace) -> int:
@@ -134,7 +128,7 @@ def run_core(args: argparse.Namespace) -> int:
           f"{c['tokens_per_block']}, one eviction per request per step, {steps} steps; the median of {repeats} "
           f"alternating runs per row")
     print(format_table(headers, table))
-    _publish(args.out, "core", {"results": results}, plot_core)
+    publish(args.out, "core", {"results": results}, plot_core)
     return 0
 
 
@@ -156,7 +150,7 @@ def run_variants(args: argparse.Namespace) -> int:
     cfg = VariantsBenchConfig(
         workload=args.workload, policy=args.policy, budget=args.budget, tokens_per_block=args.tokens_per_block,
         max_batch_size=args.max_batch_size, check_invariants=not args.no_check, seed=args.seed, **sizes)
-    folder, model, tokenizer = _load_model(args.model)
+    folder, model, tokenizer = load_model(args.model)
     with tqdm(total=cfg.requests * len(VARIANT_RUNS), desc="bench variants", unit="req",
               disable=None, file=sys.stderr) as bar:
         result = run_variants_bench(cfg, model, tokenizer, progress=bar)
@@ -172,7 +166,7 @@ def run_variants(args: argparse.Namespace) -> int:
           f"{cfg.max_prompt_tokens}, outputs <= {cfg.max_output_tokens} tokens), {cfg.policy} budget "
           f"{cfg.budget}, pool {cfg.num_blocks} blocks x {cfg.tokens_per_block} tokens, CPU")
     print(format_table(headers, rows))
-    _publish(args.out, "variants", result, plot_variants)
+    publish(args.out, "variants", result, plot_variants)
     return 0
 
 
@@ -201,14 +195,14 @@ def run_capacity(args: argparse.Namespace) -> int:
     print(f"vtoken bench capacity: SIMULATED attention, H2O at {args.budget} retention, tokens_per_block 16, "
           "greedy admission; C = most requests running at once start to finish without preemption")
     print(format_table(headers, rows))
-    _publish(args.out, "capacity", result, plot_capacity)
+    publish(args.out, "capacity", result, plot_capacity)
     return 0
 
 
 def run_all(args: argparse.Namespace) -> int:
     from trtllm_vtoken.cli import main
 
-    names = ["variants", "capacity", "quality", "core", "overhead", "sweeps", "sla", "sharing"]
+    names = ["variants", "capacity", "quality", "core", "step", "overhead", "sweeps", "sla", "sharing"]
     names += [] if args.quick else ["utilization", "serve"]
     for name in names:
         print(f"\n== vtoken bench {name}{' --quick' if args.quick else ''} ==", flush=True)
@@ -231,7 +225,7 @@ def run_quality(args: argparse.Namespace) -> int:
 
     cfg = QualityBenchConfig(prompts=24 if args.quick else args.prompts,
                              max_tokens=32 if args.quick else args.max_tokens, policy=args.policy, budget=args.budget)
-    folder, model, tokenizer = _load_model(args.model)
+    folder, model, tokenizer = load_model(args.model)
     with tqdm(total=cfg.prompts * len(RUNS), desc="bench quality", unit="req", disable=None, file=sys.stderr) as bar:
         result = run_quality_bench(cfg, model, tokenizer, progress=bar)
     rouge = result["rouge_l_vs_native"]
@@ -242,7 +236,7 @@ def run_quality(args: argparse.Namespace) -> int:
         [[result["pairs"], 100 * result["exact_match_rate"], f"{rouge['naive-evict']:.4f}",
           f"{rouge['vtoken']:.4f}", f"{result['mean_paired_rouge_l_difference']:+.4f}",
           f"{result['output_length_ratio']:.4f}"]]))
-    _publish(args.out, "quality", result, plot_quality)
+    publish(args.out, "quality", result, plot_quality)
     return 0
 
 
@@ -262,7 +256,7 @@ def run_utilization(args: argparse.Namespace) -> int:
     if args.quick:
         sizes = dict(requests=4, max_prompt_tokens=192, max_output_tokens=16)
     cfg = UtilizationBenchConfig(budget=args.budget, **sizes)
-    folder, model, tokenizer = _load_model(None)
+    folder, model, tokenizer = load_model(None)
     total = len(cfg.policies) * len(cfg.workloads) * len(VARIANTS)
     with tqdm(total=total, desc="bench utilization", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_utilization_bench(cfg, model, tokenizer, progress=bar)
@@ -274,28 +268,5 @@ def run_utilization(args: argparse.Namespace) -> int:
     print(f"vtoken bench utilization: SmolLM2-135M, {cfg.requests} requests per workload, budget {cfg.budget}, "
           f"tokens_per_block {cfg.tokens_per_block}; blocks = time-averaged blocks held")
     print(format_table(headers, rows))
-    _publish(args.out, "utilization", result, plot_utilization)
+    publish(args.out, "utilization", result, plot_utilization)
     return 0
-
-
-def _load_model(model: str | None):
-    """(folder, model, tokenizer) for a Hugging Face Llama folder or the default model."""
-    from trtllm_vtoken.runtime.checkpoint import resolve_model
-    from trtllm_vtoken.runtime.model import load_llama
-    from trtllm_vtoken.runtime.tokenizer import Tokenizer
-
-    folder = resolve_model(model)
-    return folder, load_llama(folder), Tokenizer(folder)
-
-
-def _publish(out: str, name: str, result: dict, plot=None) -> None:
-    """Writes ``<out>/<name>.json`` (with the machine) and, given a plot function, the PNG."""
-    from trtllm_vtoken.report import write_json
-
-    result["machine"] = machine()
-    path = write_json(out, name, result)
-    if plot is not None:
-        plot(result, path.with_suffix(".png"))
-        print(f"wrote {path} and {path.with_suffix('.png')}")
-    else:
-        print(f"wrote {path}")

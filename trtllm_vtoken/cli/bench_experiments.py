@@ -9,7 +9,7 @@ import sys
 
 
 def register(bench) -> None:
-    from trtllm_vtoken.cli.bench import _finish
+    from trtllm_vtoken.cli.bench_common import add_output_options
 
     overhead = bench.add_parser(
         "overhead", help="hooks-on/no-eviction cost vs native, and the host-time split (real model)",
@@ -18,14 +18,14 @@ def register(bench) -> None:
     overhead.add_argument("--requests", type=int, default=16)
     overhead.add_argument("--max-output-tokens", type=int, default=64)
     overhead.add_argument("--repeats", type=int, default=3)
-    _finish(overhead, "8 requests, 24 new tokens, 3 repeats", run_overhead)
+    add_output_options(overhead, "8 requests, 24 new tokens, 3 repeats", run_overhead)
 
     sweeps = bench.add_parser(
         "sweeps", help="tokens_per_block, retention ratio, lazy threshold, dense vs lazy (real model)",
         description="One knob at a time: retained KV, copies and throughput of vtoken (and naive-evict).")
     sweeps.add_argument("--requests", type=int, default=8)
     sweeps.add_argument("--max-output-tokens", type=int, default=48)
-    _finish(sweeps, "4 requests, prompts <= 128, 16 new tokens", run_sweeps)
+    add_output_options(sweeps, "4 requests, prompts <= 128, 16 new tokens", run_sweeps)
 
     sla = bench.add_parser(
         "sla", help="throughput under a p95-latency SLA, closed loop (real model)",
@@ -34,14 +34,14 @@ def register(bench) -> None:
     sla.add_argument("--concurrency", default="1,2,4,8,12,16", help="ascending levels (default 1,2,4,8,12,16)")
     sla.add_argument("--requests-per-client", type=int, default=3)
     sla.add_argument("--num-blocks", type=int, default=96, help="KV block budget (default 96)")
-    _finish(sla, "levels 2,4,8, two requests per client, 24 new tokens", run_sla)
+    add_output_options(sla, "levels 2,4,8, two requests per client, 24 new tokens", run_sla)
 
     sharing = bench.add_parser(
         "sharing", help="prefix sharing at degree 1/2/4/8: retained blocks, no shared block moved (simulated)",
         description="Shared prompt prefixes (reference-counted blocks) with private suffixes, H2O "
                     "decoding; naive-evict with prefix caching vs vtoken dense.")
     sharing.add_argument("--decode-tokens", type=int, default=256)
-    _finish(sharing, "64 decode steps", run_sharing)
+    add_output_options(sharing, "64 decode steps", run_sharing)
 
 
 def run_overhead(args: argparse.Namespace) -> int:
@@ -53,12 +53,12 @@ def run_overhead(args: argparse.Namespace) -> int:
         plot_overhead,
         run_overhead_bench,
     )
-    from trtllm_vtoken.cli.bench import _load_model, _publish
+    from trtllm_vtoken.cli.bench_common import load_model, publish
     from trtllm_vtoken.report import format_table
 
     cfg = OverheadBenchConfig(requests=8 if args.quick else args.requests,
                               max_output_tokens=24 if args.quick else args.max_output_tokens, repeats=args.repeats)
-    _, model, tokenizer = _load_model(None)
+    _, model, tokenizer = load_model(None)
     with tqdm(total=len(RUNS) * cfg.repeats, desc="bench overhead", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_overhead_bench(cfg, model, tokenizer, progress=bar)
     print(f"vtoken bench overhead: {cfg.requests} ShareGPT requests, <= {cfg.max_output_tokens} new tokens, "
@@ -70,7 +70,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     wall = result["runs"][-1]["wall_s"]
     print(f"\nhost time of {result['runs'][-1]['label']} (wall {wall:.2f} s):")
     print(format_table(["stage", "seconds", "% of wall"], [[k, v, 100 * v / wall] for k, v in split.items()]))
-    _publish(args.out, "overhead", result, plot_overhead)
+    publish(args.out, "overhead", result, plot_overhead)
     return 0
 
 
@@ -78,12 +78,12 @@ def run_sweeps(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from trtllm_vtoken.bench.sweeps import SweepsBenchConfig, plot_sweeps, run_sweeps_bench
-    from trtllm_vtoken.cli.bench import _load_model, _publish
+    from trtllm_vtoken.cli.bench_common import load_model, publish
     from trtllm_vtoken.report import format_table
 
     cfg = (SweepsBenchConfig(requests=4, max_prompt_tokens=128, max_output_tokens=16) if args.quick
            else SweepsBenchConfig(requests=args.requests, max_output_tokens=args.max_output_tokens))
-    _, model, tokenizer = _load_model(None)
+    _, model, tokenizer = load_model(None)
     with tqdm(total=len(cfg.points()), desc="bench sweeps", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_sweeps_bench(cfg, model, tokenizer, progress=bar)
     print(f"vtoken bench sweeps: {cfg.requests} ShareGPT requests, <= {cfg.max_output_tokens} new tokens, "
@@ -94,7 +94,7 @@ def run_sweeps(args: argparse.Namespace) -> int:
         [[p["sweep"], p["value"], p["variant"], p["mode"], p["mean_blocks"], p["peak_blocks"], p["mean_slots"],
           p.get("fewer_slots_than_naive_pct", "-"), 100 * p["kv_utilization"], p["moves"], p["tokens_per_s"],
           p["invariant_checks"]] for p in result["points"]]))
-    _publish(args.out, "sweeps", result, plot_sweeps)
+    publish(args.out, "sweeps", result, plot_sweeps)
     return 0
 
 
@@ -102,7 +102,7 @@ def run_sla(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from trtllm_vtoken.bench.sla import VARIANTS, SlaBenchConfig, plot_sla, run_sla_bench
-    from trtllm_vtoken.cli.bench import _load_model, _publish
+    from trtllm_vtoken.cli.bench_common import load_model, publish
     from trtllm_vtoken.report import format_table
 
     try:
@@ -111,7 +111,7 @@ def run_sla(args: argparse.Namespace) -> int:
         raise ValueError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
     cfg = SlaBenchConfig(concurrency=levels, requests_per_client=2 if args.quick else args.requests_per_client,
                          num_blocks=args.num_blocks, max_output_tokens=24 if args.quick else 48)
-    _, model, tokenizer = _load_model(None)
+    _, model, tokenizer = load_model(None)
     with tqdm(total=len(levels) * len(VARIANTS), desc="bench sla", unit="level", disable=None, file=sys.stderr) as bar:
         result = run_sla_bench(cfg, model, tokenizer, progress=bar)
     print(f"vtoken bench sla: closed loop, {cfg.num_blocks} blocks x {cfg.tokens_per_block} tokens, "
@@ -122,7 +122,7 @@ def run_sla(args: argparse.Namespace) -> int:
     s = result["summary"]
     print(f"\nC_ref {s['c_ref']}, SLA p95 <= {s['sla_p95_s']:.2f} s; C_sel: {s['selected']}"
           + (f"; vtoken throughput at C_sel = {s['throughput_ratio']:.3f}x naive-evict's" if "throughput_ratio" in s else ""))
-    _publish(args.out, "sla", result, plot_sla)
+    publish(args.out, "sla", result, plot_sla)
     return 0
 
 
@@ -135,7 +135,7 @@ def run_sharing(args: argparse.Namespace) -> int:
         plot_sharing,
         run_sharing_bench,
     )
-    from trtllm_vtoken.cli.bench import _publish
+    from trtllm_vtoken.cli.bench_common import publish
     from trtllm_vtoken.report import format_table
 
     cfg = SharingBenchConfig(decode_tokens=64 if args.quick else args.decode_tokens)
@@ -152,5 +152,5 @@ def run_sharing(args: argparse.Namespace) -> int:
           r["invariant_checks"]] for r in result["rows"]]))
     for row in result["rows"]:
         row.pop("blocks_per_step")
-    _publish(args.out, "sharing", result, plot_sharing)
+    publish(args.out, "sharing", result, plot_sharing)
     return 0

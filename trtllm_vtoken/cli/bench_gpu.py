@@ -9,7 +9,7 @@ import sys
 
 
 def register(bench) -> None:
-    from trtllm_vtoken.cli.bench import _finish
+    from trtllm_vtoken.cli.bench_common import add_output_options
 
     gpu = bench.add_parser(
         "gpu", help="CUDA only: relocation kernel vs copies, CUDA-graph decode, the engine on CUDA",
@@ -20,7 +20,7 @@ def register(bench) -> None:
     gpu.add_argument("--output-tokens", type=int, default=128)
     gpu.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     gpu.add_argument("--repeats", type=int, default=3, help="engine runs per row, alternating order (default 3)")
-    _finish(gpu, "16 requests, 64 new tokens", run_gpu)
+    add_output_options(gpu, "16 requests, 64 new tokens", run_gpu)
 
 
 def run_gpu(args: argparse.Namespace) -> int:
@@ -52,7 +52,7 @@ def run_gpu(args: argparse.Namespace) -> int:
         [[r["label"], r["tokens_per_s"], r["tokens_per_s_min"], r["tokens_per_s_max"],
           r["throughput_vs_native_graphs"], r["peak_blocks"],
           r["moves"], r["bytes_copied"] / 2**20, r.get("exact_match_vs_naive_evict", "-")] for r in result["engine"]]))
-    from trtllm_vtoken.cli.bench import _publish
+    from trtllm_vtoken.cli.bench_common import publish
 
-    _publish(args.out, "gpu", result)
+    publish(args.out, "gpu", result)
     return 0

@@ -9,7 +9,7 @@ import sys
 
 
 def register(bench) -> None:
-    from trtllm_vtoken.cli.bench import _finish
+    from trtllm_vtoken.cli.bench_common import add_output_options
 
     serve = bench.add_parser(
         "serve", help="throughput and latency through Triton vs the engine called directly",
@@ -21,7 +21,7 @@ def register(bench) -> None:
     serve.add_argument("--num-blocks", type=int, default=512)
     serve.add_argument("--policy", default="h2o")
     serve.add_argument("--budget", default="0.5")
-    _finish(serve, "concurrency 1,8, one request per client, 16 tokens", run_serve)
+    add_output_options(serve, "concurrency 1,8, one request per client, 16 tokens", run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -68,7 +68,7 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"vtoken bench serve: SmolLM2-135M on CPU, {settings.engine.policy} budget {settings.engine.budget}, "
           f"{cfg.requests_per_client} requests per client, {cfg.max_tokens} new tokens, ShareGPT prompts")
     print(format_table(headers, rows))
-    from trtllm_vtoken.cli.bench import _publish
+    from trtllm_vtoken.cli.bench_common import publish
 
-    _publish(args.out, "serve", result)
+    publish(args.out, "serve", result)
     return 0

@@ -120,6 +120,12 @@ class ScorePolicy(EvictionPolicy):
 
     scores_are_ids: ClassVar[bool] = False
     """The score of a token is its logical id (newer = kept): selection needs no score array."""
+    score_stat: ClassVar[str | None] = None
+    """The per-slot statistic (``slot_stats``) that is the score as it stands (H2O: "mass")."""
+    observe_adds_mass: ClassVar[bool] = False
+    """``observe_batch`` only adds the mass to ``score_stat``. With ``scores_are_ids`` or
+    ``score_stat``, the step can decide in one native pass over its slot layout
+    (``cpp/core/select.h``, the same victims as ``select_batch``)."""
 
     def score_batch(self, view: BatchView) -> np.ndarray:
         """``score`` for every row: [B, L] float64 (any value where ``view.tokens`` is -1).
@@ -135,6 +141,17 @@ class ScorePolicy(EvictionPolicy):
     def recent_tokens_batch(self, targets: np.ndarray) -> np.ndarray:
         """``recent_tokens`` for an array of targets."""
         return np.full(len(targets), self.recent_window, dtype=np.int64)
+
+    def candidate_bounds(self, num_tokens: np.ndarray, num_live: np.ndarray,
+                         protected_live: np.ndarray | int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per row: (tokens to evict, lowest and one past the highest candidate id). Candidates
+        are the unprotected live ids in [lo, hi): above the sinks, below the recent window, both
+        shrunk so the budget can still be met once protected tokens are kept. int64 arrays."""
+        targets = self.budget.targets(num_tokens)
+        room = np.maximum(0, targets - protected_live)
+        n_sink = np.minimum(self.n_sink, room)
+        recent = np.minimum(self.recent_tokens_batch(targets), room - n_sink)
+        return num_live - targets, n_sink, num_tokens - recent
 
     def select(self, view: PolicyView) -> np.ndarray:
         target = self.budget.target(view.num_tokens)
@@ -161,20 +178,16 @@ class ScorePolicy(EvictionPolicy):
         ``tests/policies/test_batch_select.py``): candidate masks over [B, L], then the lowest
         score per row with ties to the lower id; rows evicting several tokens at once (right
         after a prefill, or a budget change) take the exact per-row sort."""
-        targets = self.budget.targets(view.num_tokens)
-        excess = view.num_live - targets
-        active = np.flatnonzero(excess > 0)
+        active = np.flatnonzero(view.num_live > self.budget.targets(view.num_tokens))
         if not len(active):
             return BatchVictims.none()
         if len(active) < view.size:
-            view, targets, excess = view.rows(active), targets[active], excess[active]
+            view = view.rows(active)
         protected = view.protected
         kept = (protected & (view.tokens >= 0)).sum(axis=1) if protected is not None else 0  # protected live tokens
-        room = np.maximum(0, targets - kept)
-        n_sink = np.minimum(self.n_sink, room)
-        recent = np.minimum(self.recent_tokens_batch(targets), room - n_sink)
+        excess, lo, hi = self.candidate_bounds(view.num_tokens, view.num_live, kept)
         tokens = view.tokens
-        candidate = (tokens >= n_sink[:, None]) & (tokens < (view.num_tokens - recent)[:, None])
+        candidate = (tokens >= lo[:, None]) & (tokens < hi[:, None])
         if protected is not None:
             candidate &= ~protected
         num_candidates = candidate.sum(axis=1)

@@ -24,6 +24,8 @@ class H2OPolicy(ScorePolicy):
     """Share of the budget given to the most recent tokens; the rest goes to heavy hitters."""
     _mass: PerTokenAccumulator = field(default_factory=PerTokenAccumulator, repr=False)
     slot_stats: ClassVar[dict[str, type]] = {"mass": np.float64}
+    score_stat: ClassVar[str | None] = "mass"
+    observe_adds_mass: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

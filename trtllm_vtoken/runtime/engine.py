@@ -176,7 +176,7 @@ class Engine:
         for req_id in list(self.running):
             if req_id not in self.running:  # preempted below to make room for an older request
                 continue
-            while self.kv.reserve(req_id, 1) is None:
+            while not self.kv.reserve(req_id, 1):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim == req_id:
@@ -192,7 +192,7 @@ class Engine:
             ids = request.prefill_ids()
             if not self.kv.admit(request.req_id, len(ids), request.remaining):
                 break
-            if self.kv.reserve(request.req_id, len(ids)) is None:  # greedy admission raced the pool
+            if not self.kv.reserve(request.req_id, len(ids)):  # greedy admission raced the pool
                 self.kv.release(request.req_id)
                 break
             self.waiting.popleft()
@@ -256,9 +256,7 @@ class Engine:
         if not self.kv.needs_attention or not req_ids:
             return None
         if self.simulated:
-            lengths = [self.kv.staged_blocks(r)[1] - self.kv.layout.kv_len(r) + self.kv.layout.num_tokens(r)
-                       for r in req_ids]
-            return self.model.batch_mass(req_ids, lengths, queries)
+            return self.model.batch_mass(req_ids, [self.kv.staged_tokens(r) for r in req_ids], queries)
         width = max(m.shape[0] for m in masses)
         out = torch.zeros(len(masses), width)
         for i, m in enumerate(masses):

@@ -5,7 +5,7 @@ variants, the one batched step (``trtllm_vtoken.step``), in the roles TensorRT-L
 
 Per iteration the engine calls:
 
-    reserve(req, n)            blocks for n new tokens (None: the pool is dry -> preempt someone)
+    reserve(req, n)            blocks for n new tokens (False: the pool is dry -> preempt someone)
     set_batch(rows)            rewrite block_offsets / kv_lens in place (+ the validity mask)
     ... forward writes K/V into the reserved slots ...
     step(rows, mass)           once, for every request that goes on: the new tokens join; vtoken
@@ -135,24 +135,28 @@ class KVCacheManager:
         return True
 
     # ---- one iteration -------------------------------------------------------------------------
-    def reserve(self, req_id: int, num_new: int) -> list[int] | None:
-        """Slots for ``num_new`` tokens after the request's KV, allocating blocks as needed.
-        Returns the flat slots, or None (nothing changed) if the pool lacks the blocks."""
+    def reserve(self, req_id: int, num_new: int) -> bool:
+        """Room for ``num_new`` tokens after the request's KV, allocating blocks as needed
+        (``staged_slots`` names the slots). False, changing nothing, if the pool lacks the blocks."""
         tpb, layout = self.config.tokens_per_block, self.layout
         missing = -(-(layout.kv_len(req_id) + num_new) // tpb) - layout.num_blocks(req_id)
         fresh: list[int] = []
         if missing > 0:
             fresh = self.pool.allocate(missing)
             if fresh is None:
-                return None
+                return False
         self._staged[req_id] = (fresh, num_new)
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_used)
-        return self.staged_slots(req_id)
+        return True
 
     def staged_blocks(self, req_id: int) -> tuple[list[int], int]:
         """The request's block list with the blocks ``reserve`` added, and its length after the write."""
         fresh, num_new = self._staged[req_id]
         return self.layout.block_ids(req_id) + fresh, self.layout.kv_len(req_id) + num_new
+
+    def staged_tokens(self, req_id: int) -> int:
+        """The request's logical length once its reserved tokens are written."""
+        return self.layout.num_tokens(req_id) + self._staged[req_id][1]
 
     def staged_slots(self, req_id: int) -> list[int]:
         """The flat slots ``reserve`` handed out for the request's pending write."""

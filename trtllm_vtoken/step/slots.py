@@ -43,6 +43,8 @@ class SlotMap:
         self.kv_len = np.zeros(8, dtype=np.int64)
         self.num_tokens = np.zeros(8, dtype=np.int64)
         self.num_live = np.zeros(8, dtype=np.int64)
+        self.policy = np.full(8, -1, dtype=np.int64)
+        """Per row: the index of the request's policy in its step (-1: it never evicts)."""
 
     # ---- requests ------------------------------------------------------------------------------
     def add_stat(self, name: str, dtype: type) -> None:
@@ -65,6 +67,7 @@ class SlotMap:
                 self._grow_rows(2 * len(self.kv_len))
         self.row_of[req_id] = row
         self.num_blocks_of[row] = self.kv_len[row] = self.num_tokens[row] = self.num_live[row] = 0
+        self.policy[row] = -1
         self.block_table[row] = self.scratch
         return row
 
@@ -80,7 +83,7 @@ class SlotMap:
     def rows(self, req_ids: Iterable[int]) -> np.ndarray:
         """[B] int64 rows of the requests. KeyError names an unknown request."""
         try:
-            return np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64)
+            return np.fromiter(map(self.row_of.__getitem__, req_ids), dtype=np.int64)
         except KeyError as err:
             raise KeyError(f"unknown request {err.args[0]}") from None
 
@@ -181,6 +184,7 @@ class SlotMap:
                                       np.full((extra, self.block_table.shape[1]), self.scratch, dtype=np.int32)])
         for name in ("num_blocks_of", "kv_len", "num_tokens", "num_live"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, dtype=np.int64)]))
+        self.policy = np.concatenate([self.policy, np.full(extra, -1, dtype=np.int64)])
 
     def _grow_columns(self, needed: int) -> None:
         width = self.block_table.shape[1]

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from trtllm_vtoken.policies import EvictionPolicy
+from trtllm_vtoken.core.native import load as load_native
+from trtllm_vtoken.policies import EvictionPolicy, ScorePolicy
 from trtllm_vtoken.policies.batch import BatchView
 from trtllm_vtoken.reclaim.copy import CopyExecutor
 from trtllm_vtoken.step.checks import StepChecks
@@ -74,6 +75,7 @@ class DecodeStep:
         self._policy_of: dict[int, int] = {}  # request -> index into _policies (absent: never evicts)
         self._pushed_shared: frozenset[int] = frozenset()
         self._broken: str | None = None
+        self._rows_in_run = np.zeros(0, dtype=np.int64)
         if policy is not None:
             self._policy_index(policy)
 
@@ -82,9 +84,9 @@ class DecodeStep:
         """A new request, with no tokens yet (its first ``run`` registers its prompt)."""
         chosen = self.policy if policy is DEFAULT else policy
         self.core.add_request(req_id)
-        self.slots.add_request(req_id)
+        row = self.slots.add_request(req_id)
         if chosen is not None:
-            self._policy_of[req_id] = self._policy_index(chosen)
+            self._policy_of[req_id] = self.slots.policy[row] = self._policy_index(chosen)
 
     def remove_request(self, req_id: int) -> list[int]:
         """Forgets the request; returns its block list, which the host frees in its pool."""
@@ -154,13 +156,13 @@ class DecodeStep:
             raise RuntimeError(f"the step is unusable after an earlier failure: {self._broken}")
         clock, seconds = time.perf_counter, self.stats.seconds
         t0 = clock()
-        req_ids, num_new, block_offsets, new_blocks = self._validated(inp)
-        rows = self.slots.rows(req_ids)
+        req_ids, rows, num_new, block_offsets, new_blocks = self._validated(inp)
+        self._rows_in_run = rows
         self._push_shared()
         self.slots.append_blocks(rows, block_offsets, new_blocks)
         new_slots = self.slots.register(rows, num_new)
         length = self.slots.kv_len[rows].copy()
-        t1 = clock()
+        t1, mass_seconds = clock(), self.stats.mass_seconds
         victim_index, victim_pos = self._decide(req_ids, rows, inp.mass)
         victim_rows = rows[victim_index]
         victim_slots = self.slots.slots_at(victim_rows, victim_pos)
@@ -205,7 +207,7 @@ class DecodeStep:
         if self.executor is not None:
             stats.bytes_copied += len(result.move_src) * self.executor.bytes_per_move()
         seconds["table"] += (t1 - t0) + (t5 - t4)
-        seconds["policy"] += t2 - t1
+        seconds["policy"] += t2 - t1 - (stats.mass_seconds - mass_seconds)  # not the simulated attention
         seconds["core"] += t4 - t3
         seconds["copy"] += t6 - t5
         seconds["checks"] += (t3 - t2) + (t7 - t6)
@@ -237,7 +239,9 @@ class DecodeStep:
         self._policies.append(policy)
         return len(self._policies) - 1
 
-    def _validated(self, inp: StepInput) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _validated(self, inp: StepInput) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(req_ids, their rows, num_new, block offsets, new blocks) as int64 arrays, checked as the
+        token table would check them, so that a bad batch changes nothing."""
         req_ids = np.asarray(inp.req_ids, dtype=np.int64).reshape(-1)
         num_new = np.asarray(inp.num_new, dtype=np.int64).reshape(-1)
         offsets = np.asarray(inp.new_block_offsets, dtype=np.int64).reshape(-1)
@@ -262,7 +266,7 @@ class DecodeStep:
         if len(short):
             i = int(short[0])
             raise ValueError(f"step: request {req_ids[i]}'s {num_new[i]} new tokens do not fit its blocks")
-        return req_ids, num_new, offsets, blocks
+        return req_ids, rows, num_new, offsets, blocks
 
     def _push_shared(self) -> None:
         """The C++ table keeps its own set of shared blocks: send it what changed."""
@@ -277,53 +281,95 @@ class DecodeStep:
             self._pushed_shared = shared
 
     def _decide(self, req_ids: np.ndarray, rows: np.ndarray, mass: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Victims of the batch: (batch index, position) pairs sorted by index, then logical id."""
-        index = np.fromiter((self._policy_of.get(r, -1) for r in req_ids.tolist()), dtype=np.int64, count=len(rows))
-        if not self._policies or (index < 0).all():
+        """Victims of the batch: (batch index, position) pairs sorted by index, then logical id.
+
+        One call per policy of the batch: the policy's ``select_batch`` over the gathered batch
+        layout, or, where the C++ core is built and the policy's score lives in the slot layout
+        (``ScorePolicy.scores_are_ids`` / ``score_stat``), one native pass over the slots
+        (``cpp/core/select.h``, the same victims, no copies)."""
+        index = self.slots.policy[rows]
+        present = sorted(set(np.unique(index).tolist()) - {-1})
+        if not present:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         slots = self.slots
-        blocks = slots.block_rows(rows)
-        tokens = slots.gather(slots.tokens, blocks)
-        observing = {i for i in set(index.tolist()) if i >= 0 and self._policies[i].observes_attention()}
-        mass_rows = self._mass(mass, tokens) if observing else None
         shared = self.shared_blocks()
+        native = {i for i in present if not len(shared) and self._native_selection(self._policies[i])}
+        blocks = slots.block_rows(rows)
+        layout: dict[str, np.ndarray] = {}  # the batch's token layout, gathered once if needed
+
+        def tokens() -> np.ndarray:
+            if "tokens" not in layout:
+                layout["tokens"] = slots.gather(slots.tokens, blocks)
+            return layout["tokens"]
+
+        observing = [i for i in present if self._policies[i].observes_attention()]
+        mass_rows = self._mass(mass, blocks.shape[1] * self.tokens_per_block, tokens) if observing else None
         protected = (np.repeat(np.isin(blocks, list(shared)), self.tokens_per_block, axis=1) if len(shared) else None)
         picked_index, picked_pos = [], []
-        for policy_index in sorted(set(index.tolist()) - {-1}):
+        for policy_index in present:
             policy = self._policies[policy_index]
-            group = slice(None) if (index == policy_index).all() else np.flatnonzero(index == policy_index)
-            group_blocks = blocks[group]
-            view = BatchView(req_ids[group], slots.num_tokens[rows[group]], slots.num_live[rows[group]], tokens[group],
-                             None if protected is None else protected[group],
-                             {name: slots.gather(slots.stats[name], group_blocks) for name in policy.slot_stats})
-            if policy_index in observing:
-                policy.observe_batch(view, mass_rows[group])
-                for name, values in view.stats.items():
-                    slots.scatter(slots.stats[name], group_blocks, values)
-            victims = policy.select_batch(view)
-            at = np.arange(len(rows))[group]
-            picked_index.append(at[victims.rows]), picked_pos.append(victims.positions)
+            whole = len(present) == 1 and (index >= 0).all()
+            group = np.arange(len(rows)) if whole else np.flatnonzero(index == policy_index)
+            if policy_index in native:
+                victim_rows, positions = self._select_native(policy, rows[group],
+                                                             None if mass_rows is None else mass_rows[group])
+            else:
+                group_blocks = blocks[group]
+                view = BatchView(req_ids[group], slots.num_tokens[rows[group]], slots.num_live[rows[group]],
+                                 tokens()[group], None if protected is None else protected[group],
+                                 {name: slots.gather(slots.stats[name], group_blocks) for name in policy.slot_stats})
+                if policy_index in observing:
+                    policy.observe_batch(view, mass_rows[group])
+                    for name, values in view.stats.items():
+                        slots.scatter(slots.stats[name], group_blocks, values)
+                victims = policy.select_batch(view)
+                victim_rows, positions = victims.rows, victims.positions
+            picked_index.append(group[victim_rows]), picked_pos.append(positions)
         victim_index = np.concatenate(picked_index)
         victim_pos = np.concatenate(picked_pos)
         if len(picked_index) > 1:
-            order = np.lexsort((tokens[victim_index, victim_pos], victim_index))
+            ids = slots.tokens[slots.slots_at(rows[victim_index], victim_pos)]
+            order = np.lexsort((ids, victim_index))
             victim_index, victim_pos = victim_index[order], victim_pos[order]
         return victim_index, victim_pos
 
-    def _mass(self, mass: Any, tokens: np.ndarray) -> np.ndarray:
-        """The batch's mass as float [B, L] (L = the token layout's width), reduced if asked."""
+    def _native_selection(self, policy: EvictionPolicy) -> bool:
+        """Can the C++ core decide for this policy in one pass over the slot layout?"""
+        if self.impl != "cpp" or not isinstance(policy, ScorePolicy):
+            return False
+        if not (policy.scores_are_ids or policy.score_stat):
+            return False
+        return not policy.observes_attention() or policy.observe_adds_mass
+
+    def _select_native(self, policy: ScorePolicy, rows: np.ndarray,
+                       mass: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        slots = self.slots
+        num_tokens, num_live = slots.num_tokens[rows], slots.num_live[rows]
+        excess, lo, hi = policy.candidate_bounds(num_tokens, num_live)
+        stat = slots.stats[policy.score_stat] if policy.score_stat else None
+        add = mass if policy.observe_adds_mass else None
+        return load_native().select_lowest(slots.tokens, slots.block_table, self.tokens_per_block, rows,
+                                           slots.kv_len[rows], lo, hi, excess, stat, add)
+
+    def _mass(self, mass: Any, width: int, tokens: Callable[[], np.ndarray]) -> np.ndarray:
+        """The batch's mass as float32 or float64 [B, width] (C order), reduced across ranks if
+        asked. float32 stays float32: it is added to float64 statistics either way."""
         if mass is None:
             raise ValueError("a policy of this batch observes attention: pass the mass per position")
-        if callable(mass):
+        if callable(mass):  # the simulated attention: a function of the token layout, not timed as ours
             start = time.perf_counter()
-            mass = mass(tokens)
+            mass = mass(tokens())
             self.stats.mass_seconds += time.perf_counter() - start
         if not isinstance(mass, np.ndarray):  # a torch tensor (on any device)
             mass = mass.detach().float().cpu().numpy()
-        width = tokens.shape[1]
-        if mass.ndim != 2 or mass.shape[0] != tokens.shape[0]:
-            raise ValueError(f"mass must be [{tokens.shape[0]}, >= L], got {list(mass.shape)}")
+        if mass.ndim != 2 or mass.shape[0] != len(self._rows_in_run):
+            raise ValueError(f"mass must be [{len(self._rows_in_run)}, >= L], got {list(mass.shape)}")
+        longest = int(self.slots.kv_len[self._rows_in_run].max())
+        if mass.shape[1] < longest:
+            raise ValueError(f"mass covers {mass.shape[1]} positions; the batch's longest request has {longest}")
         if mass.shape[1] < width:
             mass = np.pad(mass, ((0, 0), (0, width - mass.shape[1])))
-        mass = mass[:, :width]
-        return self.reduce_mass(mass) if self.reduce_mass is not None else mass
+        if self.reduce_mass is not None:
+            mass = self.reduce_mass(mass)
+        dtype = np.float32 if mass.dtype == np.float32 else np.float64
+        return np.ascontiguousarray(mass[:, :width], dtype=dtype)

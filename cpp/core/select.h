@@ -1,0 +1,38 @@
+// SPDX-License-Identifier: Apache-2.0
+// A score policy's batched decision over the step's slot layout (trtllm_vtoken/step/slots.py),
+// in one pass per request: no batch-layout copies. Mirrors ScorePolicy.select_batch
+// (trtllm_vtoken/policies/base.py) for the scores that live in the layout itself: the token's
+// logical id (StreamingLLM, sliding window) or a per-slot statistic, optionally accumulating this
+// step's attention mass into it first (H2O's observe).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace vtoken {
+
+struct SlotLayout {
+  const int32_t* tokens;       // [slots] live logical id at each slot, -1 where none
+  const int32_t* block_table;  // [rows, block_stride] block ids, row by row
+  int64_t block_stride;
+  int64_t tokens_per_block;
+  int64_t num_blocks;  // blocks the layout covers: tokens holds num_blocks * tokens_per_block slots
+};
+
+struct Selection {
+  std::vector<int64_t> rows;       // index into the batch, ascending
+  std::vector<int64_t> positions;  // physical position of each victim; ids ascending per row
+};
+
+// For batch row i (layout row rows[i], positions [0, kv_len[i])):
+//   mass != null:  stat[slot] += mass[i * mass_stride + p] at every position (all rows)
+//   excess[i] > 0: candidates are live ids in [lo[i], hi[i]); victims: the excess[i] candidates
+//                  with the lowest (key, id), key = the id (stat == null) or stat[slot]; all of
+//                  them when there are no more than excess[i]
+// Mass is float (what attention kernels return) or double; stat is accumulated in double.
+template <typename Mass>
+Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t batch, const int64_t* kv_len,
+                        const int64_t* lo, const int64_t* hi, const int64_t* excess, double* stat,
+                        const Mass* mass, int64_t mass_stride);
+
+}  // namespace vtoken

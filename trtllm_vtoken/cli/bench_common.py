@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What every ``vtoken bench`` command shares: its ``--quick`` / ``--out`` options, loading the
+model, and publishing the JSON (and PNG) of a result."""
+
+from __future__ import annotations
+
+import argparse
+
+from trtllm_vtoken.cli.info import machine
+
+
+def add_output_options(parser: argparse.ArgumentParser, quick_help: str, run) -> None:
+    """The options every benchmark takes: its quick form and the output folder; ``run`` runs it."""
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", default="out", help="folder for the JSON (and PNG) results (default ./out)")
+    parser.set_defaults(func=run)
+
+
+def load_model(model: str | None):
+    """(folder, model, tokenizer) for a Hugging Face Llama folder or the default model."""
+    from trtllm_vtoken.runtime.checkpoint import resolve_model
+    from trtllm_vtoken.runtime.model import load_llama
+    from trtllm_vtoken.runtime.tokenizer import Tokenizer
+
+    folder = resolve_model(model)
+    return folder, load_llama(folder), Tokenizer(folder)
+
+
+def publish(out: str, name: str, result, plot=None) -> None:
+    """Writes ``<out>/<name>.json`` (a dict gets the machine added) and, given a plot function,
+    the PNG."""
+    from trtllm_vtoken.report import write_json
+
+    if isinstance(result, dict):
+        result["machine"] = machine()
+    path = write_json(out, name, result)
+    if plot is not None:
+        plot(result, path.with_suffix(".png"))
+        print(f"wrote {path} and {path.with_suffix('.png')}")
+    else:
+        print(f"wrote {path}")

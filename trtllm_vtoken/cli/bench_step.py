@@ -1,0 +1,71 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vtoken bench step``: vToken's one step, on the engine with the simulated backend, against
+native; prints a table and writes ``<out>/step.json`` (a list of rows) and ``step.png``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trtllm_vtoken.cli.bench_common import add_output_options, publish
+
+
+def register(bench) -> None:
+    step = bench.add_parser(
+        "step", help="host time per decode step: native vs vToken's step (simulated attention, C++ and Python)",
+        description="The engine with the simulated-attention backend at 4k tokens of context: native (plain "
+                    "block lists), indirection-only (the step, nothing evicted), vtoken dense and lazy for H2O "
+                    "and StreamingLLM (one eviction per request per step), each with the C++ and the Python "
+                    "core. The simulated attention is not counted.")
+    step.add_argument("--batches", default="64,256", help="comma-separated batch sizes (default 64,256)")
+    step.add_argument("--context", type=int, default=4096, help="tokens of context per request (default 4096)")
+    step.add_argument("--tokens-per-block", type=int, default=32, help="default 32")
+    step.add_argument("--steps", type=int, default=20, help="timed decode steps per run (default 20)")
+    step.add_argument("--repeats", type=int, default=3,
+                      help="runs per row in alternating order; the median run is reported (default 3)")
+    step.add_argument("--impl", choices=["cpp", "python", "both"], default="both",
+                      help="the step's token-table core (default both; cpp is skipped where it is not built)")
+    add_output_options(step, "5 timed steps, one run per row", run_step)
+
+
+def run_step(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.step import StepBenchConfig, plot_step, run_step_bench
+    from trtllm_vtoken.cli.info import machine
+    from trtllm_vtoken.core.native import load as load_native
+    from trtllm_vtoken.report import format_table
+
+    try:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError:
+        raise ValueError(f"--batches must be comma-separated integers, got {args.batches!r}") from None
+    impls = ["cpp", "python"] if args.impl == "both" else [args.impl]
+    if "cpp" in impls and load_native() is None:
+        if args.impl == "cpp":
+            raise ValueError("--impl cpp: the C++ core is not built")
+        impls.remove("cpp")
+        print("note: the C++ core is not built; timing the Python core only", file=sys.stderr)
+    cfg = StepBenchConfig(batches=batches, context=args.context, tokens_per_block=args.tokens_per_block,
+                          steps=5 if args.quick else args.steps, warmup=2 if args.quick else 3,
+                          repeats=1 if args.quick else args.repeats, impls=tuple(impls))
+    total = len(cfg.batches) * len(cfg.rows()) * cfg.repeats
+    with tqdm(total=total, desc="bench step", unit="run", disable=None, file=sys.stderr) as bar:
+        result = run_step_bench(cfg, progress=bar)
+    print(f"vtoken bench step: engine + simulated attention (not counted), {cfg.context} tokens of context, "
+          f"tokens_per_block {cfg.tokens_per_block}, one eviction per request per step; {cfg.steps} timed "
+          f"steps per run, the median of {cfg.repeats} alternating runs per row")
+    headers = ["batch", "row", "impl", "host us/step", "runs min-max", "added us", "added %", "table us",
+               "policy us", "core us", "copy us", "evicted/step", "moves/step"]
+    rows = [[r["batch"], r["label"].removesuffix(f" {r['impl']}"), r["impl"], r["host_us_p50"],
+             f"{r['host_us_p50_min']:,.0f}-{r['host_us_p50_max']:,.0f}", r["added_us_p50"], r["added_pct"],
+             *(r["split_us"][k] for k in ("table", "policy", "core", "copy")), r["evicted_per_step"],
+             r["moves_per_step"]] for r in result["rows"]]
+    print(format_table(headers, rows))
+    print("table: the step's batch layout; policy: mass, observe, select (vectorised); core: the one token-table "
+          "call (append, evict, plan, commit); copy: the one copy of all moves (metadata only here)")
+    where = machine()
+    listed = [dict(r, context=cfg.context, tokens_per_block=cfg.tokens_per_block, steps=cfg.steps,
+                   repeats=cfg.repeats, machine=where) for r in result["rows"]]
+    publish(args.out, "step", listed, lambda rows, path: plot_step({"config": result["config"], "rows": rows}, path))
+    return 0
