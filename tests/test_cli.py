@@ -28,6 +28,24 @@ def test_bench_core_prints_table_and_writes_json(tmp_path, capsys):
             (runs["python", mode]["moves"], runs["python", mode]["blocks_freed"])
 
 
+def test_bench_step_prints_table_and_writes_rows(tmp_path, capsys):
+    assert main(["bench", "step", "--batches", "4", "--context", "96", "--tokens-per-block", "8", "--steps", "3",
+                 "--repeats", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "indirection-only" in out and "vtoken dense h2o" in out and "added us" in out
+    assert (tmp_path / "step.png").stat().st_size > 0
+    rows = json.loads((tmp_path / "step.json").read_text())
+    impls = ["cpp", "python"] if native.load() is not None else ["python"]
+    assert len(rows) == 1 + 5 * len(impls)
+    for row in rows:
+        assert {"variant", "mode", "policy", "impl", "batch", "host_us_p50", "added_us_p50"} <= set(row)
+        assert row["batch"] == 4 and row["host_us_p50"] > 0
+        evicting = row["variant"] == "vtoken"
+        assert (row["evicted_per_step"] == 4) == evicting  # one eviction per request per step
+    native_row = rows[0]
+    assert native_row["variant"] == "native" and native_row["added_us_p50"] == 0
+
+
 def test_bad_arguments_give_one_line_error(capsys):
     assert main(["bench", "core", "--batch", "0", "--out", "/tmp/unused"]) == 2
     assert capsys.readouterr().err.strip() == "vtoken: error: batch must be positive, got 0"
