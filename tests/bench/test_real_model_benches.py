@@ -45,11 +45,15 @@ def test_overhead_runs_every_row_and_splits_host_time(model, smollm2_tokenizer):
                                 model, smollm2_tokenizer)
     runs = {r["label"]: r for r in result["runs"]}
     assert list(runs) == [label for label, _ in RUNS]
-    assert runs["native"]["throughput_vs_native"] == 1.0
+    # Native's spread against itself covers both native rows, so neither "differs" from native.
+    again = runs["native (again)"]
+    assert result["native_spread_pct"] >= abs(again["overhead_pct"]) and not again["beyond_native_spread"]
+    assert runs["native"]["host_seconds"]["table"] == 0  # the honest baseline runs no step
     assert runs["indirection-only"]["tokens_evicted"] == runs["indirection-only + mass"]["tokens_evicted"] == 0
+    assert runs["indirection-only"]["host_seconds"]["core"] > 0  # the step ran, with nothing to evict
     reclaiming = runs["vtoken dense (h2o 0.5)"]
     assert reclaiming["blocks_reclaimed"] > 0 and reclaiming["host_seconds"]["forward"] > 0
-    assert set(reclaiming["host_seconds"]) == {"forward", "table", "policy", "mask", "plan", "copy", "commit"}
+    assert {"forward", "table", "policy", "core", "copy"} <= set(reclaiming["host_seconds"])
 
 
 def test_sweeps_vtoken_never_holds_more_than_naive_evict(model, smollm2_tokenizer):

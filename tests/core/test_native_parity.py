@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from tests.helpers import as_csr, py_commit, random_step, result_lists, step_loop
 from trtllm_vtoken.core import TokenTable
-from trtllm_vtoken.core.native import load, native_table, to_relocation_plan
+from trtllm_vtoken.core.native import load, native_table
 from trtllm_vtoken.reclaim.planner import fragmentation, plan_dense, plan_lazy
+from trtllm_vtoken.reclaim.plan import RelocationPlan
 from trtllm_vtoken.reclaim.step_batch import COMPACTIONS, StepBatchResult, step_batch
 
 pytestmark = pytest.mark.skipif(load() is None, reason="the C++ token table is not built")
@@ -69,7 +70,7 @@ def plan_and_commit(pair: Pair, req: int, mode: str) -> None:
     assert (py_plan is None) == (cpp_plan is None)
     if py_plan is None:
         return
-    assert to_relocation_plan(cpp_plan) == py_plan
+    assert RelocationPlan.from_native(cpp_plan) == py_plan
     pair.both(lambda: py_commit(pair.py, py_plan), lambda: pair.cpp.commit(cpp_plan))
     # A plan commits once: the second commit is refused by both, changing nothing.
     pair.both(lambda: py_commit(pair.py, py_plan), lambda: pair.cpp.commit(cpp_plan))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from tests.helpers import add_sequence, make_table
-from trtllm_vtoken.reclaim import PLANNERS, fragmentation, plan_dense, plan_lazy
+from trtllm_vtoken.reclaim import fragmentation, plan_dense, plan_lazy
 
 
 def test_dense_plan_matches_the_docstring_example():
@@ -75,7 +75,3 @@ def test_lazy_plan_frees_several_blocks_and_skips_shared_and_tail_blocks():
     assert plan.blocks_to_free == (1, 2)
     assert sorted(list(plan.token_ids)) == [7, 11]
     assert all(s // 4 in (3, 4) for s in list(plan.dst_slots))
-
-
-def test_both_modes_are_registered():
-    assert PLANNERS.names() == ["dense", "lazy"]

@@ -72,7 +72,9 @@ class Model:
         self.table.evict_tokens(req, self.policy.select(policy_view(self.table, req)))
 
     def reclaim(self, req: int) -> None:
-        self.backend.commit_ready()
+        for other in self.table.request_ids():  # lazy plans left in flight commit now
+            if self.backend.in_flight(other):
+                self.backend.commit_blocking(other)
         plan = self.backend.plan(req, pressure=True)
         if plan is None:
             return

@@ -93,7 +93,8 @@ def serve_workload(engine, prompts, items, progress) -> tuple[dict[str, Any], li
         running.append(len(engine.running))
     wall = time.perf_counter() - start
     engine.kv.check_integrity()
-    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    if engine.kv.pool.num_free != engine.kv.pool.num_blocks:
+        raise RuntimeError(f"{engine.kv.pool.num_used} blocks still held after every request finished")
     requests = [engine.pop_finished(i) for i in ids]
     cfg, kv, stats = engine.config, engine.kv, engine.stats
     step = kv.step_stats

@@ -14,7 +14,6 @@ import functools
 from types import ModuleType
 from typing import Any
 
-from trtllm_vtoken.reclaim.plan import RelocationPlan
 
 
 @functools.cache
@@ -40,13 +39,3 @@ def native_table(tokens_per_block: int) -> Any:
     if core is None:
         raise RuntimeError("the C++ token table is not built (install the package with its cpp/ build)")
     return core.TokenTable(tokens_per_block)
-
-
-def to_relocation_plan(plan: Any) -> RelocationPlan:
-    """The Python plan form of a C++ plan (what copy executors consume)."""
-    return RelocationPlan(
-        req_id=plan.req_id, mode="dense" if plan.dense else "lazy", version=plan.version,
-        token_ids=tuple(plan.token_ids), src_slots=tuple(plan.src_slots), dst_slots=tuple(plan.dst_slots),
-        blocks_to_free=tuple(plan.blocks_to_free), blocks_before=plan.blocks_before,
-        new_kv_len=None if plan.new_kv_len < 0 else plan.new_kv_len,
-    )

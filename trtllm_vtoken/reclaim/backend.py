@@ -1,17 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """The reclamation backend: plan -> copy -> commit, one request at a time, never overlapping.
+The per-call API over a Python ``TokenTable`` (the specification the batched step
+``trtllm_vtoken.step`` is checked against, and the core benchmark's "calls" row); hosts call the
+step instead.
 
-    plan(req)            eligibility + dense/lazy planner, from one table snapshot (I4)
+    plan(req)            the dense/lazy planner, from one table snapshot (I4)
     submit(plan)         validate (I4), hash live KV (I1, if checking), start the copy
     commit_*(req)        apply_moves + truncate/release in the table, free blocks in the pool,
                          re-hash (I1) and check the table (I2), if checking; a plan that no
                          longer applies is refused whole (ValueError) and dropped
 
-Commit variants differ only in how they know the copy is done: ``try_commit`` polls the copy's
-event (lazy background compaction: attention keeps reading the sources meanwhile, which stay
-valid); ``commit_ordered`` makes a stream wait on the event and commits at once (dense mode on
-CUDA: the next forward on that stream cannot run before the copy, I3); ``commit_blocking`` waits
-on the host (CPU, tests).
+Commit variants differ only in how they know the copy is done: ``commit_ordered`` makes a stream
+wait on the event and commits at once (dense mode on CUDA: the next forward on that stream cannot
+run before the copy, I3); ``commit_blocking`` waits on the host (CPU, tests). A lazy plan may
+commit after evictions and appends made while its copy ran.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from trtllm_vtoken.core.block_pool import BlockPool
 from trtllm_vtoken.core.token_table import TokenTable
 from trtllm_vtoken.reclaim.config import ReclaimConfig
 from trtllm_vtoken.reclaim.copy import CopyExecutor, CopyHandle
-from trtllm_vtoken.reclaim.eligibility import eligible_requests
 from trtllm_vtoken.reclaim.invariants import (
     LiveSnapshot,
     check_conservation,
@@ -83,11 +84,7 @@ class ReclaimBackend:
         self.stats = ReclaimStats()
         self._in_flight: dict[int, _InFlight] = {}
 
-    # ---- stage 1-3: eligibility + planning ------------------------------------------------------
-    def eligible(self) -> list[int]:
-        """Requests worth planning now: an unshared block with dead slots, no plan in flight."""
-        return eligible_requests(self.table, self._in_flight)
-
+    # ---- planning ------------------------------------------------------------------------------
     def plan(self, req_id: int, pressure: bool = False) -> RelocationPlan | None:
         """A plan for the request under the configured mode, or None if it is not worth one now.
 
@@ -121,15 +118,7 @@ class ReclaimBackend:
     def in_flight(self, req_id: int) -> bool:
         return req_id in self._in_flight
 
-    def in_flight_ids(self) -> list[int]:
-        return list(self._in_flight)
-
     # ---- commit ----------------------------------------------------------------------------------
-    def try_commit(self, req_id: int) -> RelocationPlan | None:
-        """Commits if the request's copy has finished (non-blocking); returns the plan or None."""
-        entry = self._entry(req_id)
-        return self._commit(entry) if entry.handle.done() else None
-
     def commit_ordered(self, req_id: int, stream: Any) -> RelocationPlan:
         """Makes ``stream`` wait on the copy, then commits without waiting on the host (I3)."""
         entry = self._entry(req_id)
@@ -141,11 +130,6 @@ class ReclaimBackend:
         entry = self._entry(req_id)
         entry.handle.synchronize()
         return self._commit(entry)
-
-    def commit_ready(self) -> list[RelocationPlan]:
-        """Commits every in-flight plan whose copy has finished."""
-        done = [r for r, e in self._in_flight.items() if e.handle.done()]
-        return [self._commit(self._in_flight[r]) for r in done]
 
     def reclaim(self, req_ids: Iterable[int], pressure: bool = False, stream: Any = None) -> int:
         """Plans every request, copies all plans' moves at once, then commits them; returns the

@@ -37,6 +37,14 @@ class RelocationPlan:
     def blocks_after(self) -> int:
         return self.blocks_before - len(self.blocks_to_free)
 
+    @classmethod
+    def from_native(cls, plan) -> RelocationPlan:
+        """The Python form of a C++ core plan (``trtllm_vtoken._native._core.Plan``)."""
+        return cls(req_id=plan.req_id, mode="dense" if plan.dense else "lazy", version=plan.version,
+                   token_ids=tuple(plan.token_ids), src_slots=tuple(plan.src_slots), dst_slots=tuple(plan.dst_slots),
+                   blocks_to_free=tuple(plan.blocks_to_free), blocks_before=plan.blocks_before,
+                   new_kv_len=None if plan.new_kv_len < 0 else plan.new_kv_len)
+
     def touched_blocks(self, tokens_per_block: int) -> set[int]:
         """Blocks read or written by the copy, plus those released."""
         slots = self.src_slots + self.dst_slots

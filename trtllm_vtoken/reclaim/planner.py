@@ -28,12 +28,7 @@ from bisect import bisect_left
 from trtllm_vtoken.core.sequence import NO_TOKEN
 from trtllm_vtoken.core.token_table import TokenTable
 from trtllm_vtoken.reclaim.plan import RelocationPlan
-from trtllm_vtoken.registry import Registry
 
-PLANNERS: Registry = Registry("compaction mode")
-
-
-@PLANNERS.register("dense")
 def plan_dense(table: TokenTable, req_id: int) -> RelocationPlan | None:
     """Fills every hole below the new length with the highest live tokens; releases the tail.
 
@@ -62,7 +57,6 @@ def plan_dense(table: TokenTable, req_id: int) -> RelocationPlan | None:
     return _make_plan(table, req_id, "dense", src_pos, dst_pos, blocks_to_free, new_len)
 
 
-@PLANNERS.register("lazy")
 def plan_lazy(table: TokenTable, req_id: int) -> RelocationPlan | None:
     """Empties the lowest-utilization blocks into holes of the others.
 
