@@ -10,7 +10,6 @@ from trtllm_vtoken.core import BlockPool, TokenTable
 from trtllm_vtoken.reclaim import ReclaimBackend, ReclaimConfig
 from trtllm_vtoken.reclaim.copy import TorchCopyExecutor
 from trtllm_vtoken.reclaim.dead_blocks import fully_dead_blocks
-from trtllm_vtoken.reclaim.invariants import validate_plan
 from trtllm_vtoken.reclaim.planner import commit_plan, plan_for_mode
 
 
@@ -65,7 +64,6 @@ def ideal_blocks(num_live: int, tokens_per_block: int) -> int:
 
 def py_commit(table: TokenTable, plan) -> list[int]:
     """What ReclaimBackend does at commit, without a copy: the C++ ``commit``'s specification."""
-    validate_plan(table, plan, (), full=False)
     return commit_plan(table, plan)
 
 
@@ -82,9 +80,12 @@ def step_loop(table: TokenTable, step: dict, mode: str, threshold: int, pressure
             moves.append([])
             freed.append(dead)
             continue
-        plan = plan_for_mode(table, req, mode, threshold, pressure)
+        plan = plan_for_mode(table, req, "lazy" if mode == "lazy-deferred" else mode, threshold, pressure)
         moves.append(list(zip(plan.token_ids, plan.src_slots, plan.dst_slots)) if plan else [])
-        freed.append(py_commit(table, plan) if plan else [])
+        if mode == "lazy-deferred":  # planned, not committed
+            freed.append(list(plan.blocks_to_free) if plan else [])
+        else:
+            freed.append(py_commit(table, plan) if plan else [])
     return moves, freed
 
 

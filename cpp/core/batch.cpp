@@ -22,7 +22,7 @@ void fully_dead_blocks(const TokenTable& table, const Sequence& s, std::vector<i
 StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, const int64_t* num_new,
                       const int64_t* new_block_offsets, const int64_t* new_blocks,
                       const int64_t* evict_offsets, const int64_t* evict_ids, Compaction mode,
-                      int64_t fragmentation_threshold, bool pressure) {
+                      int64_t fragmentation_threshold, bool pressure, const uint8_t* may_plan) {
   StepResult out;
   out.move_offsets.reserve(batch + 1);
   out.move_offsets.push_back(0);
@@ -117,8 +117,10 @@ StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, 
       } else {
         planned = table.plan_dense_into(req, plan);
       }
-    } else if (mode == Compaction::kLazy) {
-      if (pressure || table.fragmentation(req) >= fragmentation_threshold) planned = table.plan_lazy_into(req, plan);
+    } else if (mode == Compaction::kLazy || mode == Compaction::kLazyDeferred) {
+      if ((may_plan == nullptr || may_plan[i]) && (pressure || table.fragmentation(req) >= fragmentation_threshold)) {
+        planned = table.plan_lazy_into(req, plan);
+      }
     } else {
       fully_dead_blocks(table, table.seq(req), dead);
       if (!dead.empty()) {
@@ -127,7 +129,7 @@ StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, 
       }
     }
     if (planned) {
-      table.commit_in_place(plan);
+      if (mode != Compaction::kLazyDeferred) table.commit_in_place(plan);
       out.move_tokens.insert(out.move_tokens.end(), plan.token_ids.begin(), plan.token_ids.end());
       out.move_src.insert(out.move_src.end(), plan.src_slots.begin(), plan.src_slots.end());
       out.move_dst.insert(out.move_dst.end(), plan.dst_slots.begin(), plan.dst_slots.end());

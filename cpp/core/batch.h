@@ -14,6 +14,9 @@ enum class Compaction : int64_t {
   kDense = 0,       // fill every hole below the new length, release the tail (plan_dense)
   kLazy = 1,        // past the fragmentation threshold or under pressure: empty blocks (plan_lazy)
   kDeadBlocks = 2,  // no relocation: release blocks in which every token is dead (naive-evict)
+  kLazyDeferred = 3,  // plan as kLazy, commit nothing: the caller copies in the background and
+                      // commits each plan later (TokenTable::commit, which accepts a lazy plan
+                      // whose sources still hold its tokens)
 };
 
 // Per request i of the batch, in order, exactly as this Python loop (the specification,
@@ -25,6 +28,8 @@ enum class Compaction : int64_t {
 //     lazy:         plan = plan_lazy(req) if pressure or fragmentation(req) >= threshold else None
 //     if plan: commit it (apply_moves, then truncate / release_blocks)
 //     dead blocks:  table.release_blocks(req, fully_dead_blocks(req))
+//     lazy deferred: as lazy, but the plan is returned, not committed (its moves and blocks_to_free
+//                   in the result; kv_lens unchanged); requests with may_plan[i] == 0 are not planned
 //
 // Dense requests whose one hole is their one eviction (most of a decode step) take
 // TokenTable::fill_single_hole, which leaves the table exactly as plan_dense + commit would.
@@ -45,6 +50,6 @@ struct StepResult {
 StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, const int64_t* num_new,
                       const int64_t* new_block_offsets, const int64_t* new_blocks,
                       const int64_t* evict_offsets, const int64_t* evict_ids, Compaction mode,
-                      int64_t fragmentation_threshold, bool pressure);
+                      int64_t fragmentation_threshold, bool pressure, const uint8_t* may_plan = nullptr);
 
 }  // namespace vtoken

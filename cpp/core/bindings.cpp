@@ -137,6 +137,24 @@ NB_MODULE(_core, m) {
       .def("plan_lazy", &TokenTable::plan_lazy, "req_id"_a)
       .def("fragmentation", &TokenTable::fragmentation, "req_id"_a)
       .def("commit", &TokenTable::commit, "plan"_a)
+      .def(
+          "commit_lazy",
+          [](TokenTable& t, int64_t req_id, const std::vector<int64_t>& token_ids,
+             const std::vector<int64_t>& src_slots, const std::vector<int64_t>& dst_slots,
+             const std::vector<int64_t>& blocks_to_free) {
+            Plan plan;
+            plan.req_id = req_id;
+            plan.dense = false;
+            plan.version = t.seq(req_id).version;
+            plan.token_ids = token_ids;
+            plan.src_slots = src_slots;
+            plan.dst_slots = dst_slots;
+            plan.blocks_to_free = blocks_to_free;
+            plan.blocks_before = static_cast<int64_t>(t.seq(req_id).block_ids.size());
+            return t.commit(plan);
+          },
+          "req_id"_a, "token_ids"_a, "src_slots"_a, "dst_slots"_a, "blocks_to_free"_a,
+          "Commits a lazy plan (a deferred step_batch's) once its background copy has finished.")
       .def("kv_len", [](const TokenTable& t, int64_t r) { return t.seq(r).kv_len; })
       .def("num_tokens", [](const TokenTable& t, int64_t r) { return t.seq(r).num_tokens; })
       .def("num_live", [](const TokenTable& t, int64_t r) { return t.seq(r).num_live; })
@@ -163,7 +181,8 @@ NB_MODULE(_core, m) {
       .def(
           "step_batch",
           [](TokenTable& t, Ids req_ids, Ids num_new, Ids new_block_offsets, Ids new_blocks,
-             Ids evict_offsets, Ids evict_ids, int64_t compaction, int64_t threshold, bool pressure) {
+             Ids evict_offsets, Ids evict_ids, int64_t compaction, int64_t threshold, bool pressure,
+             std::optional<nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>> may_plan) {
             const auto batch = static_cast<int64_t>(req_ids.shape(0));
             if (num_new.shape(0) != static_cast<size_t>(batch) ||
                 new_block_offsets.shape(0) != static_cast<size_t>(batch + 1) ||
@@ -171,8 +190,12 @@ NB_MODULE(_core, m) {
               throw std::invalid_argument("step_batch: num_new needs one entry per request and "
                                           "each offsets array one more");
             }
-            if (compaction < 0 || compaction > 2) {
-              throw std::invalid_argument("step_batch: compaction must be 0 (dense), 1 (lazy) or 2 (dead blocks)");
+            if (compaction < 0 || compaction > 3) {
+              throw std::invalid_argument(
+                  "step_batch: compaction must be 0 (dense), 1 (lazy), 2 (dead blocks) or 3 (lazy deferred)");
+            }
+            if (may_plan && may_plan->shape(0) != static_cast<size_t>(batch)) {
+              throw std::invalid_argument("step_batch: may_plan needs one entry per request");
             }
             auto check_csr = [batch](const Ids& offsets, const Ids& values, const char* name) {
               const int64_t* o = offsets.data();
@@ -190,7 +213,8 @@ NB_MODULE(_core, m) {
               nb::gil_scoped_release release;
               r = vtoken::step_batch(t, req_ids.data(), batch, num_new.data(), new_block_offsets.data(),
                                      new_blocks.data(), evict_offsets.data(), evict_ids.data(),
-                                     static_cast<vtoken::Compaction>(compaction), threshold, pressure);
+                                     static_cast<vtoken::Compaction>(compaction), threshold, pressure,
+                                     may_plan ? may_plan->data() : nullptr);
             }
             return nb::make_tuple(to_numpy(std::move(r.move_offsets)), to_numpy(std::move(r.move_tokens)),
                                   to_numpy(std::move(r.move_src)), to_numpy(std::move(r.move_dst)),
@@ -199,6 +223,7 @@ NB_MODULE(_core, m) {
           },
           "req_ids"_a, "num_new"_a, "new_block_offsets"_a, "new_blocks"_a, "evict_offsets"_a,
           "evict_ids"_a, "compaction"_a, "fragmentation_threshold"_a = 1, "pressure"_a = false,
+          "may_plan"_a = nb::none(),
           "One decode step of a batch (cpp/core/batch.h). Returns int64 arrays: (move_offsets, "
           "move_tokens, move_src, move_dst, freed_offsets, freed, kv_lens).");
 }

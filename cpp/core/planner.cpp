@@ -123,16 +123,17 @@ int64_t TokenTable::fragmentation(int64_t req_id) const {
 
 void TokenTable::commit_in_place(const Plan& plan) {
   const int64_t req_id = plan.req_id;
-  const int64_t version = seq(req_id).version;
-  if (plan.version != version) {
+  const Sequence& s = seq(req_id);
+  if (plan.dense && plan.version != s.version) {
     throw std::invalid_argument("plan for request " + std::to_string(req_id) + " was taken from table version " +
-                                std::to_string(plan.version) + ", table is at " + std::to_string(version));
+                                std::to_string(plan.version) + ", table is at " + std::to_string(s.version));
   }
   const auto blocks_after = plan.blocks_before - static_cast<int64_t>(plan.blocks_to_free.size());
   if (!plan.dense && blocks_after >= plan.blocks_before) {
     throw std::invalid_argument("lazy plan for request " + std::to_string(req_id) + " does not reduce its " +
                                 std::to_string(plan.blocks_before) + " blocks");
   }
+  if (!plan.dense) check_lazy_commit(plan);  // may commit after evictions and appends (background)
   apply_moves(req_id, plan.token_ids, plan.dst_slots);
   if (plan.dense) {
     const std::vector<int64_t> released = truncate(req_id, plan.new_kv_len);
@@ -142,6 +143,39 @@ void TokenTable::commit_in_place(const Plan& plan) {
   } else {
     release_blocks(req_id, plan.blocks_to_free);
   }
+}
+
+// A lazy plan whose copy ran in the background commits if its copy is still what the table needs:
+// every token still sits at its planned source (the KV copied is its KV) and, once the moves are
+// applied, no released block holds a live token. Checked before anything changes, as
+// reclaim/planner.py's check_commit; apply_moves then re-checks its own rules before changing.
+void TokenTable::check_lazy_commit(const Plan& plan) const {
+  const int64_t req_id = plan.req_id;
+  const Sequence& s = seq(req_id);
+  if (plan.src_slots.size() != plan.token_ids.size()) {
+    fail_plan(req_id, "moves and sources differ in number");
+  }
+  std::vector<int64_t> leaving(plan.blocks_to_free.size(), 0);
+  for (size_t i = 0; i < plan.token_ids.size(); ++i) {
+    const int64_t t = plan.token_ids[i];
+    if (t < 0 || t >= s.num_tokens || s.slot_of[t] != plan.src_slots[i]) {
+      fail_plan(req_id, "token " + std::to_string(t) + " is no longer at its planned source " +
+                            std::to_string(plan.src_slots[i]));
+    }
+    for (size_t k = 0; k < plan.blocks_to_free.size(); ++k) {
+      if (plan.src_slots[i] / tpb_ == plan.blocks_to_free[k] && s.live[t]) ++leaving[k];
+    }
+  }
+  for (size_t k = 0; k < plan.blocks_to_free.size(); ++k) {
+    const int64_t b = plan.blocks_to_free[k], index = s.block_index.find(b);
+    if (index == FlatIndex::kAbsent || is_shared(b) || s.live_per_block[index] != leaving[k]) {
+      fail_plan(req_id, "block " + std::to_string(b) + " can no longer be released");
+    }
+  }
+}
+
+void TokenTable::fail_plan(int64_t req_id, const std::string& what) {
+  throw std::invalid_argument("plan for request " + std::to_string(req_id) + ": " + what);
 }
 
 std::vector<int64_t> TokenTable::commit(const Plan& plan) {

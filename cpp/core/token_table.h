@@ -123,6 +123,8 @@ class TokenTable {
   int64_t writable_position(int64_t req_id, const Sequence& s, int64_t slot) const;
   const std::vector<int64_t>& holes_into(int64_t req_id);  // hole_positions into holes_
   void fill_plan(const Sequence& s, int64_t req_id, bool dense, int64_t new_kv_len, Plan& out) const;
+  void check_lazy_commit(const Plan& plan) const;  // planner.cpp
+  [[noreturn]] static void fail_plan(int64_t req_id, const std::string& what);
 
   int64_t tpb_;
   // Scratch buffers reused across calls: no allocation per decode step.

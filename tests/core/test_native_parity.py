@@ -216,7 +216,34 @@ def test_step_batch_rejects_inconsistent_arrays():
     with pytest.raises(ValueError, match="new_block_offsets must start at 0"):
         table.step_batch(one, one, np.array([0, 5], dtype=np.int64), one, np.zeros(2, dtype=np.int64), one, 0)
     with pytest.raises(ValueError, match="compaction must be 0"):
-        table.step_batch(one, one, np.zeros(2, dtype=np.int64), one, np.zeros(2, dtype=np.int64), one, 3)
+        table.step_batch(one, one, np.zeros(2, dtype=np.int64), one, np.zeros(2, dtype=np.int64), one, 4)
     with pytest.raises(KeyError, match="unknown request 3"):
         table.step_batch(np.array([3]), one, np.zeros(2, dtype=np.int64), one, np.zeros(2, dtype=np.int64), one, 0)
 
+
+
+def test_a_lazy_plan_commits_after_changes_while_its_sources_hold():
+    """Background compaction: a lazy plan commits after evictions and appends made while its copy
+    ran, in both cores alike, and is refused by both, whole, once a token left its source."""
+    pair = Pair(4)
+    for table in (pair.py, pair.cpp):
+        table.add_request(0)
+        table.sync_new_tokens(0, [0, 1, 2, 3], 14)
+        table.evict_tokens(0, [1, 2, 3, 6, 8, 10])
+    py_plan, cpp_plan = plan_lazy(pair.py, 0), pair.cpp.plan_lazy(0)
+    assert RelocationPlan.from_native(cpp_plan) == py_plan and py_plan.num_moves
+    pair.both(lambda: pair.py.evict_tokens(0, [py_plan.token_ids[0]]), lambda: pair.cpp.evict_tokens(0, [cpp_plan.token_ids[0]]))
+    pair.both(lambda: pair.py.append_tokens(0, [], 1).start, lambda: pair.cpp.append_tokens(0, [], 1))
+    pair.both(lambda: py_commit(pair.py, py_plan), lambda: pair.cpp.commit(cpp_plan))
+    pair.check()
+    for table in (pair.py, pair.cpp):  # a second plan, whose first token then moves elsewhere
+        table.evict_tokens(0, [t for t in (4, 5, 9) if table.is_live(0, t)])
+    py_plan, cpp_plan = plan_lazy(pair.py, 0), pair.cpp.plan_lazy(0)
+    assert py_plan is not None and RelocationPlan.from_native(cpp_plan) == py_plan
+    hole = next(p for p in pair.py.hole_positions(0) if p // 4 not in {s // 4 for s in py_plan.src_slots})
+    dst = pair.py.block_ids(0)[hole // 4] * 4 + hole % 4
+    token = py_plan.token_ids[0]
+    pair.both(lambda: pair.py.apply_moves(0, [token], [dst]), lambda: pair.cpp.apply_moves(0, [token], [dst]))
+    outcome = pair.both(lambda: py_commit(pair.py, py_plan), lambda: pair.cpp.commit(cpp_plan))
+    assert outcome[0] == "ValueError" and "no longer at its planned source" in outcome[1]
+    pair.check()

@@ -34,8 +34,12 @@ class Host:
 
 
 def make_step(host: Host, impl: str, compaction: str, threshold: int = 1, policy=None) -> DecodeStep:
-    return DecodeStep(StepConfig(compaction, threshold, check_invariants=True, impl=impl), host.num_blocks, host.tpb,
-                      policy, TorchCopyExecutor([host.kv]), host.shared.__contains__, lambda: host.shared)
+    """``compaction`` "lazy-background": lazy compaction committing a step later (StepConfig.background)."""
+    background = compaction == "lazy-background"
+    config = StepConfig("lazy" if background else compaction, threshold, check_invariants=True, impl=impl,
+                        background=background)
+    return DecodeStep(config, host.num_blocks, host.tpb, policy, TorchCopyExecutor([host.kv]),
+                      host.shared.__contains__, lambda: host.shared)
 
 
 def random_policies(rng: np.random.Generator) -> list:

@@ -37,7 +37,7 @@ def tables_equal(a, b) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(compaction=st.sampled_from(["dense", "lazy", "dead-blocks"]), tpb=st.sampled_from([2, 4, 8]),
+@given(compaction=st.sampled_from(["dense", "lazy", "dead-blocks", "lazy-background"]), tpb=st.sampled_from([2, 4, 8]),
        steps=st.integers(1, 25), threshold=st.integers(1, 3), seed=st.integers(0, 2**31))
 def test_cpp_step_equals_python_step(compaction, tpb, steps, threshold, seed):
     rng = np.random.default_rng(seed)
@@ -56,7 +56,8 @@ def test_cpp_step_equals_python_step(compaction, tpb, steps, threshold, seed):
             continue
         if rng.random() < 0.1 and steps_[0].request_ids():  # a block becomes shared (prefix caching)
             req = int(rng.choice(steps_[0].request_ids()))
-            if steps_[0].num_blocks(req):
+            busy = steps_[0].relocating_blocks() | steps_[1].relocating_blocks()
+            if steps_[0].num_blocks(req) and steps_[0].block_ids(req)[0] not in busy:
                 for host in hosts:
                     host.shared.add(steps_[0].block_ids(req)[0])
         state = rng.bit_generator.state

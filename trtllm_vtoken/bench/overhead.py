@@ -75,7 +75,7 @@ def run_overhead_bench(cfg: OverheadBenchConfig, model, tokenizer, progress=None
     native = runs[0]["tokens_per_s"]
     natives = [r for r in runs if r["variant"] == "native"]
     # Native against itself: every native run's distance from the reference, in percent.
-    spread = 100.0 * max(max(native - r["tokens_per_s_min"], r["tokens_per_s_max"] - native) for r in natives) / native
+    spread = max(abs(100.0 * (1.0 - r[key] / native)) for r in natives for key in ("tokens_per_s_min", "tokens_per_s_max"))
     for row in runs:
         row["throughput_vs_native"] = row["tokens_per_s"] / native
         row["overhead_pct"] = 100.0 * (1.0 - row["throughput_vs_native"])

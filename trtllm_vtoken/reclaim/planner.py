@@ -141,6 +141,12 @@ def check_commit(table: TokenTable, plan: RelocationPlan) -> None:
         raise ValueError(
             f"plan for request {req_id} was taken from table version {plan.version}, table is at {version}"
         )
+    if plan.mode == "lazy" and plan.blocks_after >= plan.blocks_before:
+        raise ValueError(f"lazy plan for request {req_id} does not reduce its {plan.blocks_before} blocks")
+    if plan.mode == "lazy":  # the KV copied must still be the moving tokens' KV
+        for token_id, src in zip(plan.token_ids, plan.src_slots):
+            if not 0 <= token_id < table.num_tokens(req_id) or table.seq(req_id).slot_of_mv[token_id] != src:
+                raise ValueError(f"plan for request {req_id}: token {token_id} is no longer at its planned source {src}")
     moves = table.move_positions(req_id, list(plan.token_ids), list(plan.dst_slots))
     if plan.new_kv_len is None:
         table.check_release(req_id, list(plan.blocks_to_free), moves)

@@ -10,6 +10,7 @@ shared with the C++ core's ``TokenTable.step_batch``, see ``cpp/core/batch.h``):
     "lazy":         plan = plan_lazy(table, req) if pressure or fragmentation >= threshold else None
     if plan: commit_plan(table, plan)            # apply_moves, then truncate / release_blocks
     "dead-blocks":  table.release_blocks(req, fully_dead_blocks(table, req))     (naive-evict)
+    "lazy-deferred": as "lazy", the plan returned uncommitted; not planned where may_plan is False
 
 Metadata only: every relocation is committed in the table at once and returned (token, source
 slot, destination slot), so that the caller copies the KV of all of them in one copy before the
@@ -31,8 +32,10 @@ from trtllm_vtoken.core.token_table import TokenTable
 from trtllm_vtoken.reclaim.dead_blocks import fully_dead_blocks
 from trtllm_vtoken.reclaim.planner import commit_plan, plan_for_mode
 
-COMPACTIONS = ("dense", "lazy", "dead-blocks")
-"""What a step does after the evictions; the C++ core takes the index into this tuple."""
+COMPACTIONS = ("dense", "lazy", "dead-blocks", "lazy-deferred")
+"""What a step does after the evictions; the C++ core takes the index into this tuple.
+"lazy-deferred" plans as "lazy" but commits nothing: the plans come back (moves, and blocks to
+free in ``freed``) for the caller to copy in the background and commit later (``commit_plan``)."""
 
 
 class StepBatchResult(NamedTuple):
@@ -75,6 +78,7 @@ def step_batch(
     compaction: str,
     fragmentation_threshold: int = 1,
     pressure: bool = False,
+    may_plan: SequenceOf[bool] | None = None,
 ) -> StepBatchResult:
     """Registers, evicts and compacts every request of the batch (see the module docstring).
 
@@ -90,6 +94,8 @@ def step_batch(
         raise ValueError("step_batch: num_new needs one entry per request and each offsets array one more")
     if compaction not in COMPACTIONS:
         raise ValueError(f"step_batch: compaction must be one of {COMPACTIONS}, got {compaction!r}")
+    if may_plan is not None and len(may_plan) != batch:
+        raise ValueError("step_batch: may_plan needs one entry per request")
     _check_csr(block_offsets, len(blocks), "new_block_offsets")
     _check_csr(evict_offsets, len(evicts), "evict_offsets")
 
@@ -115,10 +121,11 @@ def step_batch(
                 if done[0]:
                     tokens.append(single[0]), srcs.append(single[1]), dsts.append(single[2])
                 freed.extend(done[1])
-            else:
-                plan = plan_for_mode(table, req, compaction, fragmentation_threshold, pressure)
+            elif may_plan is None or may_plan[i]:
+                deferred = compaction == "lazy-deferred"
+                plan = plan_for_mode(table, req, "lazy" if deferred else compaction, fragmentation_threshold, pressure)
                 if plan is not None:
-                    freed.extend(commit_plan(table, plan))
+                    freed.extend(plan.blocks_to_free if deferred else commit_plan(table, plan))
                     tokens.extend(plan.token_ids), srcs.extend(plan.src_slots), dsts.extend(plan.dst_slots)
         move_offsets.append(len(tokens))
         freed_offsets.append(len(freed))

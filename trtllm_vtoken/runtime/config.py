@@ -20,7 +20,11 @@ class EngineConfig:
     only blocks with no live token are freed. "vtoken": dead slots are refilled by relocation."""
     mode: Literal["dense", "lazy"] = "dense"
     """vtoken only: "dense" compacts every step (no attention mask needed), "lazy" masks holes and
-    compacts past ``fragmentation_threshold`` or under memory pressure."""
+    compacts past ``fragmentation_threshold`` or under memory pressure (fewer free blocks than the
+    batch may need for its next tokens)."""
+    lazy_background: bool = True
+    """Lazy mode: a compaction copies in the background (the next forward does not wait for it)
+    and commits at a later step, once its copy has finished. False: it commits in its own step."""
     policy: str = "h2o"
     budget: int | float | str = 0.5
     """Live tokens kept per request: a count (``256``) or a retention ratio (``0.5``)."""

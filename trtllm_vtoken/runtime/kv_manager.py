@@ -58,7 +58,9 @@ class KVUsage:
 def make_step(config: EngineConfig, num_blocks: int, pool: BlockPool, executor) -> DecodeStep:
     """The step an engine of ``config`` runs (vtoken: its compaction mode; naive-evict: dead blocks)."""
     compaction = config.mode if config.variant == "vtoken" else "dead-blocks"
-    return DecodeStep(StepConfig(compaction, config.fragmentation_threshold, config.check_invariants, config.step_impl),
+    background = compaction == "lazy" and config.lazy_background
+    return DecodeStep(StepConfig(compaction, config.fragmentation_threshold, config.check_invariants, config.step_impl,
+                                 background),
                       num_blocks, config.tokens_per_block, config.make_policy(), executor, pool.is_shared,
                       lambda: pool.shared)
 

@@ -22,14 +22,19 @@ class StepConfig:
     batch layout agree, no slot twice), the plan checks of I4."""
     impl: str = "auto"
     """"cpp", "python" or "auto" (cpp where built): the token-table implementation."""
+    background: bool = False
+    """Lazy only: a request's compaction copies in the background (the next forward does not wait
+    for it) and commits at a later step, once its copy has finished (``step/background.py``)."""
 
     def __post_init__(self) -> None:
-        if self.compaction not in COMPACTIONS:
+        if self.compaction not in COMPACTIONS or self.compaction == "lazy-deferred":
             raise ValueError(f"compaction must be one of {COMPACTIONS}, got {self.compaction!r}")
         if self.fragmentation_threshold < 1:
             raise ValueError(f"fragmentation_threshold must be >= 1, got {self.fragmentation_threshold}")
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.background and self.compaction != "lazy":
+            raise ValueError("background compaction is lazy compaction's: dense fills holes before the next forward")
 
 
 @dataclass

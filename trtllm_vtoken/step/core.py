@@ -23,6 +23,8 @@ from trtllm_vtoken.core.integrity import check_blocks_disjoint, check_sequence
 from trtllm_vtoken.core.native import load as load_native
 from trtllm_vtoken.core.sequence import Sequence
 from trtllm_vtoken.core.token_table import TokenTable
+from trtllm_vtoken.reclaim.plan import RelocationPlan
+from trtllm_vtoken.reclaim.planner import commit_plan
 from trtllm_vtoken.reclaim.step_batch import COMPACTIONS, StepBatchResult, step_batch
 
 IMPLS = ("auto", "cpp", "python")
@@ -55,8 +57,14 @@ class TableCore(ABC):
     @abstractmethod
     def step(self, req_ids: np.ndarray, num_new: np.ndarray, new_block_offsets: np.ndarray,
              new_blocks: np.ndarray, evict_offsets: np.ndarray, evict_ids: np.ndarray, compaction: str,
-             fragmentation_threshold: int, pressure: bool) -> StepBatchResult:
+             fragmentation_threshold: int, pressure: bool, may_plan: np.ndarray | None = None) -> StepBatchResult:
         """``reclaim.step_batch`` (int64 arrays in, ``StepBatchResult`` out)."""
+
+    @abstractmethod
+    def commit_lazy(self, req_id: int, token_ids: list[int], src_slots: list[int], dst_slots: list[int],
+                    blocks_to_free: list[int]) -> list[int]:
+        """Commits a lazy plan of a "lazy-deferred" step once its copy has finished; returns the
+        released blocks. ValueError, changing nothing, if it no longer applies."""
 
     @abstractmethod
     def sequence(self, req_id: int) -> Sequence:
@@ -81,6 +89,9 @@ class TableCore(ABC):
 
     def num_tokens(self, req_id: int) -> int:
         return self.table.num_tokens(req_id)
+
+    def kv_len(self, req_id: int) -> int:
+        return self.table.kv_len(req_id)
 
     def block_ids(self, req_id: int) -> list[int]:
         return list(self.table.block_ids(req_id))
@@ -114,9 +125,16 @@ class PythonCore(TableCore):
         self.table = TokenTable(tokens_per_block, is_shared)
 
     def step(self, req_ids, num_new, new_block_offsets, new_blocks, evict_offsets, evict_ids, compaction,
-             fragmentation_threshold, pressure) -> StepBatchResult:
+             fragmentation_threshold, pressure, may_plan=None) -> StepBatchResult:
         return step_batch(self.table, req_ids, num_new, new_block_offsets, new_blocks, evict_offsets, evict_ids,
-                          compaction, fragmentation_threshold, pressure)
+                          compaction, fragmentation_threshold, pressure,
+                          None if may_plan is None else may_plan.astype(bool).tolist())
+
+    def commit_lazy(self, req_id, token_ids, src_slots, dst_slots, blocks_to_free) -> list[int]:
+        table = self.table
+        plan = RelocationPlan(req_id, "lazy", table.version(req_id), tuple(token_ids), tuple(src_slots),
+                              tuple(dst_slots), tuple(blocks_to_free), table.num_blocks(req_id), None)
+        return commit_plan(table, plan)
 
     def sequence(self, req_id: int) -> Sequence:
         return self.table.seq(req_id)
@@ -133,12 +151,15 @@ class NativeCore(TableCore):
         self.table = core.TokenTable(tokens_per_block)
 
     def step(self, req_ids, num_new, new_block_offsets, new_blocks, evict_offsets, evict_ids, compaction,
-             fragmentation_threshold, pressure) -> StepBatchResult:
+             fragmentation_threshold, pressure, may_plan=None) -> StepBatchResult:
         if compaction not in COMPACTIONS:
             raise ValueError(f"step_batch: compaction must be one of {COMPACTIONS}, got {compaction!r}")
         out = self.table.step_batch(req_ids, num_new, new_block_offsets, new_blocks, evict_offsets, evict_ids,
-                                    COMPACTIONS.index(compaction), fragmentation_threshold, pressure)
+                                    COMPACTIONS.index(compaction), fragmentation_threshold, pressure, may_plan)
         return StepBatchResult(*out)
+
+    def commit_lazy(self, req_id, token_ids, src_slots, dst_slots, blocks_to_free) -> list[int]:
+        return list(self.table.commit_lazy(req_id, token_ids, src_slots, dst_slots, blocks_to_free))
 
     def set_shared(self, block_id: int, shared: bool) -> None:
         self.table.set_shared(block_id, shared)

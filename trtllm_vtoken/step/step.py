@@ -31,6 +31,7 @@ from trtllm_vtoken.core.native import load as load_native
 from trtllm_vtoken.policies import EvictionPolicy, ScorePolicy
 from trtllm_vtoken.policies.batch import BatchView
 from trtllm_vtoken.reclaim.copy import CopyExecutor
+from trtllm_vtoken.step.background import BackgroundCompaction
 from trtllm_vtoken.step.checks import StepChecks
 from trtllm_vtoken.step.config import StepConfig, StepStats
 from trtllm_vtoken.step.core import TableCore, make_core
@@ -71,6 +72,7 @@ class DecodeStep:
         self.policy = policy
         self.stats = StepStats()
         self.checks = StepChecks(self) if config.check_invariants else None
+        self.background = BackgroundCompaction(self) if config.background else None
         self._policies: list[EvictionPolicy] = []
         self._policy_of: dict[int, int] = {}  # request -> index into _policies (absent: never evicts)
         self._pushed_shared: frozenset[int] = frozenset()
@@ -90,6 +92,8 @@ class DecodeStep:
 
     def remove_request(self, req_id: int) -> list[int]:
         """Forgets the request; returns its block list, which the host frees in its pool."""
+        if self.background is not None:
+            self.background.drop(req_id)
         blocks = self.core.remove_request(req_id)
         self.slots.remove_request(req_id, blocks, self.is_shared)
         index = self._policy_of.pop(req_id, None)
@@ -102,6 +106,11 @@ class DecodeStep:
 
     def request_ids(self) -> list[int]:
         return self.core.request_ids()
+
+    def relocating_blocks(self) -> set[int]:
+        """Blocks that background compactions in flight read, write or will release: a prefix
+        cache must not share them until they commit."""
+        return self.background.blocks(self.tokens_per_block) if self.background is not None else set()
 
     def policy_of(self, req_id: int) -> EvictionPolicy | None:
         index = self._policy_of.get(req_id)
@@ -159,9 +168,10 @@ class DecodeStep:
         req_ids, rows, num_new, block_offsets, new_blocks = self._validated(inp)
         self._rows_in_run = rows
         self._push_shared()
+        length = self.slots.kv_len[rows] + num_new
+        background = self.background
         self.slots.append_blocks(rows, block_offsets, new_blocks)
         new_slots = self.slots.register(rows, num_new)
-        length = self.slots.kv_len[rows].copy()
         t1, mass_seconds = clock(), self.stats.mass_seconds
         victim_index, victim_pos = self._decide(req_ids, rows, inp.mass)
         victim_rows = rows[victim_index]
@@ -173,24 +183,38 @@ class DecodeStep:
         t3 = clock()
         try:
             result = self.core.step(req_ids, num_new, block_offsets, new_blocks, victim_offsets, victim_ids,
-                                    self.config.compaction, self.config.fragmentation_threshold, inp.pressure)
+                                    "lazy-deferred" if background else self.config.compaction,
+                                    self.config.fragmentation_threshold, inp.pressure,
+                                    background.may_plan(req_ids) if background else None)
         except (KeyError, ValueError) as exc:
             self._broken = f"the token table refused a step: {exc}"
             raise RuntimeError(self._broken) from exc
         t4 = clock()
         self.slots.evict(victim_rows, victim_slots)
-        self.slots.move(result.move_src, result.move_dst)
-        freed_counts = np.diff(result.freed_offsets)
-        self.slots.set_rows(rows, result.kv_lens, lambda i: self.core.block_ids(int(req_ids[i])), freed_counts,
-                            tail_only=self.config.compaction == "dense")
-        t5 = clock()
-        handle = None
-        if len(result.move_src) and self.executor is not None:
-            handle = self.executor.submit_slots(result.move_src, result.move_dst)
-            if inp.stream is not None:
-                handle.make_stream_wait(inp.stream)  # the next forward runs after the copy (I3)
-            else:
-                handle.synchronize()
+        if background is not None:
+            # Plans whose copies finished commit now, after this iteration's mass was credited to
+            # the layout the forward read; the new plans' copies start, to commit at a later step.
+            self.slots.kv_len[rows] = result.kv_lens
+            committed = background.finish(req_ids, rows)
+            t5 = clock()
+            copied = len(result.move_src)
+            handle = background.start(req_ids, result, self.checks is not None)
+            result = committed  # what this step committed
+            freed_counts = np.diff(result.freed_offsets)
+        else:
+            self.slots.move(result.move_src, result.move_dst)
+            freed_counts = np.diff(result.freed_offsets)
+            self.slots.set_rows(rows, result.kv_lens, lambda i: self.core.block_ids(int(req_ids[i])), freed_counts,
+                                tail_only=self.config.compaction == "dense")
+            t5 = clock()
+            copied = len(result.move_src)
+            handle = None
+            if copied and self.executor is not None:
+                handle = self.executor.submit_slots(result.move_src, result.move_dst)
+                if inp.stream is not None:
+                    handle.make_stream_wait(inp.stream)  # the next forward runs after the copy (I3)
+                else:
+                    handle.synchronize()
         t6 = clock()
         lost = length - result.kv_lens
         out = StepOutput(req_ids, victim_offsets, victim_ids, result, lost, self.slots.num_tokens[rows].copy(), handle)
@@ -205,7 +229,7 @@ class DecodeStep:
         stats.moves += len(result.move_src)
         stats.blocks_freed += len(result.freed)
         if self.executor is not None:
-            stats.bytes_copied += len(result.move_src) * self.executor.bytes_per_move()
+            stats.bytes_copied += copied * self.executor.bytes_per_move()
         seconds["table"] += (t1 - t0) + (t5 - t4)
         seconds["policy"] += t2 - t1 - (stats.mass_seconds - mass_seconds)  # not the simulated attention
         seconds["core"] += t4 - t3
