@@ -3,8 +3,12 @@
 #   1. build cpp/ (the CUDA relocation kernel) for the local GPU
 #   2. relocate_kv_check: the kernel against its CPU reference, then its bandwidth vs memcpy
 #   3. every CUDA test (graph replay after an offset rewrite, delayed side-stream copy + event,
-#      kernel bit-exactness, CUDA vs CPU and graph vs eager engines)
-#   4. vtoken bench gpu: copy bandwidth, eager vs graph decode, every variant end to end
+#      kernel bit-exactness, CUDA vs CPU and graph vs eager engines, a background lazy copy the
+#      forward does not wait for)
+#   4. vtoken bench gpu: copy bandwidth, eager vs graph decode, every variant end to end (each
+#      through the one batched step: vtoken info says which core serves it)
+#   5. vtoken bench step: the step's host time per decode step against native, C++ and Python,
+#      on this machine's quieter cores (the C++ core is built in place when nanobind is there)
 # Uses the machine's python3 and its torch; the repository is put on PYTHONPATH, nothing is
 # installed. Logs and gpu.json go to $OUT (default out/gpu). Exit status 1 if any step failed.
 set -uo pipefail
@@ -32,17 +36,34 @@ else
   echo "build failed: the tests and benchmark run with torch-indexing copies"; status=1
 fi
 
+banner "C++ core for the step"
+# The step runs on the host: build the nanobind core in place if this machine can, so the engine
+# runs are timed with it (the Python core serves otherwise, and vtoken info says so).
+if nb_dir=$($py -m nanobind --cmake_dir 2>/dev/null) \
+    && cmake -S cpp -B build/core $generator -DVTOKEN_CUDA=OFF -Dnanobind_DIR="$nb_dir" \
+         -DPython_EXECUTABLE="$(command -v $py)" >/dev/null \
+    && cmake --build build/core -j "$(nproc)" >/dev/null; then
+  cp build/core/_core*.so trtllm_vtoken/_native/
+else
+  echo "no nanobind here: the step runs on the Python core"
+fi
+$py -m trtllm_vtoken.cli info 2>&1 | tee "$out/info.txt"
+
 banner relocate_kv_check
 if [ -x build/gpu/relocate_kv_check ]; then
   timeout 90 build/gpu/relocate_kv_check 2>&1 | tee "$out/relocate_kv_check.txt" || status=1
 fi
 
 banner CUDA tests
-timeout 180 $py -m pytest -q -m cuda tests/runtime tests/reclaim -p no:cacheprovider 2>&1 \
+timeout 180 $py -m pytest -q -m cuda tests/runtime tests/reclaim tests/step -p no:cacheprovider 2>&1 \
   | tee "$out/cuda_tests.txt" || status=1
 
 banner vtoken bench gpu
 timeout 420 $py -m trtllm_vtoken.cli bench gpu --out "$out" 2>&1 | tee "$out/bench_gpu.txt" || status=1
+
+banner vtoken bench step
+timeout 240 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --out "$out" 2>&1 \
+  | tee "$out/bench_step.txt" || status=1
 
 banner "done: status $status"
 exit $status

@@ -17,6 +17,56 @@ struct Candidate {
   bool operator<(const Candidate& o) const { return key != o.key ? key < o.key : id < o.id; }
 };
 
+constexpr int64_t kAhead = 4;  // blocks prefetched ahead: a row's blocks lie anywhere in the pool
+
+// One row: accumulate the mass (kMass), then find the victims among [low, high). kStat: the key is
+// the statistic, else the id. kSingle: one victim (the decode step), kept in registers; else every
+// candidate is collected for an exact partial sort. Specialised so the loop carries no branch on
+// what is constant for the row.
+template <bool kStat, bool kMass, bool kSingle, typename Mass>
+int64_t scan_row(const SlotLayout& layout, const int32_t* blocks, int64_t length, int64_t low, int64_t high,
+                 double* stat, const Mass* row_mass, Candidate& best, std::vector<Candidate>& pool) {
+  const int64_t tpb = layout.tokens_per_block;
+  const int64_t num_blocks = (length + tpb - 1) / tpb;
+  const auto width = static_cast<uint64_t>(high - low);
+  int64_t count = 0;
+  for (int64_t block = 0; block < num_blocks; ++block) {
+    if (block + kAhead < num_blocks) {
+      const int64_t ahead = static_cast<int64_t>(blocks[block + kAhead]) * tpb;
+      __builtin_prefetch(layout.tokens + ahead);
+      if (kStat) __builtin_prefetch(stat + ahead);
+    }
+    const int64_t base = static_cast<int64_t>(blocks[block]) * tpb;
+    const int64_t start = block * tpb, end = std::min(tpb, length - start);
+    const int32_t* tokens = layout.tokens + base;
+    double* values = kStat ? stat + base : nullptr;
+    for (int64_t o = 0; o < end; ++o) {
+      double key;
+      if (kStat) {
+        if (kMass) values[o] += static_cast<double>(row_mass[start + o]);
+        key = values[o];
+      }
+      const int64_t t = tokens[o];
+      if (static_cast<uint64_t>(t - low) >= width) continue;  // not a candidate (also -1: low >= 0)
+      if (!kStat) key = static_cast<double>(t);
+      ++count;
+      if (kSingle) {
+        if (key < best.key || (key == best.key && t < best.id)) best = Candidate{key, t, start + o};
+      } else {
+        pool.push_back(Candidate{key, t, start + o});
+      }
+    }
+  }
+  return count;
+}
+
+template <bool kStat, bool kMass, typename Mass>
+int64_t scan(bool single, const SlotLayout& layout, const int32_t* blocks, int64_t length, int64_t low,
+             int64_t high, double* stat, const Mass* row_mass, Candidate& best, std::vector<Candidate>& pool) {
+  return single ? scan_row<kStat, kMass, true>(layout, blocks, length, low, high, stat, row_mass, best, pool)
+                : scan_row<kStat, kMass, false>(layout, blocks, length, low, high, stat, row_mass, best, pool);
+}
+
 }  // namespace
 
 template <typename Mass>
@@ -28,7 +78,7 @@ Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t b
   std::vector<Candidate> pool;
   for (int64_t i = 0; i < batch; ++i) {
     const int32_t* blocks = layout.block_table + rows[i] * layout.block_stride;
-    const int64_t length = kv_len[i], want = excess[i], low = lo[i], high = hi[i];
+    const int64_t length = kv_len[i], want = excess[i];
     for (int64_t block = 0; block * tpb < length; ++block) {
       if (blocks[block] < 0 || blocks[block] >= layout.num_blocks) {
         throw std::invalid_argument("select_lowest: block " + std::to_string(blocks[block]) + " of row " +
@@ -38,37 +88,24 @@ Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t b
     const Mass* row_mass = mass != nullptr ? mass + i * mass_stride : nullptr;
     if (want <= 0) {  // nothing to evict: only the observation
       if (row_mass == nullptr) continue;
-      for (int64_t p = 0; p < length; ++p) stat[blocks[p / tpb] * tpb + p % tpb] += row_mass[p];
+      for (int64_t p = 0; p < length; ++p) stat[blocks[p / tpb] * tpb + p % tpb] += static_cast<double>(row_mass[p]);
       continue;
     }
-    // One pass: accumulate, keep the best candidate (the common case: one victim), and count.
+    // Candidates: live ids in [low, high); an empty range (low >= high) has none.
+    const int64_t low = lo[i], high = std::max(lo[i], hi[i]);
     Candidate best{std::numeric_limits<double>::infinity(), std::numeric_limits<int64_t>::max(), -1};
-    int64_t count = 0;
     pool.clear();
-    for (int64_t block = 0; block * tpb < length; ++block) {
-      const int64_t base = static_cast<int64_t>(blocks[block]) * tpb;
-      const int64_t end = std::min(tpb, length - block * tpb);
-      for (int64_t o = 0; o < end; ++o) {
-        const int64_t slot = base + o, p = block * tpb + o;
-        double key = 0;
-        if (stat != nullptr) {
-          if (row_mass != nullptr) stat[slot] += row_mass[p];
-          key = stat[slot];
-        }
-        const int64_t t = layout.tokens[slot];
-        if (t < low || t >= high) continue;  // also -1: low >= 0
-        if (stat == nullptr) key = static_cast<double>(t);
-        const Candidate c{key, t, p};
-        ++count;
-        if (want == 1) {
-          if (c < best) best = c;
-        } else {
-          pool.push_back(c);
-        }
-      }
+    const bool single = want == 1;
+    int64_t count;
+    if (stat == nullptr) {
+      count = scan<false, false, Mass>(single, layout, blocks, length, low, high, stat, row_mass, best, pool);
+    } else if (row_mass == nullptr) {
+      count = scan<true, false, Mass>(single, layout, blocks, length, low, high, stat, row_mass, best, pool);
+    } else {
+      count = scan<true, true, Mass>(single, layout, blocks, length, low, high, stat, row_mass, best, pool);
     }
     if (count == 0) continue;
-    if (want == 1) {
+    if (single) {
       out.rows.push_back(i);
       out.positions.push_back(best.position);
       continue;

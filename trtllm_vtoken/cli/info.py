@@ -55,4 +55,5 @@ def machine() -> dict:
     """Where a benchmark ran, for its JSON."""
     import os
 
-    return {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+            "load_average": os.getloadavg()}  # other tenants of the machine: timings are noisier under load

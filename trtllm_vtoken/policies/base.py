@@ -72,6 +72,11 @@ class EvictionPolicy(ABC):
     def forget(self, req_id: int) -> None:
         """Drops the per-request statistics of ``observe`` for a finished request. Default: none kept."""
 
+    def wants_to_evict(self, num_tokens: np.ndarray, num_live: np.ndarray) -> np.ndarray:
+        """[B] bool: may ``select`` evict anything from requests of these lengths? A cheap filter
+        before the batch layout is gathered. Default: every request."""
+        return np.ones(len(num_tokens), dtype=bool)
+
     @abstractmethod
     def select(self, view: PolicyView) -> np.ndarray:
         """Logical ids to evict now, ascending, never protected ones. Pure for the table.
@@ -141,6 +146,9 @@ class ScorePolicy(EvictionPolicy):
     def recent_tokens_batch(self, targets: np.ndarray) -> np.ndarray:
         """``recent_tokens`` for an array of targets."""
         return np.full(len(targets), self.recent_window, dtype=np.int64)
+
+    def wants_to_evict(self, num_tokens: np.ndarray, num_live: np.ndarray) -> np.ndarray:
+        return num_live > self.budget.targets(num_tokens)  # select evicts only above the budget
 
     def candidate_bounds(self, num_tokens: np.ndarray, num_live: np.ndarray,
                          protected_live: np.ndarray | int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

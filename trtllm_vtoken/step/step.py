@@ -311,13 +311,20 @@ class DecodeStep:
         layout, or, where the C++ core is built and the policy's score lives in the slot layout
         (``ScorePolicy.scores_are_ids`` / ``score_stat``), one native pass over the slots
         (``cpp/core/select.h``, the same victims, no copies)."""
-        index = self.slots.policy[rows]
-        present = sorted(set(np.unique(index).tolist()) - {-1})
-        if not present:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         slots = self.slots
+        index = slots.policy[rows]
+        groups: dict[int, np.ndarray] = {}  # policy -> the batch rows it decides for
+        for policy_index in sorted(set(np.unique(index).tolist()) - {-1}):
+            policy = self._policies[policy_index]
+            group = np.flatnonzero(index == policy_index)
+            if not policy.observes_attention():  # nothing to learn: only the rows over budget
+                group = group[policy.wants_to_evict(slots.num_tokens[rows[group]], slots.num_live[rows[group]])]
+            if len(group):
+                groups[policy_index] = group
+        if not groups:  # e.g. every request within its budget: no layout is even looked at
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         shared = self.shared_blocks()
-        native = {i for i in present if not len(shared) and self._native_selection(self._policies[i])}
+        native = {i for i in groups if not len(shared) and self._native_selection(self._policies[i])}
         blocks = slots.block_rows(rows)
         layout: dict[str, np.ndarray] = {}  # the batch's token layout, gathered once if needed
 
@@ -326,17 +333,17 @@ class DecodeStep:
                 layout["tokens"] = slots.gather(slots.tokens, blocks)
             return layout["tokens"]
 
-        observing = [i for i in present if self._policies[i].observes_attention()]
+        observing = [i for i in groups if self._policies[i].observes_attention()]
         mass_rows = self._mass(mass, blocks.shape[1] * self.tokens_per_block, tokens) if observing else None
         protected = (np.repeat(np.isin(blocks, list(shared)), self.tokens_per_block, axis=1) if len(shared) else None)
         picked_index, picked_pos = [], []
-        for policy_index in present:
+        for policy_index, group in groups.items():
             policy = self._policies[policy_index]
-            whole = len(present) == 1 and (index >= 0).all()
-            group = np.arange(len(rows)) if whole else np.flatnonzero(index == policy_index)
             if policy_index in native:
-                victim_rows, positions = self._select_native(policy, rows[group],
-                                                             None if mass_rows is None else mass_rows[group])
+                whole = len(group) == len(rows)  # the usual case: no copy of the batch's mass
+                victim_rows, positions = self._select_native(
+                    policy, rows if whole else rows[group],
+                    None if mass_rows is None else mass_rows if whole else mass_rows[group])
             else:
                 group_blocks = blocks[group]
                 view = BatchView(req_ids[group], slots.num_tokens[rows[group]], slots.num_live[rows[group]],
