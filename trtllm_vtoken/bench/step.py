@@ -2,9 +2,10 @@
 """``vtoken bench step``: what vToken's one step adds to an engine's host time per decode step.
 
 The engine runs with the simulated-attention backend (no model: it isolates host work): every
-request starts with ``context`` tokens (prefilled, not timed) and decodes one token per step; the
-evicting rows hold a budget of ``context`` live tokens, so from the first decode step on every
-request evicts one token per step. Timed per decode step: the whole ``Engine.step()`` (scheduling,
+request starts with ``context`` tokens, less up to a block so that requests cross block
+boundaries on different steps (prefilled, not timed), and decodes one token per step; the
+evicting rows hold a budget of ``context - tokens_per_block`` live tokens, so from the first
+decode step on every request evicts one token per step. Timed per decode step: the whole ``Engine.step()`` (scheduling,
 reservation, sampling, the step), minus the simulated attention (it stands in for the GPU's
 forward; the step times it apart).
 
@@ -72,7 +73,7 @@ class StepBenchConfig:
             variant="native" if row["variant"] == "native" else "vtoken")
         if row["variant"] != "native":
             values.update(mode=row["mode"], policy=row["policy"], step_impl=row["impl"],
-                          budget="1.0" if row["variant"] == "indirection-only" else self.context)
+                          budget="1.0" if row["variant"] == "indirection-only" else self.context - tpb)
         return EngineConfig(**values)
 
 
@@ -100,8 +101,8 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
     engine = Engine(SimulatedModel(MODEL_SHAPES["llama-3.1-8b"], SyntheticAttention(cfg.seed)),
                     cfg.engine_config(batch, row))
     params = SamplingParams(max_tokens=cfg.warmup + cfg.steps + 2, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request([1] * cfg.context, params)
+    for i in range(batch):  # lengths staggered by up to a block: requests cross blocks on different steps
+        engine.add_request([1] * (cfg.context - i % cfg.tokens_per_block), params)
     engine.step()  # admission and prefill of every request
     if len(engine.running) != batch:
         raise RuntimeError(f"only {len(engine.running)} of {batch} requests were admitted")

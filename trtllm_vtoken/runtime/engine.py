@@ -164,10 +164,10 @@ class Engine:
         # decides for the whole batch, one copy relocates every request's KV; then admission
         # learns what each now holds.
         out = self.kv.step_batch(continuing, self._batch_mass(continuing, masses, queries))
-        for i, req_id in enumerate(continuing):
-            if self.record_trace:
+        if self.record_trace:
+            for i, req_id in enumerate(continuing):
                 self.requests[req_id].evictions.append(tuple(out.victims_of(i)) if out is not None else ())
-            self.kv.update(req_id, self.requests[req_id].remaining)
+        self.kv.update(continuing, [self.requests[r].remaining for r in continuing])
         self.stats.steps += 1
         return reported
 

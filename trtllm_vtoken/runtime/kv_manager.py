@@ -223,10 +223,16 @@ class KVCacheManager:
         self.pool.free(out.table.freed.tolist())
         return out
 
-    def update(self, req_id: int, remaining: int) -> None:
-        layout = self.layout
-        self.admission.update(req_id, logical_len=layout.num_tokens(req_id), live=layout.num_live(req_id),
-                              remaining=remaining, held=layout.num_blocks(req_id))
+    def update(self, req_ids: list[int], remaining: list[int]) -> None:
+        """Admission learns what each request now holds, and how many tokens it may still write."""
+        if self.step is not None:  # the step's counters, read for the batch at once
+            tokens, live, held = self.step.counters(req_ids)
+        else:
+            lists = self.lists
+            tokens = live = [lists.kv_len(r) for r in req_ids]
+            held = [lists.num_blocks(r) for r in req_ids]
+        for req_id, n, k, h, rest in zip(req_ids, tokens, live, held, remaining):
+            self.admission.update(req_id, logical_len=n, live=k, remaining=rest, held=h)
 
     def release(self, req_id: int) -> None:
         """Returns every block of the request to the pool and drops its state everywhere."""

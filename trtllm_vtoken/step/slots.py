@@ -108,11 +108,16 @@ class SlotMap:
         if not total:
             return np.zeros(0, dtype=np.int64)
         tpb = self.tokens_per_block
-        owner = np.repeat(rows, num_new)
-        step = np.arange(total) - np.repeat(np.cumsum(num_new) - num_new, num_new)
-        positions = self.kv_len[owner] + step
-        slots = self.block_table[owner, positions // tpb].astype(np.int64) * tpb + positions % tpb
-        self.tokens[slots] = self.num_tokens[owner] + step
+        if total == len(rows):  # a decode step: one token each
+            positions = self.kv_len[rows]
+            slots = self.block_table[rows, positions // tpb].astype(np.int64) * tpb + positions % tpb
+            self.tokens[slots] = self.num_tokens[rows]
+        else:
+            owner = np.repeat(rows, num_new)
+            step = np.arange(total) - np.repeat(np.cumsum(num_new) - num_new, num_new)
+            positions = self.kv_len[owner] + step
+            slots = self.block_table[owner, positions // tpb].astype(np.int64) * tpb + positions % tpb
+            self.tokens[slots] = self.num_tokens[owner] + step
         for values in self.stats.values():
             values[slots] = 0
         self.kv_len[rows] += num_new
@@ -127,8 +132,11 @@ class SlotMap:
 
     def evict(self, rows: np.ndarray, slots: np.ndarray) -> None:
         """The tokens at ``slots`` (of ``rows``, one entry per victim) died."""
+        if not len(slots):
+            return
         self.tokens[slots] = NO_TOKEN
-        np.subtract.at(self.num_live, rows, 1)
+        counted, counts = np.unique(rows, return_counts=True)
+        self.num_live[counted] -= counts
 
     def move(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Relocations: ids and statistics go from ``src`` to ``dst`` slots (disjoint sets)."""

@@ -135,6 +135,12 @@ class DecodeStep:
     def num_blocks(self, req_id: int) -> int:
         return int(self.slots.num_blocks_of[self.slots.row_of[req_id]])
 
+    def counters(self, req_ids: Collection[int]) -> tuple[list[int], list[int], list[int]]:
+        """(logical lengths, live tokens, blocks held) of the requests, read at once."""
+        rows = self.slots.rows(req_ids)
+        slots = self.slots
+        return slots.num_tokens[rows].tolist(), slots.num_live[rows].tolist(), slots.num_blocks_of[rows].tolist()
+
     def block_ids(self, req_id: int) -> list[int]:
         row = self.slots.row_of[req_id]
         return self.slots.block_table[row, : self.slots.num_blocks_of[row]].tolist()
