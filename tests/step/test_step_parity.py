@@ -78,3 +78,27 @@ def test_cpp_step_equals_python_step(compaction, tpb, steps, threshold, seed):
     for step in steps_:
         step.check_integrity()
     assert steps_[0].stats.tokens_evicted == steps_[1].stats.tokens_evicted
+
+
+def test_bad_input_changes_nothing():
+    """Every check of a batch runs before the step changes anything (mass shape included)."""
+    from trtllm_vtoken.policies import make_policy
+    from trtllm_vtoken.step import StepInput
+
+    host = Host(16, 4)
+    step = make_step(host, "auto", "dense", policy=make_policy("h2o", 6))
+    step.add_request(0)
+    step.run(StepInput([0], [6], [0, 2], host.allocate(2), mass=np.ones((1, 6))))
+    before = (step.table_digest(), step.slots.tokens.copy(), step.kv_len(0))
+    bad = [StepInput([0], [1], [0, 0], [], mass=None),  # H2O needs the mass
+           StepInput([0], [1], [0, 0], [], mass=np.ones((1, 5))),  # narrower than the request
+           StepInput([0], [3], [0, 0], [], mass=np.ones((1, 9))),  # 3 new tokens do not fit
+           StepInput([0, 0], [1, 1], [0, 0, 0], [], mass=np.ones((2, 9))),  # a request twice
+           StepInput([0], [1], [0, 1], [99], mass=np.ones((1, 9))),  # a block outside the pool
+           StepInput([7], [1], [0, 0], [], mass=np.ones((1, 9)))]  # an unknown request
+    for inp in bad:
+        with pytest.raises((ValueError, KeyError)):
+            step.run(inp)
+        assert (step.table_digest(), step.kv_len(0)) == (before[0], before[2])
+        assert np.array_equal(step.slots.tokens, before[1])
+    step.run(StepInput([0], [1], [0, 0], [], mass=np.ones((1, 7))))  # still usable

@@ -296,7 +296,24 @@ class DecodeStep:
         if len(short):
             i = int(short[0])
             raise ValueError(f"step: request {req_ids[i]}'s {num_new[i]} new tokens do not fit its blocks")
+        self._check_mass(inp.mass, rows, num_new)
         return req_ids, rows, num_new, offsets, blocks
+
+    def _check_mass(self, mass: Any, rows: np.ndarray, num_new: np.ndarray) -> None:
+        """The mass a batch needs, checked before anything changes (a function's result is
+        checked when it comes)."""
+        observing = any(self._policies[i].observes_attention() for i in set(self.slots.policy[rows].tolist()) - {-1})
+        if mass is None:
+            if observing:
+                raise ValueError("a policy of this batch observes attention: pass the mass per position")
+            return
+        if callable(mass) or not len(rows):
+            return
+        shape = tuple(mass.shape)
+        longest = int((self.slots.kv_len[rows] + num_new).max())
+        if len(shape) != 2 or shape[0] != len(rows) or shape[1] < longest:
+            raise ValueError(f"mass must be [{len(rows)}, >= {longest}] (the batch's longest request after its new "
+                             f"tokens), got {list(shape)}")
 
     def _push_shared(self) -> None:
         """The C++ table keeps its own set of shared blocks: send it what changed."""
@@ -391,19 +408,17 @@ class DecodeStep:
     def _mass(self, mass: Any, width: int, tokens: Callable[[], np.ndarray]) -> np.ndarray:
         """The batch's mass as float32 or float64 [B, width] (C order), reduced across ranks if
         asked. float32 stays float32: it is added to float64 statistics either way."""
-        if mass is None:
-            raise ValueError("a policy of this batch observes attention: pass the mass per position")
         if callable(mass):  # the simulated attention: a function of the token layout, not timed as ours
             start = time.perf_counter()
             mass = mass(tokens())
             self.stats.mass_seconds += time.perf_counter() - start
         if not isinstance(mass, np.ndarray):  # a torch tensor (on any device)
             mass = mass.detach().float().cpu().numpy()
-        if mass.ndim != 2 or mass.shape[0] != len(self._rows_in_run):
-            raise ValueError(f"mass must be [{len(self._rows_in_run)}, >= L], got {list(mass.shape)}")
         longest = int(self.slots.kv_len[self._rows_in_run].max())
-        if mass.shape[1] < longest:
-            raise ValueError(f"mass covers {mass.shape[1]} positions; the batch's longest request has {longest}")
+        if mass.ndim != 2 or mass.shape[0] != len(self._rows_in_run) or mass.shape[1] < longest:
+            # only a mass function's result can get here (arrays are checked before any change)
+            self._broken = f"the mass function returned {list(mass.shape)} for a batch of {len(self._rows_in_run)}"
+            raise RuntimeError(self._broken)
         if mass.shape[1] < width:
             mass = np.pad(mass, ((0, 0), (0, width - mass.shape[1])))
         if self.reduce_mass is not None:
