@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from trtllm_vtoken.core import TokenTable
@@ -74,7 +75,7 @@ class VTokenState:
         self.blocks = ExternalBlocks(tokens_per_block)
         self.table = TokenTable(tokens_per_block, self.blocks.is_shared)
         self.policy: EvictionPolicy = settings.make_policy()
-        self.needs_attention = type(self.policy).observe is not EvictionPolicy.observe
+        self.needs_attention = self.policy_observes_attention(self.policy)
         if self.needs_attention and attention_mass is None:
             raise ValueError(f"policy {settings.policy!r} observes attention: pass attention_mass")
         self.attention_mass = attention_mass
@@ -82,6 +83,11 @@ class VTokenState:
         config = ReclaimConfig(settings.mode, settings.fragmentation_threshold, settings.check_invariants)
         self.backend = ReclaimBackend(self.table, self.blocks, executor, config)
         self.stats = VTokenStats()
+
+    @staticmethod
+    def policy_observes_attention(policy: EvictionPolicy) -> bool:
+        """Does the policy score tokens by the attention they receive (H2O, Scissorhands)?"""
+        return type(policy).observe is not EvictionPolicy.observe
 
     # ---- before the forward ------------------------------------------------------------------------
     def compact(self, req_ids: Sequence[int], release: Callable[[int, int], None], stream: Any = None) -> int:
@@ -115,6 +121,16 @@ class VTokenState:
         if req_id not in self.table:
             return 0
         return self.table.num_tokens(req_id) - self.table.kv_len(req_id)
+
+    def prompt_tokens_held(self, req_id: int, prompt_len: int) -> int:
+        """Prompt tokens (logical ids below ``prompt_len``) still in the physical KV ``[0, kv_len)``:
+        the context length the attention op may be told, never more than the physical length."""
+        if req_id not in self.table:
+            return prompt_len
+        seq = self.table.seq(req_id)
+        positions = np.arange(seq.kv_len)
+        tokens = seq.token_at[: seq.kv_len]
+        return int(np.count_nonzero(seq.live_at(positions) & (tokens < prompt_len)))
 
     # ---- after the forward ---------------------------------------------------------------------
     def after_forward(self, req_ids: Sequence[int]) -> int:
