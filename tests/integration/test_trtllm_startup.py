@@ -26,7 +26,6 @@ import torch
 
 from tests.integration.trtllm_doubles import TRTLLM121_ROOT, TrtllmAttention
 from trtllm_vtoken.integration.trtllm import check_llm_args, llm_args_dict
-from trtllm_vtoken.integration.trtllm.patches import check_rope_unfused
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -98,6 +97,8 @@ def test_rope_fusion_is_fixed_at_model_construction(monkeypatch, trtllm121):
     from tensorrt_llm._torch.attention_backend import trtllm as backend
     from tensorrt_llm._torch.pyexecutor.model_engine import TINY, DecoderModel
     from tensorrt_llm.mapping import Mapping
+
+    from trtllm_vtoken.integration.trtllm.patches import check_rope_unfused
 
     early = DecoderModel(dict(TINY), Mapping(), "TRTLLM")
     monkeypatch.setattr(backend.TrtllmAttention, "support_fused_rope", classmethod(lambda cls: False))
@@ -199,3 +200,14 @@ print(json.dumps(LLM("tiny", kv_cache_config={"enable_block_reuse": False}).work
     report = worker_report(run_client(code))
     assert report["manager"] == "KVCacheManager" and report["rope_fusion"] == [True] * 4
     assert report["environ"] == {}
+
+
+def test_run_llm_example_explains_itself():
+    """The GPU runner's options are documented; without tensorrt_llm it says so (exit 2)."""
+    script = str(REPO / "examples" / "trtllm" / "run_llm.py")
+    helped = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "--check" in helped.stdout and "--evict-budget" in helped.stdout
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    missing = subprocess.run([sys.executable, script, "some-model", "--check"], capture_output=True, text=True,
+                             timeout=120, env=env)
+    assert missing.returncode == 2 and "tensorrt_llm is not installed" in missing.stderr
