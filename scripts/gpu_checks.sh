@@ -5,6 +5,8 @@
 #   3. every CUDA test (graph replay after an offset rewrite, delayed side-stream copy + event,
 #      kernel bit-exactness, CUDA vs CPU and graph vs eager engines)
 #   4. vtoken bench gpu: copy bandwidth, eager vs graph decode, every variant end to end
+#   5. where tensorrt_llm imports and the package is installed (the gpu Docker image) and
+#      $VTOKEN_TRTLLM_MODEL names a model folder: examples/trtllm/run_llm.py --check
 # Uses the machine's python3 and its torch; the repository is put on PYTHONPATH, nothing is
 # installed. Logs and gpu.json go to $OUT (default out/gpu). Exit status 1 if any step failed.
 set -uo pipefail
@@ -43,6 +45,14 @@ timeout 180 $py -m pytest -q -m cuda tests/runtime tests/reclaim -p no:cacheprov
 
 banner vtoken bench gpu
 timeout 420 $py -m trtllm_vtoken.cli bench gpu --out "$out" 2>&1 | tee "$out/bench_gpu.txt" || status=1
+
+banner "TensorRT-LLM check"
+if $py -c "import tensorrt_llm" >/dev/null 2>&1 && [ -n "${VTOKEN_TRTLLM_MODEL:-}" ]; then
+  timeout 600 $py examples/trtllm/run_llm.py "$VTOKEN_TRTLLM_MODEL" --check 2>&1 | tee "$out/trtllm_check.txt" \
+    || status=1
+else
+  echo "skipped: needs tensorrt_llm 1.2.1 (the gpu Docker image) and VTOKEN_TRTLLM_MODEL (a model folder)"
+fi
 
 banner "done: status $status"
 exit $status

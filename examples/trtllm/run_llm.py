@@ -28,9 +28,20 @@ def generate(llm, prompts: list[str], max_tokens: int, sampling_params) -> list[
     return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
 
 
+def hook_active() -> bool:
+    """Did this interpreter start with trtllm_vtoken_startup.pth (the package installed)? The
+    executor worker starts from the same site-packages."""
+    return any(type(finder).__name__ == "CreatorHook" for finder in sys.meta_path)
+
+
 def check(args, LLM, SamplingParams) -> int:  # noqa: N803 (TensorRT-LLM's class names)
     from trtllm_vtoken.integration.trtllm import llm_args_dict, vtoken_llm_args
     from trtllm_vtoken.integration.trtllm.stats import read_stats
+
+    if not hook_active():
+        print("error: vToken's start-up hook is not active: install the package (pip install .) so that "
+              "trtllm_vtoken_startup.pth is in site-packages", file=sys.stderr)
+        return 2
 
     plain = llm_args_dict(args.tokens_per_block)
     baseline = LLM(args.model, max_seq_len=args.max_seq_len, **plain, env_overrides={"VTOKEN_TRTLLM": "0"})
