@@ -9,6 +9,8 @@
 #      through the one batched step: vtoken info says which core serves it)
 #   5. vtoken bench step: the step's host time per decode step against native, C++ and Python,
 #      on this machine's quieter cores (the C++ core is built in place when nanobind is there)
+#   6. where tensorrt_llm imports and the package is installed (the gpu Docker image) and
+#      $VTOKEN_TRTLLM_MODEL names a model folder: examples/trtllm/run_llm.py --check
 # Uses the machine's python3 and its torch; the repository is put on PYTHONPATH, nothing is
 # installed. Logs and gpu.json go to $OUT (default out/gpu). Exit status 1 if any step failed.
 set -uo pipefail
@@ -64,6 +66,14 @@ timeout 420 $py -m trtllm_vtoken.cli bench gpu --out "$out" 2>&1 | tee "$out/ben
 banner vtoken bench step
 timeout 240 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --out "$out" 2>&1 \
   | tee "$out/bench_step.txt" || status=1
+
+banner "TensorRT-LLM check"
+if $py -c "import tensorrt_llm" >/dev/null 2>&1 && [ -n "${VTOKEN_TRTLLM_MODEL:-}" ]; then
+  timeout 600 $py examples/trtllm/run_llm.py "$VTOKEN_TRTLLM_MODEL" --check 2>&1 | tee "$out/trtllm_check.txt" \
+    || status=1
+else
+  echo "skipped: needs tensorrt_llm 1.2.1 (the gpu Docker image) and VTOKEN_TRTLLM_MODEL (a model folder)"
+fi
 
 banner "done: status $status"
 exit $status

@@ -14,10 +14,10 @@ def pytest_collection_modifyitems(config, items):
 
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
     skip_trtllm = pytest.mark.skip(reason="needs tensorrt_llm importable")
-    for item in items:
-        if "cuda" in item.keywords and not torch.cuda.is_available():
+    for item in items:  # markers, not keywords: keywords also hold directory names (a checkout in .../trtllm/)
+        if item.get_closest_marker("cuda") and not torch.cuda.is_available():
             item.add_marker(skip_cuda)
-        if "trtllm" in item.keywords and importlib.util.find_spec("tensorrt_llm") is None:
+        if item.get_closest_marker("trtllm") and importlib.util.find_spec("tensorrt_llm") is None:
             item.add_marker(skip_trtllm)
 
 

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The TensorRT-LLM adapter on CPU: settings checks, the block-offset encoding, and
-VTokenKVCacheManager driven over the 1.2.1 test doubles through prefill and decode iterations for
-every policy, with I1/I2/I4 checked on every relocation, and its published counters. (Attention
-mass: test_trtllm_scores.py.)"""
+VTokenKVCacheManager driven over the 1.2.1 doubles (``trtllm121/``) through prefill and decode
+iterations for every policy, with I1/I2/I4 checked on every relocation, and its published
+counters. (Attention mass: test_trtllm_scores.py; start-up route: test_trtllm_startup.py;
+metadata: test_trtllm_metadata.py; parallel layouts: test_trtllm_parallel.py.)"""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ import pytest
 import torch
 
 from tests.integration.trtllm_doubles import (
-    KvCacheConfigDouble121,
-    KVCacheManagerDouble121,
-    KVCacheParamsDouble121,
-    LlmRequestDouble121,
-    ScheduledRequestsDouble121,
-    TrtllmAttentionMetadataDouble121,
+    CacheType,
+    DataType,
+    KvCacheConfig,
+    KVCacheManager,
+    KVCacheParams,
+    Mapping,
+    ScheduledRequests,
+    TrtllmAttentionMetadata,
+    make_request,
 )
 from trtllm_vtoken.integration.trtllm import llm_args_dict
 from trtllm_vtoken.integration.trtllm.manager import build_manager_class
@@ -38,8 +42,8 @@ POLICY_OPTIONS = {"streaming_llm": {"n_sink": 2}}
 # ---- settings ---------------------------------------------------------------------------------------
 def test_settings_travel_through_the_environment():
     chosen = VTokenSettings(policy="streaming_llm", budget=24, policy_options={"n_sink": 2})
-    assert VTokenSettings.from_env({ENV_VAR: chosen.to_env()}) == chosen
-    assert VTokenSettings.from_env({}) == VTokenSettings()
+    assert VTokenSettings.from_env(chosen.worker_environment()) == chosen
+    assert chosen.worker_environment() == {"VTOKEN_TRTLLM": "1", ENV_VAR: chosen.to_env()}
     with pytest.raises(ValueError, match="not valid JSON"):
         VTokenSettings.from_env({ENV_VAR: "{policy"})
     with pytest.raises(ValueError, match=r"unknown VTokenSettings key\(s\) \['polcy'\]"):
@@ -48,6 +52,18 @@ def test_settings_travel_through_the_environment():
         VTokenSettings(mode="lazy")
     with pytest.raises(KeyError, match="nope"):
         VTokenSettings(policy="nope")
+
+
+def test_missing_settings_are_an_error_never_defaults():
+    """Armed (or a manager built) without settings: a clear error naming both variables."""
+    with pytest.raises(RuntimeError, match=r"vToken is armed \(\$VTOKEN_TRTLLM=1\) in process \d+ but \$VTOKEN_TRTLLM_SETTINGS is not set"):
+        VTokenSettings.from_env({"VTOKEN_TRTLLM": "1"})
+    with pytest.raises(RuntimeError, match="VTOKEN_TRTLLM_SETTINGS is not set"):
+        VTokenSettings.from_env({})
+    cls = build_manager_class(KVCacheManager)
+    with pytest.raises(RuntimeError, match="VTOKEN_TRTLLM_SETTINGS is not set"):
+        cls(KvCacheConfig(enable_block_reuse=False), CacheType.SELF, num_layers=1, num_kv_heads=1, head_dim=2,
+            tokens_per_block=4, max_seq_len=8, max_batch_size=1, mapping=Mapping())
 
 
 def test_required_llm_settings_are_checked_all_at_once():
@@ -72,7 +88,11 @@ def test_model_yaml_example_matches_the_required_arguments():
     text = (Path(__file__).resolve().parents[2] / "examples" / "trtllm" / "model.yaml").read_text()
     config = yaml.safe_load(text)
     check_llm_args(config)
-    assert {k: config[k] for k in llm_args_dict()} == llm_args_dict()
+    expected = llm_args_dict(settings=VTokenSettings(policy="h2o", budget=0.5))
+    assert {k: config[k] for k in expected if k != "env_overrides"} == \
+        {k: v for k, v in expected.items() if k != "env_overrides"}
+    assert config["env_overrides"]["VTOKEN_TRTLLM"] == "1"  # settings compared as values (new fields default)
+    assert VTokenSettings.from_env(config["env_overrides"]) == VTokenSettings(policy="h2o", budget=0.5)
 
 
 # ---- block offsets ------------------------------------------------------------------------------------
@@ -103,13 +123,18 @@ def test_write_row_rewrites_the_static_table_in_place():
 
 
 # ---- the manager over the 1.2.1 doubles -----------------------------------------------------------
-def make_manager(policy: str, budget=8, num_blocks=64, **extra):
+def make_manager(policy: str, budget=8, num_blocks=64, mapping=None, num_layers=LAYERS, num_kv_heads=KV_HEADS,
+                 **extra):
+    """``VTokenKVCacheManager`` over the ``KVCacheManager`` double, built as ``KvCacheCreator`` does
+    (keyword arguments, bf16 pool, ``max_tokens`` fixing the block count)."""
     settings = VTokenSettings(policy=policy, budget=budget, policy_options=POLICY_OPTIONS.get(policy, {}),
                               check_invariants=True, **extra)
-    cls = build_manager_class(KVCacheManagerDouble121)
-    return cls(KvCacheConfigDouble121(tokens_per_block=TPB), "SELF", num_layers=LAYERS, num_kv_heads=KV_HEADS,
-               head_dim=DIM, tokens_per_block=TPB, max_seq_len=64, max_batch_size=4, num_blocks=num_blocks,
-               vtoken_settings=settings)
+    cls = build_manager_class(KVCacheManager)
+    config = KvCacheConfig(enable_block_reuse=False, enable_partial_reuse=False, max_tokens=num_blocks * TPB,
+                           tokens_per_block=TPB)
+    return cls(config, CacheType.SELF, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=DIM,
+               tokens_per_block=TPB, max_seq_len=64, max_batch_size=4, mapping=mapping or Mapping(),
+               dtype=DataType.BF16, vtoken_settings=settings)
 
 
 def write_new_kv(manager, request, gen: torch.Generator) -> None:
@@ -130,14 +155,14 @@ def test_manager_compacts_rewinds_and_agrees_with_the_allocator(policy):
     copies = []
     submit_slots = step.executor.submit_slots
     step.executor.submit_slots = lambda src, dst: copies.append(len(src)) or submit_slots(src, dst)
-    requests = [LlmRequestDouble121(req, prompt_len=5 + 3 * req, max_new_tokens=20) for req in range(3)]
-    prefill = ScheduledRequestsDouble121(context_requests=requests)
+    requests = [make_request(req, prompt_len=5 + 3 * req, max_new_tokens=20) for req in range(3)]
+    prefill = ScheduledRequests(context_requests=requests)
     manager.prepare_resources(prefill)
     for request in requests:
         write_new_kv(manager, request, gen)
     manager.update_resources(prefill)  # the step registers the prompts (the policy may evict)
     for _ in range(20):
-        batch = ScheduledRequestsDouble121(generation_requests=requests)
+        batch = ScheduledRequests(generation_requests=requests)
         manager.prepare_resources(batch)  # TensorRT-LLM's add_token, on the physical length
         for request in requests:
             req = request.py_request_id
@@ -145,11 +170,16 @@ def test_manager_compacts_rewinds_and_agrees_with_the_allocator(policy):
             held = manager.get_cache_indices(request)
             assert held[: step.num_blocks(req)] == step.block_ids(req) and len(held) - step.num_blocks(req) <= 1
             assert manager.vtoken_evicted(req) == step.num_tokens(req) - step.kv_len(req)
-        metadata = build_metadata_class(TrtllmAttentionMetadataDouble121)(
-            manager, [r.py_request_id for r in requests], 0,
-            KVCacheParamsDouble121([step.num_tokens(r.py_request_id) for r in requests]), [1] * 3)
+        metadata = build_metadata_class(TrtllmAttentionMetadata)(
+            max_num_requests=4, kv_cache_manager=manager, request_ids=[r.py_request_id for r in requests],
+            prompt_lens=[r.prompt_len for r in requests], num_contexts=0, seq_lens=torch.tensor([1] * 3),
+            kv_cache_params=KVCacheParams(use_cache=True, num_cached_tokens_per_seq=[
+                step.num_tokens(r.py_request_id) for r in requests]))
         metadata.prepare()
-        assert metadata.kv_lens == [step.kv_len(r.py_request_id) + 1 for r in requests]  # physical
+        assert metadata.kv_lens[:3].tolist() == [step.kv_len(r.py_request_id) + 1 for r in requests]  # physical
+        for row, request in enumerate(requests):  # the offsets the kernels read name TensorRT-LLM's blocks
+            blocks = manager.get_cache_indices(request)
+            assert decode(metadata.kv_cache_block_offsets[0, row, 0, : len(blocks)], LAYERS).tolist() == blocks
         if manager.vtoken.needs_attention:  # the forward recorded decode queries
             for layer in range(LAYERS):
                 manager.vtoken_queries.record(layer, torch.randn(3, HEADS * DIM, generator=gen), 3)
@@ -176,9 +206,9 @@ def test_manager_publishes_its_counters_for_the_metrics(tmp_path):
     Triton model exports, and the file agrees with the manager after each request leaves."""
     stats = tmp_path / "stats.json"
     manager, gen = make_manager("sliding_window", budget=6, stats_file=str(stats)), torch.Generator().manual_seed(2)
-    requests = [LlmRequestDouble121(req, prompt_len=9, max_new_tokens=12) for req in range(2)]
+    requests = [make_request(req, prompt_len=9, max_new_tokens=12) for req in range(2)]
     for i in range(13):
-        batch = ScheduledRequestsDouble121(**{"generation_requests" if i else "context_requests": requests})
+        batch = ScheduledRequests(**{"generation_requests" if i else "context_requests": requests})
         manager.prepare_resources(batch)
         for request in requests:
             write_new_kv(manager, request, gen)
@@ -222,25 +252,26 @@ def test_budget_aware_resource_need_and_refused_settings():
     from trtllm_vtoken.reclaim.admission import AdmissionConfig, AdmissionController, RequestState
 
     manager, gen = make_manager("sliding_window", budget=8), torch.Generator().manual_seed(3)
-    request = LlmRequestDouble121(0, prompt_len=40, max_new_tokens=60)
+    request = make_request(0, prompt_len=40, max_new_tokens=60)
     engine_admission = AdmissionController(BlockPool(64, TPB), AdmissionConfig("vtoken"))
     assert manager.get_needed_resource_to_completion(request) == 11 == \
         engine_admission.peak_blocks(RequestState(40, 40, 60, 8))
     for i in range(3):
-        batch = ScheduledRequestsDouble121(**{"generation_requests" if i else "context_requests": [request]})
+        batch = ScheduledRequests(**{"generation_requests" if i else "context_requests": [request]})
         manager.prepare_resources(batch)
         write_new_kv(manager, request, gen)
         manager.update_resources(batch)
     step = manager.vtoken.step
     assert step.num_live(0) == 8 and step.num_blocks(0) == 2
     assert manager.get_needed_resource_to_completion(request) == 3 - 2  # ceil((8 + 1) / 4) - held
-    cls = build_manager_class(KVCacheManagerDouble121)
+    cls = build_manager_class(KVCacheManager)
+    settings = VTokenSettings(policy="random", budget=8)
+    keywords = dict(num_layers=1, num_kv_heads=1, head_dim=2, tokens_per_block=4, max_seq_len=8, max_batch_size=1,
+                    mapping=Mapping(), vtoken_settings=settings)
     with pytest.raises(ValueError, match="enable_block_reuse=False"):
-        cls(KvCacheConfigDouble121(enable_block_reuse=True), "SELF", num_layers=1, num_kv_heads=1, head_dim=2,
-            tokens_per_block=4, max_seq_len=8, max_batch_size=1)
+        cls(KvCacheConfig(), CacheType.SELF, **keywords)  # the real default: reuse on
     with pytest.raises(ValueError, match="max_beam_width=1"):
-        cls(KvCacheConfigDouble121(), "SELF", num_layers=1, num_kv_heads=1, head_dim=2, tokens_per_block=4,
-            max_seq_len=8, max_batch_size=1, max_beam_width=2)
+        cls(KvCacheConfig(enable_block_reuse=False), CacheType.SELF, max_beam_width=2, **keywords)
 
 
 def test_padding_rows_and_unknown_requests_are_empty():
@@ -254,12 +285,14 @@ def test_padding_rows_and_unknown_requests_are_empty():
 
 # ---- the real thing, where it imports ---------------------------------------------------------------
 @pytest.mark.skipif(HAS_TRTLLM, reason="checks the error without tensorrt_llm")
-def test_install_without_tensorrt_llm_is_a_clear_error():
+def test_install_without_tensorrt_llm_is_a_clear_error(monkeypatch):
     from trtllm_vtoken.integration.trtllm import vtoken_llm_args
     from trtllm_vtoken.integration.trtllm.patches import install
 
+    monkeypatch.delenv("VTOKEN_TRTLLM", raising=False)
+    monkeypatch.delenv(ENV_VAR, raising=False)
     with pytest.raises(RuntimeError, match="tensorrt_llm is not importable"):
-        install()
+        install(VTokenSettings())
     with pytest.raises(RuntimeError, match="tensorrt_llm is not importable"):
         vtoken_llm_args()
 
@@ -268,7 +301,7 @@ def test_install_without_tensorrt_llm_is_a_clear_error():
 def test_install_patches_tensorrt_llm():
     from trtllm_vtoken.integration.trtllm.patches import install
 
-    patched = install()
+    patched = install(VTokenSettings())
     assert any("get_kv_cache_manager_cls -> VTokenKVCacheManager" in p for p in patched)
     from tensorrt_llm._torch.attention_backend.trtllm import TrtllmAttention
 

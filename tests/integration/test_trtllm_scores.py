@@ -19,10 +19,10 @@ from tests.integration.test_trtllm_adapter import (
     write_new_kv,
 )
 from tests.integration.trtllm_doubles import (
-    LlmRequestDouble121,
-    ScheduledRequestsDouble121,
-    TrtllmAttentionDouble121,
-    TrtllmAttentionMetadataDouble121,
+    ScheduledRequests,
+    TrtllmAttention,
+    TrtllmAttentionMetadata,
+    make_request,
 )
 from trtllm_vtoken.integration.trtllm.patches import record_queries
 from trtllm_vtoken.integration.trtllm.scores import (
@@ -61,8 +61,9 @@ def test_patched_forward_takes_the_queries_out_of_fused_qkv():
     """TrtllmAttention gets q, k and v fused (k = v = None): the first num_heads heads are the
     queries, the next num_kv_heads the keys. One context request of 3 tokens, then 2 decode rows."""
     manager, gen = make_manager("h2o"), torch.Generator().manual_seed(3)
-    attention = TrtllmAttentionDouble121(layer_idx=1, num_heads=HEADS, head_dim=DIM, num_kv_heads=KV_HEADS)
-    metadata = TrtllmAttentionMetadataDouble121(manager, [0, 1, 2], 1, None, None, seq_lens=torch.tensor([3, 1, 1]))
+    attention = TrtllmAttention(1, HEADS, DIM, KV_HEADS)
+    metadata = TrtllmAttentionMetadata(max_num_requests=4, kv_cache_manager=manager, request_ids=[0, 1, 2],
+                                       num_contexts=1, seq_lens=torch.tensor([3, 1, 1]))
     q, k, v = (torch.randn(5, heads * DIM, generator=gen) for heads in (HEADS, KV_HEADS, KV_HEADS))
     prompt_mass = prefill_attention_mass(q[:3].view(3, HEADS, DIM), k[:3].view(3, KV_HEADS, DIM))
     for fused in (True, False):  # separate tensors: q and k as they are
@@ -93,22 +94,23 @@ def test_prefilled_prompts_reach_the_policy_with_their_attention():
     update_resources, H2O holds each prompt token's prefill mass (summed over layers), and with a
     budget below the prompt length it has already evicted down to the budget."""
     manager, gen = make_manager("h2o", budget=6), torch.Generator().manual_seed(5)
-    requests = [LlmRequestDouble121(req, prompt_len=n, max_new_tokens=4) for req, n in enumerate((5, 9))]
-    batch = ScheduledRequestsDouble121(context_requests=requests)
+    requests = [make_request(req, prompt_len=n, max_new_tokens=4) for req, n in enumerate((5, 9))]
+    batch = ScheduledRequests(context_requests=requests)
     manager.prepare_resources(batch)
     for request in requests:
         write_new_kv(manager, request, gen)
     step, pool = manager.vtoken.step, manager.vtoken.step.executor.pools[0]
-    metadata = TrtllmAttentionMetadataDouble121(manager, [0, 1], 2, None, None, seq_lens=torch.tensor([5, 9]))
+    metadata = TrtllmAttentionMetadata(max_num_requests=4, kv_cache_manager=manager, request_ids=[0, 1],
+                                       num_contexts=2, seq_lens=torch.tensor([5, 9]))
     queries = torch.randn(LAYERS, 14, HEADS * DIM, generator=gen)
     keys = []  # [14, L, Hkv, D]: the K the forward wrote, prompt after prompt
     for request in requests:
         blocks = manager.get_cache_indices(request)
         for token in range(request.prompt_len):  # prefill writes token t at position t
-            keys.append(pool[blocks[token // TPB], :, 0, :, token % TPB])
+            keys.append(pool[blocks[token // TPB], :, 0, :, token % TPB].float())
     keys = torch.stack(keys)
     for layer in range(LAYERS):
-        attention = TrtllmAttentionDouble121(layer_idx=layer, num_heads=HEADS, head_dim=DIM, num_kv_heads=KV_HEADS)
+        attention = TrtllmAttention(layer, HEADS, DIM, KV_HEADS)
         fused = torch.cat([queries[layer], keys[:, layer].reshape(14, -1), torch.zeros(14, KV_HEADS * DIM)], dim=-1)
         record_queries(attention, fused, None, metadata)
     manager.update_resources(batch)

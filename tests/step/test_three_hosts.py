@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.integration.test_trtllm_adapter import make_manager, write_new_kv
-from tests.integration.trtllm_doubles import LlmRequestDouble121, ScheduledRequestsDouble121
+from tests.integration.trtllm_doubles import ScheduledRequests, make_request
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.engine import Engine
 from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
@@ -20,6 +20,7 @@ from trtllm_vtoken.runtime.simulated import MODEL_SHAPES, SimulatedModel
 from trtllm_vtoken.step import DecodeStep
 
 PROMPTS, STEPS = (9, 13, 6), 10
+TPB = 4
 POLICY = dict(policy="streaming_llm", budget=8, policy_options={"n_sink": 2})
 
 
@@ -40,7 +41,7 @@ def recorded(monkeypatch):
 
 
 def serve_engine(model) -> None:
-    engine = Engine(model, EngineConfig(tokens_per_block=4, num_blocks=64, max_batch_size=4, max_seq_len=64,
+    engine = Engine(model, EngineConfig(tokens_per_block=TPB, num_blocks=64, max_batch_size=4, max_seq_len=64,
                                         check_invariants=True, **POLICY))
     for n in PROMPTS:
         engine.add_request([1] * n, SamplingParams(max_tokens=STEPS + 2, ignore_eos=True))
@@ -51,13 +52,32 @@ def serve_engine(model) -> None:
 def serve_trtllm() -> None:
     manager = make_manager(POLICY["policy"], budget=POLICY["budget"])
     gen = torch.Generator().manual_seed(0)
-    requests = [LlmRequestDouble121(i, prompt_len=n, max_new_tokens=STEPS + 2) for i, n in enumerate(PROMPTS)]
+    requests = [make_request(i, prompt_len=n, max_new_tokens=STEPS + 2) for i, n in enumerate(PROMPTS)]
     for i in range(STEPS + 1):
-        batch = ScheduledRequestsDouble121(**{"generation_requests" if i else "context_requests": requests})
+        batch = ScheduledRequests(**{"generation_requests" if i else "context_requests": requests})
         manager.prepare_resources(batch)
         for request in requests:
             write_new_kv(manager, request, gen)
         manager.update_resources(batch)
+
+
+def canonical_blocks(calls: list) -> list:
+    """The host's steps, (input, output) as recorded, with every block id (and slot) replaced by
+    the index of the allocation that handed the block out."""
+    names: dict[int, int] = {}
+
+    def slot(s: int) -> int:
+        return names[s // TPB] * TPB + s % TPB
+
+    steps, allocations = [], 0
+    for (req_ids, num_new, new_blocks), (victims, table, lost) in calls:
+        for block in new_blocks:
+            names[block], allocations = allocations, allocations + 1
+        move_offsets, tokens, src, dst, freed_offsets, freed, kv_lens = table
+        renamed = [move_offsets, tokens, [slot(s) for s in src], [slot(s) for s in dst], freed_offsets,
+                   [names[b] for b in freed], kv_lens]
+        steps.append(((req_ids, num_new, [names[b] for b in new_blocks]), (victims, renamed, lost)))
+    return steps
 
 
 def test_engine_simulated_backend_and_trtllm_manager_run_the_same_step(recorded):
@@ -68,12 +88,14 @@ def test_engine_simulated_backend_and_trtllm_manager_run_the_same_step(recorded)
     assert len(hosts) == 3 and len({step.impl for step in hosts}) == 1
     per_host = [[(inp, out) for step, inp, out in recorded if step is host] for host in hosts]
     assert all(len(calls) == STEPS + 1 for calls in per_host)  # one step per iteration
-    assert per_host[0] == per_host[1] == per_host[2]
+    # The allocators differ (TensorRT-LLM hands rewound blocks out first), so blocks are compared by
+    # the allocation that produced them: the n-th block a host handed out is block n everywhere.
+    canonical = [canonical_blocks(calls) for calls in per_host]
+    assert canonical[0] == canonical[1] == canonical[2]
     evicted = sum(len(out[0]) for _, out in per_host[0])
     moves = sum(len(out[1][1]) for _, out in per_host[0])
     assert evicted > 20 and moves > 0  # the batch did evict and relocate
-    digests = {host.table_digest() for host in hosts}
-    assert len(digests) == 1, "the hosts' token tables differ"
+    assert len({host.table_digest() for host in hosts[:2]}) == 1, "the engines' token tables differ"
     assert np.array_equal(hosts[0].batch_tokens([0, 1, 2]), hosts[2].batch_tokens([0, 1, 2]))
 
 

@@ -41,13 +41,16 @@ def run(args: argparse.Namespace) -> int:
 def step_implementations() -> list[tuple[str, str]]:
     """(host, the implementation its step uses with its default settings): what each host's
     construction resolves ``step_impl`` to (checked against the hosts by the tests)."""
-    from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
+    import os
+
+    from trtllm_vtoken.integration.trtllm.settings import ENV_VAR, VTokenSettings
     from trtllm_vtoken.runtime.config import EngineConfig
     from trtllm_vtoken.step import resolve_impl
 
     engine = resolve_impl(EngineConfig().step_impl)
+    trtllm = VTokenSettings.from_env() if ENV_VAR in os.environ else VTokenSettings()  # what a worker gets
     return [("reference engine (naive-evict, vtoken)", engine), ("simulated backend", engine),
-            ("TensorRT-LLM manager", resolve_impl(VTokenSettings.from_env().step_impl)),
+            ("TensorRT-LLM manager", resolve_impl(trtllm.step_impl)),
             ("native baseline", "none: plain block lists, no token table")]
 
 

@@ -154,6 +154,10 @@ class DecodeStep:
         none (what the attention of a masked kernel may read)."""
         return self.slots.gather(self.slots.tokens, self.block_rows(req_ids))
 
+    def live_tokens(self, req_id: int) -> np.ndarray:
+        """The request's live logical ids, ascending (int64)."""
+        return self.core.live_slots(req_id)[0]
+
     def token_stats(self, req_id: int, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(live ids ascending, the per-slot statistic ``name`` of each): what a policy has
         accumulated for the request's tokens (e.g. H2O's "mass")."""

@@ -6,64 +6,30 @@
 
     llm = LLM(model, **vtoken_llm_args(policy="h2o", budget=0.5))
 
-``vtoken_llm_args`` exports vToken's settings to the executor worker ($VTOKEN_TRTLLM_SETTINGS)
-and returns the LLM arguments the hooks need, with the connector that installs them in the
-worker. ``llm_args_dict`` is the same as plain values, for a Triton ``model.yaml``. Nothing here
-imports tensorrt_llm until ``vtoken_llm_args`` builds its config objects.
+``vtoken_llm_args`` returns the LLM arguments vToken needs, with ``env_overrides`` that arm vToken
+in TensorRT-LLM's executor worker and carry its settings there; the package's start-up hook
+(``startup.py``) installs the patches in that worker before the model is built. ``llm_args_dict``
+is the same as plain values, for a Triton ``model.yaml``.
+
+Importing this package is cheap (the start-up hook imports ``startup`` in every interpreter):
+the names below load their modules on first use.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any
+import importlib
 
-from trtllm_vtoken.integration.trtllm.settings import ENV_VAR, VTokenSettings, check_llm_args
-
-CONNECTOR = {
-    "connector_module": "trtllm_vtoken.integration.trtllm.connector",
-    "connector_scheduler_class": "VTokenConnectorScheduler",
-    "connector_worker_class": "VTokenConnectorWorker",
+_EXPORTS = {
+    "VTokenSettings": "trtllm_vtoken.integration.trtllm.settings",
+    "check_llm_args": "trtllm_vtoken.integration.trtllm.settings",
+    "llm_args_dict": "trtllm_vtoken.integration.trtllm.llm_args",
+    "vtoken_llm_args": "trtllm_vtoken.integration.trtllm.llm_args",
 }
 
-__all__ = ["CONNECTOR", "VTokenSettings", "check_llm_args", "llm_args_dict", "vtoken_llm_args"]
+__all__ = sorted(_EXPORTS)
 
 
-def llm_args_dict(tokens_per_block: int = 32) -> dict[str, Any]:
-    """The LLM arguments vToken requires, as plain values (``model.yaml`` keys)."""
-    if tokens_per_block <= 0:
-        raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
-    args = {
-        "kv_cache_config": {"enable_block_reuse": False, "enable_partial_reuse": False,
-                            "host_cache_size": 0, "tokens_per_block": tokens_per_block},
-        "scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"},
-        "disable_overlap_scheduler": True,
-        "max_beam_width": 1,
-        "enable_chunked_prefill": False,
-        "connector_config": dict(CONNECTOR),
-    }
-    check_llm_args(args)
-    return args
-
-
-def vtoken_llm_args(policy: str = "h2o", budget: int | float | str = 0.5, tokens_per_block: int = 32,
-                    **settings: Any) -> dict[str, Any]:
-    """Keyword arguments for ``tensorrt_llm.LLM``; also exports the vToken settings (policy,
-    budget, ``policy_options``, ``check_invariants``, ``stats_file``) to the worker through the
-    environment.
-    Raises ValueError for bad settings, RuntimeError if tensorrt_llm is not importable."""
-    chosen = VTokenSettings(policy=policy, budget=budget, **settings)
-    try:
-        from tensorrt_llm.llmapi import llm_args as api
-    except ImportError as exc:
-        raise RuntimeError(f"tensorrt_llm is not importable: {exc}") from None
-    plain = llm_args_dict(tokens_per_block)
-    os.environ[ENV_VAR] = chosen.to_env()
-    return {
-        "kv_cache_config": api.KvCacheConfig(**plain["kv_cache_config"]),
-        "scheduler_config": api.SchedulerConfig(
-            capacity_scheduler_policy=api.CapacitySchedulerPolicy.MAX_UTILIZATION),
-        "disable_overlap_scheduler": True,
-        "max_beam_width": 1,
-        "enable_chunked_prefill": False,
-        "connector_config": api.KvCacheConnectorConfig(**CONNECTOR),
-    }
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -33,17 +33,32 @@ from trtllm_vtoken.integration.trtllm.state import VTokenState
 from trtllm_vtoken.integration.trtllm.stats import StatsFile, state_snapshot
 
 
+def layer_offsets(manager: Any) -> dict[int, int]:
+    """The manager's global layer id -> local layer index (``KVCacheManager.layer_offsets``: with
+    pipeline parallelism a rank holds only its own layers, ``pp_layers``; ``get_buffers`` takes the
+    global id, ``kv_cache_pool_mapping`` rows are local)."""
+    offsets = getattr(manager, "layer_offsets", None)
+    if offsets is None:
+        return {layer: layer for layer in range(len(manager.kv_cache_pool_mapping))}
+    return dict(offsets)
+
+
 def manager_pools(manager: Any) -> list[torch.Tensor]:
     """The manager's primary pools as 6-D HND tensors ``[blocks, layers_in_pool, kv_factor,
     num_kv_heads, tokens_per_block, head_dim]``, built as views from each pool's first layer
-    (``get_buffers(layer, kv_layout="HND")`` is that layer's slice of the pool)."""
-    mapping = manager.kv_cache_pool_mapping.tolist()  # [num_layers, 2]: (pool, layer in pool)
+    (``get_buffers(layer, kv_layout="HND")`` is that layer's slice of the pool)::
+
+        kv_cache_pool_mapping[local] = (pool, index in pool)     local = layer_offsets[global]
+        get_buffers(global of the pool's first local layer)  ->  [P, kv, H, tpb, D]  -> 6-D view
+    """
+    mapping = manager.kv_cache_pool_mapping.tolist()  # [num_local_layers, 2]: (pool, layer in pool)
+    global_of = {local: layer for layer, local in layer_offsets(manager).items()}
     first_layer: dict[int, int] = {}
     layers_in_pool: dict[int, int] = {}
-    for layer, (pool, index) in enumerate(mapping):
+    for local, (pool, index) in enumerate(mapping):
         layers_in_pool[pool] = max(layers_in_pool.get(pool, 0), index + 1)
         if index == 0:
-            first_layer[pool] = layer
+            first_layer[pool] = global_of[local]
     views = []
     for pool in sorted(first_layer):
         layer = manager.get_buffers(first_layer[pool], kv_layout="HND")  # [P, kv, H, tpb, D]
@@ -57,6 +72,18 @@ def manager_pools(manager: Any) -> list[torch.Tensor]:
     return views
 
 
+def check_parallel_layout(mapping: Any, settings: VTokenSettings) -> None:
+    """ValueError for tensor or pipeline parallelism with a policy that observes attention: each
+    rank sees only its heads or layers, so its scores (and evictions) would differ from the other
+    ranks' and their token tables would drift apart. Policies that look at positions only decide
+    the same on every rank."""
+    tp, pp = getattr(mapping, "tp_size", 1), getattr(mapping, "pp_size", 1)
+    if (tp > 1 or pp > 1) and settings.make_policy().observes_attention():
+        raise ValueError(f"policy {settings.policy!r} scores tokens by attention, which each of the "
+                         f"{tp * pp} ranks (tp={tp}, pp={pp}) sees only in part; with tensor or pipeline "
+                         "parallelism use a position policy (streaming_llm, sliding_window, random)")
+
+
 def build_manager_class(base: type) -> type:
     """``VTokenKVCacheManager`` over ``base`` (TensorRT-LLM's ``KVCacheManager``)."""
 
@@ -67,9 +94,11 @@ def build_manager_class(base: type) -> type:
                 raise ValueError("vToken needs kv_cache_config.enable_block_reuse=False")
             if kwargs.get("max_beam_width", 1) != 1:
                 raise ValueError("vToken needs max_beam_width=1")
+            settings = vtoken_settings or VTokenSettings.from_env()  # RuntimeError if none were sent
+            check_parallel_layout(kwargs.get("mapping"), settings)
             super().__init__(kv_cache_config, kv_cache_type, *args, **kwargs)
-            settings = vtoken_settings or VTokenSettings.from_env()
             pools = manager_pools(self)
+            self._vtoken_local = layer_offsets(self)
             self.vtoken_queries = QueryRecorder(kwargs.get("max_batch_size", 1), len(self.kv_cache_pool_mapping),
                                                 pools[0].shape[5], pools[0].device)
             self._vtoken_rows: dict[int, int] = {}
@@ -112,9 +141,21 @@ def build_manager_class(base: type) -> type:
             return self.vtoken.needed_blocks(request.py_request_id, request.prompt_len, request.max_new_tokens)
 
         # ---- vToken's view -------------------------------------------------------------------
+        def local_layer(self, layer_idx: int) -> int:
+            """This rank's index of the model's global layer ``layer_idx``."""
+            try:
+                return self._vtoken_local[layer_idx]
+            except KeyError:
+                raise RuntimeError(f"layer {layer_idx} is not held by this rank (its layers: "
+                                   f"{sorted(self._vtoken_local)})") from None
+
         def vtoken_evicted(self, request_id: int) -> int:
             """Logical minus physical tokens of a request (0 for unknown and padding rows)."""
             return self.vtoken.num_evicted(request_id)
+
+        def vtoken_prompt_len(self, request_id: int, prompt_len: int) -> int:
+            """Prompt tokens still in the request's physical KV (``prompt_len`` if unknown)."""
+            return self.vtoken.prompt_tokens_held(request_id, prompt_len)
 
         def _vtoken_publish(self, force: bool) -> None:
             if self.vtoken_stats is not None:
@@ -137,9 +178,14 @@ def build_manager_class(base: type) -> type:
                 prefill = self.vtoken_queries.prefill.get(row)
                 return prefill[:kv_len] if prefill is not None else torch.zeros(kv_len)
             row -= self._vtoken_num_contexts
-            pools = self.vtoken.step.executor.pools
-            layers = self.kv_cache_pool_mapping[:, 1].tolist()  # single pool: layer index inside it
-            return decode_attention_mass(self.vtoken_queries.q[row], pools[0], block_ids, kv_len, layers)
+            q = self.vtoken_queries.q[row]  # [local layers, heads, dim]
+            mapping = self.kv_cache_pool_mapping.tolist()  # [local layers, 2]: (pool, layer in pool)
+            mass = None
+            for pool_index, pool in enumerate(self.vtoken.step.executor.pools):  # a pool per num_kv_heads
+                rows = [local for local, (p, _) in enumerate(mapping) if p == pool_index]
+                part = decode_attention_mass(q[rows], pool, block_ids, kv_len, [mapping[r][1] for r in rows])
+                mass = part if mass is None else mass + part
+            return mass
 
     VTokenKVCacheManager.__qualname__ = f"VTokenKVCacheManager[{base.__name__}]"
     return VTokenKVCacheManager

@@ -1,15 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """Installs vToken into TensorRT-LLM's PyTorch backend (1.2.1), inside the executor worker.
 
-Four patches, each found by feature detection; a missing hook is a RuntimeError naming it (the
-module layout moved in 2026 releases: ``attention_backend`` -> ``attention/backends``,
+``activate`` runs from the start-up hook (startup.py) when the worker creates its executor, before
+the model is built: it reads the settings (an error if they are missing), checks the LLM arguments
+and applies five patches, each found by feature detection; a missing hook is a RuntimeError naming
+it (the module layout moved in 2026 releases: ``attention_backend`` -> ``attention/backends``,
 ``resource_manager.py`` -> ``kv_cache/``):
 
     _util.get_kv_cache_manager_cls   returns VTokenKVCacheManager where it would return KVCacheManager
     TrtllmAttention.Metadata         VTokenAttentionMetadata: physical kv_lens (metadata.py)
     TrtllmAttention.support_fused_rope   False: RoPE from logical position ids, never re-rotated
+                                     (Attention.__init__ reads it once, when the model is built)
     TrtllmAttention.forward          records decode queries and prefill mass for H2O / Scissorhands
                                      (scores.py)
+    PyTorchModelEngine.__init__      after the model is built: every attention module must have
+                                     RoPE unfused, else RuntimeError naming them
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from trtllm_vtoken.integration.trtllm.settings import VTokenSettings, check_llm_args
+
 _installed: list[str] = []
 
 _MODULES = {
+    "model_engine": ("tensorrt_llm._torch.pyexecutor.model_engine",),
     "resource_manager": ("tensorrt_llm._torch.pyexecutor.resource_manager",),
     "util": ("tensorrt_llm._torch.pyexecutor._util",),
     "trtllm_attention": ("tensorrt_llm._torch.attention_backend.trtllm",
@@ -63,7 +71,7 @@ def record_queries(attention, q, k, metadata) -> None:
     if k is None:
         q, k = q[..., :width], q[..., width : width + kv_width]
     num_contexts = metadata.num_contexts
-    queries.record(attention.layer_idx, q, metadata.num_seqs - num_contexts)
+    queries.record(manager.local_layer(attention.layer_idx), q, metadata.num_seqs - num_contexts)
     start = 0
     for row, length in enumerate(metadata.seq_lens[:num_contexts].tolist() if num_contexts else []):
         rows = slice(start, start + length)
@@ -72,19 +80,58 @@ def record_queries(attention, q, k, metadata) -> None:
         start += length
 
 
-def install() -> list[str]:
+def rope_fusion_problems(model) -> list[str]:
+    """Names of the model's attention modules with RoPE fused (``Attention.rope_fusion`` true), or
+    one line saying it has none that carries ``rope_fusion`` at all."""
+    found, fused = 0, []
+    for name, module in model.named_modules():
+        if hasattr(module, "rope_fusion"):
+            found += 1
+            if module.rope_fusion:
+                fused.append(name or type(module).__name__)
+    return fused if found else [f"{type(model).__name__} has no attention module with a rope_fusion attribute"]
+
+
+def check_rope_unfused(model) -> None:
+    """RuntimeError unless every attention module rotates q/k itself from the logical position ids:
+    with fused RoPE the kernel would rotate by the physical length after a compaction."""
+    problems = rope_fusion_problems(model)
+    if problems:
+        shown = ", ".join(problems[:4]) + (f" and {len(problems) - 4} more" if len(problems) > 4 else "")
+        raise RuntimeError(f"vToken needs RoPE unfused in every attention module, but: {shown}. "
+                           "TrtllmAttention.support_fused_rope must be patched before the model is built "
+                           "(the start-up hook does this; is trtllm_vtoken_startup.pth in site-packages?)")
+
+
+def unfused_rope_required(settings: VTokenSettings) -> bool:
+    """Logical positions (the default) need RoPE unfused; a mode that shifts positions need not."""
+    return getattr(settings, "positions", "logical") == "logical"
+
+
+def activate(llm_args=None) -> list[str]:
+    """What the start-up hook runs in the worker when vToken is armed, before the executor is
+    created: the settings (RuntimeError if missing), the LLM arguments' check, then ``install``."""
+    settings = VTokenSettings.from_env()
+    if llm_args is not None:
+        check_llm_args(llm_args)
+    return install(settings)
+
+
+def install(settings: VTokenSettings | None = None) -> list[str]:
     """Applies the patches once per process; returns what was patched. RuntimeError if TensorRT-LLM
-    is absent or lacks a hook."""
+    is absent or lacks a hook, or if no settings are given and none are in the environment."""
     if _installed:
         return list(_installed)
     try:
         import tensorrt_llm
     except ImportError as exc:
         raise RuntimeError(f"tensorrt_llm is not importable: {exc}") from None
+    settings = settings if settings is not None else VTokenSettings.from_env()
     from trtllm_vtoken.integration.trtllm.manager import build_manager_class
     from trtllm_vtoken.integration.trtllm.metadata import build_metadata_class
 
-    resource_manager, util, attention = (_module(r) for r in ("resource_manager", "util", "trtllm_attention"))
+    roles = ("resource_manager", "util", "trtllm_attention", "model_engine")
+    resource_manager, util, attention, model_engine = (_module(r) for r in roles)
     base_manager = _require(resource_manager, "KVCacheManager")
     manager_cls = build_manager_class(base_manager)
     original_factory = _require(util, "get_kv_cache_manager_cls")
@@ -99,7 +146,6 @@ def install() -> list[str]:
     util.get_kv_cache_manager_cls = get_kv_cache_manager_cls
     backend = _require(attention, "TrtllmAttention")
     backend.Metadata = build_metadata_class(_require(backend, "Metadata"))
-    backend.support_fused_rope = classmethod(lambda cls: False)
     original_forward = _require(backend, "forward")
 
     def forward(self, q, k, v, metadata, *args, **kwargs):
@@ -107,11 +153,24 @@ def install() -> list[str]:
         return original_forward(self, q, k, v, metadata, *args, **kwargs)
 
     backend.forward = forward
-    _installed.extend([
+    done = [
         f"tensorrt_llm {getattr(tensorrt_llm, '__version__', '?')}",
         f"{util.__name__}.get_kv_cache_manager_cls -> {manager_cls.__qualname__}",
         f"{backend.__name__}.Metadata -> {backend.Metadata.__qualname__}",
-        f"{backend.__name__}.support_fused_rope -> False",
         f"{backend.__name__}.forward records decode queries and prefill attention mass",
-    ])
+    ]
+    if unfused_rope_required(settings):
+        _require(backend, "support_fused_rope")
+        backend.support_fused_rope = classmethod(lambda cls: False)
+        engine = _require(model_engine, "PyTorchModelEngine")
+        original_init = engine.__init__
+
+        def __init__(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            check_rope_unfused(self.model)
+
+        engine.__init__ = __init__
+        done += [f"{backend.__name__}.support_fused_rope -> False",
+                 f"{engine.__qualname__}.__init__ checks that every attention module has RoPE unfused"]
+    _installed.extend(done)
     return list(_installed)

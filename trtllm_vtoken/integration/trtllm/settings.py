@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """vToken's settings for the TensorRT-LLM path, and the LLM-API settings vToken requires.
 
-``VTokenSettings`` travels from the client process to the executor worker (which TensorRT-LLM
-spawns with MPI even at TP=1) as JSON in ``$VTOKEN_TRTLLM_SETTINGS``: patches made in the client do
-not reach the worker, environment variables do.
+``VTokenSettings`` travel from the client process to the executor worker (which TensorRT-LLM
+spawns with MPI even at TP=1) as two environment variables, $VTOKEN_TRTLLM=1 (armed) and
+$VTOKEN_TRTLLM_SETTINGS (JSON), carried by the ``env_overrides`` LLM argument that
+``worker_main`` applies inside the worker (``startup.py`` draws the whole route). In the worker,
+armed without settings is an error, never a default.
 
 ``check_llm_args`` validates the LLM arguments (a ``TorchLlmArgs``-like object or a plain mapping,
-e.g. a Triton ``model.yaml``) against what the hooks need, naming every violation at once.
+e.g. a Triton ``model.yaml``) against what the hooks need, naming every violation at once; the
+worker checks them again before the model is built.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trtllm_vtoken.config_base import from_dict
+from trtllm_vtoken.integration.trtllm.startup import ARM_VAR, SETTINGS_VAR, armed
 from trtllm_vtoken.policies import Budget, make_policy
 from trtllm_vtoken.reclaim.config import ReclaimConfig
 from trtllm_vtoken.step.core import IMPLS
 
-ENV_VAR = "VTOKEN_TRTLLM_SETTINGS"
+ENV_VAR = SETTINGS_VAR
 
 
 @dataclass(frozen=True)
@@ -58,16 +62,28 @@ class VTokenSettings:
     def to_env(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
+    def worker_environment(self) -> dict[str, str]:
+        """The variables that arm vToken in the executor worker and carry these settings there."""
+        return {ARM_VAR: "1", SETTINGS_VAR: self.to_env()}
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> VTokenSettings:
-        """The settings the client exported; defaults if none. ValueError for malformed JSON."""
-        raw = (environ if environ is not None else os.environ).get(ENV_VAR)
+        """The settings the client sent. RuntimeError when they are missing (vToken never runs on
+        defaults nobody chose); ValueError for malformed JSON or an unknown key."""
+        env = os.environ if environ is None else environ
+        raw = env.get(SETTINGS_VAR)
         if not raw:
-            return cls()
+            state = "armed ($" + ARM_VAR + "=1)" if armed(env) else "installed"
+            raise RuntimeError(
+                f"vToken is {state} in process {os.getpid()} but ${SETTINGS_VAR} is not set: pass the LLM "
+                "arguments vtoken_llm_args(...) returns (their env_overrides carry the settings into "
+                f"TensorRT-LLM's executor worker), or export ${ARM_VAR} and ${SETTINGS_VAR} before Python starts")
         try:
             values = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"${ENV_VAR} is not valid JSON: {exc}") from None
+            raise ValueError(f"${SETTINGS_VAR} is not valid JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"${SETTINGS_VAR} must be a JSON object, got {type(values).__name__}")
         return from_dict(cls, values)
 
 
@@ -83,6 +99,10 @@ REQUIRED: tuple[tuple[str, Any, str], ...] = (
     ("disable_overlap_scheduler", True, "batch N+1 must not be prepared before N's evictions"),
     ("scheduler_config.capacity_scheduler_policy", "MAX_UTILIZATION",
      "GUARANTEED_NO_EVICT reserves full-length blocks and never credits reclaimed ones"),
+    ("kv_connector_config", None, "a KV connector forces GUARANTEED_NO_EVICT (py_executor_creator.py)"),
+    ("enable_chunked_prefill", (None, False), "the hooks treat every context request as one whole chunk"),
+    ("attn_backend", (None, "TRTLLM"), "the hooks patch TrtllmAttention and its metadata"),
+    ("sparse_attention_config", None, "sparse attention brings its own KV-cache manager"),
 )
 
 

@@ -91,6 +91,14 @@ class VTokenState:
             return 0
         return self.step.num_tokens(req_id) - self.step.kv_len(req_id)
 
+    def prompt_tokens_held(self, req_id: int, prompt_len: int) -> int:
+        """Prompt tokens (logical ids below ``prompt_len``) still in the physical KV: the context
+        length the attention op may be told, never more than the physical length (a request's
+        live tokens all lie in ``[0, kv_len)``)."""
+        if req_id not in self.step:
+            return prompt_len
+        return int(np.count_nonzero(self.step.live_tokens(req_id) < prompt_len))
+
     def forget(self, req_id: int) -> None:
         """The request left: TensorRT-LLM frees its blocks itself."""
         if req_id in self.step:
