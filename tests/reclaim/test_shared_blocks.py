@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import make_kv, table_fingerprint
+from tests.helpers import make_kv, result_lists, table_fingerprint
 from trtllm_vtoken.core import BlockPool, TokenTable
 from trtllm_vtoken.core.native import load, native_table
 from trtllm_vtoken.reclaim import ReclaimBackend, ReclaimConfig
@@ -77,10 +77,10 @@ def test_python_step_batch_keeps_the_parent_out_of_the_shared_block():
     pool = BlockPool(8, 2)
     table = TokenTable(2, pool.is_shared)
     block, _ = parent_and_child(table, pool, lambda b: None)
-    assert step_batch(table, [0], [0], [0, 0], [], [0, 0], [], dense=True) == ([0], [0, 0], [])
-    assert table.kv_len(0) == 2
+    result = step_batch(table, [0], [0], [0, 0], [], [0, 0], [], "dense")
+    assert result_lists(result) == ([[]], [[]]) and result.kv_lens.tolist() == [2]
     [fresh] = pool.allocate(1)
-    step_batch(table, [0], [1], [0, 1], [fresh], [0, 0], [], dense=True)
+    step_batch(table, [0], [1], [0, 1], [fresh], [0, 0], [], "dense")
     assert table.lookup(0, 2) == (fresh, 0) and table.kv_len(0) == 3
 
 
@@ -94,10 +94,10 @@ def test_cpp_core_keeps_the_parent_out_of_the_shared_block():
         table.truncate(0, 1)
     empty = np.zeros(0, dtype=np.int64)
     one = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
-    assert table.step_batch(one(0), one(0), one(0, 0), empty, one(0, 0), empty, True) == ([0], [0, 0], [])
-    assert table.kv_len(0) == 2
+    result = table.step_batch(one(0), one(0), one(0, 0), empty, one(0, 0), empty, 0)  # dense
+    assert [r.tolist() for r in result] == [[0, 0], [], [], [], [0, 0], [], [2]]
     [fresh] = pool.allocate(1)
-    table.step_batch(one(0), one(1), one(0, 1), one(fresh), one(0, 0), empty, True)
+    table.step_batch(one(0), one(1), one(0, 1), one(fresh), one(0, 0), empty, 0)
     assert table.kv_len(0) == 3 and table.state(0)[5][2] == fresh * 2  # token 2's slot
 
 
@@ -183,19 +183,24 @@ class SharedPrefixes:
         return self.py.block_ids(req)[position // self.tpb] * self.tpb + position % self.tpb
 
     def step(self, req: int) -> None:
-        """Plan and commit through ``step_batch`` (no new token, no eviction): the KV the step
-        implies moving is moved by comparing every live token's slot before and after."""
+        """Plan and commit through ``step_batch`` (no new token, no eviction). The KV moves as
+        every live token's slot changed, which must be the moves the step returned (dead tokens
+        may move too: their KV is no longer read)."""
         live = self.py.live_ids(req).tolist()
         before = {t: self.slot(req, t) for t in live}
         args = [np.array(v, dtype=np.int64) for v in ([req], [0], [0, 0], [], [0, 0], [])]
-        results = [tuple(step_batch(table, *args, self.dense)) if table is self.py
-                   else tuple(table.step_batch(*args, self.dense)) for table in self.tables]
+        results = [step_batch(table, *args, "dense" if self.dense else "lazy") if table is self.py
+                   else table.step_batch(*args, 0 if self.dense else 1) for table in self.tables]
+        results = [[array.tolist() for array in result] for result in results]
         assert all(r == results[0] for r in results)
         moved = {before[t]: self.slot(req, t) for t in live if self.slot(req, t) != before[t]}
+        _, tokens, sources, destinations, *_ = results[0]
+        returned = {src: dst for token, src, dst in zip(tokens, sources, destinations) if token in before}
+        assert returned == moved
         values = {src: self.memory[src] for src in moved}
         for src, dst in moved.items():
             self.memory[dst] = values[src]
-        self.pool.free(results[0][2])
+        self.pool.free(results[0][5])  # the freed blocks
         self.sync_shared()
 
     def finish(self, req: int) -> None:
