@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <stdexcept>
 #include <vector>
 
 namespace vtoken {
@@ -14,9 +15,10 @@ namespace vtoken {
 class FlatIndex {
  public:
   static constexpr int64_t kAbsent = -1;
+  static constexpr int64_t kEmpty = std::numeric_limits<int64_t>::min();
 
   int64_t find(int64_t key) const {
-    if (entries_.empty()) return kAbsent;
+    if (entries_.empty() || key == kEmpty) return kAbsent;
     for (size_t i = ideal(key);; i = (i + 1) & mask_) {
       const Entry& e = entries_[i];
       if (e.key == key) return e.value;
@@ -32,6 +34,7 @@ class FlatIndex {
 
   // Inserts or overwrites; values must not be kAbsent.
   void insert(int64_t key, int64_t value) {
+    if (key == kEmpty) throw std::invalid_argument("FlatIndex: the key -2**63 marks empty entries");
     if (2 * (size_ + 1) > entries_.size()) grow();
     for (size_t i = ideal(key);; i = (i + 1) & mask_) {
       Entry& e = entries_[i];
@@ -48,7 +51,7 @@ class FlatIndex {
   }
 
   void erase(int64_t key) {
-    if (entries_.empty()) return;
+    if (entries_.empty() || key == kEmpty) return;
     size_t i = ideal(key);
     while (entries_[i].key != key) {
       if (entries_[i].key == kEmpty) return;
@@ -78,8 +81,6 @@ class FlatIndex {
     int64_t key;
     int64_t value;
   };
-  static constexpr int64_t kEmpty = std::numeric_limits<int64_t>::min();
-
   size_t ideal(int64_t key) const {
     return static_cast<size_t>((static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) >> 32) & mask_;
   }

@@ -38,18 +38,27 @@ bool TokenTable::plan_dense_into(int64_t req_id, Plan& out) {
   for (int64_t p = s.kv_len - 1; p >= new_len; --p) {
     if (!dead_tail.count(p)) out.src_slots.push_back(p);
   }
-  if (out.src_slots.size() != out.dst_slots.size()) {
-    throw std::logic_error("dense plan: live tokens above R must match holes below R");
+  if (out.src_slots.size() != out.dst_slots.size()) {  // a broken table: the moves would overwrite live KV
+    throw std::runtime_error("dense plan for request " + std::to_string(req_id) + ": " +
+                             std::to_string(out.src_slots.size()) + " live tokens above the new length " +
+                             std::to_string(new_len) + " but " + std::to_string(out.dst_slots.size()) +
+                             " holes below it");
   }
   out.blocks_to_free.assign(s.block_ids.begin() + ceil_div(new_len, tpb_), s.block_ids.end());
+  int64_t kept_len = new_len;
   if (!shared_.empty()) {
     bool touches_shared = false;
     for (int64_t b : out.blocks_to_free) touches_shared = touches_shared || is_shared(b);
     for (int64_t p : out.src_slots) touches_shared = touches_shared || is_shared(s.block_ids[p / tpb_]);
     for (int64_t p : out.dst_slots) touches_shared = touches_shared || is_shared(s.block_ids[p / tpb_]);
     if (touches_shared) return false;
+    // The length never ends inside a shared block (planner.py): it stays at that block's end.
+    if (new_len % tpb_ && is_shared(s.block_ids[new_len / tpb_])) {
+      kept_len = std::min(s.kv_len, (new_len / tpb_ + 1) * tpb_);
+      if (out.src_slots.empty() && out.blocks_to_free.empty() && kept_len == s.kv_len) return false;
+    }
   }
-  fill_plan(s, req_id, true, new_len, out);
+  fill_plan(s, req_id, true, kept_len, out);
   return true;
 }
 
@@ -94,8 +103,10 @@ bool TokenTable::plan_lazy_into(int64_t req_id, Plan& out) {
     const int32_t la = live[a / tpb_], lb = live[b / tpb_];
     return la != lb ? la > lb : a < b;
   });
-  if (targets.size() < out.src_slots.size()) {
-    throw std::logic_error("lazy plan: not enough holes for the chosen sources");
+  if (targets.size() < out.src_slots.size()) {  // a broken table: the sources' live KV would be lost
+    throw std::runtime_error("lazy plan for request " + std::to_string(req_id) + ": " +
+                             std::to_string(targets.size()) + " holes for the " +
+                             std::to_string(out.src_slots.size()) + " live tokens of the chosen sources");
   }
   out.dst_slots.assign(targets.begin(), targets.begin() + out.src_slots.size());
   out.blocks_to_free.clear();
@@ -137,8 +148,8 @@ void TokenTable::commit_in_place(const Plan& plan) {
   apply_moves(req_id, plan.token_ids, plan.dst_slots);
   if (plan.dense) {
     const std::vector<int64_t> released = truncate(req_id, plan.new_kv_len);
-    if (released != plan.blocks_to_free) {
-      throw std::logic_error("released " + repr(released) + ", planned " + repr(plan.blocks_to_free));
+    if (released != plan.blocks_to_free) {  // unreachable: the version check pins the snapshot
+      throw std::runtime_error("released " + repr(released) + ", planned " + repr(plan.blocks_to_free));
     }
   } else {
     release_blocks(req_id, plan.blocks_to_free);
@@ -193,6 +204,7 @@ bool TokenTable::fill_single_hole(int64_t req_id, int64_t& num_moves, std::vecto
   const int64_t new_len = s.kv_len - 1;
   const int64_t keep_blocks = ceil_div(new_len, tpb_);
   const auto num_blocks = static_cast<int64_t>(s.block_ids.size());
+  // The tail block shared: the length may not end inside it (plan_dense keeps it at its end).
   if (is_shared(s.block_ids[hole / tpb_]) || is_shared(s.block_ids[new_len / tpb_])) return false;
   for (int64_t i = keep_blocks; i < num_blocks; ++i) {
     if (is_shared(s.block_ids[i])) return false;

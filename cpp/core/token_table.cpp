@@ -17,6 +17,14 @@ std::string req_prefix(int64_t req_id) { return "request " + std::to_string(req_
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+std::string int128_to_string(__int128 value) {
+  if (value >= INT64_MIN && value <= INT64_MAX) return std::to_string(static_cast<int64_t>(value));
+  unsigned __int128 magnitude = value < 0 ? -static_cast<unsigned __int128>(value) : value;
+  std::string digits;
+  for (; magnitude; magnitude /= 10) digits.insert(digits.begin(), static_cast<char>('0' + magnitude % 10));
+  return value < 0 ? "-" + digits : digits;
+}
+
 bool has_repeats(const std::vector<int64_t>& values) {
   return IdSet(values).distinct() != values.size();
 }
@@ -58,6 +66,10 @@ const Sequence& TokenTable::seq(int64_t req_id) const {
 Sequence& TokenTable::mut(int64_t req_id) { return const_cast<Sequence&>(seq(req_id)); }
 
 void TokenTable::add_request(int64_t req_id) {
+  if (req_id < 0) {  // also keeps -2**63, the request index's empty-entry marker, out
+    throw std::invalid_argument("request id " + std::to_string(req_id) +
+                                " is negative: request ids lie in [0, 9223372036854775807]");
+  }
   if (contains(req_id)) {
     throw std::invalid_argument("request " + std::to_string(req_id) + " is already in the token table");
   }
@@ -90,25 +102,51 @@ int64_t TokenTable::sync_new_tokens(int64_t req_id, const std::vector<int64_t>& 
   if (block_ids.size() < known || !std::equal(s.block_ids.begin(), s.block_ids.end(), block_ids.begin())) {
     fail(req_id, "block list must extend the current one " + repr(s.block_ids) + ", got " + repr(block_ids));
   }
-  return append_tokens(req_id, block_ids.data() + known, static_cast<int64_t>(block_ids.size() - known),
-                       total_len - s.kv_len);
+  return append(req_id, block_ids.data() + known, static_cast<int64_t>(block_ids.size() - known),
+                static_cast<__int128>(total_len) - s.kv_len);
 }
 
 int64_t TokenTable::append_tokens(int64_t req_id, const int64_t* added, int64_t num_added, int64_t num_new) {
+  return append(req_id, added, num_added, num_new);
+}
+
+// num_new is 128-bit so that kv_len + num_new never overflows: the error names the length asked
+// for, as Python's integers do.
+int64_t TokenTable::append(int64_t req_id, const int64_t* added, int64_t num_added, __int128 num_new_wide) {
   Sequence& s = mut(req_id);
   if (num_added) {
     const std::vector<int64_t> fresh(added, added + num_added);
     bool bad = has_repeats(fresh);
-    for (int64_t b : fresh) bad = bad || s.block_index.contains(b) || b < 0;
-    if (bad) fail(req_id, "new blocks " + repr(fresh) + " repeat a block or are negative");
+    for (int64_t b : fresh) bad = bad || s.block_index.contains(b) || b < 0 || b >= max_block_id();
+    if (bad) {
+      fail(req_id, "new blocks " + repr(fresh) + " repeat a block or lie outside [0, " +
+                       std::to_string(max_block_id()) + ") (slots are int32: block * " + std::to_string(tpb_) +
+                       " + offset)");
+    }
   }
-  const int64_t num_blocks = static_cast<int64_t>(s.block_ids.size()) + num_added;
-  const int64_t capacity = num_blocks * tpb_;
-  const int64_t total_len = s.kv_len + num_new;
-  if (total_len < s.kv_len || total_len > capacity) {
-    fail(req_id, "total_len " + std::to_string(total_len) + " must lie in [" + std::to_string(s.kv_len) +
+  const int64_t known = static_cast<int64_t>(s.block_ids.size());
+  const int64_t num_blocks = known + num_added;
+  const int64_t capacity = num_blocks * tpb_;  // at most 2**31: block ids lie below max_block_id()
+  const __int128 wide_total = s.kv_len + num_new_wide;
+  if (num_new_wide < 0 || wide_total > capacity) {
+    fail(req_id, "total_len " + int128_to_string(wide_total) + " must lie in [" + std::to_string(s.kv_len) +
                      ", " + std::to_string(capacity) + "] (current length, capacity of " +
                      std::to_string(num_blocks) + " blocks)");
+  }
+  const auto num_new = static_cast<int64_t>(num_new_wide);
+  const int64_t total_len = s.kv_len + num_new;
+  if (num_new > 0 && !shared_.empty()) {
+    // Never write into a shared block; register one only whole (a shared prefix), so that no
+    // request's length ends inside a shared block and its next token starts a fresh one.
+    auto block_at = [&](int64_t pos) { return pos / tpb_ < known ? s.block_ids[pos / tpb_] : added[pos / tpb_ - known]; };
+    if (s.kv_len % tpb_ && is_shared(block_at(s.kv_len))) {
+      fail(req_id, "position " + std::to_string(s.kv_len) + " is in shared block " +
+                       std::to_string(block_at(s.kv_len)) + ": a request never writes into a shared block");
+    }
+    if (total_len % tpb_ && is_shared(block_at(total_len))) {
+      fail(req_id, "length " + std::to_string(total_len) + " would end inside shared block " +
+                       std::to_string(block_at(total_len)) + ": a shared block is registered whole");
+    }
   }
   for (int64_t i = 0; i < num_added; ++i) {
     s.block_index.insert(added[i], static_cast<int64_t>(s.block_ids.size()));
@@ -240,6 +278,10 @@ std::vector<int64_t> TokenTable::truncate(int64_t req_id, int64_t new_kv_len) {
   }
   for (int64_t p = new_kv_len; p < s.kv_len; ++p) {
     if (s.live_at(p)) fail(req_id, "live tokens beyond new length " + std::to_string(new_kv_len));
+  }
+  if (new_kv_len % tpb_ && is_shared(s.block_ids[new_kv_len / tpb_])) {  // its next token would go there
+    fail(req_id, "new length " + std::to_string(new_kv_len) + " would end inside shared block " +
+                     std::to_string(s.block_ids[new_kv_len / tpb_]));
   }
   const int64_t keep_blocks = ceil_div(new_kv_len, tpb_);
   std::vector<int64_t> released(s.block_ids.begin() + keep_blocks, s.block_ids.end());

@@ -74,11 +74,14 @@ class TokenTable {
   TokenTable& operator=(const TokenTable&) = delete;
 
   int64_t tokens_per_block() const { return tpb_; }
+  // Block ids lie in [0, max_block_id()): a slot, block * tokens_per_block + offset, is an int32.
+  int64_t max_block_id() const { return (int64_t{1} << 31) / tpb_; }
   // Shared blocks (prefix caching): tokens in them can be neither evicted nor moved.
   void set_shared(int64_t block_id, bool shared);
   bool is_shared(int64_t block_id) const { return !shared_.empty() && shared_.count(block_id); }
 
   // ---- requests and the contract (token_table.py) ----
+  // Request ids lie in [0, 2**63): -2**63 marks the request index's empty entries.
   void add_request(int64_t req_id);
   std::vector<int64_t> remove_request(int64_t req_id);
   // Returns the first new logical id; the new ids are [first, first + total_len - old kv_len).
@@ -119,6 +122,7 @@ class TokenTable {
 
  private:
   Sequence& mut(int64_t req_id);
+  int64_t append(int64_t req_id, const int64_t* added, int64_t num_added, __int128 num_new);
   int64_t position_of_token(int64_t req_id, const Sequence& s, int64_t token_id) const;
   int64_t writable_position(int64_t req_id, const Sequence& s, int64_t slot) const;
   const std::vector<int64_t>& holes_into(int64_t req_id);  // hole_positions into holes_

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <random>
+#include <stdexcept>
 #include <unordered_map>
 #include <vector>
 
@@ -13,6 +15,7 @@
 #include "../core/flat_index.h"
 
 int main() {
+  constexpr int64_t kMarker = std::numeric_limits<int64_t>::min();  // FlatIndex's empty-entry key
   std::mt19937_64 rng(7);
   for (int round = 0; round < 200; ++round) {
     vtoken::FlatIndex index;
@@ -48,7 +51,23 @@ int main() {
           return 1;
         }
       }
+      // The empty-entry marker is never a key: a lookup of it must not land on an empty entry.
+      if (index.find(kMarker) != vtoken::FlatIndex::kAbsent) {
+        return std::printf("FAIL: the empty marker found a value\n"), 1;
+      }
     }
+  }
+  {
+    vtoken::FlatIndex index;
+    index.insert(3, 0);
+    bool refused = false;
+    try {
+      index.insert(kMarker, 1);
+    } catch (const std::invalid_argument&) {
+      refused = true;
+    }
+    index.erase(kMarker);
+    if (!refused || index.size() != 1 || index.find(3) != 0) return std::printf("FAIL: the marker as a key\n"), 1;
   }
   vtoken::ChunkedArray<int32_t, 3> chunked;  // 8-element chunks: many chunk boundaries
   std::vector<int32_t> plain;

@@ -65,3 +65,10 @@ def test_check_integrity_reports_leak():
 def test_constructor_rejects_non_positive_sizes(num_blocks, tpb):
     with pytest.raises(ValueError):
         BlockPool(num_blocks, tpb)
+
+
+def test_slots_must_fit_an_int32():
+    """Slot = block * tokens_per_block + offset, an int32 in the token table and the kernels."""
+    with pytest.raises(ValueError, match=r"3 blocks of 1073741824 slots exceed 2\*\*31 slots"):
+        BlockPool(3, 2**30)
+    assert BlockPool(2, 2**30).num_blocks == 2

@@ -19,7 +19,10 @@ from trtllm_vtoken.reclaim.step_batch import COMPACTIONS, StepBatchResult, step_
 pytestmark = pytest.mark.skipif(load() is None, reason="the C++ token table is not built")
 
 OPS = ["add", "sync", "sync", "append", "evict", "evict", "dense", "lazy", "step", "moves", "truncate",
-       "release", "holes", "share", "remove"]
+       "release", "holes", "share", "remove", "odd"]
+# Values the cores must take or refuse alike: not integers, outside int64, the C++ request index's
+# empty-entry marker (-2**63), integer-likes, a block id past the int32 slot encoding (set per table).
+ODD_VALUES = [1.5, "3", None, np.float64(2.0), 2**63, -(2**63) - 1, -(2**63), True, np.int64(1), "max_block"]
 
 
 class Pair:
@@ -39,7 +42,7 @@ class Pair:
         for call in (py_call, cpp_call):
             try:
                 outcomes.append(("ok", call()))
-            except (ValueError, KeyError) as exc:
+            except (ValueError, KeyError, TypeError) as exc:
                 outcomes.append((type(exc).__name__, str(exc)))
         assert outcomes[0] == outcomes[1], f"python {outcomes[0]} != cpp {outcomes[1]}"
         return outcomes[0]
@@ -170,6 +173,21 @@ def apply(pair: Pair, op: str, r: np.random.Generator) -> None:
         pair.cpp.set_shared(block, flag)
     elif op == "remove":
         pair.both(lambda: pair.py.remove_request(req), lambda: pair.cpp.remove_request(req))
+    elif op == "odd":
+        value = ODD_VALUES[int(r.integers(len(ODD_VALUES)))]
+        value = 2**31 // tpb if isinstance(value, str) and value == "max_block" else value
+        calls = [
+            lambda t: t.evict_tokens(req, [value]), lambda t: t.append_tokens(req, [value], 1),
+            lambda t: t.append_tokens(req, [], value), lambda t: t.sync_new_tokens(req, [value], 1),
+            lambda t: t.truncate(req, value), lambda t: t.release_blocks(req, [value]),
+            lambda t: t.apply_moves(req, [value], [0]), lambda t: t.add_request(value),
+            lambda t: t.kv_len(value), lambda t: value in t, lambda t: t.is_live(req, value),
+            lambda t: t.evict_tokens(value, [0]),
+        ]
+        call = calls[int(r.integers(len(calls)))]
+        first_id = lambda result: result.start if isinstance(result, range) else result  # noqa: E731
+        pair.both(lambda: first_id(call(pair.py)), lambda: call(pair.cpp))
+        pair.next_req = max(pair.next_req, *pair.py.request_ids(), 0) + 1  # an id may have been added
     if op in ("dense", "lazy") and req in pair.py:
         assert fragmentation(pair.py, req) == pair.cpp.fragmentation(req)
 

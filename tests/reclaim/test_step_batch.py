@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Python core's ``step_batch`` against the per-request loop that specifies it: same results,
-same tables (to the byte, hint lists included), same errors."""
+"""The Python core's ``step_batch``: dense and dead-block steps against the per-request loop that
+specifies them (the single-hole shortcut is separate code), lazy steps against an oracle written
+from the lazy pairing rule (``reclaim/planner.py``); same results, same tables, same errors."""
 
 from __future__ import annotations
 
@@ -36,25 +37,95 @@ def twin_tables(tpb: int, lengths: list[int], shared: set[int]) -> tuple[TokenTa
     return tables[0], tables[1], next_block
 
 
-@settings(max_examples=80, deadline=None)
-@given(mode=st.sampled_from(["dense", "lazy", "dead-blocks"]), tpb=st.sampled_from([1, 2, 4, 8]),
-       lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6), steps=st.integers(1, 30),
-       threshold=st.integers(1, 3), shared_prefix=st.booleans(), seed=st.integers(0, 2**31))
-def test_step_batch_equals_the_loop(mode, tpb, lengths, steps, threshold, shared_prefix, seed):
+def share_a_full_block(rng: np.random.Generator, table: TokenTable, shared: set[int]) -> None:
+    """Prefix caching registers a block another request now reads: a full one, dead tokens and all."""
+    tpb = table.tokens_per_block
+    full = [b for r in table.request_ids() for b in table.block_ids(r)[: table.kv_len(r) // tpb]]
+    if full:
+        shared.add(int(rng.choice(full)))
+
+
+CASES = dict(tpb=st.sampled_from([1, 2, 4, 8]), lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+             steps=st.integers(1, 30), threshold=st.integers(1, 3), shared_prefix=st.booleans(),
+             seed=st.integers(0, 2**31))
+
+
+def random_steps(tpb: int, lengths: list[int], steps: int, shared_prefix: bool, seed: int):
+    """Twin tables and random decode steps for them: yields (first table, second table, step,
+    pressure) ``steps`` times; before a step, now and then a full block becomes shared."""
     rng = np.random.default_rng(seed)
     shared = {0} if shared_prefix else set()
-    spec, fast, next_block = twin_tables(tpb, lengths, shared)
+    first, second, next_block = twin_tables(tpb, lengths, shared)
     for _ in range(steps):
-        if rng.random() < 0.1:  # a block becomes shared (prefix caching registers it) mid-run
-            shared.add(int(rng.integers(0, next_block)))
-        step, next_block = random_step(rng, spec, next_block)
-        pressure = bool(rng.random() < 0.2)
+        if rng.random() < 0.1:
+            share_a_full_block(rng, first, shared)
+        step, next_block = random_step(rng, first, next_block)
+        yield first, second, step, bool(rng.random() < 0.2)
+
+
+@settings(max_examples=80, deadline=None)
+@given(mode=st.sampled_from(["dense", "dead-blocks"]), **CASES)
+def test_step_batch_equals_the_loop(mode, tpb, lengths, steps, threshold, shared_prefix, seed):
+    for spec, fast, step, pressure in random_steps(tpb, lengths, steps, shared_prefix, seed):
         want = step_loop(spec, step, mode, threshold, pressure)
         result = step_batch(fast, *step["csr"], mode, threshold, pressure)
         assert result_lists(result) == want
         assert result.kv_lens.tolist() == [spec.kv_len(r) for r in step["req_ids"]]
         assert fingerprint(fast) == fingerprint(spec)
         fast.check_integrity()
+
+
+def lazy_oracle(table: TokenTable, req: int, threshold: int, pressure: bool) -> tuple[list, list[int]]:
+    """The lazy plan by the pairing rule in ``reclaim/planner.py``'s docstring, from what the table
+    shows (live positions, blocks, sharing): ([(token, source slot, destination slot)], blocks freed)."""
+    tpb, blocks, kv_len = table.tokens_per_block, table.block_ids(req), table.kv_len(req)
+    if not pressure and len(blocks) - -(-table.num_live(req) // tpb) < threshold:
+        return [], []
+    live = table.position_live_mask(req)
+    live_in = [int(live[i * tpb:(i + 1) * tpb].sum()) for i in range(len(blocks))]
+    unshared = [not table.is_shared(b) for b in blocks]
+    holes = [p for p in range(kv_len) if not live[p] and unshared[p // tpb]]  # rule 1
+    candidates = [i for i in range(kv_len // tpb) if unshared[i]]  # rule 2
+    k = min(len(holes) // tpb, len(candidates))  # rule 3
+    if k == 0:
+        return [], []
+    fewest_live_later_first = sorted(candidates, key=lambda i: (live_in[i], -i))  # rule 4
+    sources = sorted(fewest_live_later_first[:k])
+    slot = lambda p: blocks[p // tpb] * tpb + p % tpb  # noqa: E731
+    moving = [p for i in sources for p in range(i * tpb, (i + 1) * tpb) if live[p]]  # rule 5
+    targets = sorted((p for p in holes if p // tpb not in sources), key=lambda p: (-live_in[p // tpb], p))
+    moves = [(table.token_at_slot(req, slot(p)), slot(p), slot(q)) for p, q in zip(moving, targets)]
+    return moves, [blocks[i] for i in sources]  # rule 6
+
+
+@settings(max_examples=80, deadline=None)
+@given(**CASES)
+def test_lazy_step_batch_follows_the_pairing_rule(tpb, lengths, steps, threshold, shared_prefix, seed):
+    """The oracle's plan, applied with the table's primitives, leaves the table as step_batch does."""
+    for oracle, fast, step, pressure in random_steps(tpb, lengths, steps, shared_prefix, seed):
+        want_moves, want_freed = [], []
+        for req, added, n, victims in zip(step["req_ids"], step["new_blocks"], step["num_new"], step["evictions"]):
+            oracle.append_tokens(req, added, n)
+            oracle.evict_tokens(req, victims)
+            moves, freed = lazy_oracle(oracle, req, threshold, pressure)
+            if freed:
+                oracle.apply_moves(req, [token for token, _, _ in moves], [dst for _, _, dst in moves])
+                oracle.release_blocks(req, freed)
+            want_moves.append(moves)
+            want_freed.append(freed)
+        result = step_batch(fast, *step["csr"], "lazy", threshold, pressure)
+        assert result_lists(result) == (want_moves, want_freed)
+        assert table_fingerprint(fast) == table_fingerprint(oracle)
+        fast.check_integrity()
+
+
+def test_lazy_oracle_pairs_as_documented():
+    """The docstring's example: block 0 (one live token) empties into block 1's hole."""
+    table = TokenTable(4)
+    table.add_request(0)
+    table.sync_new_tokens(0, [10, 11, 12, 13], 14)
+    table.evict_tokens(0, [1, 2, 3, 6, 8, 10])
+    assert lazy_oracle(table, 0, 1, False) == ([(0, 10 * 4, 11 * 4 + 2)], [10])
 
 
 def test_one_eviction_fills_the_hole_with_the_last_token(monkeypatch):

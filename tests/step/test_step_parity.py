@@ -54,10 +54,10 @@ def test_cpp_step_equals_python_step(compaction, tpb, steps, threshold, seed):
                 step.add_request(req, pols[k])
         if not steps_[0].request_ids():
             continue
-        if rng.random() < 0.1 and steps_[0].request_ids():  # a block becomes shared (prefix caching)
+        if rng.random() < 0.1 and steps_[0].request_ids():  # a full block becomes shared (prefix caching)
             req = int(rng.choice(steps_[0].request_ids()))
             busy = steps_[0].relocating_blocks() | steps_[1].relocating_blocks()
-            if steps_[0].num_blocks(req) and steps_[0].block_ids(req)[0] not in busy:
+            if steps_[0].kv_len(req) >= tpb and steps_[0].block_ids(req)[0] not in busy:
                 for host in hosts:
                     host.shared.add(steps_[0].block_ids(req)[0])
         state = rng.bit_generator.state

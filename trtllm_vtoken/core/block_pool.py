@@ -21,6 +21,11 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if tokens_per_block <= 0:
             raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
+        if num_blocks * tokens_per_block > 2**31:
+            raise ValueError(
+                f"{num_blocks} blocks of {tokens_per_block} slots exceed 2**31 slots: a slot, block * "
+                f"tokens_per_block + offset, is an int32 (the token table's and the kernels' block offsets)"
+            )
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
         self.ref_counts = [0] * num_blocks

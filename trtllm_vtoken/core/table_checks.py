@@ -56,8 +56,8 @@ class TableChecks:
         """Checks ``truncate(req_id, new_kv_len)`` as it would run after the moves ``after``
         (from ``move_positions``), changing nothing. Returns the blocks it would release.
 
-        Raises ValueError if the length is out of range, a live token would lie beyond it, or a
-        released block is shared.
+        Raises ValueError if the length is out of range, a live token would lie beyond it, it
+        would end inside a shared block, or a released block is shared.
         """
         seq, tpb = self.seq(req_id), self.tokens_per_block
         if not 0 <= new_kv_len <= seq.kv_len:
@@ -73,6 +73,10 @@ class TableChecks:
             beyond = seq.has_live_in(new_kv_len, seq.kv_len)
         if beyond:
             raise ValueError(f"request {req_id}: live tokens beyond new length {new_kv_len}")
+        if new_kv_len % tpb and self.is_shared(seq.block_ids[new_kv_len // tpb]):
+            # The request's next token would be written there, over KV another request reads.
+            raise ValueError(f"request {req_id}: new length {new_kv_len} would end inside shared block "
+                             f"{seq.block_ids[new_kv_len // tpb]}")
         released = seq.block_ids[-(-new_kv_len // tpb) :]
         shared = [b for b in released if self.is_shared(b)]
         if shared:

@@ -5,9 +5,11 @@ drops stale entries from its internal list of candidate holes."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import index
 
 import numpy as np
 
+from trtllm_vtoken.core.arguments import as_int
 from trtllm_vtoken.core.sequence import NO_SLOT, NO_TOKEN, Sequence
 
 
@@ -22,18 +24,28 @@ class TokenTableQueries:
         return list(self._seqs)
 
     def __contains__(self, req_id: object) -> bool:
+        """TypeError for a value that is not an integer; False for any integer not a request."""
+        if type(req_id) is not int:
+            req_id = index(req_id)  # type: ignore[arg-type]
         return req_id in self._seqs
 
     def seq(self, req_id: int) -> Sequence:
-        """The request's arrays, for planners and checks inside the package. Do not mutate."""
+        """The request's arrays, for planners and checks inside the package. Do not mutate.
+
+        Raises KeyError for an unknown request (TypeError / ValueError for an id that is not an
+        int64 integer, as ``as_int``)."""
+        if type(req_id) is not int:
+            req_id = as_int(req_id)  # a float 0.0 would find request 0 in the dict
         try:
             return self._seqs[req_id]
         except KeyError:
+            as_int(req_id)
             raise KeyError(f"unknown request {req_id}") from None
 
     # ---- lookups -------------------------------------------------------------------------------
     def lookup(self, req_id: int, token_id: int) -> tuple[int, int] | None:
         """(block_id, offset) of a token, or None if its KV no longer exists."""
+        req_id, token_id = as_int(req_id), as_int(token_id)
         seq = self.seq(req_id)
         if not 0 <= token_id < seq.num_tokens:
             raise ValueError(f"request {req_id}: token id {token_id} out of range [0, {seq.num_tokens})")
@@ -42,6 +54,7 @@ class TokenTableQueries:
 
     def token_at_slot(self, req_id: int, slot: int) -> int | None:
         """Logical id held by a slot of this request (live or dead), or None if it holds none."""
+        req_id, slot = as_int(req_id), as_int(slot)
         seq = self.seq(req_id)
         block_id, offset = divmod(slot, self.tokens_per_block)
         if block_id not in seq.block_index:
@@ -69,6 +82,7 @@ class TokenTableQueries:
 
     def is_live(self, req_id: int, token_id: int) -> bool:
         """Is this logical id a live token of the request? (False for ids out of range.)"""
+        req_id, token_id = as_int(req_id), as_int(token_id)
         seq = self.seq(req_id)
         return 0 <= token_id < seq.num_tokens and bool(seq.live_mv[token_id])
 

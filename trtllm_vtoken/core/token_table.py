@@ -7,7 +7,13 @@ reclamation backend moves KV and then tells the table (``apply_moves``, ``trunca
 also its original position: RoPE positions are read from here and never re-rotated.
 
 Every public mutation validates all of its input before changing anything: bad input raises
-ValueError (KeyError for an unknown request) and leaves the table as it was.
+ValueError (KeyError for an unknown request, TypeError for a value that is not an integer) and
+leaves the table as it was. Integer arguments are taken as the C++ core takes them
+(``core/arguments.py``), converted first, in argument order.
+
+A request never writes into a shared block (prefix caching): its length never ends inside one
+(``append_tokens``, ``truncate``), so a request whose tail block is shared continues in a fresh
+block. ``reclaim/planner.py`` keeps a dense request's length at such a block's end.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Sequence as SequenceOf
 
 import numpy as np
 
+from trtllm_vtoken.core.arguments import as_int, as_ints, as_request_id
 from trtllm_vtoken.core.sequence import NO_SLOT, NO_TOKEN, Sequence
 from trtllm_vtoken.core.single_hole import SingleHoleCompaction
 from trtllm_vtoken.core.table_checks import TableChecks
@@ -35,14 +42,19 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
     """
 
     def __init__(self, tokens_per_block: int, is_shared: Callable[[int], bool] | None = None) -> None:
+        tokens_per_block = as_int(tokens_per_block)
         if tokens_per_block <= 0:
             raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
         self.tokens_per_block = tokens_per_block
         self.is_shared = is_shared or (lambda block_id: False)
+        self.max_block_id = 2**31 // tokens_per_block
+        """Block ids lie in [0, max_block_id): a slot, block * tokens_per_block + offset, is an int32."""
         self._seqs: dict[int, Sequence] = {}
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, req_id: int) -> None:
+        """Starts an empty request. Request ids lie in [0, 2**63 - 1] (``as_request_id``)."""
+        req_id = as_request_id(req_id)
         if req_id in self._seqs:
             raise ValueError(f"request {req_id} is already in the token table")
         self._seqs[req_id] = Sequence()
@@ -63,11 +75,10 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
         Returns:
             The logical ids of the new tokens.
         """
+        req_id, block_ids, total_len = as_int(req_id), as_ints(block_ids), as_int(total_len)
         seq = self.seq(req_id)
         current = seq.block_ids
         known = len(current)
-        if type(block_ids) is not list:
-            block_ids = [int(b) for b in block_ids]
         if len(block_ids) < known or block_ids[:known] != current:
             raise ValueError(
                 f"request {req_id}: block list must extend the current one {current}, "
@@ -79,21 +90,41 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
         """``sync_new_tokens`` given only what changed: blocks appended to the list, tokens written.
 
         The decode path's form (no copy of the whole block list). Raises ValueError, changing
-        nothing, if a new block repeats or is negative, or the tokens do not fit the blocks.
+        nothing, if a new block repeats or lies outside [0, max_block_id), if the tokens do not
+        fit the blocks, or if they would write into a shared block or end inside one (a shared
+        block is registered whole, as a prefix; a request whose tail block became shared has its
+        length at that block's end and continues in a fresh block).
         """
+        # The decode step's arguments (an int, an empty list, 1) pass without a call; a request id
+        # outside int64 is refused by ``seq`` (it names no request).
+        if type(req_id) is not int:
+            req_id = as_int(req_id)
+        added = new_block_ids if type(new_block_ids) is list and not new_block_ids else as_ints(new_block_ids)
+        if type(num_new) is not int or not -9223372036854775808 <= num_new <= 9223372036854775807:
+            num_new = as_int(num_new)
         seq, tpb = self.seq(req_id), self.tokens_per_block
-        added = new_block_ids if type(new_block_ids) is list else [int(b) for b in new_block_ids]
         if added and (
-            len(set(added)) != len(added) or any(b in seq.block_index or b < 0 for b in added)
+            len(set(added)) != len(added)
+            or any(b in seq.block_index or not 0 <= b < self.max_block_id for b in added)
         ):
-            raise ValueError(f"request {req_id}: new blocks {added} repeat a block or are negative")
-        num_blocks = len(seq.block_ids) + len(added)
+            raise ValueError(
+                f"request {req_id}: new blocks {added} repeat a block or lie outside [0, {self.max_block_id}) "
+                f"(slots are int32: block * {tpb} + offset)"
+            )
+        known = len(seq.block_ids)
+        num_blocks = known + len(added)
         total_len = seq.kv_len + num_new
         if not seq.kv_len <= total_len <= num_blocks * tpb:
             raise ValueError(
                 f"request {req_id}: total_len {total_len} must lie in [{seq.kv_len}, "
                 f"{num_blocks * tpb}] (current length, capacity of {num_blocks} blocks)"
             )
+        if num_new == 1 and tpb > 1:  # the decode step: its token's block, shared, breaks the rule
+            index = seq.kv_len // tpb
+            if self.is_shared(seq.block_ids[index] if index < known else added[index - known]):
+                self._check_shared_tail(req_id, seq, added, total_len)
+        elif num_new and (seq.kv_len % tpb or total_len % tpb):
+            self._check_shared_tail(req_id, seq, added, total_len)
         first_id = seq.num_tokens
         if first_id + num_new > len(seq.slot_of):
             seq.reserve_tokens(first_id + num_new)
@@ -124,6 +155,10 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
 
     def evict_token(self, req_id: int, token_id: int) -> None:
         """Marks one token dead. No KV moves; attention excludes it from the next step on."""
+        if type(req_id) is not int:
+            req_id = as_int(req_id)
+        if type(token_id) is not int:
+            token_id = as_int(token_id)
         seq, tpb = self.seq(req_id), self.tokens_per_block
         if not 0 <= token_id < seq.num_tokens or not seq.live_mv[token_id]:
             self.evict_tokens(req_id, (token_id,))  # raises the precise error
@@ -145,8 +180,8 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
         Raises ValueError, evicting none, if an id is out of range, repeated, already dead, or
         protected (its block is shared by several requests).
         """
+        req_id, ids = as_int(req_id), as_ints(token_ids)
         seq, tpb = self.seq(req_id), self.tokens_per_block
-        ids = [int(t) for t in token_ids]
         if len(set(ids)) != len(ids):
             raise ValueError(f"request {req_id}: token ids to evict repeat: {ids}")
         positions = []
@@ -176,9 +211,8 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
         that holds no live token (empty, or a dead token, which then loses its slot) and is not
         the source of another move. Liveness is unchanged.
         """
+        req_id, ids, dsts = as_int(req_id), as_ints(token_ids), as_ints(dst_slots)
         seq, tpb = self.seq(req_id), self.tokens_per_block
-        ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(map(int, token_ids))
-        dsts = dst_slots.tolist() if isinstance(dst_slots, np.ndarray) else list(map(int, dst_slots))
         src_pos, dst_pos = self.move_positions(req_id, ids, dsts)
         token_at, live, slot_of = seq.token_at_mv, seq.live_mv, seq.slot_of_mv
         live_per_block = seq.live_per_block_mv
@@ -201,8 +235,9 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
 
         Dead tokens beyond the new length lose their slots. Returns the released block ids (the
         caller frees them in the pool). Raises ValueError if a live token lies beyond the new
-        length or a released block is shared.
+        length, the new length ends inside a shared block, or a released block is shared.
         """
+        req_id, new_kv_len = as_int(req_id), as_int(new_kv_len)
         seq, tpb = self.seq(req_id), self.tokens_per_block
         released = self.check_truncate(req_id, new_kv_len)
         keep_blocks = len(seq.block_ids) - len(released)
@@ -225,8 +260,8 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
         change). Used by lazy compaction with masked attention; TensorRT-LLM's V1 manager can only
         release tail blocks, which ``truncate`` covers.
         """
+        req_id, blocks = as_int(req_id), as_ints(block_ids)
         seq, tpb = self.seq(req_id), self.tokens_per_block
-        blocks = [int(b) for b in block_ids]
         self.check_release(req_id, blocks)
         if not blocks:
             return
@@ -264,3 +299,19 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
             check_sequence(rid, self.seq(rid), self.tokens_per_block)
         if req_id is None:
             check_blocks_disjoint({rid: s.block_ids for rid, s in self._seqs.items()}, self.is_shared)
+
+    # ---- private -------------------------------------------------------------------------------
+    def _check_shared_tail(self, req_id: int, seq: Sequence, added: list[int], total_len: int) -> None:
+        """The shared-block rule for tokens about to fill positions [kv_len, total_len)."""
+        tpb, known, kv_len = self.tokens_per_block, len(seq.block_ids), seq.kv_len
+        if kv_len % tpb:  # the tail block is partly written: the next token goes there
+            block_id = seq.block_ids[kv_len // tpb]
+            if self.is_shared(block_id):
+                raise ValueError(f"request {req_id}: position {kv_len} is in shared block {block_id}: "
+                                 f"a request never writes into a shared block")
+        if total_len % tpb:
+            index = total_len // tpb
+            block_id = seq.block_ids[index] if index < known else added[index - known]
+            if self.is_shared(block_id):
+                raise ValueError(f"request {req_id}: length {total_len} would end inside shared block "
+                                 f"{block_id}: a shared block is registered whole")

@@ -14,11 +14,25 @@ be emptied are touched. Freeing k blocks needs k * tokens_per_block holes in the
 k = floor(holes / tokens_per_block); the k full blocks with the fewest live tokens are the
 sources (fewest copies), their live tokens go into holes of the fullest remaining blocks.
 
-    before: [L . . .][L L . L][. L . L][L L _ _]   kv_len 14: holes 2, 1, 2 (+ tail)
-    k = floor(5 / 4) = 1 -> source block 0 (1 live token); destination: hole in block 1
+    before: [L . . .][L L . L][. L . L][L L _ _]   kv_len 14: holes 3, 1, 2 (+ tail)
+    k = floor(6 / 4) = 1 -> source block 0 (1 live token); destination: hole in block 1
     after:  [L L L L][. L . L][L L _ _]          one block released, 3 still hold holes
 
-Both return None when there is nothing worth doing, and never touch a shared block.
+The lazy plan exactly (the pairing rule; ``tests/reclaim/test_step_batch.py`` checks it against
+an oracle written from this list):
+  1. holes: positions below kv_len holding a dead token or none, in unshared blocks;
+  2. candidates: unshared blocks lying wholly below kv_len (the tail block is still written);
+  3. k = min(floor(holes / tokens_per_block), candidates); no plan if k = 0;
+  4. sources: the k candidates with the fewest live tokens, the later block first among equals;
+  5. the sources' live tokens, in position order, go to the holes outside the sources ordered by
+     their block's live count (highest first), then by position: the i-th token to the i-th hole;
+  6. the sources are released, in list order. ``plan_for_mode`` plans only at or past the
+     fragmentation threshold (blocks held minus ceil(live / tokens_per_block)), or under pressure.
+
+Both return None when there is nothing worth doing, and never touch a shared block. A dense
+request's length never ends inside a shared block (its next token would be written over KV
+another request reads): it stays at that block's end, above the block's dead tokens, and the
+request continues in a fresh block.
 """
 
 from __future__ import annotations
@@ -32,7 +46,8 @@ from trtllm_vtoken.reclaim.plan import RelocationPlan
 def plan_dense(table: TokenTable, req_id: int) -> RelocationPlan | None:
     """Fills every hole below the new length with the highest live tokens; releases the tail.
 
-    Returns None if the request has no hole, or if the plan would touch a shared block.
+    Returns None if the request has no hole, if the plan would touch a shared block, or if a
+    shared block leaves it nothing to do.
     """
     seq, tpb = table.seq(req_id), table.tokens_per_block
     holes = table.hole_positions(req_id)  # ascending
@@ -54,6 +69,12 @@ def plan_dense(table: TokenTable, req_id: int) -> RelocationPlan | None:
         or any(is_shared(blocks[p // tpb]) for p in dst_pos)
     ):
         return None
+    if new_len % tpb and is_shared(blocks[new_len // tpb]):
+        # Only dead tokens of that block lie at or above new_len (a live one would be a source in a
+        # shared block): keep them, and the request's next token goes into a fresh block.
+        new_len = min(seq.kv_len, new_len - new_len % tpb + tpb)
+        if not src_pos and not blocks_to_free and new_len == seq.kv_len:
+            return None
     return _make_plan(table, req_id, "dense", src_pos, dst_pos, blocks_to_free, new_len)
 
 

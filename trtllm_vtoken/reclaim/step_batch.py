@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from trtllm_vtoken.core.arguments import as_int, as_ints
 from trtllm_vtoken.core.token_table import TokenTable
 from trtllm_vtoken.reclaim.dead_blocks import fully_dead_blocks
 from trtllm_vtoken.reclaim.planner import commit_plan, plan_for_mode
@@ -82,13 +83,15 @@ def step_batch(
 ) -> StepBatchResult:
     """Registers, evicts and compacts every request of the batch (see the module docstring).
 
-    Raises ValueError if the arrays do not fit together or ``compaction`` is unknown (nothing
-    changed) and, like the loop, KeyError/ValueError from the first request whose input is bad
-    (earlier requests' steps stay done, that request's failing call changed nothing).
+    Ids and counts convert as the table's arguments do (``core/arguments.py``: TypeError for a
+    float). Raises ValueError if the arrays do not fit together or ``compaction`` is unknown
+    (nothing changed) and, like the loop, KeyError/ValueError from the first request whose input
+    is bad (earlier requests' steps stay done, that request's failing call changed nothing).
     """
-    req_ids, num_new = _as_list(req_ids), _as_list(num_new)
-    block_offsets, blocks = _as_list(new_block_offsets), _as_list(new_blocks)
-    evict_offsets, evicts = _as_list(evict_offsets), _as_list(evict_ids)
+    req_ids, num_new = as_ints(req_ids), as_ints(num_new)
+    block_offsets, blocks = as_ints(new_block_offsets), as_ints(new_blocks)
+    evict_offsets, evicts = as_ints(evict_offsets), as_ints(evict_ids)
+    fragmentation_threshold, pressure = as_int(fragmentation_threshold), bool(pressure)
     batch = len(req_ids)
     if len(num_new) != batch or len(block_offsets) != batch + 1 or len(evict_offsets) != batch + 1:
         raise ValueError("step_batch: num_new needs one entry per request and each offsets array one more")
@@ -145,10 +148,6 @@ def _single_hole_move(table: TokenTable, req: int, tpb: int) -> tuple[int, int, 
         return None
     blocks = seq.block_ids
     return seq.token_at_mv[last], blocks[last // tpb] * tpb + last % tpb, blocks[hole // tpb] * tpb + hole % tpb
-
-
-def _as_list(values: SequenceOf[int]) -> list[int]:
-    return values.tolist() if isinstance(values, np.ndarray) else [int(v) for v in values]
 
 
 def _check_csr(offsets: list[int], num_values: int, name: str) -> None:
