@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Everything GPU-specific, in one run on a CUDA machine (e.g. a lent H200):
 #   1. build cpp/ (the CUDA relocation kernel) for the local GPU
-#   2. relocate_kv_check: the kernel against its CPU reference, then its bandwidth vs memcpy
+#   2. relocate_kv_check, rerotate_k_check: each kernel against its CPU reference, then its
+#      bandwidth vs memcpy
 #   3. every CUDA test (graph replay after an offset rewrite, delayed side-stream copy + event,
-#      kernel bit-exactness, CUDA vs CPU and graph vs eager engines)
+#      kernel bit-exactness, key re-rotation kernel vs its torch reference, CUDA vs CPU and graph
+#      vs eager engines, shift vs keep positions on CUDA)
 #   4. vtoken bench gpu: copy bandwidth, eager vs graph decode, every variant end to end
 # Uses the machine's python3 and its torch; the repository is put on PYTHONPATH, nothing is
 # installed. Logs and gpu.json go to $OUT (default out/gpu). Exit status 1 if any step failed.
@@ -35,6 +37,11 @@ fi
 banner relocate_kv_check
 if [ -x build/gpu/relocate_kv_check ]; then
   timeout 90 build/gpu/relocate_kv_check 2>&1 | tee "$out/relocate_kv_check.txt" || status=1
+fi
+
+banner rerotate_k_check
+if [ -x build/gpu/rerotate_k_check ]; then
+  timeout 90 build/gpu/rerotate_k_check 2>&1 | tee "$out/rerotate_k_check.txt" || status=1
 fi
 
 banner CUDA tests

@@ -21,6 +21,10 @@ class EngineConfig:
     mode: Literal["dense", "lazy"] = "dense"
     """vtoken only: "dense" compacts every step (no attention mask needed), "lazy" masks holes and
     compacts past ``fragmentation_threshold`` or under memory pressure."""
+    positions: Literal["keep", "shift"] = "keep"
+    """"keep": cached keys keep their original rotation, new tokens are rotated by their logical
+    position. "shift": new tokens are rotated by their physical position (kv_len) and compaction
+    re-rotates the surviving keys (reclaim/rerotate.py), as kernels without a position input need."""
     policy: str = "h2o"
     budget: int | float | str = 0.5
     """Live tokens kept per request: a count (``256``) or a retention ratio (``0.5``)."""
@@ -57,6 +61,8 @@ class EngineConfig:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
         if self.mode not in ("dense", "lazy"):
             raise ValueError(f"mode must be 'dense' or 'lazy', got {self.mode!r}")
+        if self.positions not in ("keep", "shift"):
+            raise ValueError(f"positions must be 'keep' or 'shift', got {self.positions!r}")
         if self.admission not in ("peak", "greedy"):
             raise ValueError(f"admission must be 'peak' or 'greedy', got {self.admission!r}")
         if self.relocation_kernel not in ("auto", "cuda", "torch"):

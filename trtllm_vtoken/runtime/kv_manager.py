@@ -8,10 +8,12 @@ Per step and request the engine calls, in this order:
     set_batch(rows)         rewrite block_offsets / kv_lens in place (+ the validity mask)
     ... forward writes K/V into the reserved slots ...
     commit(req)             sync_new_tokens: the new tokens get logical ids
+    next_position(req)      the RoPE position of the request's next token
     observe(req, mass)      attention received, for H2O / Scissorhands
     evict(req)              the policy marks tokens dead (naive-evict, vtoken)
     reclaim(reqs)           vtoken: relocate (one copy for all) + free tail blocks; naive-evict:
-                            free fully dead blocks
+                            free fully dead blocks; "shift" positions: re-rotate the keys of
+                            requests whose physical length shrank
     update(req, remaining)  admission learns what the request now holds
     release(req)            finished, cancelled or preempted: every block back to the pool
 """
@@ -34,6 +36,7 @@ from trtllm_vtoken.reclaim import (
 )
 from trtllm_vtoken.reclaim.copy import AccountingCopyExecutor, TorchCopyExecutor
 from trtllm_vtoken.reclaim.dead_blocks import release_dead_blocks
+from trtllm_vtoken.reclaim.rerotate import KeyRerotation
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
 from trtllm_vtoken.runtime.model import LlamaConfig
@@ -92,6 +95,9 @@ class KVCacheManager:
                         if self.cache is not None
                         else AccountingCopyExecutor(simulated_bytes_per_token))
             self.backend = ReclaimBackend(self.table, self.pool, executor, reclaim)
+        self.rerotation: KeyRerotation | None = None
+        if config.positions == "shift" and self.cache is not None:
+            self.rerotation = KeyRerotation([self.cache.pool], model_config.rope, kernel=config.relocation_kernel)
         self.admission = AdmissionController(self.pool, AdmissionConfig(
             config.variant, config.mode, config.fragmentation_threshold, config.evacuation_headroom))
         self.stats = KVStats()
@@ -189,6 +195,13 @@ class KVCacheManager:
         self.table.sync_new_tokens(req_id, blocks, total)
         self.stats.table_seconds += time.perf_counter() - start
 
+    def next_position(self, req_id: int) -> int:
+        """RoPE position of the request's next token: its logical position in "keep" mode, its
+        physical one (kv_len) in "shift" mode, where ``reclaim`` re-rotates the cached keys."""
+        if self.config.positions == "shift":
+            return self.table.kv_len(req_id)
+        return self.table.num_tokens(req_id)
+
     def observe(self, req_id: int, mass: torch.Tensor) -> None:
         """Credits attention mass per physical position [>= kv_len] to the live tokens there."""
         if not self.needs_attention:
@@ -214,7 +227,17 @@ class KVCacheManager:
 
     def reclaim(self, req_ids: list[int], pressure: bool = False) -> int:
         """Frees what the variant can free of these requests; returns the blocks freed. vtoken
-        copies every request's moves at once (one launch on CUDA)."""
+        copies every request's moves at once (one launch on CUDA). In "shift" mode, the keys of
+        each request whose physical length shrank by d are then turned back by d positions."""
+        if self.rerotation is None:
+            return self._free(req_ids, pressure)
+        before = [self.table.kv_len(r) for r in req_ids]
+        freed = self._free(req_ids, pressure)
+        self.rerotation.shift_requests(
+            self.table, {r: b - self.table.kv_len(r) for r, b in zip(req_ids, before)})
+        return freed
+
+    def _free(self, req_ids: list[int], pressure: bool) -> int:
         if self.backend is not None:
             on_cuda = self.cache is not None and self.cache.pool.is_cuda and not self.config.synchronous_copies
             stream = torch.cuda.current_stream() if on_cuda else None
