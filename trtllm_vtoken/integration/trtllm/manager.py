@@ -67,6 +67,9 @@ def build_manager_class(base: type) -> type:
                 raise ValueError("vToken needs max_beam_width=1")
             super().__init__(kv_cache_config, kv_cache_type, *args, **kwargs)
             settings = vtoken_settings or VTokenSettings.from_env()
+            if settings.positions != "keep":
+                raise ValueError("the PyTorch backend runs positions='keep' (unfused RoPE, logical position ids); "
+                                 "positions='shift' is for the trtllm-build engine path (engine_runner)")
             pools = manager_pools(self)
             self.vtoken_queries = QueryRecorder(kwargs.get("max_batch_size", 1), len(self.kv_cache_pool_mapping),
                                                 pools[0].shape[5], pools[0].device)

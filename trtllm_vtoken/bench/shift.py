@@ -1,0 +1,121 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vtoken bench shift``: what position-shift mode costs next to keep mode (real model).
+
+One workload, served four ways from the same pool and policy, repeated in alternating order (the
+median run is reported with min and max):
+
+    keep  / dense     keys keep their rotation; every step compacts
+    shift / dense     every compaction that shortens a request also turns all its surviving keys
+                      back (one read and one write of every live key of that request)
+    keep  / lazy      compaction only when a whole block can be freed
+    shift / lazy      the same, so keys are turned once per freed block: evictions batched
+
+Reported per run: throughput, and per engine step the bytes relocation copies (K and V of moved
+tokens) and the extra bytes re-rotation touches (K of every surviving token of each shortened
+request, read and written), with the passes and tokens behind them. Greedy outputs of shift are
+compared with keep's token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from trtllm_vtoken.runtime.config import EngineConfig
+
+RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("keep / dense", dict(positions="keep", mode="dense")),
+    ("shift / dense", dict(positions="shift", mode="dense")),
+    ("keep / lazy", dict(positions="keep", mode="lazy")),
+    ("shift / lazy", dict(positions="shift", mode="lazy")),
+)
+
+
+@dataclass(frozen=True)
+class ShiftBenchConfig:
+    workload: str = "sharegpt"
+    requests: int = 8
+    max_prompt_tokens: int = 256
+    max_output_tokens: int = 64
+    policy: str = "streaming_llm"
+    budget: str = "64"
+    tokens_per_block: int = 16
+    repeats: int = 3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "max_prompt_tokens", "max_output_tokens", "tokens_per_block", "repeats"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def engine_config(self, **overrides: Any) -> EngineConfig:
+        seq_len = self.max_prompt_tokens + self.max_output_tokens + 64  # + chat template
+        per_request = -(-seq_len // self.tokens_per_block)
+        return EngineConfig(policy=self.policy, budget=self.budget, tokens_per_block=self.tokens_per_block,
+                            num_blocks=self.requests * per_request + 8, max_batch_size=self.requests,
+                            max_seq_len=seq_len, seed=self.seed, **overrides)
+
+
+def run_shift_bench(cfg: ShiftBenchConfig, model, tokenizer, progress=None) -> dict[str, Any]:
+    from trtllm_vtoken.bench.repeats import run_alternating
+    from trtllm_vtoken.bench.variants import serve_workload
+    from trtllm_vtoken.runtime.engine import Engine
+    from trtllm_vtoken.workloads import make_workload
+
+    items = make_workload(cfg.workload, cfg.requests, tokenizer, seed=cfg.seed,
+                          max_prompt_tokens=cfg.max_prompt_tokens, max_output_tokens=cfg.max_output_tokens)
+    prompts = [tokenizer.encode(item.prompt, chat=True) for item in items]
+    outputs: dict[str, list[list[int]]] = {}
+
+    def run(label: str, overrides: dict[str, Any]) -> dict[str, Any]:
+        engine = Engine(model, cfg.engine_config(**overrides), tokenizer)
+        result, outputs[label] = serve_workload(engine, prompts, items, None)
+        result.pop("blocks_per_step")
+        rotation = engine.kv.rerotation.stats if engine.kv.rerotation else None
+        steps = max(result["steps"], 1)
+        result.update(
+            positions=overrides["positions"],
+            relocation_bytes_per_step=result["bytes_copied"] / steps,
+            rerotation_bytes_per_step=(rotation.bytes if rotation else 0) / steps,
+            rerotation_passes=rotation.passes if rotation else 0,
+            keys_rerotated=rotation.tokens if rotation else 0,
+        )
+        return result
+
+    runs = run_alternating(RUNS, cfg.repeats, run, progress)
+    by_label = {r["label"]: r for r in runs}
+    for row in runs:
+        keep = by_label[row["label"].replace("shift", "keep")]
+        row["throughput_vs_keep"] = row["tokens_per_s"] / keep["tokens_per_s"]
+        row["outputs_equal_keep"] = outputs[row["label"]] == outputs[keep["label"]]
+    return {"config": asdict(cfg), "prompt_tokens": [len(p) for p in prompts], "runs": runs}
+
+
+def plot_shift(result: dict[str, Any], path) -> None:
+    """Throughput with its run range, and bytes per step (relocation vs re-rotation)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    labels = [r["label"] for r in runs]
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4))
+    medians = [r["tokens_per_s"] for r in runs]
+    spread = [[m - r["tokens_per_s_min"] for m, r in zip(medians, runs)],
+              [r["tokens_per_s_max"] - m for m, r in zip(medians, runs)]]
+    ax0.bar(labels, medians, yerr=spread, capsize=4, color="tab:blue")
+    ax0.set(ylabel="output tokens / s", title="Throughput (median, min-max of runs)")
+    ax1.bar(labels, [r["relocation_bytes_per_step"] / 1e6 for r in runs], label="relocation (K+V moved)")
+    ax1.bar(labels, [r["rerotation_bytes_per_step"] / 1e6 for r in runs],
+            bottom=[r["relocation_bytes_per_step"] / 1e6 for r in runs], label="re-rotation (K read+write)")
+    ax1.set(ylabel="MB per engine step", title="KV bytes touched per step")
+    ax1.legend()
+    for ax in (ax0, ax1):
+        ax.tick_params(axis="x", rotation=15)
+    c = result["config"]
+    fig.suptitle(f"{c['workload']}, {c['requests']} requests, {c['policy']} budget {c['budget']}, "
+                 f"tokens_per_block {c['tokens_per_block']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
