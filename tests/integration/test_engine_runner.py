@@ -7,6 +7,10 @@ proves the rewritten tensors and the key re-rotation together."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -202,3 +206,29 @@ def test_refusals_are_clear(model):
     vtoken = VTokenEngineRunner(runner(model, max_seq_len=40), settings("random", 0.9), model.config.rope)
     with pytest.raises(ValueError, match="more than the engine's max_seq_len 40"):
         vtoken.generate(prompts(), max_new_tokens=NEW, end_id=END_ID, pad_id=0)
+
+
+def test_the_runner_wraps_a_session_once_and_takes_new_settings(model):
+    plain = runner(model)
+    first = VTokenEngineRunner(plain, settings("random", 1000), model.config.rope)
+    second = VTokenEngineRunner(plain, settings("streaming_llm", 9), model.config.rope)
+    assert type(plain.session).__mro__[1] is GenerationSessionDouble12  # one vToken layer, not two
+    second.generate(prompts(), max_new_tokens=8, end_id=END_ID, pad_id=0)
+    assert first.stats() == second.stats() and second.stats()["tokens_evicted"] > 0
+
+
+def test_engine_rope_reads_the_engine_config(tmp_path):
+    from trtllm_vtoken.integration.trtllm.engine_runner import engine_rope
+
+    (tmp_path / "config.json").write_text(
+        '{"pretrained_config": {"architecture": "LlamaForCausalLM", "hidden_size": 64, "num_attention_heads": 4, '
+        '"head_size": 16, "position_embedding_type": "rope_gpt_neox", "rotary_base": 10000.0, "rotary_scaling": null}}')
+    assert engine_rope(tmp_path) == LlamaConfig.tiny().rope
+
+
+def test_example_without_tensorrt_llm_says_what_it_needs():
+    example = Path(__file__).resolve().parents[2] / "examples" / "trtllm" / "run_engine.py"
+    assert subprocess.run([sys.executable, str(example), "--help"], capture_output=True).returncode == 0
+    result = subprocess.run([sys.executable, str(example), "/tmp/engine", "--tokenizer", "/tmp/tok"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "tensorrt_llm 1.2" in result.stderr

@@ -58,6 +58,13 @@ def check_engine_settings(settings: VTokenSettings) -> None:
                          "token by its physical position (sequence_length - 1) and takes no position input")
 
 
+def engine_rope(engine_dir: str | Path) -> RopeSpec:
+    """The RoPE of a trtllm-build engine, from its ``config.json`` (``pretrained_config``).
+    ValueError if the engine's positions cannot be shifted (``rope.check_shiftable``)."""
+    config = json.loads((Path(engine_dir) / "config.json").read_text())
+    return RopeSpec.from_trtllm_config(config["pretrained_config"])
+
+
 def physical_bound(settings: VTokenSettings, longest_prompt: int, max_new_tokens: int) -> int:
     """The most KV positions one sequence needs at once (its tokens plus the one being written)."""
     total = longest_prompt + max_new_tokens
@@ -147,6 +154,7 @@ def build_session_class(base: type) -> type:
     """``VTokenGenerationSession`` over ``base`` (TensorRT-LLM's ``GenerationSession``)."""
 
     class VTokenGenerationSession(base):
+        vtoken_session = True
         vtoken_settings: VTokenSettings
         vtoken_rope: RopeSpec
         vtoken: EngineVToken | None = None
@@ -212,7 +220,8 @@ class VTokenEngineRunner:
         self.runner, self.settings, self.rope = runner, settings, rope
         self.engine_max_seq_len = runner.max_seq_len
         session = runner.session
-        session.__class__ = build_session_class(type(session))
+        if not getattr(session, "vtoken_session", False):  # wrapped once; new settings replace old
+            session.__class__ = build_session_class(type(session))
         session.vtoken_settings, session.vtoken_rope = settings, rope
 
     @classmethod
@@ -224,9 +233,7 @@ class VTokenEngineRunner:
         except ImportError as exc:
             raise RuntimeError(f"tensorrt_llm is not importable: {exc}") from None
         settings = settings or VTokenSettings(policy="streaming_llm", positions="shift")
-        config = json.loads((Path(engine_dir) / "config.json").read_text())
-        rope = RopeSpec.from_trtllm_config(config["pretrained_config"])
-        return cls(ModelRunner.from_dir(str(engine_dir), **kwargs), settings, rope)
+        return cls(ModelRunner.from_dir(str(engine_dir), **kwargs), settings, engine_rope(engine_dir))
 
     def generate(self, batch_input_ids: Sequence[torch.Tensor], max_new_tokens: int, **kwargs: Any):
         """``ModelRunner.generate`` with the attention window set to the physical bound, so a
