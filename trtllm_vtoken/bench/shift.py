@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from trtllm_vtoken.bench.overhead import OverheadBenchConfig
 from trtllm_vtoken.runtime.config import EngineConfig
 
 RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -44,16 +45,13 @@ class ShiftBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("requests", "max_prompt_tokens", "max_output_tokens", "tokens_per_block", "repeats"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self.engine_config(positions="keep")  # ValueError for a bad count, policy or budget
 
     def engine_config(self, **overrides: Any) -> EngineConfig:
-        seq_len = self.max_prompt_tokens + self.max_output_tokens + 64  # + chat template
-        per_request = -(-seq_len // self.tokens_per_block)
-        return EngineConfig(policy=self.policy, budget=self.budget, tokens_per_block=self.tokens_per_block,
-                            num_blocks=self.requests * per_request + 8, max_batch_size=self.requests,
-                            max_seq_len=seq_len, seed=self.seed, **overrides)
+        """A pool large enough that admission never waits (as ``bench overhead``'s)."""
+        roomy = OverheadBenchConfig(self.workload, self.requests, self.max_prompt_tokens, self.max_output_tokens,
+                                    self.tokens_per_block, self.repeats, self.seed)
+        return roomy.engine_config(policy=self.policy, budget=self.budget, **overrides)
 
 
 def run_shift_bench(cfg: ShiftBenchConfig, model, tokenizer, progress=None) -> dict[str, Any]:

@@ -92,14 +92,7 @@ def relocate_slots_cuda(pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: 
     """
     import torch
 
-    lib = load()
-    if lib is None:
-        raise RuntimeError("the CUDA relocation kernel is not built (see cpp/CMakeLists.txt)")
-    if not pool.is_cuda or pool.dim() != 6 or not pool.is_contiguous():
-        raise ValueError(f"pool must be a contiguous 6-D CUDA tensor, got {tuple(pool.shape)} on {pool.device}")
-    for name, slots in (("src_slots", src_slots), ("dst_slots", dst_slots)):
-        if slots.dtype != torch.int64 or slots.device != pool.device or slots.dim() != 1 or not slots.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous 1-D int64 tensor on {pool.device}")
+    lib = _checked_launch(pool, src_slots=src_slots, dst_slots=dst_slots)
     if src_slots.numel() != dst_slots.numel():
         raise ValueError(f"{src_slots.numel()} sources but {dst_slots.numel()} destinations")
     num_blocks, layers, kv, heads, tpb, head_dim = pool.shape
@@ -110,6 +103,23 @@ def relocate_slots_cuda(pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: 
     )
     if err != 0:
         raise RuntimeError(f"vtoken_relocate_kv failed with CUDA error {err}")
+
+
+def _checked_launch(pool: torch.Tensor, **indices: torch.Tensor) -> ctypes.CDLL:
+    """The loaded library, after checking a launch's pool and index arrays. RuntimeError if the
+    library is absent, ValueError for a pool that is not a contiguous 6-D CUDA tensor or an index
+    array that is not a contiguous 1-D int64 tensor on its device."""
+    import torch
+
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CUDA kernels are not built (see cpp/CMakeLists.txt)")
+    if not pool.is_cuda or pool.dim() != 6 or not pool.is_contiguous():
+        raise ValueError(f"pool must be a contiguous 6-D CUDA tensor, got {tuple(pool.shape)} on {pool.device}")
+    for name, values in indices.items():
+        if values.dtype != torch.int64 or values.device != pool.device or values.dim() != 1 or not values.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 1-D int64 tensor on {pool.device}")
+    return lib
 
 
 _DTYPE_CODES = {"torch.float32": 0, "torch.float16": 1, "torch.bfloat16": 2}
@@ -129,16 +139,9 @@ def rerotate_keys_cuda(pool: torch.Tensor, slots: torch.Tensor, shifts: torch.Te
     """
     import torch
 
-    lib = load()
-    if lib is None:
-        raise RuntimeError("the CUDA kernels are not built (see cpp/CMakeLists.txt)")
-    if not pool.is_cuda or pool.dim() != 6 or not pool.is_contiguous():
-        raise ValueError(f"pool must be a contiguous 6-D CUDA tensor, got {tuple(pool.shape)} on {pool.device}")
+    lib = _checked_launch(pool, slots=slots, shifts=shifts)
     if str(pool.dtype) not in _DTYPE_CODES:
         raise ValueError(f"pool dtype must be float32, float16 or bfloat16, got {pool.dtype}")
-    for name, values in (("slots", slots), ("shifts", shifts)):
-        if values.dtype != torch.int64 or values.device != pool.device or values.dim() != 1 or not values.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous 1-D int64 tensor on {pool.device}")
     if slots.numel() != shifts.numel():
         raise ValueError(f"{slots.numel()} slots but {shifts.numel()} shifts")
     _, layers, _, heads, tpb, head_dim = pool.shape
