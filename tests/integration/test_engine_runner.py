@@ -28,7 +28,7 @@ from trtllm_vtoken.runtime.engine import Engine
 from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
 from trtllm_vtoken.runtime.sampling import SamplingParams
 
-TPB, END_ID, NEW = 4, 127, 30
+TPB, END_ID, NEW = 4, 127, 20
 OPTIONS = {"streaming_llm": {"n_sink": 2}}
 
 
@@ -61,12 +61,12 @@ def generated(output_ids: torch.Tensor, batch: list[torch.Tensor]) -> list[list[
     return rows
 
 
-def keep_mode_reference(model, policy: str, budget, batch) -> list:
+def keep_mode_reference(model, policy: str, budget, batch, new: int = NEW) -> list:
     """The reference runtime, keep positions, same policy and budget (one prompt each, as ids 0..n-1)."""
     engine = Engine(model, EngineConfig(policy=policy, budget=budget, tokens_per_block=TPB, num_blocks=256,
                                         max_batch_size=4, max_seq_len=256, policy_options=OPTIONS.get(policy, {})),
                     eos_token_ids=frozenset({END_ID}), record_trace=True)
-    ids = [engine.add_request(p.tolist(), SamplingParams(max_tokens=NEW)) for p in batch]
+    ids = [engine.add_request(p.tolist(), SamplingParams(max_tokens=new)) for p in batch]
     while engine.has_unfinished():
         engine.step()
     return [engine.pop_finished(i) for i in ids]
@@ -151,23 +151,23 @@ def test_each_step_binds_physical_offsets_and_lengths(model):
 
 def test_pool_is_sized_for_the_budget_and_generation_runs_past_max_seq_len(model):
     """A batch twice as large fits the plain session's pool, and runs past the engine's max_seq_len."""
-    batch, budget = prompts() * 2, 12
+    batch, budget, new = prompts() * 2, 12, 30
     engine_max = 40  # prompts of up to 22 tokens + 30 new ones do not fit
     with pytest.raises(RuntimeError, match="exceeds the engine"):
-        runner(model, max_seq_len=engine_max).generate(batch, max_new_tokens=NEW, end_id=END_ID, pad_id=0)
+        runner(model, max_seq_len=engine_max).generate(batch, max_new_tokens=new, end_id=END_ID, pad_id=0)
     plain = runner(model, max_seq_len=64)
-    plain.generate(batch[:3], max_new_tokens=NEW, end_id=END_ID, pad_id=0)
+    plain.generate(batch[:3], max_new_tokens=new, end_id=END_ID, pad_id=0)
     plain_blocks = plain.session._memory_pool_allocator._pool_pointers[0].shape[0]
     vtoken = VTokenEngineRunner(runner(model, max_seq_len=engine_max), settings("sliding_window", budget),
                                 model.config.rope)
-    got = generated(vtoken.generate(batch, max_new_tokens=NEW, end_id=END_ID, pad_id=0), batch)
-    reference = keep_mode_reference(model, "sliding_window", budget, batch)
+    got = generated(vtoken.generate(batch, max_new_tokens=new, end_id=END_ID, pad_id=0), batch)
+    reference = keep_mode_reference(model, "sliding_window", budget, batch, new)
     assert got == [r.output_ids[: len(got[i])] for i, r in enumerate(reference)]
     session = vtoken.runner.session
-    bound = physical_bound(vtoken.settings, 22, NEW)
+    bound = physical_bound(vtoken.settings, 22, new)
     assert bound == 22 and session.max_attention_window_size == bound
     num_blocks = session._memory_pool_allocator._pool_pointers[0].shape[0]
-    assert num_blocks == 6 * -(-bound // TPB) <= plain_blocks == 3 * -(-(22 + NEW) // TPB)
+    assert num_blocks == 6 * -(-bound // TPB) <= plain_blocks == 3 * -(-(22 + new) // TPB)
     assert vtoken.runner.max_seq_len == engine_max  # restored
     assert max(int(h["host_past_key_value_lengths"].max()) for h in session.bound_history) <= budget
 
@@ -205,7 +205,7 @@ def test_refusals_are_clear(model):
         VTokenSettings(policy="random", mode="lazy", positions="shift")
     vtoken = VTokenEngineRunner(runner(model, max_seq_len=40), settings("random", 0.9), model.config.rope)
     with pytest.raises(ValueError, match="more than the engine's max_seq_len 40"):
-        vtoken.generate(prompts(), max_new_tokens=NEW, end_id=END_ID, pad_id=0)
+        vtoken.generate(prompts(), max_new_tokens=30, end_id=END_ID, pad_id=0)
 
 
 def test_the_runner_wraps_a_session_once_and_takes_new_settings(model):

@@ -15,7 +15,7 @@ from trtllm_vtoken.runtime.engine import Engine
 from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
 from trtllm_vtoken.runtime.sampling import SamplingParams
 
-PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
