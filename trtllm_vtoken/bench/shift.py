@@ -14,6 +14,11 @@ Reported per run: throughput, and per engine step the bytes relocation copies (K
 tokens) and the extra bytes re-rotation touches (K of every surviving token of each shortened
 request, read and written), with the passes and tokens behind them. Greedy outputs of shift are
 compared with keep's token for token.
+
+``run_exactness`` is the other half: one prompt, 64 greedy tokens, every policy, keep and shift
+in both compaction modes, with and without attention sinks: the largest logit difference between
+shift and keep, next to the float32 noise floor of keep mode itself (the same keys in another
+physical order: dense vs lazy compaction).
 """
 
 from __future__ import annotations
@@ -87,6 +92,48 @@ def run_shift_bench(cfg: ShiftBenchConfig, model, tokenizer, progress=None) -> d
         row["throughput_vs_keep"] = row["tokens_per_s"] / keep["tokens_per_s"]
         row["outputs_equal_keep"] = outputs[row["label"]] == outputs[keep["label"]]
     return {"config": asdict(cfg), "prompt_tokens": [len(p) for p in prompts], "runs": runs}
+
+
+def run_exactness(model, tokenizer, prompt: str = "Explain what a hash table is.", tokens: int = 64,
+                  budget: int = 24, tokens_per_block: int = 4, sinks: tuple[int, ...] = (0, 4),
+                  progress=None) -> dict[str, Any]:
+    """Max |logit difference| of shift vs keep per policy, compaction mode and number of sinks."""
+    from trtllm_vtoken.policies import POLICIES
+    from trtllm_vtoken.runtime.engine import Engine
+    from trtllm_vtoken.runtime.sampling import SamplingParams
+
+    ids = tokenizer.encode(prompt, chat=True)
+
+    def decode(**config: Any):
+        cfg = EngineConfig(budget=budget, tokens_per_block=tokens_per_block, num_blocks=len(ids) + tokens,
+                           max_batch_size=1, max_seq_len=len(ids) + tokens, **config)
+        engine = Engine(model, cfg, record_trace=True)
+        req = engine.add_request(ids, SamplingParams(max_tokens=tokens, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        if progress is not None:
+            progress.update(1)
+        return engine.pop_finished(req)
+
+    def worst(a, b) -> float:
+        return max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits))
+
+    rows = []
+    for n_sink in sinks:
+        for policy in POLICIES.names():
+            runs = {(mode, positions): decode(policy=policy, mode=mode, positions=positions,
+                                              policy_options={"n_sink": n_sink})
+                    for mode in ("dense", "lazy") for positions in ("keep", "shift")}
+            rows.append({
+                "policy": policy, "n_sink": n_sink,
+                "shift_vs_keep_dense": worst(runs["dense", "shift"], runs["dense", "keep"]),
+                "shift_vs_keep_lazy": worst(runs["lazy", "shift"], runs["lazy", "keep"]),
+                "keep_dense_vs_keep_lazy": worst(runs["dense", "keep"], runs["lazy", "keep"]),
+                "same_greedy_tokens": all(runs[m, "shift"].output_ids == runs[m, "keep"].output_ids
+                                          for m in ("dense", "lazy")),
+            })
+    return {"config": {"prompt": prompt, "prompt_tokens": len(ids), "tokens": tokens, "budget": budget,
+                       "tokens_per_block": tokens_per_block, "dtype": "float32"}, "rows": rows}
 
 
 def plot_shift(result: dict[str, Any], path) -> None:

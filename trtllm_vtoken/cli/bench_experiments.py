@@ -48,11 +48,14 @@ def register(bench) -> None:
         "shift", help="position-shift vs keep: tokens/s and the extra KV bytes re-rotation touches (real model)",
         description="keep and shift positions, dense and lazy compaction, one workload, repeated in "
                     "alternating order (median with min and max).")
-    shift.add_argument("--requests", type=int, default=8)
-    shift.add_argument("--max-output-tokens", type=int, default=64)
+    shift.add_argument("--requests", type=int, default=8, help="ShareGPT requests served at once (default 8)")
+    shift.add_argument("--max-output-tokens", type=int, default=64, help="new tokens per request (default 64)")
     shift.add_argument("--policy", default="streaming_llm", help="eviction policy (default streaming_llm)")
     shift.add_argument("--budget", default="64", help="live tokens per request: count or ratio (default 64)")
-    shift.add_argument("--repeats", type=int, default=3)
+    shift.add_argument("--repeats", type=int, default=3, help="runs per row, in alternating order (default 3)")
+    shift.add_argument("--exactness", action="store_true",
+                       help="instead: every policy, keep vs shift logits over 64 tokens on one prompt, with "
+                            "and without attention sinks, next to keep mode's own float32 noise floor")
     _finish(shift, "4 requests, 24 new tokens, 2 repeats", run_shift)
 
 
@@ -175,6 +178,8 @@ def run_shift(args: argparse.Namespace) -> int:
     from trtllm_vtoken.cli.bench import _load_model, _publish
     from trtllm_vtoken.report import format_table
 
+    if args.exactness:
+        return run_shift_exactness(args)
     cfg = ShiftBenchConfig(requests=4 if args.quick else args.requests, policy=args.policy, budget=args.budget,
                            max_output_tokens=24 if args.quick else args.max_output_tokens,
                            repeats=2 if args.quick else args.repeats)
@@ -190,4 +195,26 @@ def run_shift(args: argparse.Namespace) -> int:
           r["relocation_bytes_per_step"] / 1e3, r["rerotation_bytes_per_step"] / 1e3, r["rerotation_passes"],
           r["keys_rerotated"], r["outputs_equal_keep"]] for r in result["runs"]]))
     _publish(args.out, "shift", result, plot_shift)
+    return 0
+
+
+def run_shift_exactness(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.shift import run_exactness
+    from trtllm_vtoken.cli.bench import _load_model, _publish
+    from trtllm_vtoken.policies import POLICIES
+    from trtllm_vtoken.report import format_table
+
+    _, model, tokenizer = _load_model(None)
+    tokens = 16 if args.quick else 64
+    with tqdm(total=8 * len(POLICIES.names()), desc="bench shift --exactness", unit="run", disable=None,
+              file=sys.stderr) as bar:
+        result = run_exactness(model, tokenizer, tokens=tokens, progress=bar)
+    print(f"vtoken bench shift --exactness: {tokens} greedy tokens, budget 24, float32; max |logit difference|")
+    print(format_table(["policy", "sinks", "shift vs keep (dense)", "shift vs keep (lazy)", "keep: dense vs lazy",
+                        "same tokens"],
+                       [[r["policy"], r["n_sink"], r["shift_vs_keep_dense"], r["shift_vs_keep_lazy"],
+                         r["keep_dense_vs_keep_lazy"], r["same_greedy_tokens"]] for r in result["rows"]]))
+    _publish(args.out, "shift_exactness", result)
     return 0
