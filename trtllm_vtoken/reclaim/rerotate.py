@@ -23,12 +23,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from trtllm_vtoken.core.token_table import TokenTable
 from trtllm_vtoken.reclaim.rope import RopeSpec, apply_rotation, rotation_at
+
+
+class LiveSlots(Protocol):
+    def live_slots(self, req_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """(live logical ids, their flat slots) of a request."""
 
 
 @dataclass
@@ -89,10 +94,14 @@ class KeyRerotation:
         """Bytes read plus written to turn one token's keys (every layer and head, every pool)."""
         return 2 * sum(p[0, :, 0, :, 0].numel() * p.element_size() for p in self.pools)
 
-    def rotate_slots(self, slots: np.ndarray, shifts: np.ndarray) -> None:
-        """Turns the keys at ``slots`` back by ``shifts`` positions (on CUDA: on the current stream)."""
+    def rotate_slots(self, slots: np.ndarray, shifts: np.ndarray, stream=None) -> None:
+        """Turns the keys at ``slots`` back by ``shifts`` positions (on CUDA: on ``stream``, by
+        default the current one, which must already be ordered after any copy of those keys)."""
         if len(slots) == 0:
             return
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                return self.rotate_slots(slots, shifts)
         slots_t = torch.as_tensor(np.asarray(slots, dtype=np.int64)).to(self.device, non_blocking=True)
         shifts_t = torch.as_tensor(np.asarray(shifts, dtype=np.int64)).to(self.device, non_blocking=True)
         for pool in self.pools:
@@ -105,9 +114,10 @@ class KeyRerotation:
         self.stats.tokens += len(slots)
         self.stats.bytes += len(slots) * self.bytes_per_token()
 
-    def shift_requests(self, table: TokenTable, removed: Mapping[int, int]) -> int:
+    def shift_requests(self, tables: LiveSlots, removed: Mapping[int, int], stream=None) -> int:
         """Turns every live key of each request back by the tokens its physical length lost
-        (``removed[req] = d``; requests with d = 0 are skipped). One pass for all of them.
+        (``removed[req] = d``, e.g. the batched step's ``lost``; requests with d = 0 are skipped).
+        One pass for all of them. ``tables``: a ``TokenTable``, or the batched step's core.
         Returns the tokens rotated. ValueError for a negative d (lengths only shrink here)."""
         slots, shifts = [], []
         for req_id, d in removed.items():
@@ -115,12 +125,12 @@ class KeyRerotation:
                 raise ValueError(f"request {req_id}: physical length grew by {-d} during compaction")
             if d == 0:
                 continue
-            live = table.slots_of(req_id, table.live_ids(req_id))
+            _, live = tables.live_slots(req_id)
             slots.append(live)
             shifts.append(np.full(len(live), d, dtype=np.int64))
             self.stats.passes += 1
         if not slots:
             return 0
         all_slots = np.concatenate(slots)
-        self.rotate_slots(all_slots, np.concatenate(shifts))
+        self.rotate_slots(all_slots, np.concatenate(shifts), stream)
         return len(all_slots)
