@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Everything GPU-specific, in one run on a CUDA machine (e.g. a lent H200):
 #   1. build cpp/ (the CUDA relocation kernel) for the local GPU
-#   2. relocate_kv_check: the kernel against its CPU reference, then its bandwidth vs memcpy
+#   2. relocate_kv_check, rerotate_k_check: each kernel against its CPU reference, then its
+#      bandwidth vs memcpy
 #   3. every CUDA test (graph replay after an offset rewrite, delayed side-stream copy + event,
-#      kernel bit-exactness, CUDA vs CPU and graph vs eager engines, a background lazy copy the
-#      forward does not wait for)
+#      kernel bit-exactness, key re-rotation kernel vs its torch reference, CUDA vs CPU and graph
+#      vs eager engines, shift vs keep positions on CUDA, a background lazy copy the forward does
+#      not wait for)
 #   4. vtoken bench gpu: copy bandwidth, eager vs graph decode, every variant end to end (each
 #      through the one batched step: vtoken info says which core serves it)
 #   5. vtoken bench step: the step's host time per decode step against native, C++ and Python,
@@ -54,6 +56,11 @@ $py -m trtllm_vtoken.cli info 2>&1 | tee "$out/info.txt"
 banner relocate_kv_check
 if [ -x build/gpu/relocate_kv_check ]; then
   timeout 90 build/gpu/relocate_kv_check 2>&1 | tee "$out/relocate_kv_check.txt" || status=1
+fi
+
+banner rerotate_k_check
+if [ -x build/gpu/rerotate_k_check ]; then
+  timeout 90 build/gpu/rerotate_k_check 2>&1 | tee "$out/rerotate_k_check.txt" || status=1
 fi
 
 banner CUDA tests

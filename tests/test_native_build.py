@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.skipif(not (shutil.which("nvcc") and shutil.which("cmake")), reason="needs nvcc and cmake")
-def test_cuda_relocation_kernel_compiles(tmp_path):
+def test_cuda_kernels_compile(tmp_path):
     build = tmp_path / "build"
     configure = subprocess.run(
         ["cmake", "-S", str(ROOT / "cpp"), "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=90-real",
@@ -24,6 +24,9 @@ def test_cuda_relocation_kernel_compiles(tmp_path):
     compiled = subprocess.run(["cmake", "--build", str(build), "-j", "2"], capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stdout + compiled.stderr
     assert (build / "libvtoken_relocate.so").exists() and (build / "relocate_kv_check").exists()
+    assert (build / "rerotate_k_check").exists()
+    exported = subprocess.run(["nm", "-D", str(build / "libvtoken_relocate.so")], capture_output=True, text=True)
+    assert "vtoken_relocate_kv" in exported.stdout and "vtoken_rerotate_k" in exported.stdout
 
 
 @pytest.mark.skipif(not shutil.which("g++"), reason="needs g++")

@@ -85,4 +85,5 @@ extern "C" cudaError_t vtoken_relocate_kv(void* pool, int64_t rows_per_block,
                           num_moves, stream);
 }
 
-extern "C" int vtoken_relocate_kv_abi_version() { return 1; }
+// 2: the library also exports vtoken_rerotate_k (rerotate_k.cu).
+extern "C" int vtoken_relocate_kv_abi_version() { return 2; }

@@ -18,17 +18,8 @@
 #include <random>
 #include <vector>
 
+#include "check_common.cuh"
 #include "relocate_kv.cuh"
-
-#define CUDA_CHECK(call)                                                                   \
-  do {                                                                                     \
-    cudaError_t err_ = (call);                                                             \
-    if (err_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                   \
-                   cudaGetErrorString(err_));                                              \
-      std::exit(2);                                                                        \
-    }                                                                                      \
-  } while (0)
 
 namespace {
 
@@ -92,28 +83,6 @@ bool validate(const Shape& s, int64_t moves, std::mt19937_64& rng) {
   CUDA_CHECK(cudaFree(d_src));
   CUDA_CHECK(cudaFree(d_dst));
   return wrong == 0;
-}
-
-template <typename F>
-float median_ms(F&& body, int reps) {
-  cudaEvent_t start, stop;
-  CUDA_CHECK(cudaEventCreate(&start));
-  CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) body();  // warm-up
-  std::vector<float> times;
-  for (int i = 0; i < reps; ++i) {
-    CUDA_CHECK(cudaEventRecord(start));
-    body();
-    CUDA_CHECK(cudaEventRecord(stop));
-    CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  CUDA_CHECK(cudaEventDestroy(start));
-  CUDA_CHECK(cudaEventDestroy(stop));
-  return times[times.size() / 2];
 }
 
 void benchmark(const Shape& s, const std::vector<int64_t>& move_counts, int reps) {

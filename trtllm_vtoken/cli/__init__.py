@@ -5,7 +5,7 @@
     vtoken generate "prompt" ...        text generation on the reference runtime
     vtoken serve                        Triton Inference Server on triton_model_repo
     vtoken bench all | core | step | variants | capacity | utilization | quality | overhead |
-                 sweeps | sla | sharing | serve | gpu    benchmarks (tables, JSON/PNG under --out)
+                 sweeps | sla | sharing | shift | serve | gpu    benchmarks (tables, JSON/PNG under --out)
 """
 
 from __future__ import annotations

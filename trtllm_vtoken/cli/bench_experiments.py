@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vtoken bench overhead | sweeps | sla | sharing``: the ablation, sweep, SLA-frontier and
-prefix-sharing experiments (each prints a table and writes ``<out>/<name>.json`` and a PNG)."""
+"""``vtoken bench overhead | sweeps | sla | sharing | shift``: the ablation, sweep, SLA-frontier,
+prefix-sharing and position-shift experiments (each prints a table and writes
+``<out>/<name>.json`` and a PNG)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,20 @@ def register(bench) -> None:
                     "decoding; naive-evict with prefix caching vs vtoken dense.")
     sharing.add_argument("--decode-tokens", type=int, default=256)
     add_output_options(sharing, "64 decode steps", run_sharing)
+
+    shift = bench.add_parser(
+        "shift", help="position-shift vs keep: tokens/s and the extra KV bytes re-rotation touches (real model)",
+        description="keep and shift positions, dense and lazy compaction, one workload, repeated in "
+                    "alternating order (median with min and max).")
+    shift.add_argument("--requests", type=int, default=8, help="ShareGPT requests served at once (default 8)")
+    shift.add_argument("--max-output-tokens", type=int, default=64, help="new tokens per request (default 64)")
+    shift.add_argument("--policy", default="streaming_llm", help="eviction policy (default streaming_llm)")
+    shift.add_argument("--budget", default="64", help="live tokens per request: count or ratio (default 64)")
+    shift.add_argument("--repeats", type=int, default=3, help="runs per row, in alternating order (default 3)")
+    shift.add_argument("--exactness", action="store_true",
+                       help="instead: every policy, keep vs shift logits over 64 tokens on one prompt, with "
+                            "and without attention sinks, next to keep mode's own float32 noise floor")
+    add_output_options(shift, "4 requests, 24 new tokens, 2 repeats", run_shift)
 
 
 def run_overhead(args: argparse.Namespace) -> int:
@@ -158,4 +173,53 @@ def run_sharing(args: argparse.Namespace) -> int:
     for row in result["rows"]:
         row.pop("blocks_per_step")
     publish(args.out, "sharing", result, plot_sharing)
+    return 0
+
+
+def run_shift(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.shift import RUNS, ShiftBenchConfig, plot_shift, run_shift_bench
+    from trtllm_vtoken.cli.bench_common import load_model, publish
+    from trtllm_vtoken.report import format_table
+
+    if args.exactness:
+        return run_shift_exactness(args)
+    cfg = ShiftBenchConfig(requests=4 if args.quick else args.requests, policy=args.policy, budget=args.budget,
+                           max_output_tokens=24 if args.quick else args.max_output_tokens,
+                           repeats=2 if args.quick else args.repeats)
+    _, model, tokenizer = load_model(None)
+    with tqdm(total=len(RUNS) * cfg.repeats, desc="bench shift", unit="run", disable=None, file=sys.stderr) as bar:
+        result = run_shift_bench(cfg, model, tokenizer, progress=bar)
+    print(f"vtoken bench shift: {cfg.requests} ShareGPT requests, <= {cfg.max_output_tokens} new tokens, "
+          f"{cfg.policy} budget {cfg.budget}, {cfg.repeats} runs per row in alternating order (median)")
+    print(format_table(
+        ["run", "tokens/s", "min", "max", "vs keep", "reloc KB/step", "rerotate KB/step", "passes", "keys turned",
+         "same output"],
+        [[r["label"], r["tokens_per_s"], r["tokens_per_s_min"], r["tokens_per_s_max"], r["throughput_vs_keep"],
+          r["relocation_bytes_per_step"] / 1e3, r["rerotation_bytes_per_step"] / 1e3, r["rerotation_passes"],
+          r["keys_rerotated"], r["outputs_equal_keep"]] for r in result["runs"]]))
+    publish(args.out, "shift", result, plot_shift)
+    return 0
+
+
+def run_shift_exactness(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.shift import run_exactness
+    from trtllm_vtoken.cli.bench_common import load_model, publish
+    from trtllm_vtoken.policies import POLICIES
+    from trtllm_vtoken.report import format_table
+
+    _, model, tokenizer = load_model(None)
+    tokens = 16 if args.quick else 64
+    with tqdm(total=8 * len(POLICIES.names()), desc="bench shift --exactness", unit="run", disable=None,
+              file=sys.stderr) as bar:
+        result = run_exactness(model, tokenizer, tokens=tokens, progress=bar)
+    print(f"vtoken bench shift --exactness: {tokens} greedy tokens, budget 24, float32; max |logit difference|")
+    print(format_table(["policy", "sinks", "shift vs keep (dense)", "shift vs keep (lazy)", "keep: dense vs lazy",
+                        "same tokens"],
+                       [[r["policy"], r["n_sink"], r["shift_vs_keep_dense"], r["shift_vs_keep_lazy"],
+                         r["keep_dense_vs_keep_lazy"], r["same_greedy_tokens"]] for r in result["rows"]]))
+    publish(args.out, "shift_exactness", result)
     return 0

@@ -15,6 +15,9 @@ def add_engine_args(parser: argparse.ArgumentParser, variant: bool = True) -> No
     if variant:
         g.add_argument("--variant", choices=VARIANTS, default="vtoken")
     g.add_argument("--mode", choices=["dense", "lazy"], default="dense", help="vtoken compaction mode")
+    g.add_argument("--positions", choices=["keep", "shift"], default="keep",
+                   help="RoPE positions: keep (logical positions, keys never re-rotated) or shift "
+                        "(physical positions; compaction re-rotates the surviving keys)")
     g.add_argument("--policy", default="h2o", help="eviction policy (see `vtoken info`)")
     g.add_argument("--budget", default="0.5", help="live tokens kept: a count (256) or a ratio (0.5)")
     g.add_argument("--tokens-per-block", type=int, default=16)
@@ -27,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser, variant: bool = True) -> No
 def engine_settings(args: argparse.Namespace, **overrides) -> dict:
     """EngineConfig fields from parsed arguments (validated when the config is built)."""
     values = dict(
-        mode=args.mode, policy=args.policy, budget=args.budget, tokens_per_block=args.tokens_per_block,
+        mode=args.mode, positions=args.positions, policy=args.policy, budget=args.budget, tokens_per_block=args.tokens_per_block,
         num_blocks=args.num_blocks, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
         check_invariants=args.check_invariants,
     )

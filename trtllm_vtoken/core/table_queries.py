@@ -91,6 +91,11 @@ class TokenTableQueries:
         seq = self.seq(req_id)
         return np.flatnonzero(seq.live[: seq.num_tokens])
 
+    def live_slots(self, req_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """(live ids ascending, their flat slots), int64: as the batched step's core answers it."""
+        ids = self.live_ids(req_id)
+        return ids, self.slots_of(req_id, ids)
+
     def slots_of(self, req_id: int, token_ids: np.ndarray) -> np.ndarray:
         """Flat slots (block_id * tokens_per_block + offset) of tokens; NO_SLOT where none."""
         return self.seq(req_id).slot_of[np.asarray(token_ids, dtype=np.int64)].astype(np.int64)

@@ -24,7 +24,12 @@ class EngineConfig:
     batch may need for its next tokens)."""
     lazy_background: bool = True
     """Lazy mode: a compaction copies in the background (the next forward does not wait for it)
-    and commits at a later step, once its copy has finished. False: it commits in its own step."""
+    and commits at a later step, once its copy has finished. False: it commits in its own step.
+    Shift positions always commit in the compaction's own step (the keys turn back right after it)."""
+    positions: Literal["keep", "shift"] = "keep"
+    """"keep": cached keys keep their original rotation, new tokens are rotated by their logical
+    position. "shift": new tokens are rotated by their physical position (kv_len) and compaction
+    re-rotates the surviving keys (reclaim/rerotate.py), as kernels without a position input need."""
     policy: str = "h2o"
     budget: int | float | str = 0.5
     """Live tokens kept per request: a count (``256``) or a retention ratio (``0.5``)."""
@@ -64,6 +69,8 @@ class EngineConfig:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
         if self.mode not in ("dense", "lazy"):
             raise ValueError(f"mode must be 'dense' or 'lazy', got {self.mode!r}")
+        if self.positions not in ("keep", "shift"):
+            raise ValueError(f"positions must be 'keep' or 'shift', got {self.positions!r}")
         if self.admission not in ("peak", "greedy"):
             raise ValueError(f"admission must be 'peak' or 'greedy', got {self.admission!r}")
         if self.relocation_kernel not in ("auto", "cuda", "torch"):

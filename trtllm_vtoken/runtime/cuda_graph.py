@@ -4,8 +4,8 @@
 A captured graph replays fixed kernels on fixed addresses, so everything a decode step reads is a
 static buffer written in place before ``replay``:
 
-    input_ids, positions, slots   int64 [bucket, 1]    this step's token, its logical position
-                                                       (RoPE, never re-rotated) and KV slot
+    input_ids, positions, slots   int64 [bucket, 1]    this step's token, its RoPE position
+                                                       (logical, or physical in shift mode) and KV slot
     cache.block_offsets           int32 [max_seqs, max_blocks_per_seq]   rewritten by set_batch
     cache.kv_lens                 int32 [max_seqs]                       rewritten by set_batch
     valid                         bool  [bucket, max_blocks_per_seq * tokens_per_block]

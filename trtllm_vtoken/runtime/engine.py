@@ -221,7 +221,7 @@ class Engine:
         positions = torch.zeros_like(input_ids)
         slots = torch.full_like(input_ids, -1)
         for i, (req_id, row) in enumerate(zip(req_ids, tokens)):
-            first = kv.layout.num_tokens(req_id)  # logical ids continue: RoPE never re-rotates
+            first = kv.next_position(req_id)  # logical ("keep") or physical ("shift")
             input_ids[i, : len(row)] = torch.tensor(row)
             positions[i, : len(row)] = torch.arange(first, first + len(row))
             slots[i, : len(row)] = torch.tensor(kv.staged_slots(req_id))

@@ -11,6 +11,8 @@ Per iteration the engine calls:
     step(rows, mass)           once, for every request that goes on: the new tokens join; vtoken
                                and naive-evict run ``DecodeStep`` (the policy's batched decision,
                                eviction, compaction, one copy); admission learns what each holds
+    next_position(req)         the RoPE position of the request's next token (logical in "keep"
+                               mode, physical in "shift" mode, where the step re-rotates the keys)
     release(req)               finished, cancelled or preempted: every block back to the pool
 
 ``native`` keeps plain block lists (``BlockLists``): no token table, no policy, no step.
@@ -28,6 +30,7 @@ from trtllm_vtoken.core import BlockPool
 from trtllm_vtoken.reclaim.admission import AdmissionConfig, AdmissionController
 from trtllm_vtoken.reclaim.copy import AccountingCopyExecutor, TorchCopyExecutor
 from trtllm_vtoken.runtime.block_lists import BlockLists
+from trtllm_vtoken.reclaim.rerotate import KeyRerotation
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
 from trtllm_vtoken.runtime.model import LlamaConfig
@@ -55,14 +58,16 @@ class KVUsage:
         return self.live_tokens / self.slots_held if self.slots_held else 0.0
 
 
-def make_step(config: EngineConfig, num_blocks: int, pool: BlockPool, executor) -> DecodeStep:
-    """The step an engine of ``config`` runs (vtoken: its compaction mode; naive-evict: dead blocks)."""
+def make_step(config: EngineConfig, num_blocks: int, pool: BlockPool, executor,
+              rerotation: KeyRerotation | None = None) -> DecodeStep:
+    """The step an engine of ``config`` runs (vtoken: its compaction mode; naive-evict: dead
+    blocks). Shift positions commit lazy plans in their own step: the keys turn right after."""
     compaction = config.mode if config.variant == "vtoken" else "dead-blocks"
-    background = compaction == "lazy" and config.lazy_background
+    background = compaction == "lazy" and config.lazy_background and rerotation is None
     return DecodeStep(StepConfig(compaction, config.fragmentation_threshold, config.check_invariants, config.step_impl,
                                  background),
                       num_blocks, config.tokens_per_block, config.make_policy(), executor, pool.is_shared,
-                      lambda: pool.shared)
+                      lambda: pool.shared, rerotation=rerotation)
 
 
 class KVCacheManager:
@@ -81,6 +86,8 @@ class KVCacheManager:
                 dtype=getattr(torch, config.dtype), device=config.device,
             )
         self.step: DecodeStep | None = None
+        self.rerotation: KeyRerotation | None = None
+        """Shift positions: the pass the step runs after each compaction that shortens a request."""
         self.lists: BlockLists | None = None
         if config.variant == "native":
             self.lists = BlockLists(tpb)
@@ -89,7 +96,9 @@ class KVCacheManager:
             if config.variant == "vtoken":
                 executor = (TorchCopyExecutor([self.cache.pool], kernel=config.relocation_kernel)
                             if self.cache is not None else AccountingCopyExecutor(simulated_bytes_per_token))
-            self.step = make_step(config, config.num_blocks, self.pool, executor)
+            if config.positions == "shift" and self.cache is not None:
+                self.rerotation = KeyRerotation([self.cache.pool], model_config.rope, kernel=config.relocation_kernel)
+            self.step = make_step(config, config.num_blocks, self.pool, executor, self.rerotation)
         self.layout = self.step if self.step is not None else self.lists
         """Who knows the requests' blocks and lengths: the step, or native's block lists."""
         self.needs_attention = self.step is not None and self.step.observes_attention()
@@ -233,6 +242,13 @@ class KVCacheManager:
             held = [lists.num_blocks(r) for r in req_ids]
         for req_id, n, k, h, rest in zip(req_ids, tokens, live, held, remaining):
             self.admission.update(req_id, logical_len=n, live=k, remaining=rest, held=h)
+
+    def next_position(self, req_id: int) -> int:
+        """RoPE position of the request's next token: its logical position in "keep" mode, its
+        physical one (kv_len) in "shift" mode, where the step re-rotates the cached keys."""
+        if self.config.positions == "shift":
+            return self.layout.kv_len(req_id)
+        return self.layout.num_tokens(req_id)
 
     def release(self, req_id: int) -> None:
         """Returns every block of the request to the pool and drops its state everywhere."""

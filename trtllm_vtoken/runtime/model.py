@@ -2,19 +2,22 @@
 """A Llama-family decoder (GQA, RMSNorm, SwiGLU, RoPE) over the paged KV cache.
 
 Module names follow Hugging Face's ``LlamaForCausalLM`` so its safetensors load as they are.
-RoPE is applied with the *logical* position ids the caller passes (a token's original position),
-never with the compacted KV length: keys are cached already rotated and are never re-rotated.
+RoPE is applied with the position ids the caller passes: logical positions (a token's original
+position) in "keep" mode, physical ones in "shift" mode, where the cached keys are re-rotated on
+compaction (``reclaim/rerotate.py``). Both use the one RoPE description, ``reclaim/rope.py``.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from trtllm_vtoken.reclaim.rope import RopeSpec, apply_rotation, rotation_at
 from trtllm_vtoken.runtime.attention import paged_attention
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
 
@@ -32,6 +35,8 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 8192
+    rope_scaling: tuple[tuple[str, object], ...] = ()
+    """The checkpoint's ``rope_scaling`` as sorted items; position-linear types only (rope.py)."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -39,6 +44,11 @@ class LlamaConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+        RopeSpec(self.head_dim, self.rope_theta, scaling=self.rope_scaling)  # ValueError if unsupported
+
+    @cached_property
+    def rope(self) -> RopeSpec:
+        return RopeSpec(self.head_dim, self.rope_theta, scaling=self.rope_scaling)
 
     @classmethod
     def from_hf(cls, path: str | Path) -> LlamaConfig:
@@ -49,8 +59,7 @@ class LlamaConfig:
         # transformers >= 5 writes rope_parameters; 4.x wrote rope_theta (+ rope_scaling).
         rope = raw.get("rope_parameters") or {}
         scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling:
-            raise ValueError(f"{path}: RoPE scaling {scaling} is not supported")
+        scaling = {k: v for k, v in (scaling or {}).items() if k != "rope_theta"}
         heads = raw["num_attention_heads"]
         return cls(
             vocab_size=raw["vocab_size"],
@@ -64,6 +73,7 @@ class LlamaConfig:
             rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             max_position_embeddings=raw.get("max_position_embeddings", 8192),
+            rope_scaling=tuple(sorted(scaling.items())),
         )
 
     @classmethod
@@ -85,15 +95,13 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Applies RoPE (Hugging Face's rotate-half convention). x: [..., T, H, D], positions: [..., T]."""
-    dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim))
-    freqs = positions.float()[..., None] * inv_freq  # [..., T, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]  # [..., T, 1, D]
-    half = dim // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * emb.cos() + rotated.float() * emb.sin()).to(x.dtype)
+def rotate(x: torch.Tensor, positions: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
+    """Applies RoPE at ``positions``. x: [..., T, H, D], positions: [..., T].
+
+    The angles are exact (float64) and their cosines rounded once to float32, so a key rotated at
+    p and turned back by d later (shift mode) matches one rotated at p - d to float32 rounding."""
+    cos, sin = rotation_at(positions, rope)  # [..., T, D/2] float32, from float64 angles
+    return apply_rotation(x, cos[..., None, :], sin[..., None, :], rope)
 
 
 class Attention(nn.Module):
@@ -113,7 +121,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.head_dim)
         k = self.k_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        return rotate(q, positions, cfg.rope_theta), rotate(k, positions, cfg.rope_theta), v
+        rope = cfg.rope
+        return rotate(q, positions, rope), rotate(k, positions, rope), v
 
 
 class MLP(nn.Module):

@@ -10,7 +10,9 @@ each forward (design: "One step for every host").
                     (C++ where built: ``cpp/core/batch.cpp``; else ``reclaim/step_batch.py``)
       4. copy       ONE copy of every request's moves through the copy executor, ordered before
                     the host's next forward (I3)
-      5. out        victims, moves, freed blocks, refreshed lengths, lost lengths (``StepOutput``)
+      5. shift      with a re-rotation pass (position-shift mode): every surviving key of a request
+                    whose length shrank is turned back by the tokens it lost (reclaim/rerotate.py)
+      6. out        victims, moves, freed blocks, refreshed lengths, lost lengths (``StepOutput``)
 
 Requests in one batch may follow different policies (``add_request(req, policy)``; None: the
 request never evicts). The host owns the blocks: it allocates the new ones it passes in and frees
@@ -32,6 +34,7 @@ from trtllm_vtoken.policies import EvictionPolicy, ScorePolicy
 from trtllm_vtoken.policies.batch import BatchView
 from trtllm_vtoken.reclaim.copy import CopyExecutor
 from trtllm_vtoken.step.background import BackgroundCompaction
+from trtllm_vtoken.reclaim.rerotate import KeyRerotation
 from trtllm_vtoken.step.checks import StepChecks
 from trtllm_vtoken.step.config import StepConfig, StepStats
 from trtllm_vtoken.step.core import TableCore, make_core
@@ -53,14 +56,17 @@ class DecodeStep:
             blocks now. Default: nothing is ever shared.
         reduce_mass: Applied to the batch's mass [B, L] before any policy sees it: tensor /
             pipeline parallelism sums it over the ranks here, so every rank decides alike.
+        rerotation: Position-shift mode's pass over the same KV pools (None: keep positions).
     """
 
     def __init__(self, config: StepConfig, num_blocks: int, tokens_per_block: int,
                  policy: EvictionPolicy | None = None, executor: CopyExecutor | None = None,
                  is_shared: Callable[[int], bool] | None = None,
                  shared_blocks: Callable[[], Collection[int]] | None = None,
-                 reduce_mass: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+                 reduce_mass: Callable[[np.ndarray], np.ndarray] | None = None,
+                 rerotation: KeyRerotation | None = None) -> None:
         self.config = config
+        self.rerotation = rerotation
         self.tokens_per_block = tokens_per_block
         self.is_shared = is_shared or (lambda block_id: False)
         self.shared_blocks = shared_blocks or (lambda: ())
@@ -230,7 +236,9 @@ class DecodeStep:
         out = StepOutput(req_ids, victim_offsets, victim_ids, result, lost, self.slots.num_tokens[rows].copy(), handle)
         changed = (np.diff(result.move_offsets) > 0) | (freed_counts > 0) | (lost > 0)
         if self.checks:
-            self.checks.after(out, before, changed)
+            self.checks.after(out, before, changed)  # I1 on the relocated keys, before they turn
+        if self.rerotation is not None and lost.any():
+            self.rerotation.shift_requests(self.core, dict(zip(req_ids.tolist(), lost.tolist())), inp.stream)
         t7 = clock()
         stats = self.stats
         stats.steps += 1

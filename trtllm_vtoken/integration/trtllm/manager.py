@@ -96,6 +96,9 @@ def build_manager_class(base: type) -> type:
                 raise ValueError("vToken needs max_beam_width=1")
             settings = vtoken_settings or VTokenSettings.from_env()  # RuntimeError if none were sent
             check_parallel_layout(kwargs.get("mapping"), settings)
+            if settings.positions != "keep":
+                raise ValueError("the PyTorch backend runs positions='keep' (unfused RoPE, logical position ids); "
+                                 "positions='shift' is for the trtllm-build engine path (engine_runner)")
             super().__init__(kv_cache_config, kv_cache_type, *args, **kwargs)
             pools = manager_pools(self)
             self._vtoken_local = layer_offsets(self)

@@ -104,8 +104,9 @@ def check_rope_unfused(model) -> None:
 
 
 def unfused_rope_required(settings: VTokenSettings) -> bool:
-    """Logical positions (the default) need RoPE unfused; a mode that shifts positions need not."""
-    return getattr(settings, "positions", "logical") == "logical"
+    """Kept positions (the default, and the only mode the PyTorch backend's manager accepts) need
+    RoPE unfused: new tokens rotated by their logical position ids."""
+    return settings.positions == "keep"
 
 
 def activate(llm_args=None) -> list[str]:

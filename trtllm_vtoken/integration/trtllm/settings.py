@@ -37,6 +37,10 @@ class VTokenSettings:
     policy_options: dict[str, Any] = field(default_factory=dict)
     mode: str = "dense"
     """TensorRT-LLM's kernels attend every position below kv_len: only "dense" is exact there."""
+    positions: str = "keep"
+    """"keep": keys keep their original rotation (the PyTorch backend, RoPE unfused, logical
+    position ids). "shift": compaction re-rotates the surviving keys, for kernels that rotate by
+    the physical length (the trtllm-build engine path, ``engine_runner.py``)."""
     fragmentation_threshold: int = 1
     check_invariants: bool = False
     stats_file: str = ""
@@ -49,6 +53,8 @@ class VTokenSettings:
         ReclaimConfig(self.mode, self.fragmentation_threshold, self.check_invariants)
         if self.step_impl not in IMPLS:
             raise ValueError(f"step_impl must be one of {IMPLS}, got {self.step_impl!r}")
+        if self.positions not in ("keep", "shift"):
+            raise ValueError(f"positions must be 'keep' or 'shift', got {self.positions!r}")
         if self.stats_interval_s <= 0:
             raise ValueError(f"stats_interval_s must be positive, got {self.stats_interval_s}")
         if self.mode != "dense":

@@ -28,6 +28,7 @@ import torch
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
 from trtllm_vtoken.reclaim.admission import peak_blocks
 from trtllm_vtoken.reclaim.copy import TorchCopyExecutor
+from trtllm_vtoken.reclaim.rerotate import KeyRerotation
 from trtllm_vtoken.step import DecodeStep, StepConfig, StepInput, StepOutput
 
 CUDA_GRAPH_DUMMY_REQUEST_ID = (1 << 64) - 1
@@ -35,11 +36,12 @@ CUDA_GRAPH_DUMMY_REQUEST_ID = (1 << 64) - 1
 
 
 def make_step(settings: VTokenSettings, tokens_per_block: int, num_blocks: int,
-              pools: Sequence[torch.Tensor] | None = None) -> DecodeStep:
-    """The step a TensorRT-LLM manager with these settings runs (dense: its kernels have no mask)."""
+              pools: Sequence[torch.Tensor] | None = None, rerotation: KeyRerotation | None = None) -> DecodeStep:
+    """The step a TensorRT-LLM host with these settings runs (dense: its kernels have no mask);
+    ``rerotation``: the key re-rotation pass of shift positions (the trtllm-build engine path)."""
     config = StepConfig("dense", settings.fragmentation_threshold, settings.check_invariants, settings.step_impl)
     return DecodeStep(config, num_blocks, tokens_per_block, settings.make_policy(),
-                      TorchCopyExecutor(pools) if pools else None)
+                      TorchCopyExecutor(pools) if pools else None, rerotation=rerotation)
 
 
 class VTokenState:
