@@ -1,0 +1,172 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Identical eviction decisions on every tensor- and pipeline-parallel rank.
+
+Under tensor parallelism (TP) each rank holds the KV of its own attention heads; under pipeline
+parallelism (PP) the KV of its own layers. Every rank runs the same block allocator and token table
+over its share of the pool, so every rank must take the same decision at every step -- same
+victims, same plans, same freed blocks -- or the block tables diverge and KV is silently
+corrupted. Two things make it so.
+
+1. **Every input of a decision is the same on every rank.** Policies see logical ids, positions,
+   a budget and, for Random, a generator seeded per request (never per process). The one input
+   that depends on the rank is the attention mass: a rank computes it from its own heads and
+   layers only. The protocol sums it over all ranks before any policy scores, one all-reduce per
+   forward for the whole batch:
+
+        rank 0:  mass[B, L] from query heads 0-5 (KV heads 0-1), its layers  --+
+        rank 1:  mass[B, L] from query heads 6-8 (KV head 2),    its layers  --+-- all-reduce (sum)
+                                                                                 |
+        every rank: mass[B, L] of all heads and layers = what one GPU sees  <---+
+
+   The sum must come back bit-identical on every rank (an all-reduce that reduces each element
+   once and hands the result to all, as ring and tree all-reduce do); the digest check below
+   proves it at run time.
+
+   The alternative, "decide on one rank and broadcast the victims", still needs the whole mass on
+   that rank (a reduce of the same bytes) and then one more collective for the victims, while the
+   other ranks wait for its policy. ``vtoken bench tp`` times both on the same tensors; the
+   all-reduce is the cheaper (benchmarks/RESULTS.md), so it is the protocol.
+
+2. **A check that fails loudly** (with ``check_invariants``): after each step every rank hashes its
+   token table, its free-block count and the tokens it sampled (``step_digest``); the digests are
+   all-gathered and compared. A difference raises ``RankDivergenceError`` on every rank in the
+   same step, so no rank runs on alone into a collective the others never join.
+
+Policies that observe no attention (StreamingLLM, sliding window, Random) need no communication
+at all: their inputs are rank-independent by construction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks disagree on the token table: their KV would be silently corrupted from here on."""
+
+    def __init__(self, step: int, digests: list[int]) -> None:
+        groups: dict[int, list[int]] = {}
+        for rank, digest in enumerate(digests):
+            groups.setdefault(digest, []).append(rank)
+        listed = "; ".join(f"ranks {ranks}: {digest & (2**64 - 1):016x}" for digest, ranks in groups.items())
+        super().__init__(f"token tables diverged across ranks at step {step} ({listed})")
+        self.step = step
+        self.digests = digests
+
+    def __reduce__(self):  # crosses process boundaries whole (rank processes report it)
+        return type(self), (self.step, self.digests)
+
+
+class RankGroup(ABC):
+    """The ranks that hold one model instance (all of its TP and PP ranks) and the two collectives
+    the protocol needs. Every rank must call each collective in the same order."""
+
+    rank: int
+    world_size: int
+
+    @abstractmethod
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums ``tensor`` over all ranks, in place; the result is bit-identical on every rank.
+        Returns it."""
+
+    @abstractmethod
+    def all_gather_int(self, value: int) -> list[int]:
+        """Every rank's signed 64-bit ``value``, in rank order."""
+
+
+class SingleRank(RankGroup):
+    """One process holds the whole model: nothing to reduce, nothing to compare."""
+
+    rank = 0
+    world_size = 1
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_gather_int(self, value: int) -> list[int]:
+        return [value]
+
+
+@dataclass
+class ProtocolStats:
+    reductions: int = 0
+    """All-reduces of attention mass (one per forward that needs it)."""
+    bytes_reduced: int = 0
+    """Bytes of mass each rank contributed, summed over reductions."""
+    reduce_seconds: float = 0.0
+    """Wall time inside the mass all-reduce (including waiting for the slowest rank)."""
+    checks: int = 0
+    check_seconds: float = 0.0
+    """Wall time of the digest checks (hashing + all-gather), ``check_invariants`` only."""
+
+
+class RankConsistency:
+    """The protocol for one engine on one rank.
+
+    Args:
+        ranks: this model instance's ranks.
+        reduce_mass: False turns the reduction off: each rank then scores from its own heads and
+            layers only -- the baseline that measures the protocol's cost and shows what it
+            prevents (the digest check catches the divergence).
+    """
+
+    def __init__(self, ranks: RankGroup, reduce_mass: bool = True) -> None:
+        self.ranks = ranks
+        self.reduce = reduce_mass and ranks.world_size > 1
+        self.stats = ProtocolStats()
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size
+
+    def reduce_mass(self, mass: torch.Tensor | None) -> torch.Tensor | None:
+        """The batch's attention mass [B, L] summed over every rank's heads and layers."""
+        if mass is None or not self.reduce:
+            return mass
+        start = time.perf_counter()
+        mass = self.ranks.all_reduce_sum(mass.contiguous())
+        self.stats.reduce_seconds += time.perf_counter() - start
+        self.stats.reductions += 1
+        self.stats.bytes_reduced += mass.numel() * mass.element_size()
+        return mass
+
+    def check(self, step: int, table: Any, extra: Iterable[int] = ()) -> None:
+        """Compares ``step_digest(table, extra)`` across ranks; RankDivergenceError on any
+        difference (raised on every rank). A no-op on one rank."""
+        if self.ranks.world_size == 1:
+            return
+        start = time.perf_counter()
+        digests = self.ranks.all_gather_int(step_digest(table, extra))
+        self.stats.check_seconds += time.perf_counter() - start
+        self.stats.checks += 1
+        if len(set(digests)) != 1:
+            raise RankDivergenceError(step, digests)
+
+
+def step_digest(table: Any, extra: Iterable[int] = ()) -> int:
+    """A signed 64-bit hash of everything a decision changes in a token table: per request (by
+    id), its block list, lengths, live bits and the slot of every token; plus ``extra`` integers
+    (free blocks, sampled tokens). Works on the Python table and the C++ one (``state``).
+    Independent of the process (no ``hash()``), so equal tables give equal digests on any rank."""
+    h = hashlib.blake2b(digest_size=8)
+    for req_id in sorted(table.request_ids()):
+        if hasattr(table, "state"):  # the C++ table exposes its arrays as one tuple
+            block_ids, kv_len, num_tokens, num_live, _, slot_of, live, *_ = table.state(req_id)
+        else:
+            seq = table.seq(req_id)
+            block_ids, kv_len, num_tokens, num_live = seq.block_ids, seq.kv_len, seq.num_tokens, seq.num_live
+            slot_of, live = seq.slot_of, seq.live
+        head = np.array([req_id, kv_len, num_tokens, num_live, len(block_ids), *block_ids], dtype=np.int64)
+        h.update(head.tobytes())
+        h.update(np.asarray(live[:num_tokens], dtype=np.uint8).tobytes())
+        h.update(np.asarray(slot_of[:num_tokens], dtype=np.int64).tobytes())
+    h.update(np.array(list(extra), dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)
