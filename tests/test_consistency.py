@@ -101,6 +101,31 @@ def test_the_protocol_counts_what_it_reduces():
     assert torch.equal(off.reduce_mass(torch.ones(2)), torch.ones(2)) and off.stats.reductions == 0
 
 
+def test_numpy_mass_and_hex_digests():
+    """The one batched step hands the mass as a numpy array and its digest as SHA-256 hex."""
+    protocol = RankConsistency(ScaledRanks())
+    out = protocol.reduce_mass(np.ones((2, 3), dtype=np.float32))
+    assert isinstance(out, np.ndarray) and (out == 3).all() and protocol.stats.bytes_reduced == 24
+    protocol.check_digest(1, "ab" * 32)
+    assert protocol.stats.checks == 1
+
+
+def test_a_carried_mass_is_counted_not_reduced_again():
+    class AttachingRanks(ScaledRanks):
+        def attach(self, tensor):
+            self.attached = tensor
+
+    ranks = AttachingRanks()
+    protocol = RankConsistency(ranks)
+    mass = torch.ones(2, 4)
+    protocol.carry(mass)  # the forward's last all-reduce sums it (not here)
+    assert ranks.attached is mass
+    assert protocol.reduce_mass(mass) is mass and torch.equal(mass, torch.ones(2, 4))
+    assert (protocol.stats.reductions, protocol.stats.carried, protocol.stats.bytes_reduced) == (1, 1, 32)
+    assert RankConsistency(ScaledRanks()).carry is None  # a group that cannot carry reduces on its own
+    assert RankConsistency(AttachingRanks(), reduce_mass=False).carry is None
+
+
 def test_numpy_free_digest_inputs():
     """Block lists given as plain lists and arrays hash alike (the C++ table returns lists)."""
     assert step_digest(table_with(), np.array([5])) == step_digest(table_with(), [5])

@@ -10,22 +10,26 @@ corrupted. Two things make it so.
 1. **Every input of a decision is the same on every rank.** Policies see logical ids, positions,
    a budget and, for Random, a generator seeded per request (never per process). The one input
    that depends on the rank is the attention mass: a rank computes it from its own heads and
-   layers only. The protocol sums it over all ranks before any policy scores, one all-reduce per
-   forward for the whole batch:
+   layers only. The protocol sums it over all ranks before any policy scores:
 
         rank 0:  mass[B, L] from query heads 0-5 (KV heads 0-1), its layers  --+
-        rank 1:  mass[B, L] from query heads 6-8 (KV head 2),    its layers  --+-- all-reduce (sum)
+        rank 1:  mass[B, L] from query heads 6-8 (KV head 2),    its layers  --+-- sum over ranks
                                                                                  |
         every rank: mass[B, L] of all heads and layers = what one GPU sees  <---+
 
-   The sum must come back bit-identical on every rank (an all-reduce that reduces each element
-   once and hands the result to all, as ring and tree all-reduce do); the digest check below
-   proves it at run time.
+   Where the forward itself produces the mass (the reference runtime), the mass is complete after
+   the last layer's attention, just before that layer's o_proj all-reduce, and **rides in it**
+   (``carry``: one buffer, one collective): the protocol costs bytes, not a collective. Where the
+   mass is computed after the forward (TensorRT-LLM: from recorded queries), it is one all-reduce
+   of its own per step. Either way the sum must come back bit-identical on every rank (an
+   all-reduce that reduces each element once and hands the result to all, as ring and tree
+   all-reduce do); the digest check below proves it at run time.
 
    The alternative, "decide on one rank and broadcast the victims", still needs the whole mass on
-   that rank (a reduce of the same bytes) and then one more collective for the victims, while the
-   other ranks wait for its policy. ``vtoken bench tp`` times both on the same tensors; the
-   all-reduce is the cheaper (benchmarks/RESULTS.md), so it is the protocol.
+   that rank (a reduce of the same bytes), then one more collective for the victims, which exist
+   only after the policy ran -- after the forward, so they can ride in nothing -- while the other
+   ranks wait for that rank's policy. ``vtoken bench tp`` times both on the same shapes
+   (benchmarks/RESULTS.md).
 
 2. **A check that fails loudly** (with ``check_invariants``): after each step every rank hashes its
    token table, its free-block count and the tokens it sampled (``step_digest``); the digests are
@@ -81,6 +85,9 @@ class RankGroup(ABC):
     def all_gather_int(self, value: int) -> list[int]:
         """Every rank's signed 64-bit ``value``, in rank order."""
 
+    # Optional: ``attach(tensor)`` -- sum ``tensor`` in place within the next ``all_reduce_sum``
+    # (one buffer, one collective). Groups whose collectives run inside the forward offer it.
+
 
 class SingleRank(RankGroup):
     """One process holds the whole model: nothing to reduce, nothing to compare."""
@@ -98,14 +105,18 @@ class SingleRank(RankGroup):
 @dataclass
 class ProtocolStats:
     reductions: int = 0
-    """All-reduces of attention mass (one per forward that needs it)."""
+    """Reductions of attention mass (one per forward that needs it)."""
+    carried: int = 0
+    """Of those, the ones that rode in the forward's last all-reduce (no collective of their own)."""
     bytes_reduced: int = 0
     """Bytes of mass each rank contributed, summed over reductions."""
     reduce_seconds: float = 0.0
     """Wall time inside the mass all-reduce (including waiting for the slowest rank)."""
     checks: int = 0
     check_seconds: float = 0.0
-    """Wall time of the digest checks (hashing + all-gather), ``check_invariants`` only."""
+    """Wall time of the digest checks' all-gathers, ``check_invariants`` only."""
+    durations: list[float] | None = None
+    """Seconds of each reduction, if a list is given (benchmarks)."""
 
 
 class RankConsistency:
@@ -122,29 +133,62 @@ class RankConsistency:
         self.ranks = ranks
         self.reduce = reduce_mass and ranks.world_size > 1
         self.stats = ProtocolStats()
+        self._carried: Any = None
+        attach = getattr(ranks, "attach", None)
+        self.carry = self._carry if self.reduce and attach is not None else None
+        """Where the forward produces the mass and the group can: hand it over before the last
+        all-reduce of the forward, which sums it in the same collective (``RankGroup.attach``);
+        None otherwise."""
+
+    def _carry(self, mass: torch.Tensor) -> None:
+        self.ranks.attach(mass)
+        self._carried = mass
 
     @property
     def world_size(self) -> int:
         return self.ranks.world_size
 
-    def reduce_mass(self, mass: torch.Tensor | None) -> torch.Tensor | None:
-        """The batch's attention mass [B, L] summed over every rank's heads and layers."""
+    def reduce_mass(self, mass):
+        """The batch's attention mass [B, L] summed over every rank's heads and layers: a torch
+        tensor (reduced in place, on its device) or a numpy array (a new one). None passes."""
         if mass is None or not self.reduce:
             return mass
+        if mass is self._carried:  # summed already, by the forward's last all-reduce
+            self._carried = None
+            self.stats.reductions += 1
+            self.stats.carried += 1
+            self.stats.bytes_reduced += mass.numel() * mass.element_size()
+            return mass
         start = time.perf_counter()
-        mass = self.ranks.all_reduce_sum(mass.contiguous())
-        self.stats.reduce_seconds += time.perf_counter() - start
+        if isinstance(mass, np.ndarray):
+            mass = self.ranks.all_reduce_sum(torch.from_numpy(np.ascontiguousarray(mass))).numpy()
+            nbytes = mass.nbytes
+        else:
+            mass = self.ranks.all_reduce_sum(mass.contiguous())
+            nbytes = mass.numel() * mass.element_size()
+        elapsed = time.perf_counter() - start
+        self.stats.reduce_seconds += elapsed
         self.stats.reductions += 1
-        self.stats.bytes_reduced += mass.numel() * mass.element_size()
+        self.stats.bytes_reduced += nbytes
+        if self.stats.durations is not None:
+            self.stats.durations.append(elapsed)
         return mass
 
     def check(self, step: int, table: Any, extra: Iterable[int] = ()) -> None:
-        """Compares ``step_digest(table, extra)`` across ranks; RankDivergenceError on any
-        difference (raised on every rank). A no-op on one rank."""
+        """Compares ``step_digest(table, extra)`` across ranks (see ``check_digest``)."""
+        if self.ranks.world_size > 1:
+            self.check_digest(step, step_digest(table, extra))
+
+    def check_digest(self, step: int, digest: int | str) -> None:
+        """Compares this rank's digest of its state after ``step`` with every other rank's;
+        RankDivergenceError on any difference, raised on every rank. A hex string (a SHA digest)
+        is compared by its first 64 bits. A no-op on one rank."""
         if self.ranks.world_size == 1:
             return
+        if isinstance(digest, str):
+            digest = int.from_bytes(bytes.fromhex(digest[:16]), "little", signed=True)
         start = time.perf_counter()
-        digests = self.ranks.all_gather_int(step_digest(table, extra))
+        digests = self.ranks.all_gather_int(digest)
         self.stats.check_seconds += time.perf_counter() - start
         self.stats.checks += 1
         if len(set(digests)) != 1:

@@ -90,7 +90,9 @@ def test_two_ranks_decide_as_one_process(llm, whole_model, smollm2_tokenizer, pr
     if case["variant"] != "native":
         assert sum(len(e) for e in reports[0].evictions[0]) > 0
     if case.get("policy") in ("h2o", "scissorhands"):
-        assert reports[0].protocol.reductions > 0  # the mass really went through the all-reduce
+        protocol = reports[0].protocol
+        assert protocol.reductions > 0  # the mass was summed over the ranks, every forward,
+        assert protocol.carried == protocol.reductions  # inside the last o_proj all-reduce
     else:
         assert reports[0].protocol.reductions == 0  # nothing to reduce: rank-independent inputs
     if case["variant"] == "native":  # the reduction order differs, so logits differ in the last bits only
@@ -121,3 +123,10 @@ def test_llm_generate_and_stream_at_tp2_match_one_process(llm, whole_model, smol
     assert [o.text for o in outputs] == [r.text for r in expected]
     assert "".join(llm.stream(PROMPTS[0], PARAMS)) == expected[0].text
     assert llm.last_reports[0].tokens_evicted > 0
+
+
+def test_the_benchmark_probe_runs_on_every_rank(llm):
+    from trtllm_vtoken.bench.tp import time_collectives
+
+    probes = llm.ranks.call(time_collectives, 2, 576, 40, 2, 3)
+    assert len(probes) == 2 and all(v > 0 for p in probes for v in p.values())

@@ -78,11 +78,12 @@ def register(sub) -> None:
     capacity.add_argument("--seed", type=int, default=0)
     _finish(capacity, "--scale 8 (about a minute)", run_capacity)
 
-    from trtllm_vtoken.cli import bench_experiments, bench_gpu, bench_serve
+    from trtllm_vtoken.cli import bench_experiments, bench_gpu, bench_serve, bench_tp
 
     bench_experiments.register(bench)
     bench_serve.register(bench)
     bench_gpu.register(bench)
+    bench_tp.register(bench)
 
 
 def _finish(parser: argparse.ArgumentParser, quick_help: str, run) -> None:

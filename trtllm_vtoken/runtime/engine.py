@@ -243,6 +243,7 @@ class Engine:
             logits, mass = self.model(
                 input_ids.to(device), positions.to(device), slots.to(device), q_lens,
                 kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1,
+                carry_mass=self.consistency.carry,
             )
         mass = self.consistency.reduce_mass(mass)  # every rank's heads: identical decisions
         # One device-to-host copy per forward for all rows (the policy reads each row on the host);

@@ -115,6 +115,26 @@ class RankProcesses:
             raise RuntimeError("; ".join(str(e) for e in errors))
         yield "done", reports
 
+    def call(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Runs ``fn(ranks, *args)`` on every rank at once (``fn`` importable by name, its
+        ``ranks`` the rank's ``TorchDistributedRanks``); returns the results in rank order.
+        RuntimeError (the group closed) if any rank raised."""
+        if not self._procs:
+            raise RuntimeError("the rank processes are closed")
+        for conn in self._conns:
+            conn.send(("call", fn, args))
+        results = []
+        for rank, conn in enumerate(self._conns):
+            try:
+                results.append(conn.recv()[1])
+            except EOFError:
+                results.append(RuntimeError(f"rank {rank} exited during a call"))
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.close()
+            raise RuntimeError("; ".join(str(e) for e in errors))
+        return results
+
     def close(self) -> None:
         """Stops the rank processes (idempotent)."""
         for conn, proc in zip(self._conns, self._procs):

@@ -33,6 +33,8 @@ class Job:
     """Rank 0 sends each step's outputs as they come."""
     trace: bool = False
     """Record per step the eviction decisions and the token-table digest (tests, benchmarks)."""
+    timings: bool = False
+    """Record the duration of every mass reduction (``ProtocolStats.durations``)."""
     logits: bool = False
     """With ``trace``: also return the logits behind every output token (large)."""
 
@@ -58,6 +60,10 @@ class RankReport:
     tokens_evicted: int = 0
     blocks_freed: int = 0
     protocol: ProtocolStats = field(default_factory=ProtocolStats)
+    all_reduces: int = 0
+    all_reduce_seconds: float = 0.0
+    """Every all-reduce of the job on this rank: the model's (two per layer and forward) and the
+    protocol's."""
     error: BaseException | None = None
     """The job's failure on this rank (the report then holds what happened before it)."""
 
@@ -84,6 +90,12 @@ def rank_main(rank: int, world_size: int, init_method: str, model_path: str, dev
         message = conn.recv()
         if message[0] == "close":
             break
+        if message[0] == "call":  # a function of (ranks, *args), run on every rank at once
+            try:
+                conn.send(("result", message[1](ranks, *message[2])))
+            except Exception:  # noqa: BLE001
+                conn.send(("result", RuntimeError(f"rank {rank}: {traceback.format_exc()}")))
+            continue
         report = run_job(message[1], model, tokenizer, ranks, conn if rank == 0 else None)
         conn.send(("report", report))
     torch.distributed.destroy_process_group()
@@ -96,11 +108,14 @@ def run_job(job: Job, model, tokenizer, ranks, conn) -> RankReport:
 
     report = RankReport(ranks.rank)
     engine = None
+    calls, seconds = getattr(ranks, "all_reduces", 0), getattr(ranks, "all_reduce_seconds", 0.0)
     try:
         config = job.config
         if config.device.startswith("cuda"):
             config = EngineConfig.from_dict({**vars(config), "device": f"cuda:{ranks.rank}"})
         engine = Engine(model, config, tokenizer, record_trace=job.trace, ranks=ranks)
+        if job.timings:
+            engine.consistency.stats.durations = []
         for prompt in job.prompts:
             engine.add_request(prompt, job.params)
         while engine.has_unfinished():
@@ -115,6 +130,8 @@ def run_job(job: Job, model, tokenizer, ranks, conn) -> RankReport:
         report.error = error
     except Exception:  # noqa: BLE001 - the traceback travels as text (any exception pickles)
         report.error = RuntimeError(f"rank {ranks.rank}: {traceback.format_exc()}")
+    report.all_reduces = getattr(ranks, "all_reduces", 0) - calls
+    report.all_reduce_seconds = getattr(ranks, "all_reduce_seconds", 0.0) - seconds
     if engine is not None:
         summarize(engine, job, report)
     return report
