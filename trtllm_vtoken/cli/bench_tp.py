@@ -46,6 +46,7 @@ def run_tp(args: argparse.Namespace) -> int:
     folder = resolve_model(None)
     with tqdm(total=2 * cfg.repeats, desc="bench tp", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_tp_bench(cfg, folder, Tokenizer(folder), progress=bar)
+    result["machine_cpus"] = machine()["cpus"]
     runs = {r["tp"]: r for r in result["runs"]}
     print(f"vtoken bench tp: {folder.name} fp32 on CPU, {cfg.requests} ShareGPT requests (prompts <= "
           f"{cfg.max_prompt_tokens}, {cfg.max_output_tokens} new tokens), vtoken dense + {cfg.policy} budget "
@@ -59,12 +60,16 @@ def run_tp(args: argparse.Namespace) -> int:
           r.get("reductions", "-"), r.get("carried", "-"), r.get("bytes_reduced_per_step", "-"),
           r.get("protocol_us_per_step", "-"), r.get("protocol_share_of_step_pct", "-")]
          for tp, r in sorted(runs.items())]))
-    print("\nthe collectives alone at one decode step's shapes, back to back (median us per call):")
+    print(f"\nthe collectives alone at one decode step's shapes, back to back (median us per call over "
+          f"{cfg.probe_repeats} calls; median [min-max] of {cfg.repeats} such runs):")
+    keys = ["hidden_us", "hidden_plus_mass_us", "mass_alone_us", "reduce_then_broadcast_us", "digest_allgather_us"]
     print(format_table(
         ["rank", "o_proj all-reduce", "o_proj + mass (protocol)", "mass alone", "reduce + broadcast victims",
          "digest all-gather"],
-        [[rank, p["hidden_us"], p["hidden_plus_mass_us"], p["mass_alone_us"], p["reduce_then_broadcast_us"],
-          p["digest_allgather_us"]] for rank, p in enumerate(result["collectives"])]))
+        [[rank, *(f"{p[k]:,.0f} [{p[k + '_min']:,.0f}-{p[k + '_max']:,.0f}]" for k in keys)]
+         for rank, p in enumerate(result["collectives"])]))
+    load = result["load_average_1min"]
+    print(f"machine load (1-min average, {result['machine_cpus']} CPUs): {load[0]:.1f} before, {load[1]:.1f} after")
     print("\non paper: the protocol at TP=8 (fp32 mass) against the model's own all-reduces per decode step:")
     print(format_table(
         ["model", "batch", "context", "mass MiB", "sent/rank MiB", "model all-reduce MiB", "count",
