@@ -2,10 +2,10 @@
 """The ``vtoken`` command line. It only parses arguments, builds configs and calls the library.
 
     vtoken info                         versions, active implementation, registries
-    vtoken generate "prompt" ...        text generation on the reference runtime
+    vtoken generate "prompt" ... [--tp N]   text generation on the reference runtime (N rank processes)
     vtoken serve                        Triton Inference Server on triton_model_repo
     vtoken bench all | core | step | variants | capacity | utilization | quality | overhead |
-                 sweeps | sla | sharing | shift | serve | gpu    benchmarks (tables, JSON/PNG under --out)
+                 sweeps | sla | sharing | shift | serve | gpu | tp    benchmarks (tables, JSON/PNG under --out)
 """
 
 from __future__ import annotations

@@ -24,7 +24,12 @@ def add_engine_args(parser: argparse.ArgumentParser, variant: bool = True) -> No
     g.add_argument("--num-blocks", type=int, default=512, help="KV block budget of the pool")
     g.add_argument("--max-batch-size", type=int, default=32)
     g.add_argument("--max-seq-len", type=int, default=2048)
-    g.add_argument("--check-invariants", action="store_true", help="check I1/I2/I4 on every relocation")
+    g.add_argument("--check-invariants", action="store_true",
+                   help="check I1/I2/I4 on every relocation (and, with --tp, that every rank's token table agrees "
+                        "after every step)")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: split the model over N rank processes (gloo on CPU, NCCL on CUDA); "
+                        "at most the model's KV heads")
 
 
 def engine_settings(args: argparse.Namespace, **overrides) -> dict:
@@ -32,7 +37,7 @@ def engine_settings(args: argparse.Namespace, **overrides) -> dict:
     values = dict(
         mode=args.mode, positions=args.positions, policy=args.policy, budget=args.budget, tokens_per_block=args.tokens_per_block,
         num_blocks=args.num_blocks, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-        check_invariants=args.check_invariants,
+        check_invariants=args.check_invariants, tensor_parallel_size=args.tp,
     )
     if hasattr(args, "variant"):
         values["variant"] = args.variant

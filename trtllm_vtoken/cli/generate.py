@@ -48,12 +48,18 @@ def run(args: argparse.Namespace) -> int:
         for i, out in enumerate(outputs):
             print(f"--- [{i}] ({out.finish_reason}, {len(out.token_ids)} tokens)\n{out.text}")
     elapsed = time.perf_counter() - start
-    engine = llm.engine
-    tokens = engine.stats.decode_tokens + len(args.prompts)
-    kv, step = engine.kv.stats, engine.kv.step_stats
+    llm.close()
+    if llm.engine is not None:
+        engine, kv = llm.engine, llm.engine.kv
+        decode, peak = engine.stats.decode_tokens, kv.stats.peak_blocks_used
+        evicted, freed = kv.step_stats.tokens_evicted, kv.step_stats.blocks_freed
+    else:  # every rank holds the same blocks: rank 0 speaks for all
+        lead = llm.last_reports[0]
+        decode, peak, evicted, freed = lead.decode_tokens, lead.peak_blocks_used, lead.tokens_evicted, lead.blocks_freed
+    tokens = decode + len(args.prompts)
     print(f"[{config.variant}{'/' + config.mode if config.variant == 'vtoken' else ''}, "
-          f"{config.policy if config.variant != 'native' else 'no eviction'}] {tokens} tokens in "
-          f"{elapsed:.1f} s ({tokens / elapsed:.1f} tok/s); peak {kv.peak_blocks_used} blocks of "
-          f"{config.tokens_per_block} tokens; {step.tokens_evicted} tokens evicted, {step.blocks_freed} blocks "
-          f"reclaimed", file=sys.stderr)
+          f"{config.policy if config.variant != 'native' else 'no eviction'}"
+          f"{f', tp={config.tensor_parallel_size}' if config.tensor_parallel_size > 1 else ''}] {tokens} tokens in "
+          f"{elapsed:.1f} s ({tokens / elapsed:.1f} tok/s); peak {peak} blocks of "
+          f"{config.tokens_per_block} tokens; {evicted} tokens evicted, {freed} blocks reclaimed", file=sys.stderr)
     return 0

@@ -63,6 +63,15 @@ class EngineConfig:
     """On CUDA: wait on the host for every relocation instead of ordering the compute stream
     after its event (the ablation of the asynchronous side-stream copy)."""
     seed: int = 0
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (attention by KV-head group, the MLP by intermediate
+    features), one process each, started by ``LLM`` and ``vtoken generate --tp``; an ``Engine`` of
+    size N runs inside one of them. Every rank keeps its own KV pool of ``num_blocks`` blocks (its
+    heads only) and takes the same decisions (``trtllm_vtoken.consistency``)."""
+    reduce_attention_mass: bool = True
+    """With tensor_parallel_size > 1: sum the attention mass over all ranks before the policy
+    scores (the consistency protocol). False only to measure the protocol's cost or to show what
+    it prevents: ranks then score from their own heads and diverge."""
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -80,7 +89,7 @@ class EngineConfig:
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         for name in ("tokens_per_block", "num_blocks", "max_batch_size", "max_seq_len",
-                     "fragmentation_threshold"):
+                     "fragmentation_threshold", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.evacuation_headroom < 0 or self.evacuation_headroom >= self.num_blocks:

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from trtllm_vtoken.consistency import RankConsistency, RankGroup, SingleRank
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.kv_manager import KVCacheManager
 from trtllm_vtoken.runtime.model import LlamaForCausalLM
+from trtllm_vtoken.runtime.parallel.layers import check_shard
 from trtllm_vtoken.runtime.request import Request, RequestOutput, Status
 from trtllm_vtoken.runtime.sampling import SamplingParams, sample
 from trtllm_vtoken.runtime.tokenizer import StreamText, Tokenizer
@@ -56,6 +58,11 @@ class Engine:
         record_trace: Keep, per request and generated token, the logits behind it and the
             eviction decision after it (``Request.logits``, ``Request.evictions``), for the
             variant-agreement tests and quality checks.
+        ranks: With ``tensor_parallel_size`` N > 1: this process's group of N ranks, and
+            ``model`` sharded for this rank (``runtime.parallel.shard_model``). Every rank runs
+            the same requests in the same order; the attention mass is summed over the ranks
+            before the policy scores, and with ``check_invariants`` the ranks compare their token
+            tables after every step (``trtllm_vtoken.consistency``).
     """
 
     def __init__(
@@ -65,9 +72,13 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         eos_token_ids: frozenset[int] | None = None,
         record_trace: bool = False,
+        ranks: RankGroup | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.simulated = getattr(model, "simulated", False)
+        self.ranks = ranks or SingleRank()
+        check_shard(model, self.config.tensor_parallel_size, self.ranks)
+        self.consistency = RankConsistency(self.ranks, self.config.reduce_attention_mass)
         self.model = model if self.simulated else model.to(self.config.device, getattr(torch, self.config.dtype))
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else (
@@ -75,7 +86,9 @@ class Engine:
         self.kv = KVCacheManager(self.config, model.config,
                                  model.shape.kv_bytes_per_token if self.simulated else None)
         self.graphs = None
-        if not self.simulated and self.config.cuda_graphs and self.kv.cache.pool.is_cuda:
+        # Collectives inside captured graphs are not supported here: TP ranks run eagerly.
+        if (not self.simulated and self.config.cuda_graphs and self.kv.cache.pool.is_cuda
+                and self.ranks.world_size == 1):
             from trtllm_vtoken.runtime.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv.cache, self.config.max_batch_size,
@@ -168,6 +181,9 @@ class Engine:
             for i, req_id in enumerate(continuing):
                 self.requests[req_id].evictions.append(tuple(out.victims_of(i)) if out is not None else ())
         self.kv.update(continuing, [self.requests[r].remaining for r in continuing])
+        if self.config.check_invariants:  # every rank: same table, same free blocks, same tokens
+            sampled = [t for out in reported for t in (out.req_id, *out.new_token_ids)]
+            self.consistency.check(self.stats.steps, self.kv.layout, [self.kv.pool.num_free, *sampled])
         self.stats.steps += 1
         return reported
 
@@ -234,7 +250,9 @@ class Engine:
             logits, mass = self.model(
                 input_ids.to(device), positions.to(device), slots.to(device), q_lens,
                 kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1,
+                carry_mass=self.consistency.carry,
             )
+        mass = self.consistency.reduce_mass(mass)  # every rank's heads: identical decisions
         # One device-to-host copy per forward for all rows (the policy reads each row on the host);
         # it also takes the graph's reused output buffers out of the way of the next replay.
         last = logits.float().cpu()

@@ -4,6 +4,10 @@
     llm = LLM(variant="vtoken", policy="h2o", budget=0.5)
     [out] = llm.generate(["What is the capital of France?"], SamplingParams(max_tokens=32))
     out.text  ->  "The capital of France is Paris. ..."
+
+With ``tensor_parallel_size=N`` (N > 1) the model runs in N rank processes (``runtime/parallel``)
+and this object only sends them work: ``engine`` is None and ``last_reports`` holds each rank's
+report of the latest call.
 """
 
 from __future__ import annotations
@@ -46,13 +50,33 @@ class LLM:
         if overrides:
             base = vars(config) if config else {}
             config = EngineConfig.from_dict({**base, **overrides})
+        self._config = config or EngineConfig()
         self.model_path = resolve_model(model)
         self.tokenizer = Tokenizer(self.model_path)
-        self.engine = Engine(load_llama(self.model_path), config, self.tokenizer)
+        self.engine: Engine | None = None
+        self.ranks = None
+        self.last_reports: list = []
+        if self._config.tensor_parallel_size > 1:
+            from trtllm_vtoken.runtime.parallel.launch import RankProcesses
+
+            self.ranks = RankProcesses(self.model_path, self._config.tensor_parallel_size, self._config.device)
+        else:
+            self.engine = Engine(load_llama(self.model_path), self._config, self.tokenizer)
 
     @property
     def config(self) -> EngineConfig:
-        return self.engine.config
+        return self._config
+
+    def close(self) -> None:
+        """Stops the rank processes (tensor_parallel_size > 1); a no-op otherwise."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         """Token ids for a prompt: text goes through the chat template (if ``chat``); ids pass."""
@@ -65,6 +89,8 @@ class LLM:
         """Runs all prompts to completion, batched continuously; outputs in prompt order."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        if self.ranks is not None:
+            return self._generate_on_ranks([self.encode(p, chat) for p in prompts], params, progress)
         engine = self.engine
         ids = [engine.add_request(self.encode(p, chat), params) for p in prompts]
         bar = None
@@ -84,6 +110,9 @@ class LLM:
                chat: bool = True) -> Iterator[str]:
         """Yields text pieces of one prompt as they are generated (other requests may share the
         batch; their outputs are kept for them)."""
+        if self.ranks is not None:
+            yield from self._stream_on_ranks(self.encode(prompt, chat), params)
+            return
         engine = self.engine
         req_id = engine.add_request(self.encode(prompt, chat), params)
         try:
@@ -96,6 +125,41 @@ class LLM:
         finally:
             engine.cancel(req_id)
         engine.pop_finished(req_id)
+
+    # ---- tensor parallelism: the ranks run the job, rank 0 reports -----------------------------
+    def _job(self, prompts: list[list[int]], params: SamplingParams | None, stream: bool):
+        from trtllm_vtoken.runtime.parallel.rank_process import Job
+
+        return Job(self._config, prompts, params or SamplingParams(), stream=stream)
+
+    def _generate_on_ranks(self, prompts: list[list[int]], params, progress: bool) -> list[CompletionOutput]:
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+        on_step = (lambda outs: bar.update(sum(o.finished for o in outs))) if bar else None
+        self.last_reports = self.ranks.run(self._job(prompts, params, stream=bar is not None), on_step)
+        if bar is not None:
+            bar.close()
+        lead = self.last_reports[0]
+        return [CompletionOutput(i, prompt, lead.outputs[i], lead.texts[i], lead.finish_reasons[i],
+                                 lead.preemptions[i]) for i, prompt in enumerate(prompts)]
+
+    def _stream_on_ranks(self, prompt: list[int], params) -> Iterator[str]:
+        """The ranks cannot leave a job alone: stopping early lets it finish and drops the rest."""
+        events = self.ranks.events(self._job([prompt], params, stream=True))
+        try:
+            for kind, item in events:
+                if kind == "done":
+                    self.last_reports = item
+                for out in item if kind == "step" else []:
+                    if out.text_delta:
+                        yield out.text_delta
+        finally:
+            for kind, item in events:
+                if kind == "done":
+                    self.last_reports = item
 
     @staticmethod
     def _completion(request) -> CompletionOutput:

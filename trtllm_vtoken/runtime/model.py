@@ -10,6 +10,7 @@ compaction (``reclaim/rerotate.py``). Both use the one RoPE description, ``recla
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -173,6 +174,7 @@ class LlamaForCausalLM(nn.Module):
         valid: torch.Tensor | None = None,
         return_mass: bool = False,
         logits_at: torch.Tensor | None = None,
+        carry_mass: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step over a batch whose block tables and lengths are already in ``cache``.
 
@@ -183,6 +185,9 @@ class LlamaForCausalLM(nn.Module):
             valid, return_mass: see ``paged_attention``; the mass is summed over layers.
             logits_at: [B] one query index per row: compute logits there only (a prefill needs
                 its last token's, and [T, vocab] logits of a long prompt are large).
+            carry_mass: Given the mass once every layer's attention has added to it, before the
+                last layer's output projection (tensor parallelism: that projection's all-reduce
+                sums the mass over the ranks too, in the same collective).
         Returns:
             logits [B, T, vocab] ([B, vocab] with ``logits_at``) and the attention mass per
             position (or None).
@@ -194,10 +199,12 @@ class LlamaForCausalLM(nn.Module):
             q, k, v = layer.self_attn.qkv(h, positions)
             cache.write(layer_idx, slots.flatten(), k.flatten(0, 1), v.flatten(0, 1))
             out, mass = paged_attention(q, cache, layer_idx, q_lens, valid, return_mass)
-            x = x + layer.self_attn.o_proj(out.flatten(2))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
             if mass is not None:
                 mass_total = mass if mass_total is None else mass_total + mass
+                if carry_mass is not None and layer_idx == len(self.model.layers) - 1:
+                    carry_mass(mass_total)
+            x = x + layer.self_attn.o_proj(out.flatten(2))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at]
         return self.lm_head(self.model.norm(x)), mass_total
