@@ -83,7 +83,11 @@ class LLM:
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                chat: bool = True) -> Iterator[str]:
         """Yields text pieces of one prompt as they are generated (other requests may share the
-        batch; their outputs are kept for them)."""
+        batch; their outputs are kept for them).
+
+        A caller that stops early (``break``, ``close()``, or dropping the generator) ends the
+        request: it is cancelled and leaves the engine with its blocks when the generator closes.
+        """
         engine = self.engine
         req_id = engine.add_request(self.encode(prompt, chat), params)
         try:
@@ -93,9 +97,9 @@ class LLM:
                         yield out.text_delta
                 if engine.requests[req_id].finish_reason is not None:
                     break
-        finally:
+        finally:  # also on GeneratorExit, raised at the yield when the caller closes the generator
             engine.cancel(req_id)
-        engine.pop_finished(req_id)
+            engine.pop_finished(req_id)
 
     @staticmethod
     def _completion(request) -> CompletionOutput:
