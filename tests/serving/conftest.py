@@ -26,4 +26,4 @@ def triton_server(tmp_path_factory):
     server = TritonServer(repository, scratch, *free_ports(3))
     server.start()
     yield server
-    assert server.stop() == 0, server.log_tail()
+    assert server.stop() == 0 and server.stop_problem is None, (server.stop_problem, server.log_tail())
