@@ -45,7 +45,10 @@ def metrics(server) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def local_engine(triton_server):
-    """The same engine, in this process: what the server must answer."""
+    """The same engine, in this process, with the server's thread count: what it must answer."""
+    import torch
+
+    from tests.serving.conftest import ENGINE_THREADS
     from trtllm_vtoken.runtime.checkpoint import resolve_model
     from trtllm_vtoken.runtime.engine import Engine
     from trtllm_vtoken.runtime.model import load_llama
@@ -54,7 +57,10 @@ def local_engine(triton_server):
     settings = ServingSettings.from_parameters(repository_parameters(triton_server.repository))
     folder = resolve_model(settings.model)
     tokenizer = Tokenizer(folder)
-    return Engine(load_llama(folder), settings.engine, tokenizer), tokenizer
+    threads = torch.get_num_threads()
+    torch.set_num_threads(ENGINE_THREADS)
+    yield Engine(load_llama(folder), settings.engine, tokenizer), tokenizer
+    torch.set_num_threads(threads)
 
 
 def run_local(local_engine, prompt: str, max_tokens: int):
@@ -277,27 +283,24 @@ def test_a_client_that_goes_away_is_cancelled_and_its_blocks_freed(triton_server
     print(f"\n{model} {client}: blocks freed {seconds:.2f} s after the client left")
 
 
-def test_a_non_streaming_generate_is_stopped_by_its_id(triton_server):
+def wait_until_running(server) -> None:
+    deadline = time.monotonic() + 60
+    while metrics(server)["vtoken_requests_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("model,body", [
+    ("tensorrt_llm", {"id": "job-7", "text_input": PROMPTS[3], "sampling_param_max_tokens": 250}),
+    ("ensemble", {"id": "job-8", "text_input": PROMPTS[3], "max_tokens": 250}),  # its id reaches tensorrt_llm
+])
+def test_a_non_streaming_generate_is_stopped_by_its_id(triton_server, model, body):
     """Triton's HTTP front end does not notice a non-streaming /generate client leave (next
     test); such a request is ended by a second one with its id and stop: true."""
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(generate, triton_server, "tensorrt_llm",
-                              {"id": "job-7", "text_input": PROMPTS[3], "sampling_param_max_tokens": 250})
-        deadline = time.monotonic() + 60
-        while metrics(triton_server)["vtoken_requests_running"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        status, answer = generate(triton_server, "tensorrt_llm", {"id": "job-7", "text_input": "", "stop": True})
-        assert status == 400 and answer["error"] == "stopped 1 running request(s) with id 'job-7'"
-        assert running.result(timeout=10) == (400, {"error": "request cancelled"})
-    wait_until_freed(triton_server, timeout_s=5.0)
-    with ThreadPoolExecutor(1) as pool:  # an ensemble request carries its id to tensorrt_llm
-        running = pool.submit(generate, triton_server, "ensemble", {"id": "job-8", "text_input": PROMPTS[3],
-                                                                    "max_tokens": 250})
-        deadline = time.monotonic() + 60
-        while metrics(triton_server)["vtoken_requests_running"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        status, answer = generate(triton_server, "tensorrt_llm", {"id": "job-8", "text_input": "", "stop": True})
-        assert status == 400 and answer["error"] == "stopped 1 running request(s) with id 'job-8'"
+        running = pool.submit(generate, triton_server, model, body)
+        wait_until_running(triton_server)
+        status, answer = generate(triton_server, "tensorrt_llm", {"id": body["id"], "text_input": "", "stop": True})
+        assert status == 400 and answer["error"] == f"stopped 1 running request(s) with id '{body['id']}'"
         assert running.result(timeout=10) == (400, {"error": "request cancelled"})
     wait_until_freed(triton_server, timeout_s=5.0)
     status, answer = generate(triton_server, "tensorrt_llm", {"text_input": "", "stop": True})
@@ -313,9 +316,7 @@ def test_a_non_streaming_generate_client_that_leaves_is_not_seen_by_the_model(tr
     with socket.create_connection(("127.0.0.1", triton_server.http_port), timeout=120) as connection:
         connection.sendall(f"POST /v2/models/tensorrt_llm/generate HTTP/1.1\r\nHost: x\r\n"
                            f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-        deadline = time.monotonic() + 60
-        while metrics(triton_server)["vtoken_requests_running"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until_running(triton_server)
     time.sleep(1.0)
     assert metrics(triton_server)["vtoken_requests_running"] == 1
     wait_until_freed(triton_server, timeout_s=120.0)

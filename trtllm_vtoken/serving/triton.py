@@ -146,16 +146,17 @@ class TritonServer:
             interface, as Triton's default; 127.0.0.1: this machine only).
         exit_timeout_s: Triton's ``--exit-timeout-secs``; after ``stop()`` has unloaded the models
             it only bounds the wait for clients' idle connections to close.
+        env: Extra environment variables for the server and its backend stubs.
     """
 
     def __init__(self, repository: Path, scratch: Path, http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, log_file: Path | None = None, verbose: bool = False,
-                 host: str = "0.0.0.0", exit_timeout_s: int = 1) -> None:
+                 host: str = "0.0.0.0", exit_timeout_s: int = 1, env: dict[str, str] | None = None) -> None:
         self.repository, self.scratch = Path(repository), Path(scratch)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.log_file = log_file or self.scratch / "tritonserver.log"
         self.verbose = verbose
-        self.host, self.exit_timeout_s = host, exit_timeout_s
+        self.host, self.exit_timeout_s, self.extra_env = host, exit_timeout_s, dict(env or {})
         self.admin_key = secrets.token_hex(16)
         self.cpu_only = not has_cuda_driver()
         self.process: subprocess.Popen | None = None
@@ -200,7 +201,7 @@ class TritonServer:
         return command
 
     def start(self, timeout_s: float = 180.0) -> TritonServer:
-        env = dict(os.environ)
+        env = {**os.environ, **self.extra_env}
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             p for p in (*_stub_library_dirs(), env.get("LD_LIBRARY_PATH", "")) if p)
