@@ -4,7 +4,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trtllm_vtoken.serving.protocol import parse_request
+from trtllm_vtoken.runtime.sampling import SamplingParams
+from trtllm_vtoken.serving.fields import (
+    ENSEMBLE_INPUTS,
+    TENSORRT_LLM_INPUTS,
+    as_ensemble_message,
+    check_parameters,
+)
+from trtllm_vtoken.serving.protocol import parse_request, read_stop
 from trtllm_vtoken.serving.settings import ServingSettings
 
 
@@ -61,6 +68,10 @@ def test_fields_map_to_sampling_params():
     ({"text_input": "hi", "sampling_param_best_of": 2}, "'sampling_param_best_of' must be 1"),
     ({"text_input": "hi", "sampling_param_presence_penalty": 5.0}, "presence_penalty must lie in"),
     ({"text_input": "hi", "vtoken_policy": "random"}, "serves eviction policy 'h2o', not 'random'"),
+    ({"text_input": "hi", "sampling_param_temperature": float("inf")}, "'sampling_param_temperature' must be a finite"),
+    ({"text_input": "hi", "sampling_param_temperature": float("nan")}, "'sampling_param_temperature' must be a finite"),
+    ({"text_input": "hi", "sampling_param_top_p": float("-inf")}, "'sampling_param_top_p' must be a finite"),
+    ({"text_input": "hi", "sampling_param_max_tokens": -2**31}, r"got -2147483648 \(over HTTP.*wrapped around"),
 ])
 def test_bad_fields_raise_a_clear_value_error(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -82,3 +93,39 @@ def test_settings_from_parameters():
         ServingSettings.from_parameters({"chat_template": "maybe"})
     with pytest.raises(KeyError, match="Unknown eviction policy"):
         ServingSettings.from_parameters({"policy": "lru"})
+
+
+def test_non_finite_temperature_is_refused_by_sampling_params_too():
+    for value in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            SamplingParams(temperature=value)
+
+
+def test_request_parameters_the_model_does_not_know_are_refused():
+    check_parameters(None, TENSORRT_LLM_INPUTS)
+    check_parameters('{"id": "abc"}', TENSORRT_LLM_INPUTS)
+    with pytest.raises(ValueError, match="unknown input 'sampling_param_max_token'; did you mean "
+                                         "'sampling_param_max_tokens'"):
+        check_parameters('{"sampling_param_max_token": 8}', TENSORRT_LLM_INPUTS)
+    with pytest.raises(ValueError, match="unknown input 'colour'; the inputs are: text_input, max_tokens"):
+        check_parameters('{"colour": "blue", "id": "1"}', ENSEMBLE_INPUTS)
+
+
+def test_errors_reach_ensemble_clients_in_their_own_field_names():
+    message = "'sampling_param_max_tokens' must lie in [1, 8], got 9; 'sampling_param_temperature' ..."
+    assert as_ensemble_message(message) == "'max_tokens' must lie in [1, 8], got 9; 'temperature' ..."
+
+
+def test_stop_field():
+    assert read_stop(getter(text_input="", stop=True)) and not read_stop(getter(text_input="hi"))
+
+
+@pytest.mark.parametrize("model,inputs", [("tensorrt_llm", TENSORRT_LLM_INPUTS), ("ensemble", ENSEMBLE_INPUTS)])
+def test_field_tables_match_the_model_configs(model, inputs):
+    import re
+
+    from trtllm_vtoken.serving.triton import default_repository
+
+    config = (default_repository() / model / "config.pbtxt").read_text()
+    block = config[config.index("input ["):config.index("output [")]
+    assert sorted(re.findall(r'name: "(\w+)"', block)) == sorted(inputs)

@@ -45,7 +45,10 @@ def metrics(server) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def local_engine(triton_server):
-    """The same engine, in this process: what the server must answer."""
+    """The same engine, in this process, with the server's thread count: what it must answer."""
+    import torch
+
+    from tests.serving.conftest import ENGINE_THREADS
     from trtllm_vtoken.runtime.checkpoint import resolve_model
     from trtllm_vtoken.runtime.engine import Engine
     from trtllm_vtoken.runtime.model import load_llama
@@ -54,7 +57,10 @@ def local_engine(triton_server):
     settings = ServingSettings.from_parameters(repository_parameters(triton_server.repository))
     folder = resolve_model(settings.model)
     tokenizer = Tokenizer(folder)
-    return Engine(load_llama(folder), settings.engine, tokenizer), tokenizer
+    threads = torch.get_num_threads()
+    torch.set_num_threads(ENGINE_THREADS)
+    yield Engine(load_llama(folder), settings.engine, tokenizer), tokenizer
+    torch.set_num_threads(threads)
 
 
 def run_local(local_engine, prompt: str, max_tokens: int):
@@ -144,10 +150,35 @@ def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(triton_server)
         ({"text_input": "word " * 1100, "sampling_param_max_tokens": 4}, "exceeds max_seq_len 1024"),
         ({"text_input": "hi", "vtoken_policy": "lru"}, "unknown eviction policy 'lru'"),
         ({"text_input": "hi", "vtoken_policy": "random"}, "serves eviction policy 'h2o', not 'random'"),
+        # Triton's HTTP front end casts JSON integers to the input's int32: 2**40 arrives as 0.
+        ({"text_input": "hi", "sampling_param_max_tokens": 2**40}, "got 0 (over HTTP, Triton converts JSON integers "
+                                                                    "to int32 before the model sees them"),
+        ({"text_input": "hi", "sampling_param_temperature": 1e39}, "'sampling_param_temperature' must be a finite "
+                                                                   "number, got inf"),  # beyond fp32: inf
+        ({"text_input": "hi", "sampling_param_temperature": float("inf")}, "must be a finite number, got inf"),
+        ({"text_input": "hi", "sampling_param_top_p": float("nan")}, "'sampling_param_top_p' must be a finite number"),
+        ({"text_input": "hi", "sampling_param_max_token": 8}, "unknown input 'sampling_param_max_token'; did you mean "
+                                                              "'sampling_param_max_tokens'?"),
     ]
     for body, message in cases:
         status, answer = generate(triton_server, "tensorrt_llm", body)
         assert status == 400 and message in answer["error"], (body, answer)
+    for body, message in [
+        ({"text_input": "hi", "max_tokens": 2**40}, "'max_tokens' must lie in [1, 256], got 0 (over HTTP"),
+        ({"text_input": "hi", "max_tokens": 4, "temperature": float("inf")}, "'temperature' must be a finite number"),
+        ({"text_input": "hi", "max_tokens": 4, "colour": "blue"}, "unknown input 'colour'; the inputs are: text_input"),
+    ]:
+        status, answer = generate(triton_server, "ensemble", body)
+        assert status == 400 and message in answer["error"], (body, answer)
+    # What Triton's HTTP front end answers itself, before the model sees the request (README).
+    for raw, message in [
+        (b'{"text_input": "hi", ', "failed to parse the request JSON buffer"),
+        (json.dumps({"text_input": "hi", "max_tokens": "4"}).encode(), "Unable to parse 'data'"),
+    ]:
+        request = urllib.request.Request(f"http://{triton_server.http_url}/v2/models/ensemble/generate", data=raw)
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=60)
+        assert caught.value.code == 500 and message in json.loads(caught.value.read())["error"]
 
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     text = grpcclient.InferInput("text_input", [1], "BYTES")
@@ -156,10 +187,16 @@ def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(triton_server)
     wrong_dtype.set_data_from_numpy(np.array([4.0], dtype=np.float32))
     wrong_shape = grpcclient.InferInput("sampling_param_max_tokens", [2], "INT32")
     wrong_shape.set_data_from_numpy(np.array([4, 5], dtype=np.int32))
-    for bad, message in ((wrong_dtype, "FP32"), (wrong_shape, "[2]")):
+    misspelled = grpcclient.InferInput("sampling_param_max_token", [1], "INT32")
+    misspelled.set_data_from_numpy(np.array([4], dtype=np.int32))
+    for inputs, parameters, message in (
+        ([text, wrong_dtype], None, "FP32"), ([text, wrong_shape], None, "[2]"),
+        ([text, misspelled], None, "unexpected inference input 'sampling_param_max_token'"),  # Triton itself
+        ([text], {"sampling_param_max_token": 4}, "unknown input 'sampling_param_max_token'; did you mean"),
+    ):
         errors: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: errors.put(error))
-        client.async_stream_infer("tensorrt_llm", [text, bad])
+        client.async_stream_infer("tensorrt_llm", inputs, parameters=parameters)
         error = errors.get(timeout=60)
         client.stop_stream()
         assert isinstance(error, InferenceServerException) and message in str(error), error
@@ -191,30 +228,98 @@ def _local_counters(engine) -> dict[str, float]:
     return snapshot(engine)
 
 
-def test_a_client_that_goes_away_is_cancelled_and_its_blocks_freed(triton_server):
+def wait_until_freed(server, timeout_s: float) -> float:
+    """Seconds until no request runs and no KV block is held; fails after ``timeout_s``."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        now = metrics(server)
+        if now["vtoken_requests_running"] == 0 and now["vtoken_kv_blocks_retained"] == 0:
+            return time.monotonic() - started
+        time.sleep(0.05)
+    pytest.fail(f"request still running {timeout_s} s after its client left: {now}")
+
+
+def grpc_stream_then_leave(server, model: str) -> None:
     import tritonclient.grpc as grpcclient
 
-    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    names = {"ensemble": ("text_input", "stream", "max_tokens"),
+             "tensorrt_llm": ("text_input", "streaming", "sampling_param_max_tokens")}[model]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
     received: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: received.put(error))
-    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("streaming", [1], "BOOL"),
-              grpcclient.InferInput("sampling_param_max_tokens", [1], "INT32")]
+    inputs = [grpcclient.InferInput(names[0], [1], "BYTES"), grpcclient.InferInput(names[1], [1], "BOOL"),
+              grpcclient.InferInput(names[2], [1], "INT32")]
     inputs[0].set_data_from_numpy(np.array([PROMPTS[3].encode()], dtype=np.object_))
     inputs[1].set_data_from_numpy(np.array([True]))
     inputs[2].set_data_from_numpy(np.array([250], dtype=np.int32))
-    client.async_stream_infer("tensorrt_llm", inputs)
+    client.async_stream_infer(model, inputs)
     for _ in range(3):
         assert received.get(timeout=120) is None
-    assert metrics(triton_server)["vtoken_requests_running"] == 1
+    assert metrics(server)["vtoken_requests_running"] == 1
     client.stop_stream(cancel_requests=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        now = metrics(triton_server)
-        if now["vtoken_requests_running"] == 0 and now["vtoken_kv_blocks_retained"] == 0:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"request still running after the client left: {now}")
+
+
+def http_stream_then_leave(server, model: str) -> None:
+    import socket
+
+    body = ({"text_input": PROMPTS[3], "max_tokens": 250, "stream": True} if model == "ensemble" else
+            {"text_input": PROMPTS[3], "sampling_param_max_tokens": 250, "streaming": True})
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=120) as connection:
+        connection.sendall(f"POST /v2/models/{model}/generate_stream HTTP/1.1\r\nHost: x\r\n"
+                           f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        received = b""
+        while received.count(b"data: ") < 3:
+            received += connection.recv(65536)
+        assert metrics(server)["vtoken_requests_running"] == 1
+
+
+@pytest.mark.parametrize("client", ["grpc stream", "http generate_stream"])
+@pytest.mark.parametrize("model", ["tensorrt_llm", "ensemble"])
+def test_a_client_that_goes_away_is_cancelled_and_its_blocks_freed(triton_server, client, model):
+    """250 tokens take 15 s or more here; the request must end, blocks freed, within 5 s."""
+    (grpc_stream_then_leave if client == "grpc stream" else http_stream_then_leave)(triton_server, model)
+    seconds = wait_until_freed(triton_server, timeout_s=5.0)
+    print(f"\n{model} {client}: blocks freed {seconds:.2f} s after the client left")
+
+
+def wait_until_running(server) -> None:
+    deadline = time.monotonic() + 60
+    while metrics(server)["vtoken_requests_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("model,body", [
+    ("tensorrt_llm", {"id": "job-7", "text_input": PROMPTS[3], "sampling_param_max_tokens": 250}),
+    ("ensemble", {"id": "job-8", "text_input": PROMPTS[3], "max_tokens": 250}),  # its id reaches tensorrt_llm
+])
+def test_a_non_streaming_generate_is_stopped_by_its_id(triton_server, model, body):
+    """Triton's HTTP front end does not notice a non-streaming /generate client leave (next
+    test); such a request is ended by a second one with its id and stop: true."""
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(generate, triton_server, model, body)
+        wait_until_running(triton_server)
+        status, answer = generate(triton_server, "tensorrt_llm", {"id": body["id"], "text_input": "", "stop": True})
+        assert status == 400 and answer["error"] == f"stopped 1 running request(s) with id '{body['id']}'"
+        assert running.result(timeout=10) == (400, {"error": "request cancelled"})
+    wait_until_freed(triton_server, timeout_s=5.0)
+    status, answer = generate(triton_server, "tensorrt_llm", {"text_input": "", "stop": True})
+    assert status == 400 and "needs the request id" in answer["error"]
+
+
+def test_a_non_streaming_generate_client_that_leaves_is_not_seen_by_the_model(triton_server):
+    """What the README says: Triton's HTTP front end stops reading a connection while its
+    non-streaming request runs, so the request runs on (cancelled ones end within 0.2 s)."""
+    import socket
+
+    data = json.dumps({"text_input": PROMPTS[3], "sampling_param_max_tokens": 64}).encode()
+    with socket.create_connection(("127.0.0.1", triton_server.http_port), timeout=120) as connection:
+        connection.sendall(f"POST /v2/models/tensorrt_llm/generate HTTP/1.1\r\nHost: x\r\n"
+                           f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        wait_until_running(triton_server)
+    time.sleep(1.0)
+    assert metrics(triton_server)["vtoken_requests_running"] == 1
+    wait_until_freed(triton_server, timeout_s=120.0)
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -233,26 +338,89 @@ def test_example_client(triton_server, protocol, stream):
     assert result.stdout == whole["text_output"] + "\n"
 
 
-def test_vtoken_serve_command_waits_for_readiness_and_stops_on_ctrl_c(tmp_path):
+def test_vtoken_serve_banner_log_and_ctrl_c_with_clients_connected(tmp_path):
+    """Ready banner = the address Triton listens on; no GPU complaints in the log on CPU; Ctrl-C
+    with an idle keep-alive HTTP connection, an open gRPC stream and a request generating: exit 0
+    within seconds, the running request told, every backend stub gone."""
+    import http.client
     import signal
     import subprocess
     import sys
+    from pathlib import Path
+
+    import tritonclient.grpc as grpcclient
 
     from trtllm_vtoken.serving.triton import free_ports
+    from trtllm_vtoken.serving.triton_log import CPU_NOTE, has_cuda_driver
 
-    http, grpc, metrics_port = free_ports(3)
-    command = [sys.executable, "-m", "trtllm_vtoken.cli", "serve", "--http-port", str(http), "--grpc-port", str(grpc),
-               "--metrics-port", str(metrics_port), "--workdir", str(tmp_path), "--policy", "streaming_llm",
-               "--budget", "64", "--num-blocks", "32"]
+    http_port, grpc_port, metrics_port = free_ports(3)
+    command = [sys.executable, "-m", "trtllm_vtoken.cli", "serve", "--host", "127.0.0.1", "--http-port", str(http_port),
+               "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--workdir", str(tmp_path),
+               "--policy", "streaming_llm", "--budget", "64", "--num-blocks", "32"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready = process.stdout.readline()  # printed only once the server answers /v2/health/ready
-        assert ready.startswith(f"ready: HTTP 127.0.0.1:{http}"), process.stderr.read()
+        assert ready.startswith(f"ready: HTTP 127.0.0.1:{http_port}  gRPC 127.0.0.1:{grpc_port}"), process.stderr.read()
+        log = (tmp_path / "tritonserver.log").read_text()
+        assert f"Started HTTPService at 127.0.0.1:{http_port}" in log and f"at 127.0.0.1:{grpc_port}" in log
+        if not has_cuda_driver():
+            assert log.startswith(CPU_NOTE)
+            assert not re.search(r"NVML|DCGM|CudaDriverHelper|CUDA driver version|pinned system memory", log)
         config = (tmp_path / "model_repository" / "tensorrt_llm" / "config.pbtxt").read_text()
         assert 'key: "policy", value: { string_value: "streaming_llm" }' in config
-        body = json.dumps({"text_input": "hi", "max_tokens": 4}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{http}/v2/models/ensemble/generate", data=body)
-        assert json.loads(urllib.request.urlopen(request, timeout=120).read())["text_output"]
-    finally:
+
+        keep_alive = http.client.HTTPConnection("127.0.0.1", http_port, timeout=120)  # as requests.Session
+        keep_alive.request("POST", "/v2/models/ensemble/generate", json.dumps({"text_input": "hi", "max_tokens": 4}))
+        assert json.loads(keep_alive.getresponse().read())["text_output"]
+        idle_stream = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        idle_stream.start_stream(callback=lambda result, error: None)
+        streaming = http.client.HTTPConnection("127.0.0.1", http_port, timeout=120)
+        streaming.request("POST", "/v2/models/ensemble/generate_stream",
+                          json.dumps({"text_input": PROMPTS[3], "max_tokens": 250, "stream": True}))
+        events = streaming.getresponse()
+        assert events.readline().startswith(b"data: ")
+        stubs = _backend_stubs(tmp_path)
+        assert len(stubs) == 2
+
+        started = time.monotonic()
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=90) == 0
+        assert process.wait(timeout=30) == 0, process.stderr.read()
+        seconds = time.monotonic() - started
+        print(f"\nvtoken serve stopped in {seconds:.1f} s (exit 0) with clients connected")
+        assert seconds < 10
+        assert b'"error":"server is shutting down"' in events.read()
+        assert not _backend_stubs(tmp_path)
+        assert not [region for region in stubs.values() if Path("/dev/shm", region).exists()]
+        stderr = process.stderr.read()
+        assert "vtoken serve: stopped in" in stderr
+        print(stderr.strip().splitlines()[-1])
+    finally:
+        if process.poll() is None:  # vtoken serve stops its tritonserver on SIGINT
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _backend_stubs(workdir) -> dict[int, str]:
+    """Python-backend stub processes serving the repository under ``workdir``, with the shared
+    memory region each one uses (its command line: stub, model.py, region, ...)."""
+    import subprocess
+
+    found = subprocess.run(["pgrep", "-af", f"triton_python_backend_stub {workdir}"], capture_output=True, text=True)
+    return {int(line.split()[0]): line.split()[3] for line in found.stdout.splitlines()}
+
+
+def test_vtoken_serve_help_explains_policy_and_budget():
+    import subprocess
+    import sys
+
+    from trtllm_vtoken.policies import POLICIES
+
+    result = subprocess.run([sys.executable, "-m", "trtllm_vtoken.cli", "serve", "--help"], capture_output=True,
+                            text=True, timeout=60)
+    text = " ".join(result.stdout.split())
+    assert result.returncode == 0 and f"eviction policy, one of: {', '.join(POLICIES.names())}" in text
+    assert "a number in (0, 1] is a retention ratio (0.5 keeps half" in text and "an integer is a token count" in text
+    assert "--host" in text and "0.0.0.0" in text

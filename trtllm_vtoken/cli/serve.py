@@ -8,8 +8,10 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
+from trtllm_vtoken.policies import POLICIES
 from trtllm_vtoken.runtime.config import VARIANTS
 
 
@@ -17,26 +19,38 @@ def register(sub) -> None:
     parser = sub.add_parser(
         "serve", help="serve the model through Triton Inference Server",
         description="Starts tritonserver on a copy of triton_model_repo whose tensorrt_llm model "
-                    "parameters carry the options below; waits for readiness; Ctrl-C stops it cleanly.",
+                    "parameters carry the options below; waits for readiness; Ctrl-C unloads the "
+                    "models (requests still running are ended) and stops the server, whatever "
+                    "clients are connected.",
     )
     parser.add_argument("--repository", default=None, help="model repository (default: triton_model_repo)")
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--host", default="0.0.0.0",
+                        help="address the HTTP, gRPC and metrics endpoints bind to (default 0.0.0.0: every "
+                             "interface, as Triton's default; 127.0.0.1: this machine only)")
+    parser.add_argument("--http-port", type=int, default=8000, help="HTTP/REST port, also /generate (default 8000)")
+    parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001)")
+    parser.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default 8002)")
+    parser.add_argument("--workdir", default=None,
+                        help="scratch folder for the repository copy and tritonserver.log (default: a temporary one)")
     parser.add_argument("--verbose", action="store_true", help="tritonserver --log-verbose 1")
     g = parser.add_argument_group("model parameters (override the repository's)")
-    g.add_argument("--model", help="Hugging Face Llama folder or smollm2-135m-instruct")
-    g.add_argument("--variant", choices=VARIANTS)
-    g.add_argument("--mode", choices=["dense", "lazy"])
-    g.add_argument("--policy")
-    g.add_argument("--budget")
-    g.add_argument("--tokens-per-block", type=int)
-    g.add_argument("--num-blocks", type=int, help="KV block budget")
-    g.add_argument("--max-batch-size", type=int)
-    g.add_argument("--max-seq-len", type=int)
-    g.add_argument("--max-tokens-limit", type=int)
-    g.add_argument("--device")
+    g.add_argument("--model", help="Hugging Face Llama folder, or smollm2-135m-instruct (the default)")
+    g.add_argument("--variant", choices=VARIANTS,
+                   help="native: full KV retention; naive-evict: evicted tokens masked in place; vtoken: "
+                        "evicted slots reclaimed by relocation")
+    g.add_argument("--mode", choices=["dense", "lazy"],
+                   help="vtoken compaction: dense every step, or lazy (masked holes, compacted on demand)")
+    g.add_argument("--policy", choices=POLICIES.names(), metavar="POLICY",
+                   help=f"eviction policy, one of: {', '.join(POLICIES.names())}")
+    g.add_argument("--budget",
+                   help="live tokens kept per request: a number in (0, 1] is a retention ratio (0.5 keeps "
+                        "half of each request's tokens), an integer is a token count (256 keeps 256)")
+    g.add_argument("--tokens-per-block", type=int, help="tokens in one KV block")
+    g.add_argument("--num-blocks", type=int, help="KV block budget: blocks in the pool, shared by all requests")
+    g.add_argument("--max-batch-size", type=int, help="requests running at once, at most")
+    g.add_argument("--max-seq-len", type=int, help="prompt plus output tokens of one request, at most")
+    g.add_argument("--max-tokens-limit", type=int, help="the largest max_tokens a request may ask for")
+    g.add_argument("--device", help="torch device of the reference engine: cpu or cuda")
     g.add_argument("--backend", choices=["auto", "reference", "trtllm"],
                    help="reference engine, TensorRT-LLM with vToken's hooks, or auto (trtllm where it runs)")
     parser.set_defaults(func=run)
@@ -54,21 +68,32 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vtoken-serve-"))
     repository = prepare_repository(source, workdir / "model_repository", overrides)
     server = TritonServer(repository, workdir, args.http_port, args.grpc_port, args.metrics_port,
-                          verbose=args.verbose)
+                          verbose=args.verbose, host=args.host)
     print(f"vtoken serve: starting tritonserver (log: {server.log_file})", file=sys.stderr)
-    server.start()
-    print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics "
-          f"127.0.0.1:{args.metrics_port}/metrics\n"
-          f"  curl -X POST {server.http_url}/v2/models/ensemble/generate "
-          "-d '{\"text_input\": \"What is a KV cache?\", \"max_tokens\": 64}'", flush=True)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        if server.process.poll() is not None:
-            print(f"vtoken: error: tritonserver exited with {server.process.returncode}:\n"
-                  f"{server.log_tail()}", file=sys.stderr)
-            return 1
+    try:
+        server.start()  # Ctrl-C here: KeyboardInterrupt, and the server is stopped below
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        where = " (every interface)" if server.client_host != args.host else ""
+        print(f"ready: HTTP {args.host}:{args.http_port}  gRPC {args.host}:{args.grpc_port}  metrics "
+              f"{args.host}:{args.metrics_port}/metrics{where}\n"
+              f"  curl -X POST {server.http_url}/v2/models/ensemble/generate "
+              "-d '{\"text_input\": \"What is a KV cache?\", \"max_tokens\": 64}'", flush=True)
+        while not stop.wait(1.0):
+            if server.process.poll() is not None:
+                print(f"vtoken: error: tritonserver exited with {server.process.returncode}: "
+                      f"{server.last_error() or 'see ' + str(server.log_file)}", file=sys.stderr)
+                return 1
+    except BaseException:
+        server.stop()  # never leave a tritonserver behind (it runs in its own session)
+        raise
     print("vtoken serve: stopping", file=sys.stderr)
+    started = time.monotonic()
     code = server.stop()
-    return 0 if code in (0, None) else 1
+    if server.stop_problem is not None:
+        print(f"vtoken: error: {server.stop_problem} (log: {server.log_file})", file=sys.stderr)
+        return 1
+    note = f" ({server.stop_note})" if server.stop_note else ""
+    print(f"vtoken serve: stopped in {time.monotonic() - started:.1f} s{note}", file=sys.stderr)
+    return 0 if code == 0 or server.stop_note else 1

@@ -109,7 +109,12 @@ class LLM:
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                chat: bool = True) -> Iterator[str]:
         """Yields text pieces of one prompt as they are generated (other requests may share the
-        batch; their outputs are kept for them)."""
+        batch; their outputs are kept for them).
+
+        A caller that stops early (``break``, ``close()``, or dropping the generator) ends the
+        request: it is cancelled and leaves the engine with its blocks when the generator closes
+        (under tensor parallelism the ranks finish the job and the rest is dropped).
+        """
         if self.ranks is not None:
             yield from self._stream_on_ranks(self.encode(prompt, chat), params)
             return
@@ -122,9 +127,9 @@ class LLM:
                         yield out.text_delta
                 if engine.requests[req_id].finish_reason is not None:
                     break
-        finally:
+        finally:  # also on GeneratorExit, raised at the yield when the caller closes the generator
             engine.cancel(req_id)
-        engine.pop_finished(req_id)
+            engine.pop_finished(req_id)
 
     # ---- tensor parallelism: the ranks run the job, rank 0 reports -----------------------------
     def _job(self, prompts: list[list[int]], params: SamplingParams | None, stream: bool):

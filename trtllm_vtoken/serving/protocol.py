@@ -18,12 +18,19 @@ message goes to the client as is. Field names follow ``triton_backend/all_models
     sampling_param_exclude_input_from_output bool [1]     default true
     return_finish_reason / return_stop_reason / return_cumulative_logprob   bool [1]
     vtoken_policy                           string [1]    the eviction policy the client expects
+    stop                                    bool [1]      cancel the running requests with this
+                                                          request's id (``read_stop``)
+
+Floats must be finite. Over HTTP, Triton converts JSON numbers to the input's type before the model
+sees them: an integer beyond int32 arrives wrapped around (2**40 as 0), a float beyond fp32 as inf.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import math
 
 import numpy as np
 
@@ -60,7 +67,10 @@ def parse_request(get: Getter, max_tokens_limit: int, default_max_tokens: int = 
         raise ValueError("'text_input' is empty")
     max_tokens = _scalar(get, "sampling_param_max_tokens", "i", default_max_tokens)
     if not 1 <= max_tokens <= max_tokens_limit:
-        raise ValueError(f"'sampling_param_max_tokens' must lie in [1, {max_tokens_limit}], got {max_tokens}")
+        wrapped = (" (over HTTP, Triton converts JSON integers to int32 before the model sees them: "
+                   "one beyond 2**31-1 arrives wrapped around)") if max_tokens < 1 else ""
+        raise ValueError(f"'sampling_param_max_tokens' must lie in [1, {max_tokens_limit}], "
+                         f"got {max_tokens}{wrapped}")
     stop = _strings(get, "sampling_param_stop")
     seed = _scalar(get, "sampling_param_seed", "i", None)
     best_of = _scalar(get, "sampling_param_best_of", "i", 1)
@@ -84,6 +94,11 @@ def parse_request(get: Getter, max_tokens_limit: int, default_max_tokens: int = 
         return_stop_reason=_scalar(get, "return_stop_reason", "b", False),
         return_cumulative_logprob=_scalar(get, "return_cumulative_logprob", "b", False),
     )
+
+
+def read_stop(get: Getter) -> bool:
+    """True for a request that asks to cancel the running requests sharing its request id."""
+    return _scalar(get, "stop", "b", False)
 
 
 def _array(get: Getter, name: str) -> np.ndarray | None:
@@ -134,4 +149,6 @@ def _scalar(get: Getter, name: str, kind: str, default):
     if not ok:
         raise ValueError(f"'{name}' must be {_KINDS[kind]}, got {array.dtype}")
     value = array.reshape(-1)[0].item()
+    if kind == "f" and not math.isfinite(value):
+        raise ValueError(f"'{name}' must be a finite number, got {value}")
     return float(value) if kind == "f" else bool(value) if kind == "b" else int(value)
