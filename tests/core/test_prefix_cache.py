@@ -106,7 +106,7 @@ def test_cut_drops_keys_from_the_lowest_victim_block_on_and_stops_storing():
     assert [cache.is_cached(b) for b in blocks] == [True, False, False, False]
     assert pool.ref_counts[:4] == [2, 1, 1, 1]
     # Decode fills block 3: it is never keyed, the request's KV may have moved into it.
-    assert cache.extend(0, blocks, tokens + [20, 21]) == 0 and not cache.is_cached(blocks[3])
+    assert cache.extend(0, blocks, tokens + [20, 21]) == [] and not cache.is_cached(blocks[3])
     assert cache.cut(0, blocks, 9) == 0  # later cuts change nothing
     assert cache.cut(0, blocks, 1) == 1 and pool.ref_counts[0] == 1
     assert cache.stats.dropped_keys == 3
@@ -133,8 +133,8 @@ def test_duplicate_content_stays_private_and_the_chain_goes_on():
     prompt = list(range(13))
     a = cache.begin(0, prompt) + cache.allocate(4)
     b = cache.begin(1, prompt) + cache.allocate(4)  # nothing stored yet: no hit
-    assert cache.extend(0, a, prompt) == 3
-    assert cache.extend(1, b, prompt) == 0  # same keys already cached in a's blocks
+    assert cache.extend(0, a, prompt) == [0, 1, 2]
+    assert cache.extend(1, b, prompt) == []  # same keys already cached in a's blocks
     assert not any(cache.is_cached(x) for x in b)
     # b's cut drops nothing of a's.
     assert cache.cut(1, b, 0) == 0 and all(cache.is_cached(x) for x in a[:3])
@@ -171,3 +171,29 @@ def test_check_integrity_finds_a_cached_block_missing_from_the_lru():
     cache.unheld.clear()
     with pytest.raises(RuntimeError, match="LRU"):
         cache.check_integrity()
+
+
+def test_shared_set_follows_the_holders():
+    pool = BlockPool(8, B)
+    cache = PrefixCache(pool)
+    a = start(cache, 0, list(range(9)))
+    b = start(cache, 1, list(range(9)))
+    assert cache.shared == {0, 1}
+    cache.end(0, a)
+    assert cache.shared == set()
+    cache.check_integrity()
+    cache.end(1, b)
+    cache.check_integrity()
+
+
+def test_payload_lives_and_dies_with_the_key():
+    pool = BlockPool(3, B)
+    cache = PrefixCache(pool)
+    blocks = start(cache, 0, list(range(9)))
+    cache.attach(blocks[1], "mass")
+    with pytest.raises(ValueError, match="holds no key"):
+        cache.attach(blocks[2], "mass")
+    assert cache.payload == {blocks[1]: "mass"}
+    cache.cut(0, blocks, 4)
+    assert cache.payload == {}
+    cache.check_integrity()

@@ -79,6 +79,12 @@ class PrefixCache:
         self.block_of: dict[int, int] = {}
         self.unheld: OrderedDict[int, None] = OrderedDict()
         """Cached blocks no request holds, least recently released first."""
+        self.shared: set[int] = set()
+        """Blocks several requests hold: their tokens are protected (kept up to date here so a
+        step can read the set without scanning the pool)."""
+        self.payload: dict[int, object] = {}
+        """Host data stored with a key, by block (e.g. the prefix's prefill attention mass);
+        dropped with the key."""
         self.stats = PrefixCacheStats()
         self._chains: dict[int, _Chain] = {}
 
@@ -119,6 +125,13 @@ class PrefixCache:
             blocks.append(block_id)
         return blocks
 
+    def attach(self, block_id: int, value: object) -> None:
+        """Stores host data with a cached block's key (dropped with it). ValueError if the
+        block holds no key."""
+        if block_id not in self.key_of:
+            raise ValueError(f"block {block_id} holds no key to attach data to")
+        self.payload[block_id] = value
+
     def cached_tokens(self, req_id: int) -> int:
         """Tokens of the request's prompt found cached when it began."""
         return self._chain(req_id).cached_tokens
@@ -136,6 +149,7 @@ class PrefixCache:
         for block_id in blocks:
             self.unheld.pop(block_id, None)
         self.pool.share(blocks)
+        self.shared.update(b for b in blocks if self.is_shared(b))
         cached = len(blocks) * self.tokens_per_block
         chain = _Chain(keys=[self.key_of[b] for b in blocks], cached_tokens=cached)
         self._chains[req_id] = chain
@@ -144,9 +158,9 @@ class PrefixCache:
         return blocks
 
     def extend(self, req_id: int, block_ids: Sequence[int],
-               token_ids: Sequence[int] | np.ndarray) -> int:
-        """Keys the request's blocks that ``token_ids`` fill, up to its cut. Returns how many
-        blocks were stored.
+               token_ids: Sequence[int] | np.ndarray) -> list[int]:
+        """Keys the request's blocks that ``token_ids`` fill, up to its cut. Returns the indices
+        (in ``block_ids``) of the blocks stored now.
 
         Args:
             block_ids: The request's block list; block i holds tokens [i*B, (i+1)*B) unmoved
@@ -158,7 +172,7 @@ class PrefixCache:
         stop = min(len(token_ids) // tpb, len(block_ids))
         if chain.limit is not None:
             stop = min(stop, chain.limit)
-        stored = 0
+        stored = []
         for i in range(len(chain.keys), stop):
             parent = chain.keys[-1] if chain.keys else ROOT_KEY
             key = chain_key(parent, token_ids[i * tpb : (i + 1) * tpb])
@@ -169,8 +183,8 @@ class PrefixCache:
             self.key_of[block_id] = key
             self.block_of[key] = block_id
             self.pool.share([block_id])
-            stored += 1
-        self.stats.stored_blocks += stored
+            stored.append(i)
+        self.stats.stored_blocks += len(stored)
         return stored
 
     def cut(self, req_id: int, block_ids: Sequence[int], first_token_id: int) -> int:
@@ -230,6 +244,8 @@ class PrefixCache:
         for block_id in reversed(blocks):
             if block_id in self.key_of and self.pool.ref_counts[block_id] == 1:
                 self.unheld[block_id] = None
+            if block_id in self.shared and not self.is_shared(block_id):
+                self.shared.discard(block_id)
 
     def reclaim(self, n: int) -> int:
         """Frees up to ``n`` unheld cached blocks, least recently released first; returns how many."""
@@ -254,6 +270,11 @@ class PrefixCache:
             if self.pool.ref_counts[block_id] < 1:
                 raise RuntimeError(f"prefix cache: cached block {block_id} has no reference")
         unheld = {b for b in self.key_of if self.pool.ref_counts[b] == 1}
+        shared = {b for b in range(self.pool.num_blocks) if self.pool.ref_counts[b] and self.is_shared(b)}
+        if shared != self.shared:
+            raise RuntimeError(f"prefix cache: shared set {sorted(self.shared)} != {sorted(shared)}")
+        if not set(self.payload) <= set(self.key_of):
+            raise RuntimeError("prefix cache: a payload outlived its key")
         if unheld != set(self.unheld):
             raise RuntimeError(
                 f"prefix cache: LRU {sorted(self.unheld)} != unheld cached blocks {sorted(unheld)}"
@@ -270,4 +291,5 @@ class PrefixCache:
         for block_id in block_ids:
             del self.block_of[self.key_of.pop(block_id)]
             self.unheld.pop(block_id, None)
+            self.payload.pop(block_id, None)
         self.pool.free(block_ids)

@@ -96,9 +96,12 @@ class EvictionPolicy(ABC):
 class ScorePolicy(EvictionPolicy):
     """Keeps the highest-scoring tokens; sinks and the most recent tokens always survive.
 
-    Evicts ``num_live - budget.target(num_tokens)`` tokens among the unprotected ones, lowest
-    score first (ties: lower id first). If protection leaves too few candidates, evicts all of
-    them: a policy never asks the table to evict a protected token.
+    Protected tokens (in blocks shared with other requests, prefix caching) are kept and do not
+    count against the budget: the budget applies to the rest, ``budget.target(num_tokens -
+    protected)`` of them are kept, lowest score first out (ties: lower id first). A request's
+    private context is thus kept at the same rate whether or not others share its prefix (the
+    shared blocks cost it no memory of its own). A policy never asks the table to evict a
+    protected token.
     """
 
     n_sink: int = 0
@@ -137,16 +140,15 @@ class ScorePolicy(EvictionPolicy):
         return np.full(len(targets), self.recent_window, dtype=np.int64)
 
     def select(self, view: PolicyView) -> np.ndarray:
-        target = self.budget.target(view.num_tokens)
-        excess = len(view.live_ids) - target
+        protected = int(view.protected.sum())
+        room = self.budget.target(view.num_tokens - protected)  # unprotected tokens kept
+        excess = len(view.live_ids) - protected - room
         if excess <= 0:
             return np.zeros(0, dtype=np.int64)
         ids = view.live_ids
-        # Protected tokens are kept whatever the budget; sinks and the recent window are
-        # preferences that shrink so the budget can still be met.
-        room = max(0, target - int(view.protected.sum()))
+        # Sinks and the recent window are preferences that shrink so the budget can be met.
         n_sink = min(self.n_sink, room)
-        recent = min(self.recent_tokens(target), room - n_sink)
+        recent = min(self.recent_tokens(room), room - n_sink)
         candidate = ~view.protected & (ids >= n_sink) & (ids < view.num_tokens - recent)
         cand_ids = ids[candidate]
         if len(cand_ids) <= excess:

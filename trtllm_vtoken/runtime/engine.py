@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,10 +38,15 @@ from trtllm_vtoken.runtime.tokenizer import StreamText, Tokenizer
 class EngineStats:
     steps: int = 0
     prefill_tokens: int = 0
+    """Prompt tokens the model computed (a cached prefix is not computed)."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens found in the prefix cache at admission: their KV was reused, not prefilled."""
     decode_tokens: int = 0
     preemptions: int = 0
     finished: int = 0
     cancelled: int = 0
+    requests_by_policy: dict[str, int] = field(default_factory=dict)
+    """Requests added, by the eviction policy each runs with ("native": none)."""
     forward_seconds: float = 0.0
     """Wall time of model forwards (logits copied to the host included)."""
 
@@ -89,6 +94,8 @@ class Engine:
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._ids = itertools.count()
         self._reported: list[RequestOutput] = []
+        self._specs: dict = {}  # request -> the PolicySpec it runs with (None: it evicts nothing)
+        self._prefill_from: dict[int, int] = {}  # admitted this step -> cached prompt tokens
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -103,11 +110,15 @@ class Engine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need an engine with a tokenizer")
-        self.kv.check_fits_alone(len(prompt_ids), params.max_tokens)
+        spec = self.kv.resolve(params.eviction)
+        self.kv.check_fits_alone(len(prompt_ids), params.max_tokens, spec)
         req_id = next(self._ids) if req_id is None else req_id
         if req_id in self.requests:
             raise ValueError(f"request id {req_id} is already in use")
         self.requests[req_id] = Request(req_id, prompt_ids, params, arrival=time.perf_counter())
+        self._specs[req_id] = spec
+        name = "native" if spec is None else spec.name
+        self.stats.requests_by_policy[name] = self.stats.requests_by_policy.get(name, 0) + 1
         if self.tokenizer is not None:
             self._texts[req_id] = StreamText(self.tokenizer, params.stop)
         if params.seed is not None:
@@ -151,9 +162,11 @@ class Engine:
             results += self._forward(decode, [[self.requests[r].pending] for r in decode])
             self.stats.decode_tokens += len(decode)
         for req_id in prefill:
-            ids = self.requests[req_id].prefill_ids()
-            results += self._forward([req_id], [ids])
+            cached = self._prefill_from.pop(req_id)
+            ids = self.requests[req_id].prefill_ids()[cached:]  # the cached prefix is not recomputed
+            results += self._forward([req_id], [ids], prefill=True)
             self.stats.prefill_tokens += len(ids)
+            self.stats.cached_prompt_tokens += cached
         for request, logits, mass in results:
             reported.append(self._advance(request, logits, mass))
         # Reclamation for every request still running, with one copy for all of them; then
@@ -184,11 +197,14 @@ class Engine:
         while self.waiting and len(self.running) < self.config.max_batch_size:
             request = self.requests[self.waiting[0]]
             ids = request.prefill_ids()
-            if not self.kv.admit(request.req_id, len(ids), request.remaining):
+            cached = self.kv.admit(request.req_id, ids, request.remaining, self._specs[request.req_id])
+            if cached is None:
                 break
-            if self.kv.reserve(request.req_id, len(ids)) is None:  # greedy admission raced the pool
+            if self.kv.reserve(request.req_id, len(ids) - cached) is None:  # greedy admission raced the pool
                 self.kv.release(request.req_id)
                 break
+            self.kv.store_prompt(request.req_id, ids)
+            self._prefill_from[request.req_id] = cached
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request.req_id)
@@ -204,8 +220,9 @@ class Engine:
         self.stats.preemptions += 1
         self.waiting.appendleft(req_id)
 
-    def _forward(self, req_ids: list[int], tokens: list[list[int]]):
-        """One forward over rows of new tokens; returns (request, last logits, mass) per row."""
+    def _forward(self, req_ids: list[int], tokens: list[list[int]], prefill: bool = False):
+        """One forward over rows of new tokens; returns (request, last logits, mass) per row.
+        ``prefill``: one request's prompt (after its cached prefix)."""
         if self.simulated:
             return self._simulate(req_ids, tokens)
         kv, device = self.kv, self.config.device
@@ -219,22 +236,34 @@ class Engine:
             positions[i, : len(row)] = torch.arange(first, first + len(row))
             slots[i, : len(row)] = torch.tensor(kv.staged_slots(req_id))
         valid = kv.set_batch(req_ids)
+        # A prefill that stores prompt blocks also cuts its mass at their ends (prefix caching
+        # keeps what a cached prefix's queries paid, see runtime/prefix_caching.py).
+        cuts = kv.mass_cuts(req_ids[0]) if prefill and kv.needs_attention else []
         start = time.perf_counter()
         if self.graphs is not None and longest == 1:
             logits, mass = self.graphs.run(input_ids, positions, slots, valid)
         else:
             q_lens = torch.tensor([len(t) for t in tokens]).to(device)
+            mass_cuts = torch.tensor([cuts + [len(tokens[0])]]) if cuts else None
             logits, mass = self.model(
                 input_ids.to(device), positions.to(device), slots.to(device), q_lens,
-                kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1,
+                kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1, mass_cuts=mass_cuts,
             )
         # One device-to-host copy per forward for all rows (the policy reads each row on the host);
         # it also takes the graph's reused output buffers out of the way of the next replay.
         last = logits.float().cpu()
         mass = None if mass is None else mass.float().cpu()
         self.stats.forward_seconds += time.perf_counter() - start
+        cut_mass = None
+        if cuts:
+            mass, cut_mass = mass[:, -1], mass[0, :-1]
         for req_id in req_ids:
             kv.commit(req_id)
+        if prefill and mass is not None:
+            mass = kv.prefill_mass(req_ids[0], mass[0], cut_mass)[None]
+        if not prefill:
+            for req_id in req_ids:
+                kv.store_written(req_id, self.requests[req_id].prefill_ids)
         return [(self.requests[r], last[i], None if mass is None else mass[i]) for i, r in enumerate(req_ids)]
 
     def _simulate(self, req_ids: list[int], tokens: list[list[int]]):
@@ -286,6 +315,7 @@ class Engine:
         return self._output(request, [token], text)
 
     def _finish(self, request: Request, reason: str) -> None:
+        self._specs.pop(request.req_id, None)
         request.status = Status.FINISHED
         request.finish_reason = reason
         self._texts.pop(request.req_id, None)

@@ -4,6 +4,7 @@ and admission for one engine, in the roles TensorRT-LLM's ``KVCacheManager`` pla
 
 Per step and request the engine calls, in this order:
 
+    admit(req, ids, ...)    admission (with prefix caching: the cached prefix joins the table)
     reserve(req, n)         blocks for n new tokens (None: the pool is dry -> preempt someone)
     set_batch(rows)         rewrite block_offsets / kv_lens in place (+ the validity mask)
     ... forward writes K/V into the reserved slots ...
@@ -19,13 +20,15 @@ Per step and request the engine calls, in this order:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from trtllm_vtoken.core import BlockPool, TokenTable
 from trtllm_vtoken.policies import EvictionPolicy, policy_view
+from trtllm_vtoken.policies.request_settings import EvictionSettings, PolicySpec
 from trtllm_vtoken.reclaim import (
     AdmissionConfig,
     AdmissionController,
@@ -37,11 +40,14 @@ from trtllm_vtoken.reclaim.dead_blocks import release_dead_blocks
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
 from trtllm_vtoken.runtime.model import LlamaConfig
+from trtllm_vtoken.runtime.prefix_caching import PrefixCaching
 
 
 @dataclass
 class KVStats:
     tokens_evicted: int = 0
+    tokens_evicted_by_policy: dict[str, int] = field(default_factory=dict)
+    """The same, by the policy's name (requests may follow different ones)."""
     dead_blocks_released: int = 0
     """naive-evict: blocks freed because every token in them died."""
     peak_blocks_used: int = 0
@@ -73,7 +79,8 @@ class KVCacheManager:
         self.config = config
         tpb = config.tokens_per_block
         self.pool = BlockPool(config.num_blocks, tpb)
-        self.table = TokenTable(tpb, self.pool.is_shared)
+        self.prefix = PrefixCaching(self.pool) if config.prefix_caching else None
+        self.table = TokenTable(tpb, self.prefix.cache.is_shared if self.prefix else self.pool.is_shared)
         self.cache: PagedKVCache | None = None
         if simulated_bytes_per_token is None:
             self.cache = PagedKVCache(
@@ -81,10 +88,13 @@ class KVCacheManager:
                 model_config.head_dim, config.max_batch_size, config.max_blocks_per_seq,
                 dtype=getattr(torch, config.dtype), device=config.device,
             )
-        self.policy: EvictionPolicy | None = None if config.variant == "native" else config.make_policy()
-        self.needs_attention = (
-            self.policy is not None and type(self.policy).observe is not EvictionPolicy.observe
-        )
+        self.spec: PolicySpec | None = None if config.variant == "native" else config.policy_spec()
+        self.policy: EvictionPolicy | None = None if self.spec is None else self.spec.make()
+        """The engine's own policy (requests that set no eviction of their own run with it)."""
+        self._policies: dict[PolicySpec, EvictionPolicy] = {} if self.spec is None else {self.spec: self.policy}
+        self._policy_of: dict[int, EvictionPolicy | None] = {}
+        self._name_of: dict[int, str] = {}
+        self.needs_attention = self.policy is not None and _observes(self.policy)
         self.backend: ReclaimBackend | None = None
         if config.variant == "vtoken":
             reclaim = ReclaimConfig(config.mode, config.fragmentation_threshold, config.check_invariants)
@@ -93,16 +103,31 @@ class KVCacheManager:
                         else AccountingCopyExecutor(simulated_bytes_per_token))
             self.backend = ReclaimBackend(self.table, self.pool, executor, reclaim)
         self.admission = AdmissionController(self.pool, AdmissionConfig(
-            config.variant, config.mode, config.fragmentation_threshold, config.evacuation_headroom))
+            config.variant, config.mode, config.fragmentation_threshold, config.evacuation_headroom),
+            reclaimable=(lambda: self.prefix.cache.num_reclaimable) if self.prefix else None)
         self.stats = KVStats()
         self._staged: dict[int, tuple[list[int], int]] = {}  # req -> (block list, kv_len after write)
 
-    # ---- admission -----------------------------------------------------------------------------
-    def final_budget(self, total_tokens: int) -> int | None:
-        """Live tokens a request of ``total_tokens`` keeps at completion (None: no eviction)."""
-        return None if self.policy is None else self.policy.budget.target(total_tokens)
+    # ---- policies ------------------------------------------------------------------------------
+    def resolve(self, eviction: EvictionSettings | None) -> PolicySpec | None:
+        """The policy spec a request with these settings runs with (None: it evicts nothing).
+        Raises ValueError for settings this engine cannot honour."""
+        if eviction is None or eviction.is_default:
+            return self.spec
+        if self.config.variant == "native" and eviction.policy != "native":
+            raise ValueError("this engine runs variant 'native' (no eviction): a request cannot name a "
+                             "policy or budget here")
+        return eviction.resolve(self.spec)
 
-    def check_fits_alone(self, prompt_len: int, max_tokens: int) -> None:
+    def policy_of(self, req_id: int) -> EvictionPolicy | None:
+        return self._policy_of.get(req_id)
+
+    # ---- admission -----------------------------------------------------------------------------
+    def final_budget(self, total_tokens: int, spec: PolicySpec | None = None) -> int | None:
+        """Live tokens a request of ``total_tokens`` keeps at completion (None: no eviction)."""
+        return None if spec is None else spec.budget.target(total_tokens)
+
+    def check_fits_alone(self, prompt_len: int, max_tokens: int, spec: PolicySpec | None = None) -> None:
         """Raises ValueError if the request could not run even with the whole pool to itself."""
         cfg = self.config
         if prompt_len + max_tokens > cfg.max_seq_len:
@@ -111,23 +136,39 @@ class KVCacheManager:
         usable = cfg.num_blocks - cfg.evacuation_headroom
         probe = AdmissionController(BlockPool(usable, cfg.tokens_per_block),
                                     AdmissionConfig(cfg.variant, cfg.mode, cfg.fragmentation_threshold))
-        if not probe.can_admit(prompt_len, max_tokens, self.final_budget(prompt_len + max_tokens)):
+        if not probe.can_admit(prompt_len, max_tokens, self.final_budget(prompt_len + max_tokens, spec)):
             raise ValueError(f"request needs more KV blocks than the pool's {usable} usable blocks "
                              f"(prompt {prompt_len} + max_tokens {max_tokens} tokens, "
                              f"tokens_per_block {cfg.tokens_per_block})")
 
-    def admit(self, req_id: int, prefill_len: int, remaining: int) -> bool:
-        """Registers the request (its prefill writes ``prefill_len`` tokens) if admission allows."""
-        cfg = self.config
-        budget = self.final_budget(prefill_len + remaining)
+    def admit(self, req_id: int, token_ids: list[int], remaining: int, spec: PolicySpec | None = None) -> int | None:
+        """Registers the request if admission allows; its prefill writes ``token_ids``. Returns
+        how many of them are cached already (their KV is there: prefill the rest), or None if it
+        does not fit now (nothing changed)."""
+        cfg, prefill_len = self.config, len(token_ids)
+        cached, reclaimable = self.prefix.probe(token_ids) if self.prefix else (0, 0)
+        # A shared prefix is kept on top of the budget (its tokens are protected): count it in.
+        shared = cached * cfg.tokens_per_block
+        budget = self.final_budget(prefill_len + remaining - shared, spec)
+        budget = None if budget is None else budget + shared
         if cfg.admission == "greedy":
-            if self.pool.num_free - cfg.evacuation_headroom < -(-prefill_len // cfg.tokens_per_block):
-                return False
-            self.admission.admit(req_id, prefill_len, remaining, budget, force=True)
-        elif not self.admission.admit(req_id, prefill_len, remaining, budget):
-            return False
+            free = self.pool.num_free + (self.prefix.cache.num_reclaimable - reclaimable if self.prefix else 0)
+            if free - cfg.evacuation_headroom < -(-prefill_len // cfg.tokens_per_block) - cached:
+                return None
+            self.admission.admit(req_id, prefill_len, remaining, budget, force=True, cached_blocks=cached)
+        elif not self.admission.admit(req_id, prefill_len, remaining, budget, cached_blocks=cached,
+                                      cached_reclaimable=reclaimable):
+            return None
         self.table.add_request(req_id)
-        return True
+        policy = None if spec is None else self._policies.setdefault(spec, spec.make())
+        self._policy_of[req_id] = policy
+        self._name_of[req_id] = "native" if spec is None else spec.name
+        self.needs_attention = self.needs_attention or (policy is not None and _observes(policy))
+        if self.prefix is None:
+            return 0
+        blocks = self.prefix.begin(req_id, token_ids)
+        self.table.sync_new_tokens(req_id, blocks, len(blocks) * cfg.tokens_per_block)
+        return self.prefix.cached_tokens(req_id)
 
     # ---- one step ------------------------------------------------------------------------------
     def reserve(self, req_id: int, num_new: int) -> list[int] | None:
@@ -137,13 +178,38 @@ class KVCacheManager:
         start, blocks = seq.kv_len, list(seq.block_ids)
         missing = -(-(start + num_new) // tpb) - len(blocks)
         if missing > 0:
-            fresh = self.pool.allocate(missing)
+            fresh = self.prefix.allocate(missing) if self.prefix else self.pool.allocate(missing)
             if fresh is None:
                 return None
             blocks += fresh
         self._staged[req_id] = (blocks, start + num_new)
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_used)
         return self.staged_slots(req_id)
+
+    # ---- prefix caching (no-ops without it) -----------------------------------------------------
+    def store_prompt(self, req_id: int, token_ids: list[int]) -> None:
+        """After ``reserve`` for the prefill: keys the prompt's full blocks (written by this step's
+        prefill forward, which runs before any later request's forward can read them)."""
+        if self.prefix is not None:
+            self.prefix.store_prompt(req_id, self._staged[req_id][0], token_ids)
+
+    def store_written(self, req_id: int, token_ids: Callable[[], list[int]]) -> None:
+        """After a decode step's commit: keys the block it filled, if any (``token_ids``: the
+        request's written tokens, asked for only then)."""
+        if self.prefix is not None:
+            seq = self.table.seq(req_id)
+            if seq.kv_len % self.config.tokens_per_block == 0 and seq.num_tokens == seq.kv_len:
+                self.prefix.store(req_id, seq.block_ids, token_ids())
+
+    def mass_cuts(self, req_id: int) -> list[int]:
+        """Query counts at which the request's prefill forward cuts its attention mass."""
+        return self.prefix.mass_cuts(req_id) if self.prefix is not None else []
+
+    def prefill_mass(self, req_id: int, mass: torch.Tensor, cut_mass: torch.Tensor | None) -> torch.Tensor:
+        """What the request's policy observes for its prefill: ``mass`` plus its cached prefix's."""
+        if self.prefix is None:
+            return mass
+        return self.prefix.prefill_mass(req_id, self.table.seq(req_id).block_ids, mass, cut_mass)
 
     def staged_slots(self, req_id: int) -> list[int]:
         """The flat slots ``reserve`` handed out for the request's pending write."""
@@ -180,7 +246,7 @@ class KVCacheManager:
     @property
     def masks_positions(self) -> bool:
         """Dead tokens may sit below kv_len (naive-evict, lazy mode): attention needs a mask."""
-        return self.policy is not None and not (self.backend is not None and self.config.mode == "dense")
+        return self.config.variant != "native" and not (self.backend is not None and self.config.mode == "dense")
 
     def commit(self, req_id: int) -> None:
         """The reserved tokens are written: they join the token table with the next logical ids."""
@@ -191,24 +257,30 @@ class KVCacheManager:
 
     def observe(self, req_id: int, mass: torch.Tensor) -> None:
         """Credits attention mass per physical position [>= kv_len] to the live tokens there."""
-        if not self.needs_attention:
+        policy = self._policy_of.get(req_id)
+        if policy is None or not _observes(policy):
             return
         start = time.perf_counter()
         seq = self.table.seq(req_id)
         tokens = seq.token_at[: seq.kv_len]
         live = self.table.position_live_mask(req_id)
-        self.policy.observe(req_id, tokens[live].astype(np.int64), mass[: seq.kv_len].cpu().numpy()[live])
+        policy.observe(req_id, tokens[live].astype(np.int64), mass[: seq.kv_len].cpu().numpy()[live])
         self.stats.policy_seconds += time.perf_counter() - start
 
     def evict(self, req_id: int) -> list[int]:
-        """Applies the policy's decision; returns the logical ids it evicted."""
-        if self.policy is None:
+        """Applies the request's policy's decision; returns the logical ids it evicted."""
+        policy = self._policy_of.get(req_id)
+        if policy is None:
             return []
         start = time.perf_counter()
-        doomed = self.policy.select(policy_view(self.table, req_id)).tolist()
+        doomed = policy.select(policy_view(self.table, req_id)).tolist()
         if doomed:
+            if self.prefix is not None:  # its chain ends before compaction may write there
+                self.prefix.cut(req_id, self.table.seq(req_id).block_ids, doomed)
             self.table.evict_tokens(req_id, doomed)
             self.stats.tokens_evicted += len(doomed)
+            by_policy = self.stats.tokens_evicted_by_policy
+            by_policy[self._name_of[req_id]] = by_policy.get(self._name_of[req_id], 0) + len(doomed)
         self.stats.policy_seconds += time.perf_counter() - start
         return doomed
 
@@ -220,7 +292,7 @@ class KVCacheManager:
             stream = torch.cuda.current_stream() if on_cuda else None
             return self.backend.reclaim(req_ids, pressure=pressure, stream=stream)
         freed = 0
-        if self.policy is not None:
+        if self.config.variant == "naive-evict":
             for req_id in req_ids:
                 freed += release_dead_blocks(self.table, self.pool, req_id)
             self.stats.dead_blocks_released += freed
@@ -235,20 +307,48 @@ class KVCacheManager:
         """Returns every block of the request to the pool and drops its state everywhere."""
         if req_id in self._staged:
             self.unreserve(req_id)
-        self.pool.free(self.table.remove_request(req_id))
+        blocks = self.table.remove_request(req_id)
+        if self.prefix is not None:
+            self.prefix.end(req_id, blocks)
+        else:
+            self.pool.free(blocks)
         self.admission.finish(req_id)
-        if self.policy is not None:
-            self.policy.forget(req_id)
+        policy = self._policy_of.pop(req_id, None)
+        self._name_of.pop(req_id, None)
+        if policy is not None:
+            policy.forget(req_id)
 
     # ---- reporting -----------------------------------------------------------------------------
+    @property
+    def num_available(self) -> int:
+        """Blocks a new allocation can get: free ones plus cached ones no request holds."""
+        return self.pool.num_free + (self.prefix.cache.num_reclaimable if self.prefix else 0)
+
     def usage(self) -> KVUsage:
+        """Blocks requests hold (cached blocks no request holds are free-able, not counted), the
+        live tokens in them (a token of a shared block once) and their slots."""
         ids = self.table.request_ids()
-        used = self.pool.num_used
-        return KVUsage(used, sum(self.table.num_live(r) for r in ids), used * self.config.tokens_per_block)
+        used = self.pool.num_blocks - self.num_available
+        live = sum(self.table.num_live(r) for r in ids)
+        if self.prefix is not None and self.prefix.cache.shared:
+            tpb = self.config.tokens_per_block
+            for block_id in self.prefix.cache.shared:  # shared blocks are full of protected live tokens
+                live -= (self.prefix.cache.holders(block_id) - 1) * tpb
+        return KVUsage(used, live, used * self.config.tokens_per_block)
 
     def check_integrity(self) -> None:
         self.table.check_integrity()
         self.pool.check_integrity()
-        held = sum(len(self.table.block_ids(r)) for r in self.table.request_ids())
+        references = sum(len(self.table.block_ids(r)) for r in self.table.request_ids())
         staged = sum(len(b) - len(self.table.block_ids(r)) for r, (b, _) in self._staged.items())
-        assert held + staged == self.pool.num_used, "leaked or double-held blocks"
+        if self.prefix is not None:
+            self.prefix.cache.check_integrity()
+            references += len(self.prefix.cache.key_of)
+        if references + staged != sum(self.pool.ref_counts):
+            raise RuntimeError(f"leaked or double-held blocks: {references + staged} references held, "
+                               f"{sum(self.pool.ref_counts)} counted by the pool")
+
+
+def _observes(policy: EvictionPolicy) -> bool:
+    """Does the policy learn from attention mass (the forward must then return it)?"""
+    return type(policy).observe is not EvictionPolicy.observe
