@@ -163,18 +163,18 @@ class ScorePolicy(EvictionPolicy):
         ``tests/policies/test_batch_select.py``): candidate masks over [B, L], then the lowest
         score per row with ties to the lower id; rows evicting several tokens at once (right
         after a prefill, or a budget change) take the exact per-row sort."""
-        targets = self.budget.targets(view.num_tokens)
-        excess = view.num_live - targets
+        protected = view.protected
+        kept = (protected & (view.tokens >= 0)).sum(axis=1) if protected is not None else 0  # protected live tokens
+        room = self.budget.targets(view.num_tokens - kept)  # unprotected tokens kept (see ``select``)
+        excess = view.num_live - kept - room
         active = np.flatnonzero(excess > 0)
         if not len(active):
             return BatchVictims.none()
         if len(active) < view.size:
-            view, targets, excess = view.rows(active), targets[active], excess[active]
-        protected = view.protected
-        kept = (protected & (view.tokens >= 0)).sum(axis=1) if protected is not None else 0  # protected live tokens
-        room = np.maximum(0, targets - kept)
+            view, room, excess = view.rows(active), room[active], excess[active]
+            protected = view.protected
         n_sink = np.minimum(self.n_sink, room)
-        recent = np.minimum(self.recent_tokens_batch(targets), room - n_sink)
+        recent = np.minimum(self.recent_tokens_batch(room), room - n_sink)
         tokens = view.tokens
         candidate = (tokens >= n_sink[:, None]) & (tokens < (view.num_tokens - recent)[:, None])
         if protected is not None:
