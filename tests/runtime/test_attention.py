@@ -57,3 +57,29 @@ def test_set_batch_rewrites_static_buffers_in_place():
     assert cache.block_offsets.data_ptr() == offsets and cache.kv_lens.data_ptr() == lens
     # unused columns point at the scratch block (8), never at a block of the pool
     assert cache.block_offsets.tolist() == [[1, 8, 8], [7, 8, 8]] and cache.kv_lens.tolist() == [2, 3]
+
+
+def test_mass_cuts_sum_the_first_queries_only():
+    """The cut at c is the mass of the first c queries (what a prefix of the prompt paid), the
+    cut at q_len the total, a cut at 0 nothing: checked against the loop reference per query."""
+    gen = torch.Generator().manual_seed(1)
+    cache = PagedKVCache(16, TPB, num_layers=1, num_kv_heads=HKV, head_dim=D, max_seqs=2, max_blocks_per_seq=4)
+    cache.pool.copy_(torch.randn(cache.pool.shape, generator=gen))
+    rows = [([9, 3, 12], 10, 6), ([5, 1], 7, 3)]  # (blocks, kv_len, new tokens)
+    cache.set_batch([r[0] for r in rows], [r[1] for r in rows])
+    q = torch.randn(2, 6, HQ, D, generator=gen)
+    q_lens = torch.tensor([6, 3])
+    cuts = torch.tensor([[2, 4, 6], [0, 1, 3]])
+    _, total = paged_attention(q, cache, 0, q_lens, return_mass=True)
+    _, cut = paged_attention(q, cache, 0, q_lens, mass_cuts=cuts)
+    length = total.shape[1]
+    assert cut.shape == (2, 3, length)
+    torch.testing.assert_close(cut[:, -1], total)
+    for row, (blocks, kv_len, q_len) in enumerate(rows):
+        for j, c in enumerate(cuts[row].tolist()):
+            expected = torch.zeros(length)
+            for i in range(c):  # query i alone: the loop reference of a row whose last query is i
+                _, mass = _loop_reference(q[row, i : i + 1], cache, 0, blocks, kv_len - q_len + i + 1, 1,
+                                          [True] * 16)
+                expected[: len(mass)] += mass
+            torch.testing.assert_close(cut[row, j], expected)

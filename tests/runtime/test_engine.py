@@ -45,7 +45,7 @@ def run(engine: Engine, batch: list[list[int]], params: SamplingParams, each_ste
         engine.kv.check_integrity()
         if each_step:
             each_step(engine)
-    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks, "blocks left after all finished"
+    assert engine.kv.num_available == engine.kv.pool.num_blocks, "blocks left after all finished"
     assert not engine.kv.admission.running and not engine.kv.layout.request_ids()
     return [engine.pop_finished(i) for i in ids]
 
@@ -129,7 +129,7 @@ def test_cancel_frees_blocks_of_running_and_waiting_requests(model):
     engine.kv.check_integrity()
     for req_id in ids[1:3]:
         engine.cancel(req_id)
-    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks and not engine.has_unfinished()
+    assert engine.kv.num_available == engine.kv.pool.num_blocks and not engine.has_unfinished()
 
 
 def test_requests_that_can_never_fit_are_refused(model):

@@ -63,7 +63,7 @@ def test_vtoken_agrees_with_naive_evict_on_sharegpt(smollm2_tokenizer, model):
         while engine.has_unfinished():
             engine.step()
         runs[mode if variant == "vtoken" else variant] = [engine.pop_finished(i) for i in ids]
-        assert engine.kv.pool.num_free == cfg.num_blocks
+        assert engine.kv.num_available == cfg.num_blocks
     naive_peak = engines["naive-evict"].kv.stats.peak_blocks_used
     for mode in ("dense", "lazy"):
         pairs = list(zip(runs["naive-evict"], runs[mode]))
@@ -94,4 +94,4 @@ def test_streamed_pieces_join_to_the_generated_text(smollm2_folder):
     [stopped] = llm.generate(OPEN_ENDED[1], SamplingParams(max_tokens=24, stop=(cut,)))
     assert stopped.finish_reason == "stop" and stopped.text == whole.text[: whole.text.index(cut)]
     assert "".join(llm.stream(OPEN_ENDED[1], SamplingParams(max_tokens=24, stop=(cut,)))) == stopped.text
-    assert llm.engine.kv.pool.num_free == 64
+    assert llm.engine.kv.num_available == 64

@@ -38,7 +38,7 @@ def test_simulated_engine_holds_real_block_accounting(variant, mode):
             for r in engine.running:
                 assert len(engine.kv.step.block_ids(r)) == -(-engine.kv.step.num_live(r) // 16)
     done = [engine.pop_finished(i) for i in ids]
-    assert all(len(r.output_ids) == 200 for r in done) and engine.kv.pool.num_free == 400
+    assert all(len(r.output_ids) == 200 for r in done) and engine.kv.num_available == 400
     assert engine.kv.cache is None  # no KV tensors at all
     if variant == "vtoken":
         stats = engine.kv.step_stats

@@ -79,7 +79,7 @@ def test_cancelled_clients_free_their_blocks(model):
     assert quitter.error == "request cancelled" and len(stayer.tokens) == 40
     loop.stop()
     engine = loop.engine
-    assert engine.stats.cancelled == 1 and engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    assert engine.stats.cancelled == 1 and engine.kv.num_available == engine.kv.pool.num_blocks
 
 
 def test_stop_fails_in_flight_requests_and_refuses_new_ones(model):
@@ -93,4 +93,4 @@ def test_stop_fails_in_flight_requests_and_refuses_new_ones(model):
     late = Collect()
     loop.submit(prompt(0), SamplingParams(), late)
     assert late.error == "server is shutting down"
-    assert loop.engine.kv.pool.num_free == loop.engine.kv.pool.num_blocks
+    assert loop.engine.kv.num_available == loop.engine.kv.pool.num_blocks

@@ -64,18 +64,41 @@ def test_fields_map_to_sampling_params():
     ({"text_input": "hi", "sampling_param_max_tokens": 2.5}, "must be integer"),
     ({"text_input": "hi", "sampling_param_top_p": 0.0}, "top_p must lie in"),
     ({"text_input": "hi", "streaming": 3}, "'streaming' must be bool"),
-    ({"text_input": "hi", "vtoken_policy": "lru"}, "unknown eviction policy 'lru'; known: h2o"),
+    ({"text_input": "hi", "vtoken_policy": "lru"}, "unknown eviction policy 'lru'; known: native, h2o"),
     ({"text_input": "hi", "sampling_param_best_of": 2}, "'sampling_param_best_of' must be 1"),
     ({"text_input": "hi", "sampling_param_presence_penalty": 5.0}, "presence_penalty must lie in"),
-    ({"text_input": "hi", "vtoken_policy": "random"}, "serves eviction policy 'h2o', not 'random'"),
     ({"text_input": "hi", "sampling_param_temperature": float("inf")}, "'sampling_param_temperature' must be a finite"),
     ({"text_input": "hi", "sampling_param_temperature": float("nan")}, "'sampling_param_temperature' must be a finite"),
     ({"text_input": "hi", "sampling_param_top_p": float("-inf")}, "'sampling_param_top_p' must be a finite"),
     ({"text_input": "hi", "sampling_param_max_tokens": -2**31}, r"got -2147483648 \(over HTTP.*wrapped around"),
+    ({"text_input": "hi", "vtoken_budget": 1.5}, "above 1 is a token count and must be whole"),
+    ({"text_input": "hi", "vtoken_budget": -2.0}, r"bad vToken eviction settings: .*ratio must lie in \(0, 1\]"),
+    ({"text_input": "hi", "vtoken_sink_tokens": -1}, "n_sink must be a non-negative integer"),
+    ({"text_input": "hi", "vtoken_recent_window": 2.0}, "'vtoken_recent_window' must be integer"),
+    ({"text_input": "hi", "vtoken_policy": "native", "vtoken_budget": 0.5}, "'native' evicts nothing"),
 ])
 def test_bad_fields_raise_a_clear_value_error(fields, message):
     with pytest.raises(ValueError, match=message):
         parse_request(getter(**fields), max_tokens_limit=100, served_policy="h2o")
+
+
+def test_eviction_settings_per_request():
+    parsed = parse_request(getter(text_input="hi", vtoken_policy="streaming_llm", vtoken_budget=0.25,
+                                  vtoken_sink_tokens=4, vtoken_recent_window=32), max_tokens_limit=100)
+    e = parsed.params.eviction
+    assert (e.policy, e.budget.ratio, e.n_sink, e.recent_window) == ("streaming_llm", 0.25, 4, 32)
+    assert parse_request(getter(text_input="hi", vtoken_budget=512.0), max_tokens_limit=100
+                         ).params.eviction.budget.tokens == 512
+    assert parse_request(getter(text_input="hi"), max_tokens_limit=100).params.eviction is None
+
+
+def test_a_backend_with_one_policy_refuses_other_settings():
+    one = dict(max_tokens_limit=100, served_policy="h2o", per_request_eviction=False)
+    assert parse_request(getter(text_input="hi", vtoken_policy="h2o"), **one).params.eviction is None
+    with pytest.raises(ValueError, match="serves eviction policy 'h2o', not 'random'"):
+        parse_request(getter(text_input="hi", vtoken_policy="random"), **one)
+    with pytest.raises(ValueError, match="one eviction policy for all requests"):
+        parse_request(getter(text_input="hi", vtoken_budget=0.5), **one)
 
 
 def test_settings_from_parameters():

@@ -63,11 +63,12 @@ def local_engine(triton_server):
     torch.set_num_threads(threads)
 
 
-def run_local(local_engine, prompt: str, max_tokens: int):
+def run_local(local_engine, prompt: str, max_tokens: int, eviction=None):
     from trtllm_vtoken.runtime.sampling import SamplingParams
 
     engine, tokenizer = local_engine
-    req_id = engine.add_request(tokenizer.encode(prompt, chat=True), SamplingParams(max_tokens=max_tokens))
+    params = SamplingParams(max_tokens=max_tokens, eviction=eviction)
+    req_id = engine.add_request(tokenizer.encode(prompt, chat=True), params)
     while engine.has_unfinished():
         engine.step()
     return engine.pop_finished(req_id)
@@ -149,7 +150,8 @@ def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(triton_server)
         ({"text_input": "hi", "sampling_param_max_tokens": 257}, "must lie in [1, 256], got 257"),
         ({"text_input": "word " * 1100, "sampling_param_max_tokens": 4}, "exceeds max_seq_len 1024"),
         ({"text_input": "hi", "vtoken_policy": "lru"}, "unknown eviction policy 'lru'"),
-        ({"text_input": "hi", "vtoken_policy": "random"}, "serves eviction policy 'h2o', not 'random'"),
+        # Per-request settings accept any known policy ("random" too); a bad value is refused.
+        ({"text_input": "hi", "vtoken_policy": "random", "vtoken_budget": -2.0}, "ratio must lie in (0, 1]"),
         # Triton's HTTP front end casts JSON integers to the input's int32: 2**40 arrives as 0.
         ({"text_input": "hi", "sampling_param_max_tokens": 2**40}, "got 0 (over HTTP, Triton converts JSON integers "
                                                                     "to int32 before the model sees them"),
@@ -159,6 +161,8 @@ def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(triton_server)
         ({"text_input": "hi", "sampling_param_top_p": float("nan")}, "'sampling_param_top_p' must be a finite number"),
         ({"text_input": "hi", "sampling_param_max_token": 8}, "unknown input 'sampling_param_max_token'; did you mean "
                                                               "'sampling_param_max_tokens'?"),
+        ({"text_input": "hi", "vtoken_budget": 1.5}, "above 1 is a token count and must be whole"),
+        ({"text_input": "hi", "vtoken_policy": "native", "vtoken_budget": 0.5}, "'native' evicts nothing"),
     ]
     for body, message in cases:
         status, answer = generate(triton_server, "tensorrt_llm", body)
@@ -203,6 +207,24 @@ def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(triton_server)
     assert client.is_server_live() and client.is_model_ready("tensorrt_llm")
     status, body = generate(triton_server, "ensemble", {"text_input": "hi", "max_tokens": 4})
     assert status == 200 and body["text_output"]
+
+
+def test_a_request_brings_its_own_eviction_settings(triton_server, local_engine):
+    from trtllm_vtoken.policies.request_settings import EvictionSettings
+
+    def policy_requests(policy: str) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{triton_server.metrics_port}/metrics").read().decode()
+        found = re.search(r'^vtoken_policy_requests\{[^}]*policy="' + policy + r'"[^}]*\} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    before = policy_requests("streaming_llm")
+    expected = run_local(local_engine, PROMPTS[1], 16, EvictionSettings("streaming_llm", 12, n_sink=4))
+    assert local_engine[0].kv.stats.tokens_evicted_by_policy["streaming_llm"] > 0  # the settings bite
+    status, body = generate(triton_server, "tensorrt_llm", {
+        "text_input": PROMPTS[1], "sampling_param_max_tokens": 16, "vtoken_policy": "streaming_llm",
+        "vtoken_budget": 12, "vtoken_sink_tokens": 4})
+    assert status == 200 and body["text_output"] == expected.text
+    assert policy_requests("streaming_llm") == before + 1
 
 
 def test_metrics_agree_with_the_engines_own_counters(triton_server, local_engine):

@@ -60,7 +60,8 @@ def run_once(setting: CapacitySetting, variant: str, concurrency: int, budget: f
     config = EngineConfig(
         variant=variant, mode="dense", policy="h2o", budget=budget, tokens_per_block=setting.tokens_per_block,
         num_blocks=setting.num_blocks, max_batch_size=concurrency,
-        max_seq_len=setting.prompt_len + setting.output_len, admission="greedy", seed=seed)
+        max_seq_len=setting.prompt_len + setting.output_len, admission="greedy", seed=seed,
+        prefix_caching=False)  # the placeholder prompts are identical: they must not share blocks
     engine = Engine(SimulatedModel(MODEL_SHAPES[setting.model], SyntheticAttention(seed)), config)
     for _ in range(concurrency):
         engine.add_request([1] * setting.prompt_len, SamplingParams(max_tokens=setting.output_len, ignore_eos=True))

@@ -40,7 +40,7 @@ class SharingBenchConfig:
     decode_tokens: int = 256
     tokens_per_block: int = 16
     budget: float = 0.6
-    """H2O retention ratio of each request's whole length; the protected prefix counts against it."""
+    """H2O retention ratio of each request's private tokens (the protected shared prefix is kept on top)."""
     degrees: tuple[int, ...] = (1, 2, 4, 8)
     seed: int = 0
 

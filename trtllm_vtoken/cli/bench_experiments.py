@@ -38,11 +38,25 @@ def register(bench) -> None:
     add_output_options(sla, "levels 2,4,8, two requests per client, 24 new tokens", run_sla)
 
     sharing = bench.add_parser(
-        "sharing", help="prefix sharing at degree 1/2/4/8: retained blocks, no shared block moved (simulated)",
-        description="Shared prompt prefixes (reference-counted blocks) with private suffixes, H2O "
-                    "decoding; naive-evict with prefix caching vs vtoken dense.")
-    sharing.add_argument("--decode-tokens", type=int, default=256)
-    add_output_options(sharing, "64 decode steps", run_sharing)
+        "sharing", help="prefix sharing at degree 1/2/4/8: retained blocks, no shared block moved "
+                        "(simulated, or --real: the real model with prefix caching)",
+        description="Shared prompt prefixes with private suffixes, H2O decoding. Simulated (default): "
+                    "reference-counted blocks, naive-evict vs vtoken dense. --real: SmolLM2-135M with the "
+                    "engine's automatic prefix caching, native / naive-evict / vtoken dense and lazy.")
+    sharing.add_argument("--decode-tokens", type=int, default=None,
+                         help="decode steps (default 256 simulated, 32 with --real)")
+    sharing.add_argument("--real", action="store_true", help="run the real model with prefix caching")
+    sharing.add_argument("--requests", type=int, default=8, help="--real: requests per degree (default 8)")
+    sharing.add_argument("--prefix-tokens", type=int, default=1024,
+                         help="--real: shared system prompt length (default 1024)")
+    sharing.add_argument("--suffix-tokens", type=int, default=512,
+                         help="--real: private suffix per request (default 512)")
+    sharing.add_argument("--budget", default="0.75",
+                         help="--real: H2O budget per request, a ratio of its length or a count (default 0.75)")
+    sharing.add_argument("--recent-ratio", type=float, default=0.1,
+                         help="--real: share of the budget H2O keeps for the newest tokens (default 0.1)")
+    sharing.add_argument("--no-check", action="store_true", help="--real: skip I1/I2/I4 on every relocation")
+    add_output_options(sharing, "64 decode steps (--real: 4 requests, 256 + 128 tokens, degrees 1, 2, 4)", run_sharing)
 
     shift = bench.add_parser(
         "shift", help="position-shift vs keep: tokens/s and the extra KV bytes re-rotation touches (real model)",
@@ -158,7 +172,9 @@ def run_sharing(args: argparse.Namespace) -> int:
     from trtllm_vtoken.cli.bench_common import publish
     from trtllm_vtoken.report import format_table
 
-    cfg = SharingBenchConfig(decode_tokens=64 if args.quick else args.decode_tokens)
+    if args.real:
+        return run_sharing_real(args)
+    cfg = SharingBenchConfig(decode_tokens=64 if args.quick else args.decode_tokens or 256)
     total = len(cfg.degrees) * len(VARIANTS) * cfg.decode_tokens
     with tqdm(total=total, desc="bench sharing", unit="step", disable=None, file=sys.stderr) as bar:
         result = run_sharing_bench(cfg, progress=bar)
@@ -222,4 +238,47 @@ def run_shift_exactness(args: argparse.Namespace) -> int:
                        [[r["policy"], r["n_sink"], r["shift_vs_keep_dense"], r["shift_vs_keep_lazy"],
                          r["keep_dense_vs_keep_lazy"], r["same_greedy_tokens"]] for r in result["rows"]]))
     publish(args.out, "shift_exactness", result)
+    return 0
+
+
+def run_sharing_real(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from trtllm_vtoken.bench.sharing_real import (
+        ROWS,
+        RealSharingConfig,
+        plot_real_sharing,
+        run_real_sharing_bench,
+    )
+    from trtllm_vtoken.cli.bench_common import publish
+    from trtllm_vtoken.report import format_table
+    from trtllm_vtoken.runtime.checkpoint import ensure_default_model
+    from trtllm_vtoken.runtime.model import load_llama
+    from trtllm_vtoken.runtime.tokenizer import Tokenizer
+
+    options = dict(budget=args.budget, policy_options={"recent_ratio": args.recent_ratio},
+                   check_invariants=not args.no_check)
+    if args.quick:
+        cfg = RealSharingConfig(requests=4, prefix_tokens=256, suffix_tokens=128, decode_tokens=16,
+                                degrees=(1, 2, 4), **options)
+    else:
+        cfg = RealSharingConfig(requests=args.requests, prefix_tokens=args.prefix_tokens,
+                                suffix_tokens=args.suffix_tokens, decode_tokens=args.decode_tokens or 32, **options)
+    folder = ensure_default_model()
+    model, tokenizer = load_llama(folder), Tokenizer(folder)
+    with tqdm(total=len(cfg.degrees) * len(ROWS), desc="bench sharing --real", unit="run", disable=None,
+              file=sys.stderr) as bar:
+        result = run_real_sharing_bench(cfg, model, tokenizer, progress=bar)
+    print(f"vtoken bench sharing --real: SmolLM2-135M, {cfg.requests} requests, {cfg.prefix_tokens}-token shared "
+          f"system prompts, {cfg.suffix_tokens}-token private suffixes, {cfg.decode_tokens} decode steps, "
+          f"{cfg.policy} budget {cfg.budget} {cfg.policy_options}, prefix caching on in every row")
+    print(format_table(
+        ["degree", "row", "prefix hit %", "retained blocks", "mean", "fewer than naive %", "KV util %",
+         "decode tok/s", "relocations", "checked", "touching shared/cached", "outputs = naive"],
+        [[r["degree"], f"{r['variant']}{'' if r['mode'] == '-' else '/' + r['mode']} + cache",
+          100 * r["prefix_hit_rate"], r["retained_blocks_end"], r["retained_blocks_mean"],
+          r["fewer_blocks_than_naive_pct"], 100 * r["kv_utilization"], r["decode_tokens_per_s"],
+          r["relocations"], r["invariant_checks"], r["plans_touching_shared_or_cached"],
+          r["same_outputs_as_naive_evict"]] for r in result["rows"]]))
+    publish(args.out, "sharing_real", result, plot_real_sharing)
     return 0

@@ -17,9 +17,11 @@ def add_engine_args(parser: argparse.ArgumentParser, variant: bool = True) -> No
     g.add_argument("--mode", choices=["dense", "lazy"], default="dense", help="vtoken compaction mode")
     g.add_argument("--positions", choices=["keep", "shift"], default="keep",
                    help="RoPE positions: keep (logical positions, keys never re-rotated) or shift "
-                        "(physical positions; compaction re-rotates the surviving keys)")
-    g.add_argument("--policy", default="h2o", help="eviction policy (see `vtoken info`)")
-    g.add_argument("--budget", default="0.5", help="live tokens kept: a count (256) or a ratio (0.5)")
+                        "(physical positions; compaction re-rotates the surviving keys; no prefix caching)")
+    g.add_argument("--policy", default="h2o",
+                   help="the engine's eviction policy, for requests that name none (see `vtoken info`)")
+    g.add_argument("--budget", default="0.5",
+                   help="the engine's budget: live tokens kept, a count (256) or a ratio (0.5)")
     g.add_argument("--tokens-per-block", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=512, help="KV block budget of the pool")
     g.add_argument("--max-batch-size", type=int, default=32)
@@ -43,3 +45,42 @@ def engine_settings(args: argparse.Namespace, **overrides) -> dict:
         values["variant"] = args.variant
     values.update(overrides)
     return values
+
+
+def add_request_eviction_args(parser: argparse.ArgumentParser) -> None:
+    """Per-request eviction settings: given once they apply to every prompt, given once per
+    prompt they pair with the prompts in order."""
+    g = parser.add_argument_group(
+        "eviction per request",
+        "Each flag may be given once (all prompts) or once per prompt (in order); unset values "
+        "come from the engine's --policy / --budget.")
+    g.add_argument("--request-policy", action="append", default=[], metavar="NAME",
+                   help="a registered policy, or 'native' to evict nothing of the request")
+    g.add_argument("--request-budget", action="append", default=[], metavar="N|R",
+                   help="live tokens the request keeps: a count (512) or a ratio (0.25)")
+    g.add_argument("--request-sinks", action="append", default=[], type=int, metavar="N",
+                   help="first tokens never evicted (attention sinks)")
+    g.add_argument("--request-window", action="append", default=[], type=int, metavar="N",
+                   help="newest tokens never evicted")
+
+
+def request_evictions(args: argparse.Namespace, num_prompts: int) -> list:
+    """One ``EvictionSettings`` (or None) per prompt. Raises ValueError for a flag given neither
+    once nor once per prompt, or for a bad value."""
+    from trtllm_vtoken.policies.request_settings import EvictionSettings
+
+    columns = {"policy": args.request_policy, "budget": args.request_budget,
+               "n_sink": args.request_sinks, "recent_window": args.request_window}
+    flags = {"policy": "--request-policy", "budget": "--request-budget", "n_sink": "--request-sinks",
+             "recent_window": "--request-window"}
+    for name, values in columns.items():
+        if len(values) not in (0, 1, num_prompts):
+            raise ValueError(f"{flags[name]} given {len(values)} times for {num_prompts} prompts: "
+                             "give it once or once per prompt")
+    if not any(columns.values()):
+        return [None] * num_prompts
+    settings = []
+    for i in range(num_prompts):
+        values = {k: (v[i] if len(v) > 1 else v[0]) for k, v in columns.items() if v}
+        settings.append(EvictionSettings(**values))
+    return settings

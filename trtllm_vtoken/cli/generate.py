@@ -7,7 +7,12 @@ import argparse
 import sys
 import time
 
-from trtllm_vtoken.cli.engine_args import add_engine_args, engine_settings
+from trtllm_vtoken.cli.engine_args import (
+    add_engine_args,
+    add_request_eviction_args,
+    engine_settings,
+    request_evictions,
+)
 
 
 def register(sub) -> None:
@@ -26,6 +31,7 @@ def register(sub) -> None:
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--no-chat", action="store_true", help="send the text as is, without the chat template")
+    add_request_eviction_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -35,12 +41,13 @@ def run(args: argparse.Namespace) -> int:
     from trtllm_vtoken.runtime.sampling import SamplingParams
 
     config = EngineConfig(**engine_settings(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), eviction=eviction)
+              for eviction in request_evictions(args, len(args.prompts))]
     llm = LLM(args.model, config)
     start = time.perf_counter()
     if len(args.prompts) == 1:
-        for piece in llm.stream(args.prompts[0], params, chat=not args.no_chat):
+        for piece in llm.stream(args.prompts[0], params[0], chat=not args.no_chat):
             print(piece, end="", flush=True)
         print(flush=True)
     else:

@@ -101,9 +101,12 @@ class EvictionPolicy(ABC):
 class ScorePolicy(EvictionPolicy):
     """Keeps the highest-scoring tokens; sinks and the most recent tokens always survive.
 
-    Evicts ``num_live - budget.target(num_tokens)`` tokens among the unprotected ones, lowest
-    score first (ties: lower id first). If protection leaves too few candidates, evicts all of
-    them: a policy never asks the table to evict a protected token.
+    Protected tokens (in blocks shared with other requests, prefix caching) are kept and do not
+    count against the budget: the budget applies to the rest, ``budget.target(num_tokens -
+    protected)`` of them are kept, lowest score first out (ties: lower id first). A request's
+    private context is thus kept at the same rate whether or not others share its prefix (the
+    shared blocks cost it no memory of its own). A policy never asks the table to evict a
+    protected token.
     """
 
     n_sink: int = 0
@@ -148,30 +151,31 @@ class ScorePolicy(EvictionPolicy):
         return np.full(len(targets), self.recent_window, dtype=np.int64)
 
     def wants_to_evict(self, num_tokens: np.ndarray, num_live: np.ndarray) -> np.ndarray:
-        return num_live > self.budget.targets(num_tokens)  # select evicts only above the budget
+        # select evicts only above the budget. With p protected tokens it keeps p + target(n - p)
+        # >= target(n) (a target grows by at most one per token), so these rows are a superset.
+        return num_live > self.budget.targets(num_tokens)
 
     def candidate_bounds(self, num_tokens: np.ndarray, num_live: np.ndarray,
                          protected_live: np.ndarray | int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per row: (tokens to evict, lowest and one past the highest candidate id). Candidates
         are the unprotected live ids in [lo, hi): above the sinks, below the recent window, both
-        shrunk so the budget can still be met once protected tokens are kept. int64 arrays."""
-        targets = self.budget.targets(num_tokens)
-        room = np.maximum(0, targets - protected_live)
+        shrunk so the budget can still be met. ``protected_live`` tokens are kept on top of the
+        budget, which applies to the rest (see ``select``). int64 arrays."""
+        room = self.budget.targets(num_tokens - protected_live)  # unprotected tokens kept
         n_sink = np.minimum(self.n_sink, room)
-        recent = np.minimum(self.recent_tokens_batch(targets), room - n_sink)
-        return num_live - targets, n_sink, num_tokens - recent
+        recent = np.minimum(self.recent_tokens_batch(room), room - n_sink)
+        return num_live - protected_live - room, n_sink, num_tokens - recent
 
     def select(self, view: PolicyView) -> np.ndarray:
-        target = self.budget.target(view.num_tokens)
-        excess = len(view.live_ids) - target
+        protected = int(view.protected.sum())
+        room = self.budget.target(view.num_tokens - protected)  # unprotected tokens kept
+        excess = len(view.live_ids) - protected - room
         if excess <= 0:
             return np.zeros(0, dtype=np.int64)
         ids = view.live_ids
-        # Protected tokens are kept whatever the budget; sinks and the recent window are
-        # preferences that shrink so the budget can still be met.
-        room = max(0, target - int(view.protected.sum()))
+        # Sinks and the recent window are preferences that shrink so the budget can be met.
         n_sink = min(self.n_sink, room)
-        recent = min(self.recent_tokens(target), room - n_sink)
+        recent = min(self.recent_tokens(room), room - n_sink)
         candidate = ~view.protected & (ids >= n_sink) & (ids < view.num_tokens - recent)
         cand_ids = ids[candidate]
         if len(cand_ids) <= excess:
@@ -180,13 +184,12 @@ class ScorePolicy(EvictionPolicy):
         order = np.lexsort((cand_ids, scores))[:excess]
         return np.sort(cand_ids[order]).astype(np.int64)
 
-
     def select_batch(self, view: BatchView) -> BatchVictims:
         """``select`` row by row, vectorised over the batch (the same victims, checked by
         ``tests/policies/test_batch_select.py``): candidate masks over [B, L], then the lowest
         score per row with ties to the lower id; rows evicting several tokens at once (right
         after a prefill, or a budget change) take the exact per-row sort."""
-        active = np.flatnonzero(view.num_live > self.budget.targets(view.num_tokens))
+        active = np.flatnonzero(self.wants_to_evict(view.num_tokens, view.num_live))  # a superset of the rows
         if not len(active):
             return BatchVictims.none()
         if len(active) < view.size:
@@ -194,6 +197,13 @@ class ScorePolicy(EvictionPolicy):
         protected = view.protected
         kept = (protected & (view.tokens >= 0)).sum(axis=1) if protected is not None else 0  # protected live tokens
         excess, lo, hi = self.candidate_bounds(view.num_tokens, view.num_live, kept)
+        if protected is not None:  # the rows over budget once their protected tokens are set aside
+            over = np.flatnonzero(excess > 0)
+            if not len(over):
+                return BatchVictims.none()
+            if len(over) < view.size:
+                view, active, protected = view.rows(over), active[over], protected[over]
+                excess, lo, hi = excess[over], lo[over], hi[over]
         tokens = view.tokens
         candidate = (tokens >= lo[:, None]) & (tokens < hi[:, None])
         if protected is not None:

@@ -13,9 +13,11 @@ Each running request ``r`` reserves ``max(0, peak(r) - held(r))`` blocks of the 
                           (holes are tolerated up to the threshold before compaction runs)
 
 plus ``evacuation_headroom`` blocks kept free for the whole pool, so a relocation never needs a
-block that is not there. Because ``peak`` follows the eviction budget, blocks that compaction
-returns to the pool are credited to admission at once, instead of being re-reserved as in a
-reservation based on the logical length.
+block that is not there. With prefix caching, cached blocks no request holds count as free (they
+are reclaimed on demand), and a new request's prompt blocks found in the cache need no new block.
+Because ``peak`` follows the eviction budget, blocks that compaction returns to the pool are
+credited to admission at once, instead of being re-reserved as in a reservation based on the
+logical length.
 
 ``peak_blocks`` is the one demand formula: the reference runtime's admission and TensorRT-LLM's
 ``get_needed_resource_to_completion`` (``integration/trtllm``) both use it.
@@ -23,6 +25,7 @@ reservation based on the logical length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -65,9 +68,12 @@ class RequestState:
 class AdmissionController:
     """Tracks running requests' reservations against one block pool."""
 
-    def __init__(self, pool: BlockPool, config: AdmissionConfig | None = None) -> None:
+    def __init__(self, pool: BlockPool, config: AdmissionConfig | None = None,
+                 reclaimable: Callable[[], int] | None = None) -> None:
+        """``reclaimable``: blocks not free but freed on demand (cached blocks no request holds)."""
         self.pool = pool
         self.config = config or AdmissionConfig()
+        self.reclaimable = reclaimable or (lambda: 0)
         self.running: dict[int, RequestState] = {}
 
     def peak_blocks(self, state: RequestState) -> int:
@@ -83,18 +89,24 @@ class AdmissionController:
         return growth + self.config.evacuation_headroom
 
     def available_blocks(self) -> int:
-        """Free blocks a new request may take: free minus reserved (may be negative)."""
-        return self.pool.num_free - self.reserved_blocks()
+        """Free blocks a new request may take: free (and reclaimable) minus reserved (may be
+        negative)."""
+        return self.pool.num_free + self.reclaimable() - self.reserved_blocks()
 
-    def can_admit(self, prompt_len: int, max_new_tokens: int, budget: int | None) -> bool:
+    def can_admit(self, prompt_len: int, max_new_tokens: int, budget: int | None, cached_blocks: int = 0,
+                  cached_reclaimable: int = 0) -> bool:
         """Would a new request fit? Its peak is the whole prompt (prefill writes it all before the
-        first eviction) or its steady-state peak, whichever is larger."""
+        first eviction) or its steady-state peak, whichever is larger; ``cached_blocks`` of it
+        exist already (its cached prefix), ``cached_reclaimable`` of those count as reclaimable
+        now and stop being so once it holds them."""
         if prompt_len <= 0 or max_new_tokens <= 0:
             raise ValueError(f"prompt_len ({prompt_len}) and max_new_tokens ({max_new_tokens}) must be positive")
-        return self.peak_blocks(RequestState(prompt_len, prompt_len, max_new_tokens, budget)) <= self.available_blocks()
+        need = self.peak_blocks(RequestState(prompt_len, prompt_len, max_new_tokens, budget)) - cached_blocks
+        return need <= self.available_blocks() - cached_reclaimable
 
     def admit(
-        self, req_id: int, prompt_len: int, max_new_tokens: int, budget: int | None, force: bool = False
+        self, req_id: int, prompt_len: int, max_new_tokens: int, budget: int | None, force: bool = False,
+        cached_blocks: int = 0, cached_reclaimable: int = 0,
     ) -> bool:
         """Registers the request if it fits; False (changing nothing) if it does not.
 
@@ -103,9 +115,9 @@ class AdmissionController:
         """
         if req_id in self.running:
             raise ValueError(f"request {req_id} is already admitted")
-        if not force and not self.can_admit(prompt_len, max_new_tokens, budget):
+        if not force and not self.can_admit(prompt_len, max_new_tokens, budget, cached_blocks, cached_reclaimable):
             return False
-        self.running[req_id] = RequestState(prompt_len, prompt_len, max_new_tokens, budget)
+        self.running[req_id] = RequestState(prompt_len, prompt_len, max_new_tokens, budget, held=cached_blocks)
         return True
 
     def update(self, req_id: int, *, logical_len: int, live: int, remaining: int, held: int) -> None:

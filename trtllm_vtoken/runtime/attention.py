@@ -24,6 +24,7 @@ def paged_attention(
     q_lens: torch.Tensor,
     valid: torch.Tensor | None = None,
     return_mass: bool = False,
+    mass_cuts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """
     Args:
@@ -33,6 +34,11 @@ def paged_attention(
             naive-evict and lazy mode). None: every position below kv_len is attended (dense mode).
         return_mass: also return the attention each position received, summed over heads and real
             queries (for H2O / Scissorhands). Shape: [B, max_blocks * tokens_per_block].
+        mass_cuts: [B, K] int, instead of the total: the mass of the first ``mass_cuts[b, j]``
+            queries of row b (0 <= cut <= q_len), for each j. Shape: [B, K, max_blocks *
+            tokens_per_block]. A prefill cut at each block end gives what the prompt's first
+            blocks paid each other, which depends on those blocks' tokens alone (prefix caching
+            keeps it with them).
     Returns:
         out [B, Tq, num_heads, head_dim] and the mass (or None).
     """
@@ -60,5 +66,10 @@ def paged_attention(
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with nothing allowed -> zeros
     out = torch.matmul(probs.view(batch, num_kv_heads, group * tq, length), v.float())
     out = out.view(batch, num_heads, tq, head_dim).permute(0, 2, 1, 3).to(q.dtype)
+    if mass_cuts is not None:
+        per_query = probs.sum(dim=(1, 2)).cumsum(dim=1)  # [B, Tq, L]: queries [0, q] together
+        cuts = mass_cuts.to(q.device).long()
+        taken = per_query.gather(1, (cuts - 1).clamp(min=0)[:, :, None].expand(-1, -1, length))
+        return out, taken * (cuts > 0)[:, :, None]
     mass = probs.sum(dim=(1, 2, 3)) if return_mass else None
     return out, mass

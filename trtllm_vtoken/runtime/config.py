@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from trtllm_vtoken.config_base import from_dict
 from trtllm_vtoken.policies import POLICIES, Budget, make_policy
+from trtllm_vtoken.policies.request_settings import PolicySpec
 
 VARIANTS = ("native", "naive-evict", "vtoken")
 Variant = Literal["native", "naive-evict", "vtoken"]
@@ -34,6 +35,7 @@ class EngineConfig:
     budget: int | float | str = 0.5
     """Live tokens kept per request: a count (``256``) or a retention ratio (``0.5``)."""
     policy_options: dict[str, Any] = field(default_factory=dict)
+    """The engine's policy is the default: a request may bring its own (``SamplingParams.eviction``)."""
     tokens_per_block: int = 16
     num_blocks: int = 512
     """The KV block budget: blocks in the pool, shared by all requests."""
@@ -45,6 +47,11 @@ class EngineConfig:
     preemption in steady state). "greedy": admit whenever the prompt fits now; preempt and
     recompute when the pool runs dry."""
     evacuation_headroom: int = 0
+    prefix_caching: bool = True
+    """Automatic prefix caching, on by default as in TensorRT-LLM (``enable_block_reuse``), vLLM
+    and SGLang: a prompt's full blocks are keyed by their tokens; a request whose prompt starts
+    with cached blocks shares them and prefills only the rest; finished requests' blocks stay
+    cached until the pool needs them. Shared blocks are protected from eviction and relocation."""
     fragmentation_threshold: int = 1
     check_invariants: bool = False
     """Check I1/I2/I4 on every relocation (slower; on in tests)."""
@@ -99,6 +106,10 @@ class EngineConfig:
 
     def make_policy(self):
         return make_policy(self.policy, Budget.parse(self.budget), **self.policy_options)
+
+    def policy_spec(self) -> PolicySpec:
+        """The engine's policy as a spec (what requests without settings of their own run with)."""
+        return PolicySpec.of(self.policy, self.budget, self.policy_options)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,10 +41,15 @@ from trtllm_vtoken.runtime.tokenizer import StreamText, Tokenizer
 class EngineStats:
     steps: int = 0
     prefill_tokens: int = 0
+    """Prompt tokens the model computed (a cached prefix is not computed)."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens found in the prefix cache at admission: their KV was reused, not prefilled."""
     decode_tokens: int = 0
     preemptions: int = 0
     finished: int = 0
     cancelled: int = 0
+    requests_by_policy: dict[str, int] = field(default_factory=dict)
+    """Requests added, by the eviction policy each runs with ("native": none)."""
     forward_seconds: float = 0.0
     """Wall time of model forwards (logits copied to the host included)."""
 
@@ -103,6 +108,8 @@ class Engine:
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._ids = itertools.count()
         self._reported: list[RequestOutput] = []
+        self._specs: dict = {}  # request -> the PolicySpec it runs with (None: it evicts nothing)
+        self._prefill_from: dict[int, int] = {}  # admitted this step -> cached prompt tokens
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -117,11 +124,15 @@ class Engine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need an engine with a tokenizer")
-        self.kv.check_fits_alone(len(prompt_ids), params.max_tokens)
+        spec = self.kv.resolve(params.eviction)
+        self.kv.check_fits_alone(len(prompt_ids), params.max_tokens, spec)
         req_id = next(self._ids) if req_id is None else req_id
         if req_id in self.requests:
             raise ValueError(f"request id {req_id} is already in use")
         self.requests[req_id] = Request(req_id, prompt_ids, params, arrival=time.perf_counter())
+        self._specs[req_id] = spec
+        name = "native" if spec is None else spec.name
+        self.stats.requests_by_policy[name] = self.stats.requests_by_policy.get(name, 0) + 1
         if self.tokenizer is not None:
             self._texts[req_id] = StreamText(self.tokenizer, params.stop)
         if params.seed is not None:
@@ -165,22 +176,26 @@ class Engine:
             results += self._forward(decode, [[self.requests[r].pending] for r in decode])
             self.stats.decode_tokens += len(decode)
         for req_id in prefill:
-            ids = self.requests[req_id].prefill_ids()
-            results += self._forward([req_id], [ids])
+            cached = self._prefill_from.pop(req_id)
+            ids = self.requests[req_id].prefill_ids()[cached:]  # the cached prefix is not recomputed
+            results += self._forward([req_id], [ids], prefill=True)
             self.stats.prefill_tokens += len(ids)
+            self.stats.cached_prompt_tokens += cached
         continuing, masses, queries = [], [], []
         for request, logits, mass, num_queries in results:
             reported.append(self._advance(request, logits))
             if request.status is Status.RUNNING:
                 continuing.append(request.req_id), masses.append(mass), queries.append(num_queries)
         # One step for every request that goes on: its new tokens join the table, the policy
-        # decides for the whole batch, one copy relocates every request's KV; then admission
-        # learns what each now holds.
+        # decides for the whole batch (a request's cached chain is cut before its KV can move),
+        # one copy relocates every request's KV; then admission learns what each now holds, and
+        # the prefix cache keys the blocks that filled.
         out = self.kv.step_batch(continuing, self._batch_mass(continuing, masses, queries))
         if self.record_trace:
             for i, req_id in enumerate(continuing):
                 self.requests[req_id].evictions.append(tuple(out.victims_of(i)) if out is not None else ())
         self.kv.update(continuing, [self.requests[r].remaining for r in continuing])
+        self.kv.store_written(continuing, lambda r: self.requests[r].prefill_ids())
         if self.config.check_invariants:  # every rank: same table, same free blocks, same tokens
             sampled = [t for out in reported for t in (out.req_id, *out.new_token_ids)]
             self.consistency.check(self.stats.steps, self.kv.layout, [self.kv.pool.num_free, *sampled])
@@ -206,11 +221,14 @@ class Engine:
         while self.waiting and len(self.running) < self.config.max_batch_size:
             request = self.requests[self.waiting[0]]
             ids = request.prefill_ids()
-            if not self.kv.admit(request.req_id, len(ids), request.remaining):
+            cached = self.kv.admit(request.req_id, ids, request.remaining, self._specs[request.req_id])
+            if cached is None:
                 break
-            if not self.kv.reserve(request.req_id, len(ids)):  # greedy admission raced the pool
+            if not self.kv.reserve(request.req_id, len(ids) - cached):  # greedy admission raced the pool
                 self.kv.release(request.req_id)
                 break
+            self.kv.store_prompt(request.req_id, ids)
+            self._prefill_from[request.req_id] = cached
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request.req_id)
@@ -226,9 +244,9 @@ class Engine:
         self.stats.preemptions += 1
         self.waiting.appendleft(req_id)
 
-    def _forward(self, req_ids: list[int], tokens: list[list[int]]):
+    def _forward(self, req_ids: list[int], tokens: list[list[int]], prefill: bool = False):
         """One forward over rows of new tokens; returns (request, last logits, mass, new tokens)
-        per row."""
+        per row. ``prefill``: one request's prompt (after its cached prefix)."""
         if self.simulated:
             return self._simulate(req_ids, tokens)
         kv, device = self.kv, self.config.device
@@ -242,15 +260,19 @@ class Engine:
             positions[i, : len(row)] = torch.arange(first, first + len(row))
             slots[i, : len(row)] = torch.tensor(kv.staged_slots(req_id))
         valid = kv.set_batch(req_ids)
+        # A prefill that stores prompt blocks also cuts its mass at their ends (prefix caching
+        # keeps what a cached prefix's queries paid, see runtime/prefix_caching.py).
+        cuts = kv.mass_cuts(req_ids[0]) if prefill and kv.needs_attention else []
         start = time.perf_counter()
         if self.graphs is not None and longest == 1:
             logits, mass = self.graphs.run(input_ids, positions, slots, valid)
         else:
             q_lens = torch.tensor([len(t) for t in tokens]).to(device)
+            mass_cuts = torch.tensor([cuts + [len(tokens[0])]]) if cuts else None
             logits, mass = self.model(
                 input_ids.to(device), positions.to(device), slots.to(device), q_lens,
                 kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1,
-                carry_mass=self.consistency.carry,
+                carry_mass=self.consistency.carry, mass_cuts=mass_cuts,
             )
         mass = self.consistency.reduce_mass(mass)  # every rank's heads: identical decisions
         # One device-to-host copy per forward for all rows (the policy reads each row on the host);
@@ -258,6 +280,11 @@ class Engine:
         last = logits.float().cpu()
         mass = None if mass is None else mass.float().cpu()
         self.stats.forward_seconds += time.perf_counter() - start
+        cut_mass = None
+        if cuts:
+            mass, cut_mass = mass[:, -1], mass[0, :-1]
+        if prefill and mass is not None:
+            mass = kv.prefill_mass(req_ids[0], mass[0], cut_mass)[None]
         return [(self.requests[r], last[i], None if mass is None else mass[i], len(row))
                 for i, (r, row) in enumerate(zip(req_ids, tokens))]
 
@@ -313,6 +340,7 @@ class Engine:
         return self._output(request, [token], text)
 
     def _finish(self, request: Request, reason: str) -> None:
+        self._specs.pop(request.req_id, None)
         request.status = Status.FINISHED
         request.finish_reason = reason
         self._texts.pop(request.req_id, None)

@@ -5,6 +5,8 @@ variants, the one batched step (``trtllm_vtoken.step``), in the roles TensorRT-L
 
 Per iteration the engine calls:
 
+    admit(req, ids, ...)       admission (with prefix caching: the cached prefix's blocks are
+                               taken; ``store_prompt`` keys the prompt's full blocks after reserve)
     reserve(req, n)            blocks for n new tokens (False: the pool is dry -> preempt someone)
     set_batch(rows)            rewrite block_offsets / kv_lens in place (+ the validity mask)
     ... forward writes K/V into the reserved slots ...
@@ -13,20 +15,28 @@ Per iteration the engine calls:
                                eviction, compaction, one copy); admission learns what each holds
     next_position(req)         the RoPE position of the request's next token (logical in "keep"
                                mode, physical in "shift" mode, where the step re-rotates the keys)
+    store_written(rows)        prefix caching: keys the blocks the step's tokens filled
     release(req)               finished, cancelled or preempted: every block back to the pool
+                               (with prefix caching, keyed blocks stay cached)
 
-``native`` keeps plain block lists (``BlockLists``): no token table, no policy, no step.
+``native`` keeps plain block lists (``BlockLists``): no token table, no policy, no step. Requests
+may bring their own eviction settings (``resolve``): each runs with its policy in the one step.
+With prefix caching the step protects shared blocks and, between its decision and the token
+table, cuts each evicting request's cached chain (``PrefixCaching.cut``).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from trtllm_vtoken.core import BlockPool
+from trtllm_vtoken.policies import EvictionPolicy
+from trtllm_vtoken.policies.request_settings import EvictionSettings, PolicySpec
 from trtllm_vtoken.reclaim.admission import AdmissionConfig, AdmissionController
 from trtllm_vtoken.reclaim.copy import AccountingCopyExecutor, TorchCopyExecutor
 from trtllm_vtoken.runtime.block_lists import BlockLists
@@ -34,11 +44,15 @@ from trtllm_vtoken.reclaim.rerotate import KeyRerotation
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
 from trtllm_vtoken.runtime.model import LlamaConfig
+from trtllm_vtoken.runtime.prefix_caching import PrefixCaching
 from trtllm_vtoken.step import DecodeStep, StepConfig, StepInput, StepOutput, StepStats
 
 
 @dataclass
 class KVStats:
+    tokens_evicted: int = 0
+    tokens_evicted_by_policy: dict[str, int] = field(default_factory=dict)
+    """The same, by the policy's name (requests may follow different ones)."""
     peak_blocks_used: int = 0
     mask_seconds: float = 0.0
     """Host time building the validity mask (naive-evict, lazy mode)."""
@@ -59,15 +73,22 @@ class KVUsage:
 
 
 def make_step(config: EngineConfig, num_blocks: int, pool: BlockPool, executor,
-              rerotation: KeyRerotation | None = None) -> DecodeStep:
+              rerotation: KeyRerotation | None = None, prefix: PrefixCaching | None = None,
+              policy: EvictionPolicy | None = None) -> DecodeStep:
     """The step an engine of ``config`` runs (vtoken: its compaction mode; naive-evict: dead
-    blocks). Shift positions commit lazy plans in their own step: the keys turn right after."""
+    blocks). Shift positions commit lazy plans in their own step: the keys turn right after.
+    With ``prefix``, its shared blocks are protected and evicting requests' chains are cut."""
     compaction = config.mode if config.variant == "vtoken" else "dead-blocks"
     background = compaction == "lazy" and config.lazy_background and rerotation is None
-    return DecodeStep(StepConfig(compaction, config.fragmentation_threshold, config.check_invariants, config.step_impl,
+    is_shared, shared = (prefix.cache.is_shared, lambda: prefix.cache.shared) if prefix else (pool.is_shared,
+                                                                                              lambda: pool.shared)
+    step = DecodeStep(StepConfig(compaction, config.fragmentation_threshold, config.check_invariants, config.step_impl,
                                  background),
-                      num_blocks, config.tokens_per_block, config.make_policy(), executor, pool.is_shared,
-                      lambda: pool.shared, rerotation=rerotation)
+                      num_blocks, config.tokens_per_block, policy or config.make_policy(), executor, is_shared,
+                      shared, rerotation=rerotation)
+    if prefix is not None:
+        step.on_victims = lambda req_ids, offsets, victims: prefix.cut_batch(step.block_ids, req_ids, offsets, victims)
+    return step
 
 
 class KVCacheManager:
@@ -78,6 +99,10 @@ class KVCacheManager:
         self.config = config
         tpb = config.tokens_per_block
         self.pool = BlockPool(config.num_blocks, tpb)
+        # Shift positions turn every surviving key of a request that lost tokens, shared prefix
+        # blocks included: caching them would hand other requests keys turned for another length.
+        self.prefix = PrefixCaching(self.pool) if config.prefix_caching and config.positions != "shift" else None
+        """Prefix caching (None when off, and in "shift" positions)."""
         self.cache: PagedKVCache | None = None
         if simulated_bytes_per_token is None:
             self.cache = PagedKVCache(
@@ -89,6 +114,10 @@ class KVCacheManager:
         self.rerotation: KeyRerotation | None = None
         """Shift positions: the pass the step runs after each compaction that shortens a request."""
         self.lists: BlockLists | None = None
+        self.spec: PolicySpec | None = None if config.variant == "native" else config.policy_spec()
+        """The engine's own policy (requests that set no eviction of their own run with it)."""
+        self._policies: dict[PolicySpec, EvictionPolicy] = {}
+        self._name_of: dict[int, str] = {}  # request -> its policy's name ("native": none)
         if config.variant == "native":
             self.lists = BlockLists(tpb)
         else:
@@ -98,27 +127,51 @@ class KVCacheManager:
                             if self.cache is not None else AccountingCopyExecutor(simulated_bytes_per_token))
             if config.positions == "shift" and self.cache is not None:
                 self.rerotation = KeyRerotation([self.cache.pool], model_config.rope, kernel=config.relocation_kernel)
-            self.step = make_step(config, config.num_blocks, self.pool, executor, self.rerotation)
+            self._policies[self.spec] = self.spec.make()
+            self.step = make_step(config, config.num_blocks, self.pool, executor, self.rerotation, self.prefix,
+                                  self._policies[self.spec])
         self.layout = self.step if self.step is not None else self.lists
         """Who knows the requests' blocks and lengths: the step, or native's block lists."""
         self.needs_attention = self.step is not None and self.step.observes_attention()
         self.admission = AdmissionController(self.pool, AdmissionConfig(
-            config.variant, config.mode, config.fragmentation_threshold, config.evacuation_headroom))
+            config.variant, config.mode, config.fragmentation_threshold, config.evacuation_headroom),
+            reclaimable=(lambda: self.prefix.cache.num_reclaimable) if self.prefix else None)
         self.stats = KVStats()
         self._staged: dict[int, tuple[list[int], int]] = {}  # req -> (new blocks, new tokens)
+        self._pending: dict[int, tuple[list[int], int]] = {}
+        """req -> (blocks, tokens) of its cached prefix, taken at admission; they join the layout
+        with its first step, as written tokens."""
+
+    @property
+    def policy(self) -> EvictionPolicy | None:
+        """The engine's own policy (None for native)."""
+        return None if self.spec is None else self._policies[self.spec]
 
     @property
     def step_stats(self) -> StepStats:
         """What the step did (zeros for native, which has none)."""
         return self.step.stats if self.step is not None else StepStats()
 
-    # ---- admission -----------------------------------------------------------------------------
-    def final_budget(self, total_tokens: int) -> int | None:
-        """Live tokens a request of ``total_tokens`` keeps at completion (None: no eviction)."""
-        policy = self.step.policy if self.step is not None else None
-        return None if policy is None else policy.budget.target(total_tokens)
+    # ---- policies ----------------------------------------------------------------------------
+    def resolve(self, eviction: EvictionSettings | None) -> PolicySpec | None:
+        """The policy spec a request with these settings runs with (None: it evicts nothing).
+        Raises ValueError for settings this engine cannot honour."""
+        if eviction is None or eviction.is_default:
+            return self.spec
+        if self.config.variant == "native" and eviction.policy != "native":
+            raise ValueError("this engine runs variant 'native' (no eviction): a request cannot name a "
+                             "policy or budget here")
+        return eviction.resolve(self.spec)
 
-    def check_fits_alone(self, prompt_len: int, max_tokens: int) -> None:
+    def policy_of(self, req_id: int) -> EvictionPolicy | None:
+        return self.step.policy_of(req_id) if self.step is not None else None
+
+    # ---- admission -----------------------------------------------------------------------------
+    def final_budget(self, total_tokens: int, spec: PolicySpec | None = None) -> int | None:
+        """Live tokens a request of ``total_tokens`` keeps at completion (None: no eviction)."""
+        return None if spec is None else spec.budget.target(total_tokens)
+
+    def check_fits_alone(self, prompt_len: int, max_tokens: int, spec: PolicySpec | None = None) -> None:
         """Raises ValueError if the request could not run even with the whole pool to itself."""
         cfg = self.config
         if prompt_len + max_tokens > cfg.max_seq_len:
@@ -127,53 +180,84 @@ class KVCacheManager:
         usable = cfg.num_blocks - cfg.evacuation_headroom
         probe = AdmissionController(BlockPool(usable, cfg.tokens_per_block),
                                     AdmissionConfig(cfg.variant, cfg.mode, cfg.fragmentation_threshold))
-        if not probe.can_admit(prompt_len, max_tokens, self.final_budget(prompt_len + max_tokens)):
+        if not probe.can_admit(prompt_len, max_tokens, self.final_budget(prompt_len + max_tokens, spec)):
             raise ValueError(f"request needs more KV blocks than the pool's {usable} usable blocks "
                              f"(prompt {prompt_len} + max_tokens {max_tokens} tokens, "
                              f"tokens_per_block {cfg.tokens_per_block})")
 
-    def admit(self, req_id: int, prefill_len: int, remaining: int) -> bool:
-        """Registers the request (its prefill writes ``prefill_len`` tokens) if admission allows."""
-        cfg = self.config
-        budget = self.final_budget(prefill_len + remaining)
+    def admit(self, req_id: int, token_ids: list[int], remaining: int, spec: PolicySpec | None = None) -> int | None:
+        """Registers the request if admission allows; its prefill writes ``token_ids``. Returns
+        how many of them are cached already (their KV is there: prefill the rest), or None if it
+        does not fit now (nothing changed)."""
+        cfg, prefill_len = self.config, len(token_ids)
+        # A block that an in-flight background compaction touches is not shared before it commits.
+        relocating = self.step.relocating_blocks() if self.step is not None and self.prefix else set()
+        cached, reclaimable = self.prefix.probe(token_ids, relocating) if self.prefix else (0, 0)
+        # A shared prefix is kept on top of the budget (its tokens are protected): count it in.
+        shared = cached * cfg.tokens_per_block
+        budget = self.final_budget(prefill_len + remaining - shared, spec)
+        budget = None if budget is None else budget + shared
         if cfg.admission == "greedy":
-            if self.pool.num_free - cfg.evacuation_headroom < -(-prefill_len // cfg.tokens_per_block):
-                return False
-            self.admission.admit(req_id, prefill_len, remaining, budget, force=True)
-        elif not self.admission.admit(req_id, prefill_len, remaining, budget):
-            return False
-        self.layout.add_request(req_id)
-        return True
+            free = self.pool.num_free + (self.prefix.cache.num_reclaimable - reclaimable if self.prefix else 0)
+            if free - cfg.evacuation_headroom < -(-prefill_len // cfg.tokens_per_block) - cached:
+                return None
+            self.admission.admit(req_id, prefill_len, remaining, budget, force=True, cached_blocks=cached)
+        elif not self.admission.admit(req_id, prefill_len, remaining, budget, cached_blocks=cached,
+                                      cached_reclaimable=reclaimable):
+            return None
+        if self.step is not None:
+            policy = None if spec is None else self._policies.setdefault(spec, spec.make())
+            self.step.add_request(req_id, policy)
+            self.needs_attention = self.needs_attention or (policy is not None and policy.observes_attention())
+        else:
+            self.lists.add_request(req_id)
+        self._name_of[req_id] = "native" if spec is None else spec.name
+        if self.prefix is None:
+            return 0
+        blocks = self.prefix.begin(req_id, token_ids, relocating)
+        self._pending[req_id] = (blocks, len(blocks) * cfg.tokens_per_block)
+        return self.prefix.cached_tokens(req_id)
 
     # ---- one iteration -------------------------------------------------------------------------
     def reserve(self, req_id: int, num_new: int) -> bool:
         """Room for ``num_new`` tokens after the request's KV, allocating blocks as needed
         (``staged_slots`` names the slots). False, changing nothing, if the pool lacks the blocks."""
-        tpb, layout = self.config.tokens_per_block, self.layout
-        missing = -(-(layout.kv_len(req_id) + num_new) // tpb) - layout.num_blocks(req_id)
+        tpb, (blocks, start) = self.config.tokens_per_block, self._written(req_id)
+        missing = -(-(start + num_new) // tpb) - len(blocks)
         fresh: list[int] = []
         if missing > 0:
-            fresh = self.pool.allocate(missing)
+            fresh = self.prefix.allocate(missing) if self.prefix else self.pool.allocate(missing)
             if fresh is None:
                 return False
         self._staged[req_id] = (fresh, num_new)
-        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_used)
+        # Blocks requests hold (cached blocks no request holds are free-able, not counted).
+        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_blocks - self.num_available)
         return True
 
     def staged_blocks(self, req_id: int) -> tuple[list[int], int]:
         """The request's block list with the blocks ``reserve`` added, and its length after the write."""
         fresh, num_new = self._staged[req_id]
-        return self.layout.block_ids(req_id) + fresh, self.layout.kv_len(req_id) + num_new
+        blocks, start = self._written(req_id)
+        return blocks + fresh, start + num_new
 
     def staged_tokens(self, req_id: int) -> int:
         """The request's logical length once its reserved tokens are written."""
-        return self.layout.num_tokens(req_id) + self._staged[req_id][1]
+        return self.layout.num_tokens(req_id) + self._pending.get(req_id, ((), 0))[1] + self._staged[req_id][1]
 
     def staged_slots(self, req_id: int) -> list[int]:
         """The flat slots ``reserve`` handed out for the request's pending write."""
         blocks, total = self.staged_blocks(req_id)
-        tpb, start = self.config.tokens_per_block, self.layout.kv_len(req_id)
+        tpb, start = self.config.tokens_per_block, self._written(req_id)[1]
         return [blocks[p // tpb] * tpb + p % tpb for p in range(start, total)]
+
+    def _written(self, req_id: int) -> tuple[list[int], int]:
+        """The request's blocks and the length of its KV written so far: the layout's, plus a
+        cached prefix that has not joined it yet."""
+        blocks, length = self.layout.block_ids(req_id), self.layout.kv_len(req_id)
+        if req_id in self._pending:
+            cached_blocks, cached = self._pending[req_id]
+            return blocks + cached_blocks, length + cached
+        return blocks, length
 
     def unreserve(self, req_id: int) -> None:
         """Gives back blocks ``reserve`` allocated that were never committed."""
@@ -213,7 +297,11 @@ class KVCacheManager:
             mass: attention per physical position [B, >= L] (or the step's ``Mass`` function),
                 when the policy observes it.
         """
-        staged = [self._staged.pop(r) for r in req_ids]
+        staged = []
+        for req_id in req_ids:  # a cached prefix joins with the request's first written tokens
+            fresh, num_new = self._staged.pop(req_id)
+            cached_blocks, cached = self._pending.pop(req_id, ([], 0))
+            staged.append((cached_blocks + fresh, cached + num_new))
         if self.step is None:
             start = time.perf_counter()
             for req_id, (fresh, num_new) in zip(req_ids, staged):
@@ -229,8 +317,37 @@ class KVCacheManager:
         out = self.step.run(StepInput(req_ids, [n for _, n in staged], offsets, [b for f, _ in staged for b in f],
                                       mass=mass if self.needs_attention else None, pressure=pressure,
                                       stream=torch.cuda.current_stream() if on_cuda else None))
-        self.pool.free(out.table.freed.tolist())
+        self._free(out.table.freed.tolist())
+        self._count_evictions(out)
         return out
+
+    def store_written(self, req_ids: list[int], token_ids: Callable[[int], list[int]]) -> None:
+        """Prefix caching, after ``step_batch``: keys the blocks the step's tokens filled (up to
+        each request's cut). ``token_ids(req)``: the request's tokens, its written ones first
+        (asked for only when a block filled)."""
+        if self.prefix is None or self.step is None:
+            return
+        tpb = self.config.tokens_per_block
+        for req_id, n in zip(req_ids, self.step.counters(req_ids)[0]):
+            if n % tpb == 0:
+                self.prefix.store(req_id, self.step.block_ids(req_id), token_ids(req_id)[:n])
+
+    def store_prompt(self, req_id: int, token_ids: list[int]) -> None:
+        """After ``reserve`` for the prefill: keys the prompt's full blocks (written by this
+        iteration's prefill forward, which runs before any later request's forward reads them)."""
+        if self.prefix is not None:
+            self.prefix.store_prompt(req_id, self.staged_blocks(req_id)[0], token_ids)
+
+    def mass_cuts(self, req_id: int) -> list[int]:
+        """Query counts at which the request's prefill forward cuts its attention mass."""
+        return self.prefix.mass_cuts(req_id) if self.prefix is not None else []
+
+    def prefill_mass(self, req_id: int, mass: torch.Tensor, cut_mass: torch.Tensor | None) -> torch.Tensor:
+        """What the request's policy observes for its prefill (before ``step_batch``): ``mass``
+        plus its cached prefix's."""
+        if self.prefix is None:
+            return mass
+        return self.prefix.prefill_mass(req_id, self.staged_blocks(req_id)[0], mass, cut_mass)
 
     def update(self, req_ids: list[int], remaining: list[int]) -> None:
         """Admission learns what each request now holds, and how many tokens it may still write."""
@@ -246,22 +363,56 @@ class KVCacheManager:
     def next_position(self, req_id: int) -> int:
         """RoPE position of the request's next token: its logical position in "keep" mode, its
         physical one (kv_len) in "shift" mode, where the step re-rotates the cached keys."""
+        cached = self._pending[req_id][1] if req_id in self._pending else 0
         if self.config.positions == "shift":
-            return self.layout.kv_len(req_id)
-        return self.layout.num_tokens(req_id)
+            return self.layout.kv_len(req_id) + cached
+        return self.layout.num_tokens(req_id) + cached
 
     def release(self, req_id: int) -> None:
-        """Returns every block of the request to the pool and drops its state everywhere."""
-        if req_id in self._staged:
-            self.unreserve(req_id)
-        self.pool.free(self.layout.remove_request(req_id))
+        """Returns every block of the request to the pool (keyed ones stay cached) and drops its
+        state everywhere."""
+        fresh = self._staged.pop(req_id, ([], 0))[0]
+        blocks = self.layout.remove_request(req_id) + self._pending.pop(req_id, ([], 0))[0] + fresh
+        if self.prefix is not None:
+            self.prefix.end(req_id, blocks)
+        else:
+            self.pool.free(blocks)
         self.admission.finish(req_id)
+        self._name_of.pop(req_id, None)
+
+    def _free(self, blocks: list[int]) -> None:
+        """Blocks the step released (a keyed one stays cached)."""
+        if self.prefix is not None:
+            self.prefix.cache.release(blocks)
+        else:
+            self.pool.free(blocks)
+
+    def _count_evictions(self, out: StepOutput) -> None:
+        """Per-policy eviction counters."""
+        counts = np.diff(out.victim_offsets)
+        self.stats.tokens_evicted += int(counts.sum())
+        by_policy = self.stats.tokens_evicted_by_policy
+        for i in np.flatnonzero(counts).tolist():
+            name = self._name_of[int(out.req_ids[i])]
+            by_policy[name] = by_policy.get(name, 0) + int(counts[i])
 
     # ---- reporting -----------------------------------------------------------------------------
+    @property
+    def num_available(self) -> int:
+        """Blocks a new allocation can get: free ones plus cached ones no request holds."""
+        return self.pool.num_free + (self.prefix.cache.num_reclaimable if self.prefix else 0)
+
     def usage(self) -> KVUsage:
+        """Blocks requests hold (cached blocks no request holds are free-able, not counted), the
+        live tokens in them (a token of a shared block once) and their slots."""
         layout = self.layout
-        used = self.pool.num_used
-        return KVUsage(used, sum(layout.num_live(r) for r in layout.request_ids()), used * self.config.tokens_per_block)
+        used = self.pool.num_blocks - self.num_available
+        live = sum(layout.num_live(r) for r in layout.request_ids())
+        if self.prefix is not None and self.prefix.cache.shared:
+            tpb = self.config.tokens_per_block
+            for block_id in self.prefix.cache.shared:  # shared blocks are full of protected live tokens
+                live -= (self.prefix.cache.holders(block_id) - 1) * tpb
+        return KVUsage(used, live, used * self.config.tokens_per_block)
 
     def check_integrity(self) -> None:
         """The pool, the step's tables (I2, batch layout) and the blocks they hold agree."""
@@ -270,7 +421,12 @@ class KVCacheManager:
         self.pool.check_integrity()
         layout = self.layout
         held = sum(layout.num_blocks(r) for r in layout.request_ids())
+        held += sum(len(blocks) for blocks, _ in self._pending.values())
         staged = sum(len(fresh) for fresh, _ in self._staged.values())
-        if held + staged != self.pool.num_used:
-            raise RuntimeError(f"leaked or double-held blocks: requests hold {held} (+{staged} reserved), "
-                               f"the pool has {self.pool.num_used} in use")
+        if self.prefix is not None:
+            self.prefix.cache.check_integrity()
+            held += len(self.prefix.cache.key_of)  # the cache's own reference on each keyed block
+        references = sum(self.pool.ref_counts)
+        if held + staged != references:
+            raise RuntimeError(f"leaked or double-held blocks: requests (and the prefix cache) hold {held} "
+                               f"(+{staged} reserved), the pool counts {references} references")

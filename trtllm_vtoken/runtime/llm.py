@@ -84,15 +84,21 @@ class LLM:
             return self.tokenizer.encode(prompt, chat=chat)
         return [int(t) for t in prompt]
 
-    def generate(self, prompts: str | Sequence[str | Sequence[int]], params: SamplingParams | None = None,
+    def generate(self, prompts: str | Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  chat: bool = True, progress: bool = False) -> list[CompletionOutput]:
-        """Runs all prompts to completion, batched continuously; outputs in prompt order."""
+        """Runs all prompts to completion, batched continuously; outputs in prompt order.
+        ``params``: one for all prompts, or one per prompt (each may carry its own eviction)."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         if self.ranks is not None:
-            return self._generate_on_ranks([self.encode(p, chat) for p in prompts], params, progress)
+            return self._generate_on_ranks([self.encode(p, chat) for p in prompts],
+                                           [q or SamplingParams() for q in per_prompt], progress)
         engine = self.engine
-        ids = [engine.add_request(self.encode(p, chat), params) for p in prompts]
+        ids = [engine.add_request(self.encode(p, chat), q) for p, q in zip(prompts, per_prompt)]
         bar = None
         if progress:
             from tqdm import tqdm
@@ -132,7 +138,7 @@ class LLM:
             engine.pop_finished(req_id)
 
     # ---- tensor parallelism: the ranks run the job, rank 0 reports -----------------------------
-    def _job(self, prompts: list[list[int]], params: SamplingParams | None, stream: bool):
+    def _job(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None, stream: bool):
         from trtllm_vtoken.runtime.parallel.rank_process import Job
 
         return Job(self._config, prompts, params or SamplingParams(), stream=stream)

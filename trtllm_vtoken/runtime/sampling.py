@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from trtllm_vtoken.config_base import from_dict
+from trtllm_vtoken.policies.request_settings import EvictionSettings
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,19 @@ class SamplingParams:
     """Subtracted from the logit of every token already generated (OpenAI semantics)."""
     frequency_penalty: float = 0.0
     """Subtracted from a token's logit once per time it was already generated."""
+    eviction: EvictionSettings | None = None
+    """This request's own eviction settings (policy, budget, sinks, window, or ``"native"`` for
+    none); a mapping is accepted. None: the engine's policy as configured."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str) or isinstance(self.stop_token_ids, int):
             raise ValueError("stop and stop_token_ids are sequences, not a single string or int")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if isinstance(self.eviction, dict):
+            object.__setattr__(self, "eviction", EvictionSettings.from_dict(self.eviction))
+        elif self.eviction is not None and not isinstance(self.eviction, EvictionSettings):
+            raise ValueError(f"eviction must be EvictionSettings, a mapping or None, got {self.eviction!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature < float("inf"):

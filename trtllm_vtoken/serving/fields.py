@@ -34,7 +34,8 @@ TENSORRT_LLM_INPUTS = (
     "sampling_param_top_p", "sampling_param_top_k", "sampling_param_seed", "sampling_param_stop",
     "sampling_param_frequency_penalty", "sampling_param_presence_penalty", "sampling_param_best_of",
     "sampling_param_exclude_input_from_output", "return_finish_reason", "return_stop_reason",
-    "return_cumulative_logprob", "vtoken_policy", "stop",
+    "return_cumulative_logprob", "vtoken_policy", "vtoken_budget", "vtoken_sink_tokens", "vtoken_recent_window",
+    "stop",
 )
 
 ENSEMBLE_TO_TENSORRT_LLM = {

@@ -17,10 +17,14 @@ message goes to the client as is. Field names follow ``triton_backend/all_models
     sampling_param_best_of                  int32 [1]     only 1 (one sequence per request)
     sampling_param_exclude_input_from_output bool [1]     default true
     return_finish_reason / return_stop_reason / return_cumulative_logprob   bool [1]
-    vtoken_policy                           string [1]    the eviction policy the client expects
+    vtoken_policy                           string [1]    this request's eviction policy, or "native"
+    vtoken_budget                           fp32 [1]      live tokens it keeps: a ratio in (0, 1], or
+                                                          a count (a whole number above 1)
+    vtoken_sink_tokens / vtoken_recent_window  int32 [1]  first / newest tokens it never evicts
     stop                                    bool [1]      cancel the running requests with this
                                                           request's id (``read_stop``)
 
+(the ``vtoken_*`` inputs are optional: what a request leaves out comes from the served policy)
 Floats must be finite. Over HTTP, Triton converts JSON numbers to the input's type before the model
 sees them: an integer beyond int32 arrives wrapped around (2**40 as 0), a float beyond fp32 as inf.
 """
@@ -34,6 +38,7 @@ import math
 
 import numpy as np
 
+from trtllm_vtoken.policies.request_settings import EvictionSettings
 from trtllm_vtoken.runtime.sampling import SamplingParams
 
 Getter = Callable[[str], "np.ndarray | None"]
@@ -53,13 +58,15 @@ class ParsedRequest:
 
 
 def parse_request(get: Getter, max_tokens_limit: int, default_max_tokens: int = 64,
-                  served_policy: str = "none") -> ParsedRequest:
+                  served_policy: str = "none", per_request_eviction: bool = True) -> ParsedRequest:
     """Reads and checks every field; raises ValueError naming the first bad one.
 
-    ``served_policy`` is the eviction policy of the engine ("none" for native); a request whose
-    ``vtoken_policy`` names another one (or no registered policy) is refused.
+    ``served_policy`` is the eviction policy of the engine ("none" for native). With
+    ``per_request_eviction`` a request may bring its own settings (``vtoken_*``); without (a
+    backend that serves one policy for all) a ``vtoken_policy`` other than the served one, or any
+    other ``vtoken_*`` input, is refused.
     """
-    _check_policy(read_text(get, "vtoken_policy"), served_policy)
+    eviction = _eviction(get, served_policy, per_request_eviction)
     prompt = read_text(get, "text_input")
     if prompt is None:
         raise ValueError("missing required input 'text_input'")
@@ -85,6 +92,7 @@ def parse_request(get: Getter, max_tokens_limit: int, default_max_tokens: int = 
         stop=tuple(s for s in stop if s),
         presence_penalty=_scalar(get, "sampling_param_presence_penalty", "f", 0.0),
         frequency_penalty=_scalar(get, "sampling_param_frequency_penalty", "f", 0.0),
+        eviction=eviction,
     )
     return ParsedRequest(
         prompt=prompt, params=params,
@@ -106,14 +114,29 @@ def _array(get: Getter, name: str) -> np.ndarray | None:
     return None if value is None else np.asarray(value)
 
 
-def _check_policy(wanted: str | None, served: str) -> None:
-    from trtllm_vtoken.policies import POLICIES
-
-    if wanted is None or wanted == served:
-        return
-    if wanted not in POLICIES.names():
-        raise ValueError(f"unknown eviction policy {wanted!r}; known: {', '.join(POLICIES.names())}")
-    raise ValueError(f"this model serves eviction policy {served!r}, not {wanted!r}")
+def _eviction(get: Getter, served: str, per_request: bool) -> EvictionSettings | None:
+    """The request's own eviction settings, or None if it brings none."""
+    policy = read_text(get, "vtoken_policy")
+    budget = _scalar(get, "vtoken_budget", "f", None)
+    n_sink = _scalar(get, "vtoken_sink_tokens", "i", None)
+    window = _scalar(get, "vtoken_recent_window", "i", None)
+    if policy is None and budget is None and n_sink is None and window is None:
+        return None
+    if budget is not None and budget > 1 and not budget.is_integer():
+        raise ValueError(f"'vtoken_budget' above 1 is a token count and must be whole, got {budget}")
+    try:
+        settings = EvictionSettings(policy=policy, budget=budget, n_sink=n_sink, recent_window=window)
+    except ValueError as exc:
+        raise ValueError(f"bad vToken eviction settings: {exc}") from None
+    if not per_request:
+        if budget is not None or n_sink is not None or window is not None:
+            raise ValueError("this model serves one eviction policy for all requests: 'vtoken_budget', "
+                             "'vtoken_sink_tokens' and 'vtoken_recent_window' are not accepted")
+        wanted = "none" if policy == "native" else policy
+        if wanted != served:
+            raise ValueError(f"this model serves eviction policy {served!r}, not {policy!r}")
+        return None
+    return settings
 
 
 def read_text(get: Getter, name: str) -> str | None:

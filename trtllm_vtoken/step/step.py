@@ -17,7 +17,10 @@ each forward (design: "One step for every host").
 Requests in one batch may follow different policies (``add_request(req, policy)``; None: the
 request never evicts). The host owns the blocks: it allocates the new ones it passes in and frees
 the ones the output lists. Shared blocks (prefix caching) are protected: no policy evicts their
-tokens, no plan moves in or out of them.
+tokens (they are kept on top of the budget), no plan moves in or out of them; several requests of
+one batch may take the same shared block as a new block (a prefix cached by a request admitted
+just before them). ``on_victims`` runs between the decision and the token table: a prefix cache
+ends a request's cached chain there, before compaction may write into its blocks.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class DecodeStep:
         reduce_mass: Applied to the batch's mass [B, L] before any policy sees it: tensor /
             pipeline parallelism sums it over the ranks here, so every rank decides alike.
         rerotation: Position-shift mode's pass over the same KV pools (None: keep positions).
+        on_victims: Called with (req_ids, victim_offsets, victim_ids) (the ``StepOutput`` CSR form)
+            after the batch's decision, before the token table evicts and compacts; for prefix
+            caching's cut. It must not change the shared blocks.
     """
 
     def __init__(self, config: StepConfig, num_blocks: int, tokens_per_block: int,
@@ -64,8 +70,10 @@ class DecodeStep:
                  is_shared: Callable[[int], bool] | None = None,
                  shared_blocks: Callable[[], Collection[int]] | None = None,
                  reduce_mass: Callable[[np.ndarray], np.ndarray] | None = None,
-                 rerotation: KeyRerotation | None = None) -> None:
+                 rerotation: KeyRerotation | None = None,
+                 on_victims: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None) -> None:
         self.config = config
+        self.on_victims = on_victims
         self.rerotation = rerotation
         self.tokens_per_block = tokens_per_block
         self.is_shared = is_shared or (lambda block_id: False)
@@ -194,6 +202,8 @@ class DecodeStep:
         victim_slots = self.slots.slots_at(victim_rows, victim_pos)
         victim_ids = self.slots.tokens[victim_slots].astype(np.int64)
         victim_offsets = np.searchsorted(victim_index, np.arange(len(rows) + 1)).astype(np.int64)
+        if self.on_victims is not None and len(victim_ids):
+            self.on_victims(req_ids, victim_offsets, victim_ids)
         t2 = clock()
         before = self.checks.before(req_ids, new_slots, num_new) if self.checks else None
         t3 = clock()
@@ -300,8 +310,9 @@ class DecodeStep:
             raise ValueError(f"step: num_new must be >= 0, got {num_new[num_new < 0][:4].tolist()}")
         if len(blocks) and ((blocks < 0) | (blocks >= self.slots.num_blocks)).any():
             raise ValueError(f"step: new block ids must lie in [0, {self.slots.num_blocks})")
-        if len(set(blocks.tolist())) != len(blocks):
-            raise ValueError("step: a new block is given twice")
+        unique, counts = np.unique(blocks, return_counts=True)
+        if len(unique) != len(blocks) and not all(self.is_shared(int(b)) for b in unique[counts > 1]):
+            raise ValueError("step: a new block is given twice (only a shared block may join several requests)")
         rows = self.slots.rows(req_ids)
         capacity = (self.slots.num_blocks_of[rows] + np.diff(offsets)) * self.tokens_per_block
         short = np.flatnonzero(self.slots.kv_len[rows] + num_new > capacity)
@@ -359,8 +370,21 @@ class DecodeStep:
         if not groups:  # e.g. every request within its budget: no layout is even looked at
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         shared = self.shared_blocks()
-        native = {i for i in groups if not len(shared) and self._native_selection(self._policies[i])}
         blocks = slots.block_rows(rows)
+        holds_shared = (np.isin(blocks, list(shared)).any(axis=1) if len(shared)
+                        else np.zeros(len(rows), dtype=bool))
+        native: set[int] = set()
+        for policy_index in [i for i in groups if self._native_selection(self._policies[i])]:
+            # The native pass knows no protected tokens: rows holding a shared block decide in
+            # Python (their own group, under the same policy), the others natively.
+            group = groups[policy_index]
+            with_shared = group[holds_shared[group]]
+            if len(with_shared) == len(group):
+                continue
+            native.add(policy_index)
+            groups[policy_index] = group[~holds_shared[group]]
+            if len(with_shared):
+                groups[-2 - policy_index] = with_shared
         layout: dict[str, np.ndarray] = {}  # the batch's token layout, gathered once if needed
 
         def tokens() -> np.ndarray:
@@ -368,12 +392,15 @@ class DecodeStep:
                 layout["tokens"] = slots.gather(slots.tokens, blocks)
             return layout["tokens"]
 
-        observing = [i for i in groups if self._policies[i].observes_attention()]
+        def policy_of(key: int) -> EvictionPolicy:  # key -2 - i: policy i's rows decided in Python
+            return self._policies[key if key >= 0 else -2 - key]
+
+        observing = [i for i in groups if policy_of(i).observes_attention()]
         mass_rows = self._mass(mass, blocks.shape[1] * self.tokens_per_block, tokens) if observing else None
         protected = (np.repeat(np.isin(blocks, list(shared)), self.tokens_per_block, axis=1) if len(shared) else None)
         picked_index, picked_pos = [], []
         for policy_index, group in groups.items():
-            policy = self._policies[policy_index]
+            policy = policy_of(policy_index)
             if policy_index in native:
                 whole = len(group) == len(rows)  # the usual case: no copy of the batch's mass
                 victim_rows, positions = self._select_native(

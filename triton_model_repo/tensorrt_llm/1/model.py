@@ -154,7 +154,7 @@ class _Metrics:
     """Exports ``trtllm_vtoken.serving.metrics.METRICS`` as Triton custom metric families."""
 
     def __init__(self, labels: dict[str, str]) -> None:
-        from trtllm_vtoken.serving.metrics import METRICS
+        from trtllm_vtoken.serving.metrics import METRICS, POLICY_METRICS
 
         kinds = {"gauge": getattr(pb_utils, "GAUGE", None), "counter": getattr(pb_utils, "COUNTER", None)}
         if kinds["gauge"] is None:  # newer backends keep the kinds on MetricFamily
@@ -162,10 +162,21 @@ class _Metrics:
         self.families = [pb_utils.MetricFamily(name=s.name, description=s.description, kind=kinds[s.kind])
                          for s in METRICS]
         self.metrics = {s.name: (s.kind, f.Metric(labels=labels)) for s, f in zip(METRICS, self.families)}
+        self.labels = labels
+        self.policy_families = {name: pb_utils.MetricFamily(name=name, description=text, kind=kinds["counter"])
+                                for name, text in POLICY_METRICS}
         self.last: dict[str, float] = {}
 
-    def update(self, values: dict[str, float]) -> None:
-        """Sets gauges; advances counters by what they grew since the last update."""
+    def update(self, values: dict[str, float], by_policy: dict[str, dict[str, float]] | None = None) -> None:
+        """Sets gauges; advances counters by what they grew since the last update. ``by_policy``:
+        counters labelled with a policy name (a metric per name, made when it first appears)."""
+        for policy, counters in (by_policy or {}).items():
+            for name, value in counters.items():
+                key = f"{name}|{policy}"
+                if key not in self.metrics:
+                    labels = {**self.labels, "policy": policy}
+                    self.metrics[key] = ("counter", self.policy_families[name].Metric(labels=labels))
+                values = {**values, key: value}
         for name, value in values.items():
             if name not in self.metrics:
                 continue
@@ -184,7 +195,7 @@ class TritonPythonModel:
         from trtllm_vtoken.runtime.model import load_llama
         from trtllm_vtoken.runtime.tokenizer import Tokenizer
         from trtllm_vtoken.serving.engine_loop import EngineLoop
-        from trtllm_vtoken.serving.metrics import snapshot
+        from trtllm_vtoken.serving.metrics import snapshot, snapshot_by_policy
         from trtllm_vtoken.serving.settings import ServingSettings
 
         config = json.loads(args["model_config"])
@@ -200,12 +211,16 @@ class TritonPythonModel:
         self.tokenizer = Tokenizer(folder)
         self.metrics = _Metrics({"model": args["model_name"], "version": args["model_version"]})
         backend = self.settings.backend
+        # The reference engine runs every request with its own eviction settings; the TensorRT-LLM
+        # path serves the configured policy for all (its hooks hold one policy per worker).
+        self.per_request_eviction = True
         if backend == "trtllm" or (backend == "auto" and trtllm_available()):
             self.loop = make_trtllm_loop(self.settings, on_stats=self.metrics.update)
+            self.per_request_eviction = False
         else:
             engine = Engine(load_llama(folder), self.settings.engine, self.tokenizer)
-            self.metrics.update(snapshot(engine))
-            self.loop = EngineLoop(engine, on_step=lambda e: self.metrics.update(snapshot(e))).start()
+            self.metrics.update(snapshot(engine), snapshot_by_policy(engine))
+            self.loop = EngineLoop(engine, on_step=lambda e: self.metrics.update(snapshot(e), snapshot_by_policy(e))).start()
         self.running = _RunningById()
         self.stop_lock = threading.Lock()
         self.loop_stopped = False
@@ -225,7 +240,7 @@ class TritonPythonModel:
                     self._stop_requests(request_id, sender)
                     continue
                 parsed = parse_request(get, self.settings.max_tokens_limit, self.settings.default_max_tokens,
-                                       self.served_policy)
+                                       self.served_policy, self.per_request_eviction)
                 prompt_ids = self.tokenizer.encode(parsed.prompt, chat=self.settings.chat_template)
             except ValueError as error:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=FINAL)

@@ -28,7 +28,8 @@ class Job:
     config: EngineConfig
     prompts: list[list[int]]
     """Token ids of each request, added in this order (request ids 0, 1, ... on every rank)."""
-    params: SamplingParams
+    params: SamplingParams | list[SamplingParams]
+    """One for every prompt, or one per prompt."""
     stream: bool = False
     """Rank 0 sends each step's outputs as they come."""
     trace: bool = False
@@ -116,8 +117,9 @@ def run_job(job: Job, model, tokenizer, ranks, conn) -> RankReport:
         engine = Engine(model, config, tokenizer, record_trace=job.trace, ranks=ranks)
         if job.timings:
             engine.consistency.stats.durations = []
-        for prompt in job.prompts:
-            engine.add_request(prompt, job.params)
+        per_prompt = job.params if isinstance(job.params, list) else [job.params] * len(job.prompts)
+        for prompt, params in zip(job.prompts, per_prompt):
+            engine.add_request(prompt, params)
         while engine.has_unfinished():
             start = time.perf_counter()
             outputs = engine.step()

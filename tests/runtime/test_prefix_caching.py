@@ -1,0 +1,169 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prefix caching in the engine (tiny random model, fp32): what is reused and counted, and that it
+changes no output and no decision it should not change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_vtoken.policies import POLICIES
+from trtllm_vtoken.policies.request_settings import EvictionSettings
+from trtllm_vtoken.runtime.config import EngineConfig
+from trtllm_vtoken.runtime.engine import Engine
+from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
+from trtllm_vtoken.runtime.sampling import SamplingParams
+
+TPB = 4
+SYSTEM = [[5, 9, 17, 3, 44, 2, 8, 91, 13, 7, 66, 21, 30, 4, 12, 99, 1, 71, 45, 6, 19, 23],
+          [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]]
+LONG = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig.tiny()).eval()
+
+
+def config(**overrides) -> EngineConfig:
+    values = dict(policy="h2o", budget=20, tokens_per_block=TPB, num_blocks=96, max_batch_size=8,
+                  max_seq_len=64, check_invariants=True)
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def shared_prompts(n: int = 6, seed: int = 3) -> list[list[int]]:
+    """System prompts shared by several requests, each with a private suffix."""
+    g = torch.Generator().manual_seed(seed)
+    return [SYSTEM[i % 2] + torch.randint(0, 128, (int(torch.randint(1, 9, (1,), generator=g)),),
+                                          generator=g).tolist() for i in range(n)]
+
+
+def run(engine: Engine, batch, params, each_step=None, req_ids=None) -> list:
+    per_prompt = params if isinstance(params, list) else [params] * len(batch)
+    ids = [engine.add_request(p, q, req_id=r) for p, q, r in zip(batch, per_prompt, req_ids or [None] * len(batch))]
+    while engine.has_unfinished():
+        engine.step()
+        engine.kv.check_integrity()
+        if each_step:
+            each_step(engine)
+    assert engine.kv.num_available == engine.kv.pool.num_blocks, "blocks left after all finished"
+    return [engine.pop_finished(i) for i in ids]
+
+
+def test_second_request_prefills_only_its_private_part(model):
+    engine = Engine(model, config(variant="native"))
+    first, second = SYSTEM[0] + [7, 8, 9], SYSTEM[0] + [100, 101, 102, 103, 104]
+    run(engine, [first], LONG)
+    assert engine.stats.cached_prompt_tokens == 0 and engine.stats.prefill_tokens == len(first)
+    run(engine, [second], LONG)
+    cached = len(SYSTEM[0]) // TPB * TPB  # the system prompt's full blocks: 20 of its 22 tokens
+    assert engine.stats.cached_prompt_tokens == cached
+    assert engine.stats.prefill_tokens == len(first) + len(second) - cached
+    stats = engine.kv.prefix.cache.stats
+    assert stats.hit_tokens == cached and stats.query_tokens == len(first) + len(second)
+
+
+def test_requests_admitted_together_share_the_prompt_blocks(model):
+    engine = Engine(model, config(variant="native"))
+    seen = []
+    run(engine, [SYSTEM[1] + [1], SYSTEM[1] + [2], SYSTEM[1] + [3]], LONG,
+        lambda e: seen.append(len(e.kv.prefix.cache.shared)))
+    assert engine.stats.cached_prompt_tokens == 2 * 12 and seen[0] == 3  # 3 blocks held by all three
+
+
+@pytest.mark.parametrize("variant", ["native", "naive-evict", "vtoken"])
+def test_caching_changes_no_output_of_native_and_no_decision_alone(model, variant):
+    """Native: caching on equals off, token for token. With eviction, a request running alone
+    sees no shared block, so caching must not change its decisions either."""
+    batch = shared_prompts()
+    off = run(Engine(model, config(variant=variant, prefix_caching=False), record_trace=True), batch, LONG)
+    on_engine = Engine(model, config(variant=variant), record_trace=True)
+    on = [run(on_engine, [p], LONG)[0] for p in batch]  # one after another: reuse, never sharing
+    assert on_engine.stats.cached_prompt_tokens > 0
+    for a, b in zip(off, on):
+        assert a.output_ids == b.output_ids and a.evictions == b.evictions
+        torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES.names()))
+def test_vtoken_matches_naive_evict_with_caching(model, policy):
+    """Sharing protects the same tokens for both, and a request's cut drops the same keys: the
+    same decisions, the same outputs; shared blocks hold only live tokens all along."""
+    def shared_all_live(engine):
+        cache, step = engine.kv.prefix.cache, engine.kv.step
+        for req_id in engine.running:
+            counts = (step.batch_tokens([req_id])[0].reshape(-1, TPB) >= 0).sum(axis=1)
+            for i, block_id in enumerate(step.block_ids(req_id)):
+                if block_id in cache.shared:
+                    assert counts[i] == TPB, f"a token of shared block {block_id} died"
+
+    opts = {"streaming_llm": {"n_sink": 2}}.get(policy, {})
+    naive = run(Engine(model, config(variant="naive-evict", policy=policy, policy_options=opts), record_trace=True),
+                shared_prompts(), LONG, shared_all_live)
+    for mode in ("dense", "lazy"):
+        engine = Engine(model, config(variant="vtoken", mode=mode, policy=policy, policy_options=opts),
+                        record_trace=True)
+        got = run(engine, shared_prompts(), LONG, shared_all_live)
+        for a, b in zip(naive, got):
+            assert a.evictions == b.evictions, f"{mode}: request {a.req_id} evicted differently"
+            assert a.output_ids == b.output_ids
+        assert engine.kv.prefix.cache.stats.hit_tokens > 0
+        # dense relocates after every eviction; lazy only once a block can be freed (may not come here)
+        assert mode == "lazy" or engine.kv.step_stats.moves > 0
+
+
+def test_h2o_sees_the_cached_prefix_attention_of_a_fresh_prefill(model):
+    """The rule: a reused prefix brings the attention its own queries paid (kept with its
+    blocks), so H2O's scores over it are those of a fresh prefill and its decisions match."""
+    prompt = SYSTEM[0] + [60, 61, 62, 63, 64, 65]
+    alone = Engine(model, config(variant="vtoken", prefix_caching=False), record_trace=True)
+    want = run(alone, [prompt], LONG)[0]
+    engine = Engine(model, config(variant="vtoken"), record_trace=True)
+    keep = SamplingParams(max_tokens=4, ignore_eos=True, eviction=EvictionSettings(policy="native"))
+    run(engine, [SYSTEM[0] + [1, 2]], keep)  # leaves the system prompt's blocks cached, untouched
+    req_id = engine.add_request(prompt, LONG)
+    engine.step()  # its prefill: 20 tokens reused
+    assert engine.stats.cached_prompt_tokens == 20
+    ids, mass = engine.kv.step.token_stats(req_id, "mass")  # H2O's accumulated mass, per live token
+    alone2 = Engine(model, config(variant="vtoken", prefix_caching=False))
+    other = alone2.add_request(prompt, LONG)
+    alone2.step()
+    fresh_ids, fresh_mass = alone2.kv.step.token_stats(other, "mass")
+    assert ids.tolist() == fresh_ids.tolist()
+    torch.testing.assert_close(torch.from_numpy(mass), torch.from_numpy(fresh_mass), rtol=1e-4, atol=1e-5)
+    while engine.has_unfinished():
+        engine.step()
+    got = engine.pop_finished(req_id)
+    assert got.evictions == want.evictions and got.output_ids == want.output_ids
+
+
+def test_mixed_policy_batch_evicts_for_each_request_as_alone(model):
+    settings = [EvictionSettings(policy="h2o", budget=10), EvictionSettings(policy="streaming_llm", n_sink=2),
+                EvictionSettings(policy="sliding_window", budget=0.5), EvictionSettings(policy="random", budget=9),
+                EvictionSettings(policy="native"), None]
+    batch = shared_prompts(len(settings), seed=5)
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, eviction=s) for s in settings]
+    for mode in ("dense", "lazy"):
+        together = run(Engine(model, config(variant="vtoken", mode=mode, prefix_caching=False), record_trace=True),
+                       batch, params)
+        for prompt, param, got in zip(batch, params, together):
+            # The same request id: Random seeds its draws per request (rank- and batch-independent).
+            alone = run(Engine(model, config(variant="vtoken", mode=mode, prefix_caching=False), record_trace=True),
+                        [prompt], param, req_ids=[got.req_id])[0]
+            assert got.evictions == alone.evictions, f"{mode}: {param.eviction} evicted differently in the batch"
+            assert got.output_ids == alone.output_ids
+    assert together[4].evictions == [()] * 15 and any(together[0].evictions)
+
+
+def test_request_settings_errors_are_value_errors(model):
+    engine = Engine(model, config())
+    with pytest.raises(ValueError, match="unknown eviction policy 'h2oo'"):
+        engine.add_request([1, 2, 3], SamplingParams(eviction={"policy": "h2oo"}))
+    with pytest.raises(ValueError, match="unknown eviction setting"):
+        engine.add_request([1, 2, 3], SamplingParams(eviction={"budgte": 3}))
+    native = Engine(model, config(variant="native"))
+    with pytest.raises(ValueError, match="variant 'native'"):
+        native.add_request([1, 2, 3], SamplingParams(eviction=EvictionSettings(budget=8)))
+    assert not engine.requests and not native.requests

@@ -1,0 +1,115 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The reference engine's automatic prefix caching (``EngineConfig.prefix_caching``).
+
+A request's prompt is looked up in ``core.PrefixCache`` at admission: the blocks of its longest
+cached prefix join its block list as they are, and only the rest is prefilled. Its full prompt
+blocks are stored at admission, before the prefill forward that writes them, so that a request
+admitted right after it in the same step shares them (prefill forwards run in admission order,
+the writer's first); decode blocks are stored as they fill. A request's lowest eviction cuts its
+chain (``PrefixCache.cut``, which the one step runs between its decision and its token table):
+the blocks there and after lose their keys before any compaction.
+
+Attention mass over a cached prefix (H2O, Scissorhands): a request that reuses n cached blocks
+does not run the queries of those n * B tokens, so the attention those tokens paid each other is
+missing from what its policy observes at prefill. That mass depends on the prefix's tokens alone
+(causal attention), so the request that computed the blocks keeps it with them: the payload of
+block j is the mass the prompt's first (j + 1) * B queries gave to keys [0, (j + 1) * B)
+(``paged_attention``'s ``mass_cuts``). A request reusing n blocks adds block n - 1's payload to
+its own prefill mass: its policy then observes what a fresh prefill of its prompt gives (equal up
+to float rounding). Blocks stored while no policy of the engine observes attention carry no
+payload; a request reusing them observes its own queries' mass only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+
+import numpy as np
+import torch
+
+from trtllm_vtoken.core.block_pool import BlockPool
+from trtllm_vtoken.core.prefix_cache import PrefixCache
+
+
+class PrefixCaching:
+    """Prefix cache, per-request prefill bookkeeping and prefix attention mass of one engine."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.cache = PrefixCache(pool)
+        self.tokens_per_block = pool.tokens_per_block
+        self._cached: dict[int, int] = {}
+        self._stored: dict[int, list[int]] = {}  # request -> prompt block indices stored at admission
+
+    # ---- admission -----------------------------------------------------------------------------
+    def probe(self, token_ids: Sequence[int], busy: Collection[int] = ()) -> tuple[int, int]:
+        """(blocks of the longest cached prefix, how many of them no request holds now); the
+        prefix stops before a block in ``busy`` (relocations in flight)."""
+        blocks = self.cache.match(token_ids, busy)
+        return len(blocks), sum(1 for b in blocks if b in self.cache.unheld)
+
+    def begin(self, req_id: int, token_ids: Sequence[int], busy: Collection[int] = ()) -> list[int]:
+        """The request takes its cached prefix; returns those blocks (its list's start)."""
+        blocks = self.cache.begin(req_id, token_ids, busy)
+        self._cached[req_id] = len(blocks) * self.tokens_per_block
+        return blocks
+
+    def cached_tokens(self, req_id: int) -> int:
+        """Prompt tokens the request found cached (not prefilled) at its latest admission."""
+        return self._cached[req_id]
+
+    def store_prompt(self, req_id: int, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Keys the request's full prompt blocks (its prefill writes them before anyone reads them)."""
+        self._stored[req_id] = self.cache.extend(req_id, block_ids, token_ids)
+
+    def store(self, req_id: int, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Keys blocks a decode step filled (``token_ids``: the tokens whose KV is written)."""
+        self.cache.extend(req_id, block_ids, token_ids)
+
+    def cut(self, req_id: int, block_ids: Sequence[int], victims: Sequence[int]) -> None:
+        """Before the request evicts ``victims``: its chain ends at the lowest one's block."""
+        if len(victims):
+            self.cache.cut(req_id, block_ids, int(min(victims)))
+
+    def cut_batch(self, block_ids: Callable[[int], Sequence[int]], req_ids: np.ndarray, offsets: np.ndarray,
+                  victims: np.ndarray) -> None:
+        """``cut`` for a step's victims (request i's: ``victims[offsets[i]:offsets[i + 1]]``),
+        between the step's decision and its token table (``DecodeStep.on_victims``)."""
+        for i in np.flatnonzero(np.diff(offsets)).tolist():
+            req_id = int(req_ids[i])
+            self.cut(req_id, block_ids(req_id), victims[offsets[i] : offsets[i + 1]])
+
+    def end(self, req_id: int, block_ids: Sequence[int]) -> None:
+        """The request leaves (finished, cancelled or preempted): its blocks stay cached if keyed."""
+        self.cache.end(req_id, block_ids)
+        self._cached.pop(req_id, None)
+        self._stored.pop(req_id, None)
+
+    def allocate(self, n: int) -> list[int] | None:
+        return self.cache.allocate(n)
+
+    # ---- attention mass over a cached prefix ---------------------------------------------------
+    def mass_cuts(self, req_id: int) -> list[int]:
+        """Query counts of the request's prefill at which to cut its attention mass: the end of
+        each prompt block stored at admission."""
+        cached, tpb = self._cached[req_id], self.tokens_per_block
+        return [(j + 1) * tpb - cached for j in self._stored.get(req_id, ())]
+
+    def prefill_mass(self, req_id: int, block_ids: Sequence[int], mass: torch.Tensor,
+                     cut_mass: torch.Tensor | None) -> torch.Tensor:
+        """The mass the request's policy observes for its prefill: its own queries' ``mass`` plus
+        the cached prefix's payload; keeps the payload of the blocks it stored (``cut_mass``: the
+        rows at ``mass_cuts``). Shapes: [L] and [len(mass_cuts), L]."""
+        cached, tpb = self._cached[req_id], self.tokens_per_block
+        prefix = torch.zeros_like(mass)
+        if cached:
+            payload = self.cache.payload.get(block_ids[cached // tpb - 1])
+            if payload is None:  # stored without a payload: the request observes its own queries only
+                return mass
+            prefix[:cached] = torch.from_numpy(payload)
+        if cut_mass is not None:
+            for row, j in enumerate(self._stored.get(req_id, ())):
+                block_id = block_ids[j]
+                if self.cache.is_cached(block_id):
+                    end = (j + 1) * tpb
+                    self.cache.attach(block_id, (prefix[:end] + cut_mass[row, :end]).numpy().astype(np.float32))
+        return mass + prefix
