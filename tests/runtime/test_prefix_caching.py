@@ -87,8 +87,9 @@ def test_caching_changes_no_output_of_native_and_no_decision_alone(model, varian
         torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("impl", ["python", "cpp"])
 @pytest.mark.parametrize("policy", sorted(POLICIES.names()))
-def test_vtoken_matches_naive_evict_with_caching(model, policy):
+def test_vtoken_matches_naive_evict_with_caching(model, policy, impl):
     """Sharing protects the same tokens for both, and a request's cut drops the same keys: the
     same decisions, the same outputs; shared blocks hold only live tokens all along."""
     def shared_all_live(engine):
@@ -100,10 +101,10 @@ def test_vtoken_matches_naive_evict_with_caching(model, policy):
                     assert counts[i] == TPB, f"a token of shared block {block_id} died"
 
     opts = {"streaming_llm": {"n_sink": 2}}.get(policy, {})
-    naive = run(Engine(model, config(variant="naive-evict", policy=policy, policy_options=opts), record_trace=True),
-                shared_prompts(), LONG, shared_all_live)
+    naive = run(Engine(model, config(variant="naive-evict", policy=policy, policy_options=opts, step_impl=impl),
+                       record_trace=True), shared_prompts(), LONG, shared_all_live)
     for mode in ("dense", "lazy"):
-        engine = Engine(model, config(variant="vtoken", mode=mode, policy=policy, policy_options=opts),
+        engine = Engine(model, config(variant="vtoken", mode=mode, policy=policy, policy_options=opts, step_impl=impl),
                         record_trace=True)
         got = run(engine, shared_prompts(), LONG, shared_all_live)
         for a, b in zip(naive, got):

@@ -99,17 +99,18 @@ def run_one(cfg: RealSharingConfig, model, prompts: list[list[int]], variant: st
     engine = Engine(model, cfg.engine_config(variant, mode))
     kv, cache = engine.kv, engine.kv.prefix.cache
     touched_pinned = 0
-    if kv.backend is not None:
-        submit = kv.backend.submit_many
+    if kv.step is not None:  # every step's token-table call: moves and releases it plans
+        table_step = kv.step.core.step
 
-        def checked_submit(plans):
+        def checked_step(*args):
             nonlocal touched_pinned
+            result = table_step(*args)
             tpb = cfg.tokens_per_block
-            touched_pinned += sum(1 for p in plans if any(cache.is_shared(b) or cache.is_cached(b)
-                                                          for b in p.touched_blocks(tpb)))
-            return submit(plans)
+            touched = {int(s) // tpb for s in (*result.move_src, *result.move_dst)} | set(result.freed.tolist())
+            touched_pinned += any(cache.is_shared(b) or cache.is_cached(b) for b in touched)
+            return result
 
-        kv.backend.submit_many = checked_submit
+        kv.step.core.step = checked_step
     ids = [engine.add_request(p, SamplingParams(max_tokens=cfg.decode_tokens, ignore_eos=True)) for p in prompts]
     blocks, live, slots = [], [], []
     start = time.perf_counter()
@@ -128,7 +129,7 @@ def run_one(cfg: RealSharingConfig, model, prompts: list[list[int]], variant: st
     decode_s = time.perf_counter() - decode_start
     kv.check_integrity()
     requests = [engine.pop_finished(i) for i in ids]
-    backend = kv.backend.stats if kv.backend else None
+    step = kv.step_stats if kv.config.variant == "vtoken" else None
     decoded = sum(len(r.output_ids) for r in requests) - len(requests)  # the first token is the prefill's
     return {
         "variant": variant, "mode": mode if variant == "vtoken" else "-",
@@ -139,8 +140,8 @@ def run_one(cfg: RealSharingConfig, model, prompts: list[list[int]], variant: st
         "kv_utilization": float(np.sum(live) / max(np.sum(slots), 1)),
         "prefill_s": prefill_s, "decode_s": decode_s, "decode_tokens_per_s": decoded / decode_s,
         "tokens_evicted": kv.stats.tokens_evicted,
-        "relocations": backend.plans if backend else 0, "moves": backend.moves if backend else 0,
-        "invariant_checks": backend.invariant_checks if backend else 0,
+        "relocations": step.compactions if step else 0, "moves": step.moves if step else 0,
+        "invariant_checks": step.invariant_checks if step else 0,
         "plans_touching_shared_or_cached": touched_pinned,
         "outputs": [r.output_ids for r in requests],
     }

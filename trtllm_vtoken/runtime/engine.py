@@ -264,7 +264,8 @@ class Engine:
         # keeps what a cached prefix's queries paid, see runtime/prefix_caching.py).
         cuts = kv.mass_cuts(req_ids[0]) if prefill and kv.needs_attention else []
         start = time.perf_counter()
-        if self.graphs is not None and longest == 1:
+        # Graphs captured without the mass serve no batch once a request's own policy needs it.
+        if self.graphs is not None and longest == 1 and (self.graphs.return_mass or not kv.needs_attention):
             logits, mass = self.graphs.run(input_ids, positions, slots, valid)
         else:
             q_lens = torch.tensor([len(t) for t in tokens]).to(device)
