@@ -102,3 +102,23 @@ def test_rouge_l():
     # LCS("a b c d", "a c d e") = "a c d": P = 3/4, R = 3/4.
     assert rouge_l("a b c d", "A c d e") == pytest.approx(0.75)
     assert rouge_l("", "") == 1.0 and rouge_l("", "x") == 0.0
+
+
+def test_every_option_of_every_command_has_help():
+    """``--help`` explains every option: a missing help string names the command and option."""
+    import argparse
+
+    from trtllm_vtoken.cli import build_parser
+
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, path: list[str]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, path + [name])
+            elif not action.help and not isinstance(action, argparse._HelpAction):
+                missing.append(f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), ["vtoken"])
+    assert not missing, f"options without help: {missing}"

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Shared helper for the project's frozen config dataclasses."""
+"""Shared helpers for the project's frozen config dataclasses."""
 
 from __future__ import annotations
 
@@ -16,3 +16,10 @@ def from_dict(cls: type[C], values: dict[str, Any]) -> C:
     if unknown:
         raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; known: {sorted(known)}")
     return cls(**values)
+
+
+def require_positive(config: Any, *names: str) -> None:
+    """ValueError naming the first of ``config``'s fields ``names`` that is not positive."""
+    for name in names:
+        if getattr(config, name) <= 0:
+            raise ValueError(f"{name} must be positive, got {getattr(config, name)}")

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from trtllm_vtoken.config_base import require_positive
 from trtllm_vtoken.core import BlockPool, TokenTable
 from trtllm_vtoken.reclaim import ReclaimBackend, ReclaimConfig
 from trtllm_vtoken.reclaim.step_batch import COMPACTIONS, step_batch
@@ -46,9 +47,7 @@ class CoreBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("batch", "context", "tokens_per_block", "steps"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, "batch", "context", "tokens_per_block", "steps")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         ReclaimConfig(mode=self.mode)  # validates the mode name

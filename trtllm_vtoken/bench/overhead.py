@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from trtllm_vtoken.config_base import require_positive
 from trtllm_vtoken.runtime.config import EngineConfig
 
 RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -43,9 +44,8 @@ class OverheadBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("requests", "max_prompt_tokens", "max_output_tokens", "tokens_per_block", "repeats"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, "requests", "max_prompt_tokens", "max_output_tokens", "tokens_per_block",
+                         "repeats")
 
     def engine_config(self, **overrides: Any) -> EngineConfig:
         seq_len = self.max_prompt_tokens + self.max_output_tokens + 64  # + chat template

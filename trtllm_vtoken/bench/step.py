@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from trtllm_vtoken.config_base import require_positive
 from trtllm_vtoken.runtime.config import EngineConfig
 
 SPLIT = ("table", "policy", "core", "copy")
@@ -43,9 +44,7 @@ class StepBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("context", "tokens_per_block", "steps", "repeats"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, "context", "tokens_per_block", "steps", "repeats")
         if not self.batches or min(self.batches) <= 0:
             raise ValueError(f"batches must be positive, got {self.batches}")
         if self.warmup < 0:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from trtllm_vtoken.config_base import require_positive
 from trtllm_vtoken.runtime.config import EngineConfig
 
 
@@ -42,10 +43,8 @@ class TpBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("requests", "max_prompt_tokens", "max_output_tokens", "tokens_per_block", "repeats",
-                     "probe_repeats"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, "requests", "max_prompt_tokens", "max_output_tokens",
+                         "tokens_per_block", "repeats", "probe_repeats")
 
     def engine_config(self, tensor_parallel_size: int) -> EngineConfig:
         seq_len = self.max_prompt_tokens + self.max_output_tokens + 64  # + chat template

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from trtllm_vtoken.config_base import require_positive
 from trtllm_vtoken.runtime.config import EngineConfig
 
 VARIANT_RUNS = (("native", "dense"), ("naive-evict", "dense"), ("vtoken", "dense"), ("vtoken", "lazy"))
@@ -37,9 +38,7 @@ class VariantsBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("requests", "max_prompt_tokens", "max_output_tokens", "num_blocks"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, "requests", "max_prompt_tokens", "max_output_tokens", "num_blocks")
 
     def engine_config(self, variant: str, mode: str) -> EngineConfig:
         return EngineConfig(

@@ -16,12 +16,13 @@ def register(sub) -> None:
     core.add_argument("--context", type=int, default=4096, help="live tokens per request (default 4096)")
     core.add_argument("--tokens-per-block", type=int, default=32, help="default 32")
     core.add_argument("--steps", type=int, default=50, help="timed decode steps (default 50)")
-    core.add_argument("--mode", choices=["dense", "lazy", "both"], default="both")
+    core.add_argument("--mode", choices=["dense", "lazy", "both"], default="both",
+                      help="compaction mode(s) to run (default both)")
     core.add_argument("--impl", choices=["calls", "python", "cpp", "all"], default="all",
                       help="the per-call API (engine path, per-stage split), the Python core's step_batch, "
                            "the C++ core's step_batch, or all in one run (default; cpp skipped where the "
                            "C++ core is not built)")
-    core.add_argument("--seed", type=int, default=0)
+    core.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     core.add_argument("--repeats", type=int, default=3,
                       help="runs per row in alternating order; the median run is reported (default 3)")
     add_output_options(core, "10 steps, one run per row: a smoke run", run_core)
@@ -31,16 +32,19 @@ def register(sub) -> None:
         description="Serve one workload with every variant from the same KV block budget.")
     variants.add_argument("--model", default=None, help="Hugging Face Llama folder (default: SmolLM2-135M)")
     variants.add_argument("--workload", default="sharegpt", help="sharegpt or longdoc")
-    variants.add_argument("--requests", type=int, default=32)
-    variants.add_argument("--max-prompt-tokens", type=int, default=512)
-    variants.add_argument("--max-output-tokens", type=int, default=128)
-    variants.add_argument("--policy", default="h2o")
-    variants.add_argument("--budget", default="0.5")
-    variants.add_argument("--tokens-per-block", type=int, default=16)
+    variants.add_argument("--requests", type=int, default=32, help="ShareGPT requests (default 32)")
+    variants.add_argument("--max-prompt-tokens", type=int, default=512, help="longest prompt in tokens (default 512)")
+    variants.add_argument("--max-output-tokens", type=int, default=128,
+                          help="new tokens per request at most (default 128)")
+    variants.add_argument("--policy", default="h2o", help="eviction policy (default h2o)")
+    variants.add_argument("--budget", default="0.5",
+                          help="live tokens per request: a count (256) or a ratio (0.5, the default)")
+    variants.add_argument("--tokens-per-block", type=int, default=16, help="tokens in one KV block (default 16)")
     variants.add_argument("--num-blocks", type=int, default=160, help="KV block budget (default 160)")
-    variants.add_argument("--max-batch-size", type=int, default=32)
+    variants.add_argument("--max-batch-size", type=int, default=32,
+                          help="requests running at once, at most (default 32)")
     variants.add_argument("--no-check", action="store_true", help="skip I1/I2/I4 checks per relocation")
-    variants.add_argument("--seed", type=int, default=0)
+    variants.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     add_output_options(variants, "16 requests, prompts <= 256, outputs <= 48 tokens, 80 blocks", run_variants)
 
     every = bench.add_parser(
@@ -53,19 +57,19 @@ def register(sub) -> None:
         "utilization", help="KV utilization and retained blocks, every policy x workload (real model)",
         description="native / naive-evict / vtoken on the real model with a pool large enough for all "
                     "requests at once, for every registered policy and both workloads.")
-    util.add_argument("--requests", type=int, default=8)
-    util.add_argument("--max-prompt-tokens", type=int, default=512)
-    util.add_argument("--max-output-tokens", type=int, default=64)
-    util.add_argument("--budget", default="0.5")
+    util.add_argument("--requests", type=int, default=8, help="requests per workload (default 8)")
+    util.add_argument("--max-prompt-tokens", type=int, default=512, help="longest prompt in tokens (default 512)")
+    util.add_argument("--max-output-tokens", type=int, default=64, help="new tokens per request at most (default 64)")
+    util.add_argument("--budget", default="0.5", help="live tokens per request: a count or a ratio (default 0.5)")
     add_output_options(util, "4 requests, prompts <= 192, 16 new tokens", run_utilization)
 
     quality = bench.add_parser(
         "quality", help="vtoken vs naive-evict greedy outputs on real prompts: exact match, ROUGE-L",
         description="Greedy generations of native, naive-evict and vtoken on the same ShareGPT prompts.")
-    quality.add_argument("--prompts", type=int, default=144)
-    quality.add_argument("--max-tokens", type=int, default=64)
-    quality.add_argument("--policy", default="h2o")
-    quality.add_argument("--budget", default="0.5")
+    quality.add_argument("--prompts", type=int, default=144, help="ShareGPT prompts compared (default 144)")
+    quality.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
+    quality.add_argument("--policy", default="h2o", help="eviction policy (default h2o)")
+    quality.add_argument("--budget", default="0.5", help="live tokens per request: a count or a ratio (default 0.5)")
     quality.add_argument("--model", default=None, help="Hugging Face Llama folder (default: SmolLM2-135M)")
     add_output_options(quality, "24 prompts, 32 tokens", run_quality)
 
@@ -75,7 +79,7 @@ def register(sub) -> None:
                     "backend, on the paper's Llama-3.1-8B and Qwen2.5-14B settings.")
     capacity.add_argument("--scale", type=int, default=1, help="divide lengths and pools by this (default 1)")
     capacity.add_argument("--budget", type=float, default=0.5, help="H2O retention ratio (default 0.5)")
-    capacity.add_argument("--seed", type=int, default=0)
+    capacity.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     add_output_options(capacity, "--scale 8 (about a minute)", run_capacity)
 
     from trtllm_vtoken.cli import bench_experiments, bench_gpu, bench_serve, bench_step, bench_tp

@@ -16,16 +16,16 @@ def register(bench) -> None:
         "overhead", help="hooks-on/no-eviction cost vs native, and the host-time split (real model)",
         description="native vs indirection-only (vtoken hooks, budget 1.0) in one run, repeated in "
                     "alternating order; plus where a reclaiming run spends its host time.")
-    overhead.add_argument("--requests", type=int, default=16)
-    overhead.add_argument("--max-output-tokens", type=int, default=64)
-    overhead.add_argument("--repeats", type=int, default=3)
+    overhead.add_argument("--requests", type=int, default=16, help="ShareGPT requests served at once (default 16)")
+    overhead.add_argument("--max-output-tokens", type=int, default=64, help="new tokens per request (default 64)")
+    overhead.add_argument("--repeats", type=int, default=3, help="runs per row, in alternating order (default 3)")
     add_output_options(overhead, "8 requests, 24 new tokens, 3 repeats", run_overhead)
 
     sweeps = bench.add_parser(
         "sweeps", help="tokens_per_block, retention ratio, lazy threshold, dense vs lazy (real model)",
         description="One knob at a time: retained KV, copies and throughput of vtoken (and naive-evict).")
-    sweeps.add_argument("--requests", type=int, default=8)
-    sweeps.add_argument("--max-output-tokens", type=int, default=48)
+    sweeps.add_argument("--requests", type=int, default=8, help="ShareGPT requests per point (default 8)")
+    sweeps.add_argument("--max-output-tokens", type=int, default=48, help="new tokens per request (default 48)")
     add_output_options(sweeps, "4 requests, prompts <= 128, 16 new tokens", run_sweeps)
 
     sla = bench.add_parser(
@@ -33,7 +33,8 @@ def register(bench) -> None:
         description="Closed-loop concurrency scan of naive-evict and vtoken from one KV budget; "
                     "SLA = 1.05 x naive-evict p95 at C_ref; throughput at each variant's C_sel.")
     sla.add_argument("--concurrency", default="1,2,4,8,12,16", help="ascending levels (default 1,2,4,8,12,16)")
-    sla.add_argument("--requests-per-client", type=int, default=3)
+    sla.add_argument("--requests-per-client", type=int, default=3,
+                     help="requests each closed-loop client sends (default 3)")
     sla.add_argument("--num-blocks", type=int, default=96, help="KV block budget (default 96)")
     add_output_options(sla, "levels 2,4,8, two requests per client, 24 new tokens", run_sla)
 

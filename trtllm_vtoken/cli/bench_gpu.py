@@ -15,10 +15,11 @@ def register(bench) -> None:
         "gpu", help="CUDA only: relocation kernel vs copies, CUDA-graph decode, the engine on CUDA",
         description="Copy bandwidth of the relocation kernel, eager vs graph-replayed decode steps, "
                     "and every variant end to end on the device (SmolLM2-135M shapes, random weights).")
-    gpu.add_argument("--requests", type=int, default=64)
-    gpu.add_argument("--prompt-tokens", type=int, default=256)
-    gpu.add_argument("--output-tokens", type=int, default=128)
-    gpu.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    gpu.add_argument("--requests", type=int, default=64, help="requests in the end-to-end runs (default 64)")
+    gpu.add_argument("--prompt-tokens", type=int, default=256, help="prompt length in tokens (default 256)")
+    gpu.add_argument("--output-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    gpu.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"],
+                     help="KV and model dtype (default bfloat16)")
     gpu.add_argument("--repeats", type=int, default=3, help="engine runs per row, alternating order (default 3)")
     add_output_options(gpu, "16 requests, 64 new tokens", run_gpu)
 

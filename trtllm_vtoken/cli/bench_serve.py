@@ -16,11 +16,11 @@ def register(bench) -> None:
         description="Starts tritonserver on triton_model_repo, then runs closed-loop clients at each "
                     "concurrency against the in-process engine and against Triton's generate endpoint.")
     serve.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default 1,8,32)")
-    serve.add_argument("--requests-per-client", type=int, default=2)
-    serve.add_argument("--max-tokens", type=int, default=32)
-    serve.add_argument("--num-blocks", type=int, default=512)
-    serve.add_argument("--policy", default="h2o")
-    serve.add_argument("--budget", default="0.5")
+    serve.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends (default 2)")
+    serve.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (default 32)")
+    serve.add_argument("--num-blocks", type=int, default=512, help="KV blocks of the served engine (default 512)")
+    serve.add_argument("--policy", default="h2o", help="eviction policy (default h2o)")
+    serve.add_argument("--budget", default="0.5", help="live tokens per request: a count or a ratio (default 0.5)")
     add_output_options(serve, "concurrency 1,8, one request per client, 16 tokens", run_serve)
 
 

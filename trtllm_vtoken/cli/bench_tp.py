@@ -17,11 +17,11 @@ def register(bench) -> None:
                     "the ranks' decisions identical, per step, in the run and alone; the alternative "
                     "(decide on rank 0, broadcast the victims); bytes per step projected to "
                     "Llama-3.1-70B at TP=8.")
-    tp.add_argument("--requests", type=int, default=8)
-    tp.add_argument("--max-prompt-tokens", type=int, default=128)
-    tp.add_argument("--max-output-tokens", type=int, default=32)
+    tp.add_argument("--requests", type=int, default=8, help="ShareGPT requests (default 8)")
+    tp.add_argument("--max-prompt-tokens", type=int, default=128, help="longest prompt in tokens (default 128)")
+    tp.add_argument("--max-output-tokens", type=int, default=32, help="new tokens per request (default 32)")
     tp.add_argument("--policy", default="h2o", help="a policy that observes attention, or the protocol idles")
-    tp.add_argument("--budget", default="0.5")
+    tp.add_argument("--budget", default="0.5", help="live tokens per request: a count or a ratio (default 0.5)")
     tp.add_argument("--repeats", type=int, default=3, help="runs per TP size, alternating order (default 3)")
     tp.add_argument("--probe-repeats", type=int, default=200, help="calls per collective timed alone (default 200)")
     tp.add_argument("--quick", action="store_true", help="4 requests, prompts <= 64, 16 tokens, one run each")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from trtllm_vtoken.config_base import from_dict
+from trtllm_vtoken.config_base import from_dict, require_positive
 from trtllm_vtoken.policies import POLICIES, Budget, make_policy
 from trtllm_vtoken.policies.request_settings import PolicySpec
 
@@ -95,10 +95,8 @@ class EngineConfig:
             raise ValueError(f"step_impl must be 'auto', 'cpp' or 'python', got {self.step_impl!r}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-        for name in ("tokens_per_block", "num_blocks", "max_batch_size", "max_seq_len",
-                     "fragmentation_threshold", "tensor_parallel_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, "tokens_per_block", "num_blocks", "max_batch_size",
+                         "max_seq_len", "fragmentation_threshold", "tensor_parallel_size")
         if self.evacuation_headroom < 0 or self.evacuation_headroom >= self.num_blocks:
             raise ValueError(f"evacuation_headroom must lie in [0, num_blocks), got {self.evacuation_headroom}")
         POLICIES.get(self.policy)  # KeyError naming the known policies
