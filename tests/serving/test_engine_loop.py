@@ -42,13 +42,16 @@ def test_concurrent_submitters_get_the_outputs_of_a_direct_run(model):
     expected = [direct.pop_finished(i).output_ids for i in ids]
 
     steps = []
-    loop = EngineLoop(make_engine(model), on_step=lambda e: steps.append(snapshot(e))).start()
+    loop = EngineLoop(make_engine(model), on_step=lambda e: steps.append(snapshot(e)))
     sinks = [Collect() for _ in range(24)]
     threads = [threading.Thread(target=loop.submit, args=(prompt(i), params, sinks[i])) for i in range(24)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    # The loop starts once every client has submitted: its first step fills the batch, however
+    # slowly the client threads ran (stepping meanwhile made the batch size depend on timing).
+    loop.start()
     assert all(s.done.wait(30) for s in sinks)
     loop.stop()
     assert [s.tokens for s in sinks] == expected and all(s.error is None for s in sinks)
