@@ -127,8 +127,8 @@ def make_manager(policy: str, budget=8, num_blocks=64, mapping=None, num_layers=
                  **extra):
     """``VTokenKVCacheManager`` over the ``KVCacheManager`` double, built as ``KvCacheCreator`` does
     (keyword arguments, bf16 pool, ``max_tokens`` fixing the block count)."""
-    settings = VTokenSettings(policy=policy, budget=budget, policy_options=POLICY_OPTIONS.get(policy, {}),
-                              check_invariants=True, **extra)
+    options = extra.pop("policy_options", POLICY_OPTIONS.get(policy, {}))
+    settings = VTokenSettings(policy=policy, budget=budget, policy_options=options, check_invariants=True, **extra)
     cls = build_manager_class(KVCacheManager)
     config = KvCacheConfig(enable_block_reuse=False, enable_partial_reuse=False, max_tokens=num_blocks * TPB,
                            tokens_per_block=TPB)

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from trtllm_vtoken.consistency import RankConsistency
+from trtllm_vtoken.integration.trtllm.ranks import parallel_layout_problem, worker_ranks
 from trtllm_vtoken.integration.trtllm.scores import QueryRecorder, decode_attention_mass
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
 from trtllm_vtoken.integration.trtllm.state import VTokenState
@@ -73,15 +75,13 @@ def manager_pools(manager: Any) -> list[torch.Tensor]:
 
 
 def check_parallel_layout(mapping: Any, settings: VTokenSettings) -> None:
-    """ValueError for tensor or pipeline parallelism with a policy that observes attention: each
-    rank sees only its heads or layers, so its scores (and evictions) would differ from the other
-    ranks' and their token tables would drift apart. Policies that look at positions only decide
-    the same on every rank."""
-    tp, pp = getattr(mapping, "tp_size", 1), getattr(mapping, "pp_size", 1)
-    if (tp > 1 or pp > 1) and settings.make_policy().observes_attention():
-        raise ValueError(f"policy {settings.policy!r} scores tokens by attention, which each of the "
-                         f"{tp * pp} ranks (tp={tp}, pp={pp}) sees only in part; with tensor or pipeline "
-                         "parallelism use a position policy (streaming_llm, sliding_window, random)")
+    """ValueError for a parallel layout vToken does not support (``ranks.parallel_layout_problem``).
+    Tensor and pipeline parallelism are supported with every policy: attention mass is summed over
+    the ranks before scoring (``ranks.py``), position policies and Random decide alike by
+    construction (Random is seeded per request id, which every rank shares)."""
+    problem = parallel_layout_problem(mapping)
+    if problem:
+        raise ValueError(f"vToken ({settings.policy}): {problem}")
 
 
 def build_manager_class(base: type) -> type:
@@ -106,13 +106,19 @@ def build_manager_class(base: type) -> type:
                                                 pools[0].shape[5], pools[0].device)
             self._vtoken_rows: dict[int, int] = {}
             self._vtoken_num_contexts = 0
-            self.vtoken = VTokenState(settings, self.tokens_per_block, pools[0].shape[0], pools, self._vtoken_mass)
+            self._vtoken_parked: dict[int, tuple[str, torch.Tensor | None]] = {}
+            self._vtoken_steps = 0
+            self.vtoken_consistency = RankConsistency(worker_ranks(kwargs.get("mapping")))
+            self.vtoken = VTokenState(settings, self.tokens_per_block, pools[0].shape[0], pools, self._vtoken_mass,
+                                      reduce_mass=self.vtoken_consistency.reduce_mass)
             self.vtoken_stats = StatsFile(settings.stats_file, settings.stats_interval_s) \
                 if settings.stats_file else None
 
         # ---- iteration hooks -----------------------------------------------------------------
         def prepare_resources(self, scheduled_batch) -> None:
             super().prepare_resources(scheduled_batch)
+            if self._vtoken_rows and self.vtoken.needs_attention:
+                self._vtoken_park()
             # Rows of the recorded queries follow the batch order: context first, then generation.
             rows = [r.py_request_id for r in scheduled_batch.context_requests + scheduled_batch.generation_requests]
             self._vtoken_rows = {req_id: i for i, req_id in enumerate(rows)}
@@ -133,6 +139,12 @@ def build_manager_class(base: type) -> type:
                 for req_id, lost in zip(out.req_ids.tolist(), out.lost.tolist()):
                     if lost:
                         self._vtoken_release(req_id, lost)
+                self._vtoken_steps += 1
+                if self.vtoken.settings.check_invariants:  # every rank's table, after the same step
+                    self.vtoken_consistency.check(self._vtoken_steps, self.vtoken.step, [self.get_num_free_blocks()])
+            for request in scheduled_batch.context_requests + scheduled_batch.generation_requests:
+                self._vtoken_rows.pop(request.py_request_id, None)  # consumed
+                self._vtoken_parked.pop(request.py_request_id, None)
             self._vtoken_publish(force=False)
 
         def free_resources(self, request, *args, **kwargs) -> None:
@@ -175,13 +187,35 @@ def build_manager_class(base: type) -> type:
                 raise RuntimeError(f"TensorRT-LLM holds blocks {held} for request {req_id} after rewinding "
                                    f"{num_tokens} tokens, vToken {self.vtoken.step.block_ids(req_id)}")
 
+        def _vtoken_park(self) -> None:
+            """The batch prepared last is still in flight while the next one is prepared (pipeline
+            parallelism: ``PyExecutor._executor_loop_pp`` prepares and forwards batch N+1 before it
+            calls ``update_resources(N)``), and the next forward overwrites the recorder. Its
+            requests' recordings are kept per request until their update: decode queries copied on
+            the stream (after forward N, before forward N+1), prefill mass as it is."""
+            recorder = self.vtoken_queries
+            for req_id, row in self._vtoken_rows.items():
+                if row < self._vtoken_num_contexts:
+                    self._vtoken_parked[req_id] = ("prefill", recorder.prefill.get(row))
+                elif recorder.q is not None:
+                    self._vtoken_parked[req_id] = ("decode", recorder.q[row - self._vtoken_num_contexts].clone())
+            self._vtoken_rows = {}
+
         def _vtoken_mass(self, req_id: int, kv_len: int, block_ids: list[int]) -> torch.Tensor:
-            row = self._vtoken_rows[req_id]
-            if row < self._vtoken_num_contexts:  # a prompt: its mass was summed during the forward
-                prefill = self.vtoken_queries.prefill.get(row)
-                return prefill[:kv_len] if prefill is not None else torch.zeros(kv_len)
-            row -= self._vtoken_num_contexts
-            q = self.vtoken_queries.q[row]  # [local layers, heads, dim]
+            parked = self._vtoken_parked.get(req_id)
+            if parked is not None:
+                kind, recorded = parked
+                if kind == "prefill":
+                    return recorded[:kv_len] if recorded is not None else torch.zeros(kv_len)
+                q = recorded
+            else:
+                row = self._vtoken_rows.get(req_id)
+                if row is None:
+                    raise RuntimeError(f"request {req_id} is updated but was not in a prepared batch")
+                if row < self._vtoken_num_contexts:  # a prompt: its mass was summed during the forward
+                    prefill = self.vtoken_queries.prefill.get(row)
+                    return prefill[:kv_len] if prefill is not None else torch.zeros(kv_len)
+                q = self.vtoken_queries.q[row - self._vtoken_num_contexts]  # [local layers, heads, dim]
             mapping = self.kv_cache_pool_mapping.tolist()  # [local layers, 2]: (pool, layer in pool)
             mass = None
             for pool_index, pool in enumerate(self.vtoken.step.executor.pools):  # a pool per num_kv_heads

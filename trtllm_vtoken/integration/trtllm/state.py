@@ -36,12 +36,14 @@ CUDA_GRAPH_DUMMY_REQUEST_ID = (1 << 64) - 1
 
 
 def make_step(settings: VTokenSettings, tokens_per_block: int, num_blocks: int,
-              pools: Sequence[torch.Tensor] | None = None, rerotation: KeyRerotation | None = None) -> DecodeStep:
+              pools: Sequence[torch.Tensor] | None = None, rerotation: KeyRerotation | None = None,
+              reduce_mass: Callable[[np.ndarray], np.ndarray] | None = None) -> DecodeStep:
     """The step a TensorRT-LLM host with these settings runs (dense: its kernels have no mask);
-    ``rerotation``: the key re-rotation pass of shift positions (the trtllm-build engine path)."""
+    ``rerotation``: the key re-rotation pass of shift positions (the trtllm-build engine path);
+    ``reduce_mass``: the cross-rank sum of the batch's mass (tensor / pipeline parallelism)."""
     config = StepConfig("dense", settings.fragmentation_threshold, settings.check_invariants, settings.step_impl)
     return DecodeStep(config, num_blocks, tokens_per_block, settings.make_policy(),
-                      TorchCopyExecutor(pools) if pools else None, rerotation=rerotation)
+                      TorchCopyExecutor(pools) if pools else None, reduce_mass=reduce_mass, rerotation=rerotation)
 
 
 class VTokenState:
@@ -52,13 +54,15 @@ class VTokenState:
         pools: the manager's primary pools as 6-D HND views (``manager_pools``); None: metadata only.
         attention_mass: (request id, kv_len, block ids) -> mass per position, for policies that
             observe attention; None if the policy needs none.
+        reduce_mass: the batch's mass [B, L] -> its sum over every rank (``RankConsistency``).
     """
 
     def __init__(self, settings: VTokenSettings, tokens_per_block: int, num_blocks: int,
                  pools: Sequence[torch.Tensor] | None = None,
-                 attention_mass: Callable[[int, int, list[int]], torch.Tensor] | None = None) -> None:
+                 attention_mass: Callable[[int, int, list[int]], torch.Tensor] | None = None,
+                 reduce_mass: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         self.settings = settings
-        self.step = make_step(settings, tokens_per_block, num_blocks, pools)
+        self.step = make_step(settings, tokens_per_block, num_blocks, pools, reduce_mass=reduce_mass)
         self.policy = self.step.policy
         self.needs_attention = self.policy.observes_attention()
         if self.needs_attention and attention_mass is None:
