@@ -19,6 +19,10 @@ same code runs on the real class inside the executor worker and on the test doub
     (both)                 publish vToken's counters for the Triton model's metrics (stats.py)
     add_dummy_requests     CUDA-graph padding requests: super only; vToken treats them as empty
     get_needed_resource_to_completion   the reference runtime's admission demand (budget-aware)
+
+Under tensor / pipeline parallelism every rank's manager runs the same step: the mass is summed
+over the ranks before scoring and, with ``check_invariants``, the table digests are compared
+after it (``ranks.py``, ``trtllm_vtoken.consistency``).
 """
 
 from __future__ import annotations
