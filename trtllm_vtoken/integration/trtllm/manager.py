@@ -94,8 +94,11 @@ def build_manager_class(base: type) -> type:
     class VTokenKVCacheManager(base):
         def __init__(self, kv_cache_config, kv_cache_type, *args, vtoken_settings: VTokenSettings | None = None,
                      **kwargs) -> None:
-            if getattr(kv_cache_config, "enable_block_reuse", False):
-                raise ValueError("vToken needs kv_cache_config.enable_block_reuse=False")
+            if getattr(kv_cache_config, "enable_partial_reuse", False) and \
+                    getattr(kv_cache_config, "enable_block_reuse", False):
+                raise ValueError("vToken needs kv_cache_config.enable_partial_reuse=False (a partly matched block "
+                                 "is taken over and rewritten, which the shared-prefix rule does not cover)")
+            self._vtoken_reuse = bool(getattr(kv_cache_config, "enable_block_reuse", False))
             if kwargs.get("max_beam_width", 1) != 1:
                 raise ValueError("vToken needs max_beam_width=1")
             settings = vtoken_settings or VTokenSettings.from_env()  # RuntimeError if none were sent
@@ -113,8 +116,11 @@ def build_manager_class(base: type) -> type:
             self._vtoken_parked: dict[int, tuple[str, torch.Tensor | None]] = {}
             self._vtoken_steps = 0
             self.vtoken_consistency = RankConsistency(worker_ranks(kwargs.get("mapping")))
+            self._vtoken_prefix: dict[int, list[int]] = {}  # request -> its reusable prompt blocks
+            self._vtoken_shared: frozenset[int] = frozenset()
             self.vtoken = VTokenState(settings, self.tokens_per_block, pools[0].shape[0], pools, self._vtoken_mass,
-                                      reduce_mass=self.vtoken_consistency.reduce_mass)
+                                      reduce_mass=self.vtoken_consistency.reduce_mass,
+                                      shared_blocks=(lambda: self._vtoken_shared) if self._vtoken_reuse else None)
             self.vtoken_stats = StatsFile(settings.stats_file, settings.stats_interval_s) \
                 if settings.stats_file else None
 
@@ -134,6 +140,8 @@ def build_manager_class(base: type) -> type:
             # Prompts too: the policy sees their prefill attention and may evict before decoding.
             written = [(r.py_request_id, self.get_cache_indices(r), r.prompt_len)
                        for r in scheduled_batch.context_requests]
+            if self._vtoken_reuse:
+                self._vtoken_share_prompts(written)
             written += [(r.py_request_id, self.get_cache_indices(r), 1) for r in scheduled_batch.generation_requests
                         if r.py_request_id in self.vtoken.step]
             executor = self.vtoken.step.executor
@@ -151,9 +159,18 @@ def build_manager_class(base: type) -> type:
                 self._vtoken_parked.pop(request.py_request_id, None)
             self._vtoken_publish(force=False)
 
-        def free_resources(self, request, *args, **kwargs) -> None:
-            self.vtoken.forget(request.py_request_id)
-            super().free_resources(request, *args, **kwargs)
+        def free_resources(self, request, pin_on_release: bool = False) -> None:
+            req_id = request.py_request_id
+            changed = self.vtoken.num_evicted(req_id) > 0
+            self.vtoken.forget(req_id)
+            if self._vtoken_prefix.pop(req_id, None) is not None:
+                self._vtoken_shared = frozenset(b for blocks in self._vtoken_prefix.values() for b in blocks)
+            if self._vtoken_reuse and changed:
+                # Its blocks past the prompt no longer hold what its tokens say: release them
+                # unstored (BlockManager::releaseBlocks stores for reuse only when given the request).
+                self.impl.remove_sequence(req_id, None, pin_on_release)
+            else:
+                super().free_resources(request, pin_on_release)
             self._vtoken_publish(force=True)  # gauges must not keep a finished request
 
         def get_needed_resource_to_completion(self, request) -> int:
@@ -190,6 +207,16 @@ def build_manager_class(base: type) -> type:
             if held != self.vtoken.step.block_ids(req_id):
                 raise RuntimeError(f"TensorRT-LLM holds blocks {held} for request {req_id} after rewinding "
                                    f"{num_tokens} tokens, vToken {self.vtoken.step.block_ids(req_id)}")
+
+        def _vtoken_share_prompts(self, written) -> None:
+            """Block reuse: the blocks that are or may become reusable while a request runs are its
+            prompt's full blocks -- recovered from the reuse tree by ``add_sequence`` (shared with
+            other requests) or stored into it by ``store_context_blocks`` after the context step
+            (the full blocks of the prompt and the first sampled token, ``len(tokens) - 1``). vToken
+            leaves them as they are: no move into or out of them, no eviction of their tokens."""
+            for req_id, blocks, prompt_len in written:
+                self._vtoken_prefix[req_id] = list(blocks[: prompt_len // self.tokens_per_block])
+            self._vtoken_shared = frozenset(b for blocks in self._vtoken_prefix.values() for b in blocks)
 
         def _vtoken_park(self) -> None:
             """The batch prepared last is still in flight while the next one is prepared (pipeline

@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The TensorRT-LLM adapter with block reuse on (``enable_block_reuse=True``, TensorRT-LLM's
+default), over the 1.2.1 ``KVCacheManager`` double, which models when blocks enter the reuse tree
+(its docstring cites ``store_context_blocks``, ``remove_sequence`` -> ``releaseBlocks`` /
+``storeBlocksForReuse``, and the prefix match of ``add_sequence``). vToken never moves KV into or
+out of a prompt block that is or may become reusable, never evicts its tokens, and a request whose
+KV it changed is released without being stored, so every block in the reuse tree holds exactly
+the KV of the tokens its key names."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.integration.test_trtllm_adapter import DIM, KV_HEADS, LAYERS, TPB
+from tests.integration.trtllm_doubles import CacheType, DataType, KvCacheConfig, KVCacheManager, Mapping, \
+    ScheduledRequests, make_request
+from trtllm_vtoken.integration.trtllm.manager import build_manager_class
+from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
+
+SYSTEM = list(range(100, 110))  # a shared system prompt: 2 full blocks of 4 and 2 tokens
+
+
+def make_reuse_manager(policy: str, budget: int):
+    settings = VTokenSettings(policy=policy, budget=budget, check_invariants=True)
+    config = KvCacheConfig(enable_block_reuse=True, enable_partial_reuse=False, max_tokens=32 * TPB,
+                           tokens_per_block=TPB)
+    return build_manager_class(KVCacheManager)(
+        config, CacheType.SELF, num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, tokens_per_block=TPB,
+        max_seq_len=64, max_batch_size=4, mapping=Mapping(), dtype=DataType.BF16, vtoken_settings=settings)
+
+
+def kv_of(token: int, position: int) -> torch.Tensor:
+    """The KV a forward writes for ``token`` at logical ``position`` (what a prefix's blocks hold is
+    a function of its tokens alone)."""
+    gen = torch.Generator().manual_seed(token * 1009 + position)
+    return torch.randn(LAYERS, 2, KV_HEADS, DIM, generator=gen)
+
+
+class Driver:
+    def __init__(self, manager) -> None:
+        self.manager = manager
+        self.pool = manager.vtoken.step.executor.pools[0]
+
+    def write(self, request, start_logical: int, start_position: int, count: int) -> None:
+        tokens, blocks = request.get_tokens(0), self.manager.get_cache_indices(request)
+        for i in range(count):
+            p, t = start_position + i, start_logical + i
+            self.pool[blocks[p // TPB], :, :, :, p % TPB] = kv_of(tokens[t], t).to(self.pool.dtype)
+
+    def run(self, request, new_tokens: int) -> None:
+        manager, req_id = self.manager, request.py_request_id
+        batch = ScheduledRequests(context_requests=[request])
+        manager.prepare_resources(batch)
+        self.write(request, 0, 0, request.prompt_len)
+        manager.update_resources(batch)
+        for i in range(new_tokens):
+            request.add_new_token(500 + 10 * req_id + i, 0)
+            batch = ScheduledRequests(generation_requests=[request])
+            step = manager.vtoken.step
+            logical, position = step.num_tokens(req_id), step.kv_len(req_id)
+            manager.prepare_resources(batch)
+            self.write(request, logical, position, 1)
+            manager.update_resources(batch)
+
+    def check_tree(self) -> None:
+        """Every stored block holds the KV of the tokens its key ends with, position by position."""
+        for key, block in self.manager.stored_blocks().items():
+            first = (len(key) - 1) // TPB * TPB
+            for position in range(first, len(key)):
+                want = kv_of(key[position], position).to(self.pool.dtype)
+                assert torch.equal(self.pool[block, :, :, :, position % TPB], want), (key, block, position)
+
+
+def test_reuse_with_eviction_keeps_the_tree_true_and_shares_the_prefix():
+    manager = make_reuse_manager("random", budget=12)
+    drive = Driver(manager)
+    first = make_request(0, 0, 12)
+    first.__init__(request_id=0, max_new_tokens=12, input_tokens=SYSTEM + [1, 2, 3],
+                   sampling_config=first.sampling_config)
+    drive.run(first, new_tokens=10)  # 13 prompt tokens, 10 new: Random evicts (budget 12)
+    assert manager.vtoken.num_evicted(0) > 0
+    prompt_blocks = manager.get_cache_indices(first)[:13 // TPB]
+    assert manager.vtoken.step.block_ids(0)[:3] == prompt_blocks  # the prompt's full blocks stayed put
+    assert set(range(12)) <= set(manager.vtoken.step.live_tokens(0).tolist())  # and kept their tokens
+    drive.check_tree()
+    stored_before = manager.stored_blocks()
+    manager.free_resources(first)  # changed by vToken: released unstored
+    assert manager.stored_blocks() == stored_before  # only its context blocks are in the tree
+    drive.check_tree()
+
+    second = make_request(1, 0, 4)
+    second.__init__(request_id=1, max_new_tokens=4, input_tokens=SYSTEM + [7],
+                    sampling_config=second.sampling_config)
+    drive.run(second, new_tokens=1)
+    assert manager.get_cache_indices(second)[:2] == prompt_blocks[:2]  # the system prompt came from the tree
+    drive.check_tree()
+    assert manager.vtoken.num_evicted(1) == 0
+    manager.free_resources(second)  # nothing evicted: stored for reuse as TensorRT-LLM does
+    assert len(manager.stored_blocks()) > len(stored_before)
+    drive.check_tree()
+    assert manager.get_num_free_blocks() == 32
+
+
+def test_without_the_rules_the_tree_would_lie():
+    """The same run with vToken told nothing is reusable: compaction moves tokens inside stored
+    prompt blocks (or the released blocks are stored with changed content) and the tree's check
+    fails -- what the rules prevent."""
+    manager = make_reuse_manager("random", budget=12)
+    manager._vtoken_share_prompts = lambda written: None  # the rule switched off
+    drive = Driver(manager)
+    first = make_request(0, 0, 12)
+    first.__init__(request_id=0, max_new_tokens=12, input_tokens=SYSTEM + [1, 2, 3],
+                   sampling_config=first.sampling_config)
+    drive.run(first, new_tokens=10)
+    super(type(manager), manager).free_resources(first)  # and released with the request: stored
+    try:
+        drive.check_tree()
+    except AssertionError:
+        return
+    raise AssertionError("the reuse tree stayed true without the rules: this test proves nothing")
