@@ -118,3 +118,47 @@ def test_without_the_rules_the_tree_would_lie():
     except AssertionError:
         return
     raise AssertionError("the reuse tree stayed true without the rules: this test proves nothing")
+
+
+def test_two_running_requests_share_the_system_prompt_while_evicting():
+    """The second request arrives while the first decodes: ``add_sequence`` hands it the first's
+    stored system-prompt blocks, both hold them at once, and both evict (down to the budget, never
+    inside the shared blocks) without the tree ever lying."""
+    manager = make_reuse_manager("random", budget=14)
+    drive = Driver(manager)
+    first = make_request(0, 0, 12)
+    first.__init__(request_id=0, max_new_tokens=12, input_tokens=SYSTEM + [1, 2, 3],
+                   sampling_config=first.sampling_config)
+    second = make_request(1, 0, 12)
+    second.__init__(request_id=1, max_new_tokens=12, input_tokens=SYSTEM + [4, 5, 6, 7, 8],
+                    sampling_config=second.sampling_config)
+    batch = ScheduledRequests(context_requests=[first])
+    manager.prepare_resources(batch)
+    drive.write(first, 0, 0, first.prompt_len)
+    manager.update_resources(batch)
+    step = manager.vtoken.step
+    for i in range(10):
+        for request in [first] + ([second] if i else []):
+            request.add_new_token(600 + 10 * request.py_request_id + i, 0)
+        batch = ScheduledRequests(context_requests=[second] if i == 0 else [],
+                                  generation_requests=[first] + ([second] if i else []))
+        before = {r.py_request_id: (step.num_tokens(r.py_request_id), step.kv_len(r.py_request_id))
+                  for r in batch.generation_requests}
+        manager.prepare_resources(batch)
+        if i == 0:
+            assert manager.get_cache_indices(second)[:2] == manager.get_cache_indices(first)[:2]  # shared
+            drive.write(second, 8, 8, second.prompt_len - 8)  # the reused blocks are not recomputed
+        for request in batch.generation_requests:
+            logical, position = before[request.py_request_id]
+            drive.write(request, logical, position, 1)
+        manager.update_resources(batch)
+        drive.check_tree()
+    shared = manager.get_cache_indices(first)[:2]
+    assert manager.get_cache_indices(second)[:2] == shared
+    for request in (first, second):
+        assert manager.vtoken.num_evicted(request.py_request_id) > 0
+        assert set(range(8)) <= set(step.live_tokens(request.py_request_id).tolist())  # the shared prefix kept
+    manager.free_resources(first)
+    manager.free_resources(second)
+    drive.check_tree()
+    assert manager.get_num_free_blocks() == 32
