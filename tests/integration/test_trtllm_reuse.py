@@ -9,12 +9,15 @@ the KV of the tokens its key names."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from tests.integration.test_trtllm_adapter import DIM, KV_HEADS, LAYERS, TPB
-from tests.integration.trtllm_doubles import CacheType, DataType, KvCacheConfig, KVCacheManager, Mapping, \
-    ScheduledRequests, make_request
+from tests.integration.test_trtllm_adapter import DIM, HEADS, KV_HEADS, LAYERS, TPB
+from tests.integration.trtllm_doubles import CacheType, DataType, KvCacheConfig, KVCacheManager, KVCacheParams, \
+    Mapping, ScheduledRequests, TrtllmAttention, TrtllmAttentionMetadata, make_request
 from trtllm_vtoken.integration.trtllm.manager import build_manager_class
+from trtllm_vtoken.integration.trtllm.patches import record_queries
+from trtllm_vtoken.integration.trtllm.scores import prefill_attention_mass
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
 
 SYSTEM = list(range(100, 110))  # a shared system prompt: 2 full blocks of 4 and 2 tokens
@@ -162,3 +165,49 @@ def test_two_running_requests_share_the_system_prompt_while_evicting():
     manager.free_resources(second)
     drive.check_tree()
     assert manager.get_num_free_blocks() == 32
+
+
+def test_a_prompt_recovered_from_the_tree_is_scored_from_its_computed_part():
+    """H2O with reuse: the second request's context forward runs only the tokens after the reused
+    system prompt (``num_cached_tokens_per_seq`` = 8); its queries also attend to the cached
+    prefix, whose keys come from the pool. The mass of every token it computes equals a full
+    prefill's; the prefix, which vToken never evicts under reuse, gets what these queries give."""
+    manager = make_reuse_manager("h2o", budget=64)
+    drive, step = Driver(manager), manager.vtoken.step
+    gen = torch.Generator().manual_seed(5)
+    prompts = {0: SYSTEM + [1, 2, 3], 1: SYSTEM + [4, 5, 6, 7]}
+    queries = {r: torch.randn(LAYERS, len(p), HEADS * DIM, generator=gen) for r, p in prompts.items()}
+    requests = {}
+    for req_id, tokens in prompts.items():
+        request = make_request(req_id, 0, 4)
+        request.__init__(request_id=req_id, max_new_tokens=4, input_tokens=tokens,
+                         sampling_config=request.sampling_config)
+        requests[req_id] = request
+        batch = ScheduledRequests(context_requests=[request])
+        manager.prepare_resources(batch)
+        cached = request.context_current_position
+        drive.write(request, cached, cached, request.prompt_len - cached)
+        computed = slice(cached, request.prompt_len)
+        metadata = TrtllmAttentionMetadata(
+            max_num_requests=4, kv_cache_manager=manager, request_ids=[req_id], num_contexts=1,
+            seq_lens=torch.tensor([request.prompt_len - cached]),
+            kv_cache_params=KVCacheParams(use_cache=True, num_cached_tokens_per_seq=[cached]))
+        keys = keys_of(tokens)  # [T, L, Hkv, D]
+        for layer in range(LAYERS):
+            fused = torch.cat([queries[req_id][layer, computed], keys[computed, layer].reshape(-1, KV_HEADS * DIM),
+                               torch.zeros(request.prompt_len - cached, KV_HEADS * DIM)], dim=-1)
+            record_queries(TrtllmAttention(layer, HEADS, DIM, KV_HEADS), fused, None, metadata)
+        manager.update_resources(batch)
+    assert requests[1].context_current_position == 8  # two full blocks recovered
+    n = len(prompts[1])
+    full = sum(prefill_attention_mass(queries[1][layer].view(n, HEADS, DIM), keys_of(prompts[1])[:, layer])
+               for layer in range(LAYERS))
+    live, mass = step.token_stats(1, "mass")
+    assert live.tolist() == list(range(n))
+    np.testing.assert_allclose(mass[8:], full[8:].numpy(), rtol=1e-4)  # every computed token as a full prefill
+    assert (mass[:8] < full[:8].numpy()).all()  # the prefix: only what the computed queries give
+
+
+def keys_of(tokens: list[int]) -> torch.Tensor:
+    """The keys the forward wrote for ``tokens`` (bf16, as the pool holds them): [T, L, Hkv, D]."""
+    return torch.stack([kv_of(t, p)[:, 0].to(torch.bfloat16).float() for p, t in enumerate(tokens)])

@@ -185,6 +185,17 @@ def build_manager_class(base: type) -> type:
                 raise RuntimeError(f"layer {layer_idx} is not held by this rank (its layers: "
                                    f"{sorted(self._vtoken_local)})") from None
 
+        def vtoken_cached_keys(self, request_id: int, layer_idx: int, count: int) -> torch.Tensor:
+            """The keys of the request's first ``count`` positions in the model's layer
+            ``layer_idx``, read from this rank's pool through its block list: [count, kv_heads,
+            head_dim] (HND inside a block)."""
+            pool_index, index = self.kv_cache_pool_mapping[self.local_layer(layer_idx)].tolist()
+            pool = self.vtoken.step.executor.pools[pool_index]  # [blocks, layers, kv, H, tpb, D]
+            blocks = self.get_batch_cache_indices([request_id])[0]
+            positions = torch.arange(count)
+            ids = torch.as_tensor(blocks, dtype=torch.long)[positions // self.tokens_per_block]
+            return pool[ids.to(pool.device), index, 0, :, (positions % self.tokens_per_block).to(pool.device)]
+
         def vtoken_evicted(self, request_id: int) -> int:
             """Logical minus physical tokens of a request (0 for unknown and padding rows)."""
             return self.vtoken.num_evicted(request_id)

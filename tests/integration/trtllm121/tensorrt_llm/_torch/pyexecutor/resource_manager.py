@@ -37,7 +37,8 @@ Imitated, per behaviour:
   with no request (``None``) the blocks are released unstored. ``add_sequence`` with reuse
   recovers the longest chain of stored full blocks over the first ``prompt_len - 1`` tokens
   (shared: a reference per holder; a stored block with no holder is taken back out of the free
-  queue), then allocates the rest. A block taken from the free queue for new content leaves the
+  queue) and sets the request's prepopulated length (``context_current_position``: the context
+  forward computes only the rest), then allocates the rest. A block taken from the free queue for new content leaves the
   tree. Partial reuse is not modelled (vToken refuses it).
 Beam width 1 only (vToken's requirement; the C++ ``removeToken`` checks it too).
 """
@@ -125,6 +126,7 @@ class KVCacheManager(BaseResourceManager):
                 self._refs[block] += 1
                 self._blocks[req_id].append(block)
                 self._num_tokens[req_id] = end
+            request.context_current_position = self._num_tokens[req_id]  # setPrepopulatedPromptLen
         for _ in range(length - self._num_tokens[req_id]):
             self._add_token(req_id)
 
