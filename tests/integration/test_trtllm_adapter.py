@@ -69,14 +69,14 @@ def test_missing_settings_are_an_error_never_defaults():
 def test_required_llm_settings_are_checked_all_at_once():
     check_llm_args(llm_args_dict())  # what vtoken_llm_args returns passes
     bad = llm_args_dict()
-    bad["kv_cache_config"]["enable_block_reuse"] = True
+    bad["kv_cache_config"]["enable_partial_reuse"] = True
     bad["disable_overlap_scheduler"] = False
     bad["scheduler_config"] = {"capacity_scheduler_policy": type("E", (), {"name": "GUARANTEED_NO_EVICT"})()}
     with pytest.raises(ValueError) as err:
         check_llm_args(bad)
     lines = str(err.value).splitlines()
     assert len(lines) == 4
-    assert "kv_cache_config.enable_block_reuse must be False (got True)" in lines[1]
+    assert "kv_cache_config.enable_partial_reuse must be False (got True)" in lines[1]
     assert "disable_overlap_scheduler must be True (got False)" in lines[2]
     assert "capacity_scheduler_policy must be 'MAX_UTILIZATION' (got 'GUARANTEED_NO_EVICT')" in lines[3]
 
@@ -127,8 +127,8 @@ def make_manager(policy: str, budget=8, num_blocks=64, mapping=None, num_layers=
                  **extra):
     """``VTokenKVCacheManager`` over the ``KVCacheManager`` double, built as ``KvCacheCreator`` does
     (keyword arguments, bf16 pool, ``max_tokens`` fixing the block count)."""
-    settings = VTokenSettings(policy=policy, budget=budget, policy_options=POLICY_OPTIONS.get(policy, {}),
-                              check_invariants=True, **extra)
+    options = extra.pop("policy_options", POLICY_OPTIONS.get(policy, {}))
+    settings = VTokenSettings(policy=policy, budget=budget, policy_options=options, check_invariants=True, **extra)
     cls = build_manager_class(KVCacheManager)
     config = KvCacheConfig(enable_block_reuse=False, enable_partial_reuse=False, max_tokens=num_blocks * TPB,
                            tokens_per_block=TPB)
@@ -268,8 +268,9 @@ def test_budget_aware_resource_need_and_refused_settings():
     settings = VTokenSettings(policy="random", budget=8)
     keywords = dict(num_layers=1, num_kv_heads=1, head_dim=2, tokens_per_block=4, max_seq_len=8, max_batch_size=1,
                     mapping=Mapping(), vtoken_settings=settings)
-    with pytest.raises(ValueError, match="enable_block_reuse=False"):
-        cls(KvCacheConfig(), CacheType.SELF, **keywords)  # the real default: reuse on
+    with pytest.raises(ValueError, match="enable_partial_reuse=False"):
+        cls(KvCacheConfig(), CacheType.SELF, **keywords)  # the real default: block and partial reuse on
+    cls(KvCacheConfig(enable_partial_reuse=False), CacheType.SELF, **keywords)  # block reuse alone is fine
     with pytest.raises(ValueError, match="max_beam_width=1"):
         cls(KvCacheConfig(enable_block_reuse=False), CacheType.SELF, max_beam_width=2, **keywords)
 

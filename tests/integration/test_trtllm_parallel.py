@@ -2,12 +2,14 @@
 """Pipeline parallelism and several pools, over the 1.2.1 ``KVCacheManager`` double: a rank holds
 only its layers (``get_buffers`` takes the global layer id, ``kv_cache_pool_mapping`` rows are
 local), queries recorded by the model's global ``layer_idx`` land in the rank's local rows, and
-the decode attention mass covers every pool (layers with different kv-head counts). Policies that
-score by attention are refused at start under tensor or pipeline parallelism."""
+the decode attention mass covers every pool (layers with different kv-head counts). (Several ranks
+deciding together: test_trtllm_ranks.py.)"""
 
 from __future__ import annotations
 
 import math
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -15,7 +17,33 @@ import torch
 from tests.integration.test_trtllm_adapter import DIM, HEADS, TPB, make_manager, write_new_kv
 from tests.integration.trtllm_doubles import Mapping, ScheduledRequests, TrtllmAttention, TrtllmAttentionMetadata, \
     make_request
+from tests.integration.trtllm121 import tensorrt_llm as trtllm_double
+from tests.integration.trtllm121.tensorrt_llm import _utils as utils_double
+from trtllm_vtoken.consistency import SingleRank
 from trtllm_vtoken.integration.trtllm.patches import record_queries
+
+
+@pytest.fixture(autouse=True)
+def trtllm_utils(monkeypatch):
+    """``import tensorrt_llm._utils`` finds the double (only for these tests)."""
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", trtllm_double)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm._utils", utils_double)
+
+
+def pipeline_managers(policy: str, **kwargs) -> list:
+    """The managers of both stages of a pp=2 instance, built together (the MPI communicator is
+    duplicated at construction, a collective every rank joins), one thread per rank."""
+    comms = utils_double.ThreadCommDouble.world(2)
+
+    def build(rank: int):
+        utils_double.set_mpi_comm(comms[rank])
+        try:
+            return make_manager(policy, mapping=Mapping(world_size=2, rank=rank, pp_size=2), **kwargs)
+        finally:
+            utils_double.set_mpi_comm(None)
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(build, range(2)))
 
 
 def reference_mass(manager, q: torch.Tensor, blocks: list[int], kv_len: int) -> torch.Tensor:
@@ -50,13 +78,10 @@ def prefill_and_record(manager, layers, gen):
 
 
 def test_a_pipeline_rank_maps_global_layers_to_its_own():
-    gen = torch.Generator().manual_seed(11)
-    mapping = Mapping(world_size=2, rank=1, pp_size=2)  # second stage: global layers 2 and 3
-    manager = make_manager("streaming_llm", budget=6, mapping=mapping, num_layers=4)
+    gen = torch.Generator().manual_seed(11)  # the second stage holds global layers 2 and 3
+    manager = pipeline_managers("h2o", budget=64, num_layers=4)[1]
     assert manager.layer_offsets == {2: 0, 3: 1} and manager.vtoken_queries.num_layers == 2
-    # Attention policies are refused across ranks for now (last test); their recording path, which a
-    # cross-rank scoring protocol would enable, already files queries under the local rows:
-    manager.vtoken.needs_attention = True
+    manager.vtoken_consistency.ranks, manager.vtoken_consistency.reduce = SingleRank(), False  # rank 1 alone here
     q = prefill_and_record(manager, [2, 3], gen)
     for layer, local in manager.layer_offsets.items():
         torch.testing.assert_close(manager.vtoken_queries.q[0, local], q[layer].view(HEADS, DIM))
@@ -80,10 +105,3 @@ def test_decode_mass_covers_every_pool():
     blocks, kv_len = manager.get_cache_indices(make_request(0, 9, 8)), manager.vtoken.step.kv_len(0) + 1
     got = manager._vtoken_mass(0, kv_len, blocks)  # the decode token just written included
     torch.testing.assert_close(got, reference_mass(manager, stacked, blocks, kv_len), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("layout", [dict(world_size=2, pp_size=2), dict(world_size=2, tp_size=2)])
-def test_attention_policies_are_refused_across_ranks(layout):
-    with pytest.raises(ValueError, match=r"policy 'h2o' scores tokens by attention, which each of the 2 ranks"):
-        make_manager("h2o", mapping=Mapping(**layout), num_layers=4)
-    make_manager("streaming_llm", mapping=Mapping(**layout), num_layers=4)  # position policies decide alike

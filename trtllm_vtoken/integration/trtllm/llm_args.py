@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The LLM arguments vToken needs (TensorRT-LLM 1.2.1 ``TorchLlmArgs`` names only).
 
-    kv_cache_config            reuse off (compaction rewrites blocks), no host offload
+    kv_cache_config            block reuse on (TensorRT-LLM's default; prompt blocks are never
+                               relocated), partial reuse off (it rewrites a taken-over block), no
+                               host offload
     scheduler_config           MAX_UTILIZATION: GUARANTEED_NO_EVICT would reserve prompt + max_new
                                blocks per request again, so freed blocks would admit nobody
     disable_overlap_scheduler  batch N+1 is not prepared before N's evictions
@@ -31,7 +33,7 @@ def llm_args_dict(tokens_per_block: int = 32, settings: VTokenSettings | None = 
     if tokens_per_block <= 0:
         raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
     args: dict[str, Any] = {
-        "kv_cache_config": {"enable_block_reuse": False, "enable_partial_reuse": False,
+        "kv_cache_config": {"enable_block_reuse": True, "enable_partial_reuse": False,
                             "host_cache_size": 0, "tokens_per_block": tokens_per_block},
         "scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"},
         "disable_overlap_scheduler": True,

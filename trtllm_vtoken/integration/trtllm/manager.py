@@ -19,6 +19,10 @@ same code runs on the real class inside the executor worker and on the test doub
     (both)                 publish vToken's counters for the Triton model's metrics (stats.py)
     add_dummy_requests     CUDA-graph padding requests: super only; vToken treats them as empty
     get_needed_resource_to_completion   the reference runtime's admission demand (budget-aware)
+
+Under tensor / pipeline parallelism every rank's manager runs the same step: the mass is summed
+over the ranks before scoring and, with ``check_invariants``, the table digests are compared
+after it (``ranks.py``, ``trtllm_vtoken.consistency``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Any
 
 import torch
 
+from trtllm_vtoken.consistency import RankConsistency
+from trtllm_vtoken.integration.trtllm.ranks import parallel_layout_problem, worker_ranks
 from trtllm_vtoken.integration.trtllm.scores import QueryRecorder, decode_attention_mass
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
 from trtllm_vtoken.integration.trtllm.state import VTokenState
@@ -73,15 +79,13 @@ def manager_pools(manager: Any) -> list[torch.Tensor]:
 
 
 def check_parallel_layout(mapping: Any, settings: VTokenSettings) -> None:
-    """ValueError for tensor or pipeline parallelism with a policy that observes attention: each
-    rank sees only its heads or layers, so its scores (and evictions) would differ from the other
-    ranks' and their token tables would drift apart. Policies that look at positions only decide
-    the same on every rank."""
-    tp, pp = getattr(mapping, "tp_size", 1), getattr(mapping, "pp_size", 1)
-    if (tp > 1 or pp > 1) and settings.make_policy().observes_attention():
-        raise ValueError(f"policy {settings.policy!r} scores tokens by attention, which each of the "
-                         f"{tp * pp} ranks (tp={tp}, pp={pp}) sees only in part; with tensor or pipeline "
-                         "parallelism use a position policy (streaming_llm, sliding_window, random)")
+    """ValueError for a parallel layout vToken does not support (``ranks.parallel_layout_problem``).
+    Tensor and pipeline parallelism are supported with every policy: attention mass is summed over
+    the ranks before scoring (``ranks.py``), position policies and Random decide alike by
+    construction (Random is seeded per request id, which every rank shares)."""
+    problem = parallel_layout_problem(mapping)
+    if problem:
+        raise ValueError(f"vToken ({settings.policy}): {problem}")
 
 
 def build_manager_class(base: type) -> type:
@@ -90,8 +94,11 @@ def build_manager_class(base: type) -> type:
     class VTokenKVCacheManager(base):
         def __init__(self, kv_cache_config, kv_cache_type, *args, vtoken_settings: VTokenSettings | None = None,
                      **kwargs) -> None:
-            if getattr(kv_cache_config, "enable_block_reuse", False):
-                raise ValueError("vToken needs kv_cache_config.enable_block_reuse=False")
+            if getattr(kv_cache_config, "enable_partial_reuse", False) and \
+                    getattr(kv_cache_config, "enable_block_reuse", False):
+                raise ValueError("vToken needs kv_cache_config.enable_partial_reuse=False (a partly matched block "
+                                 "is taken over and rewritten, which the shared-prefix rule does not cover)")
+            self._vtoken_reuse = bool(getattr(kv_cache_config, "enable_block_reuse", False))
             if kwargs.get("max_beam_width", 1) != 1:
                 raise ValueError("vToken needs max_beam_width=1")
             settings = vtoken_settings or VTokenSettings.from_env()  # RuntimeError if none were sent
@@ -106,13 +113,22 @@ def build_manager_class(base: type) -> type:
                                                 pools[0].shape[5], pools[0].device)
             self._vtoken_rows: dict[int, int] = {}
             self._vtoken_num_contexts = 0
-            self.vtoken = VTokenState(settings, self.tokens_per_block, pools[0].shape[0], pools, self._vtoken_mass)
+            self._vtoken_parked: dict[int, tuple[str, torch.Tensor | None]] = {}
+            self._vtoken_steps = 0
+            self.vtoken_consistency = RankConsistency(worker_ranks(kwargs.get("mapping")))
+            self._vtoken_prefix: dict[int, list[int]] = {}  # request -> its reusable prompt blocks
+            self._vtoken_shared: frozenset[int] = frozenset()
+            self.vtoken = VTokenState(settings, self.tokens_per_block, pools[0].shape[0], pools, self._vtoken_mass,
+                                      reduce_mass=self.vtoken_consistency.reduce_mass,
+                                      shared_blocks=(lambda: self._vtoken_shared) if self._vtoken_reuse else None)
             self.vtoken_stats = StatsFile(settings.stats_file, settings.stats_interval_s) \
                 if settings.stats_file else None
 
         # ---- iteration hooks -----------------------------------------------------------------
         def prepare_resources(self, scheduled_batch) -> None:
             super().prepare_resources(scheduled_batch)
+            if self._vtoken_rows and self.vtoken.needs_attention:
+                self._vtoken_park()
             # Rows of the recorded queries follow the batch order: context first, then generation.
             rows = [r.py_request_id for r in scheduled_batch.context_requests + scheduled_batch.generation_requests]
             self._vtoken_rows = {req_id: i for i, req_id in enumerate(rows)}
@@ -124,6 +140,8 @@ def build_manager_class(base: type) -> type:
             # Prompts too: the policy sees their prefill attention and may evict before decoding.
             written = [(r.py_request_id, self.get_cache_indices(r), r.prompt_len)
                        for r in scheduled_batch.context_requests]
+            if self._vtoken_reuse:
+                self._vtoken_share_prompts(written)
             written += [(r.py_request_id, self.get_cache_indices(r), 1) for r in scheduled_batch.generation_requests
                         if r.py_request_id in self.vtoken.step]
             executor = self.vtoken.step.executor
@@ -133,11 +151,26 @@ def build_manager_class(base: type) -> type:
                 for req_id, lost in zip(out.req_ids.tolist(), out.lost.tolist()):
                     if lost:
                         self._vtoken_release(req_id, lost)
+                self._vtoken_steps += 1
+                if self.vtoken.settings.check_invariants:  # every rank's table, after the same step
+                    self.vtoken_consistency.check(self._vtoken_steps, self.vtoken.step, [self.get_num_free_blocks()])
+            for request in scheduled_batch.context_requests + scheduled_batch.generation_requests:
+                self._vtoken_rows.pop(request.py_request_id, None)  # consumed
+                self._vtoken_parked.pop(request.py_request_id, None)
             self._vtoken_publish(force=False)
 
-        def free_resources(self, request, *args, **kwargs) -> None:
-            self.vtoken.forget(request.py_request_id)
-            super().free_resources(request, *args, **kwargs)
+        def free_resources(self, request, pin_on_release: bool = False) -> None:
+            req_id = request.py_request_id
+            changed = self.vtoken.num_evicted(req_id) > 0
+            self.vtoken.forget(req_id)
+            if self._vtoken_prefix.pop(req_id, None) is not None:
+                self._vtoken_shared = frozenset(b for blocks in self._vtoken_prefix.values() for b in blocks)
+            if self._vtoken_reuse and changed:
+                # Its blocks past the prompt no longer hold what its tokens say: release them
+                # unstored (BlockManager::releaseBlocks stores for reuse only when given the request).
+                self.impl.remove_sequence(req_id, None, pin_on_release)
+            else:
+                super().free_resources(request, pin_on_release)
             self._vtoken_publish(force=True)  # gauges must not keep a finished request
 
         def get_needed_resource_to_completion(self, request) -> int:
@@ -151,6 +184,17 @@ def build_manager_class(base: type) -> type:
             except KeyError:
                 raise RuntimeError(f"layer {layer_idx} is not held by this rank (its layers: "
                                    f"{sorted(self._vtoken_local)})") from None
+
+        def vtoken_cached_keys(self, request_id: int, layer_idx: int, count: int) -> torch.Tensor:
+            """The keys of the request's first ``count`` positions in the model's layer
+            ``layer_idx``, read from this rank's pool through its block list: [count, kv_heads,
+            head_dim] (HND inside a block)."""
+            pool_index, index = self.kv_cache_pool_mapping[self.local_layer(layer_idx)].tolist()
+            pool = self.vtoken.step.executor.pools[pool_index]  # [blocks, layers, kv, H, tpb, D]
+            blocks = self.get_batch_cache_indices([request_id])[0]
+            positions = torch.arange(count)
+            ids = torch.as_tensor(blocks, dtype=torch.long)[positions // self.tokens_per_block]
+            return pool[ids.to(pool.device), index, 0, :, (positions % self.tokens_per_block).to(pool.device)]
 
         def vtoken_evicted(self, request_id: int) -> int:
             """Logical minus physical tokens of a request (0 for unknown and padding rows)."""
@@ -175,13 +219,45 @@ def build_manager_class(base: type) -> type:
                 raise RuntimeError(f"TensorRT-LLM holds blocks {held} for request {req_id} after rewinding "
                                    f"{num_tokens} tokens, vToken {self.vtoken.step.block_ids(req_id)}")
 
+        def _vtoken_share_prompts(self, written) -> None:
+            """Block reuse: the blocks that are or may become reusable while a request runs are its
+            prompt's full blocks -- recovered from the reuse tree by ``add_sequence`` (shared with
+            other requests) or stored into it by ``store_context_blocks`` after the context step
+            (the full blocks of the prompt and the first sampled token, ``len(tokens) - 1``). vToken
+            leaves them as they are: no move into or out of them, no eviction of their tokens."""
+            for req_id, blocks, prompt_len in written:
+                self._vtoken_prefix[req_id] = list(blocks[: prompt_len // self.tokens_per_block])
+            self._vtoken_shared = frozenset(b for blocks in self._vtoken_prefix.values() for b in blocks)
+
+        def _vtoken_park(self) -> None:
+            """The batch prepared last is still in flight while the next one is prepared (pipeline
+            parallelism: ``PyExecutor._executor_loop_pp`` prepares and forwards batch N+1 before it
+            calls ``update_resources(N)``), and the next forward overwrites the recorder. Its
+            requests' recordings are kept per request until their update: decode queries copied on
+            the stream (after forward N, before forward N+1), prefill mass as it is."""
+            recorder = self.vtoken_queries
+            for req_id, row in self._vtoken_rows.items():
+                if row < self._vtoken_num_contexts:
+                    self._vtoken_parked[req_id] = ("prefill", recorder.prefill.get(row))
+                elif recorder.q is not None:
+                    self._vtoken_parked[req_id] = ("decode", recorder.q[row - self._vtoken_num_contexts].clone())
+            self._vtoken_rows = {}
+
         def _vtoken_mass(self, req_id: int, kv_len: int, block_ids: list[int]) -> torch.Tensor:
-            row = self._vtoken_rows[req_id]
-            if row < self._vtoken_num_contexts:  # a prompt: its mass was summed during the forward
-                prefill = self.vtoken_queries.prefill.get(row)
-                return prefill[:kv_len] if prefill is not None else torch.zeros(kv_len)
-            row -= self._vtoken_num_contexts
-            q = self.vtoken_queries.q[row]  # [local layers, heads, dim]
+            parked = self._vtoken_parked.get(req_id)
+            if parked is not None:
+                kind, recorded = parked
+                if kind == "prefill":
+                    return recorded[:kv_len] if recorded is not None else torch.zeros(kv_len)
+                q = recorded
+            else:
+                row = self._vtoken_rows.get(req_id)
+                if row is None:
+                    raise RuntimeError(f"request {req_id} is updated but was not in a prepared batch")
+                if row < self._vtoken_num_contexts:  # a prompt: its mass was summed during the forward
+                    prefill = self.vtoken_queries.prefill.get(row)
+                    return prefill[:kv_len] if prefill is not None else torch.zeros(kv_len)
+                q = self.vtoken_queries.q[row - self._vtoken_num_contexts]  # [local layers, heads, dim]
             mapping = self.kv_cache_pool_mapping.tolist()  # [local layers, 2]: (pool, layer in pool)
             mass = None
             for pool_index, pool in enumerate(self.vtoken.step.executor.pools):  # a pool per num_kv_heads

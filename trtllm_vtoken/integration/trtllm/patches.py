@@ -61,7 +61,10 @@ def record_queries(attention, q, k, metadata) -> None:
     RoPE (unfused RoPE is applied before the fusion): the queries are its first
     ``num_heads * head_dim`` columns, the keys the next ``num_kv_heads * head_dim``. With separate
     tensors ``q`` and ``k`` are the queries and keys. Context tokens come first, row by row
-    (``metadata.seq_lens``); a batch with context rows is never graph-captured.
+    (``metadata.seq_lens``); a batch with context rows is never graph-captured. A context row whose
+    prompt prefix came from the reuse tree computes only the rest (``num_cached_tokens_per_seq`` of
+    the row, the model engine's ``context_current_position``): its queries also attend to the
+    cached prefix, whose keys are read from the pool.
     """
     manager = getattr(metadata, "kv_cache_manager", None)
     queries = getattr(manager, "vtoken_queries", None)
@@ -72,11 +75,15 @@ def record_queries(attention, q, k, metadata) -> None:
         q, k = q[..., :width], q[..., width : width + kv_width]
     num_contexts = metadata.num_contexts
     queries.record(manager.local_layer(attention.layer_idx), q, metadata.num_seqs - num_contexts)
+    params = getattr(metadata, "kv_cache_params", None)
+    cached = getattr(params, "num_cached_tokens_per_seq", None) or []
     start = 0
     for row, length in enumerate(metadata.seq_lens[:num_contexts].tolist() if num_contexts else []):
         rows = slice(start, start + length)
+        past = cached[row] if row < len(cached) else 0  # a prefix recovered from the reuse tree
+        past_k = manager.vtoken_cached_keys(metadata.request_ids[row], attention.layer_idx, past) if past else None
         queries.add_prefill(row, q[rows].reshape(length, attention.num_heads, attention.head_dim),
-                            k[rows].reshape(length, attention.num_kv_heads, attention.head_dim))
+                            k[rows].reshape(length, attention.num_kv_heads, attention.head_dim), past_k)
         start += length
 
 

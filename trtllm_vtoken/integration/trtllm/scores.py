@@ -51,25 +51,32 @@ def decode_attention_mass(q: torch.Tensor, pool: torch.Tensor, block_ids: Sequen
     return torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
 
 
-def prefill_attention_mass(q: torch.Tensor, k: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+def prefill_attention_mass(q: torch.Tensor, k: torch.Tensor, chunk: int = 256,
+                           past_k: torch.Tensor | None = None) -> torch.Tensor:
     """Mass per prompt position for one context row: the causal softmax of every query over the
     prompt's keys, summed over heads and queries (what paged attention reports for a prefill row).
 
     Args:
         q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim], after RoPE.
         chunk: queries per block of scores; bounds the memory to chunk x num_heads x num_tokens.
-    Returns: float32 [num_tokens] on ``q.device``.
+        past_k: [num_past, num_kv_heads, head_dim]: keys already in the cache before these tokens
+            (a prompt prefix recovered from TensorRT-LLM's reuse tree, whose queries the forward
+            does not run): the queries sit at positions ``num_past + i`` and attend to them too.
+    Returns: float32 [num_past + num_tokens] on ``q.device`` (past positions get the mass these
+        queries give them; what their own queries would add is not known).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    keys = k.float().transpose(0, 1)  # [Hkv, T, D]
-    positions = torch.arange(num_tokens, device=q.device)
-    mass = torch.zeros(num_tokens, dtype=torch.float32, device=q.device)
+    num_past = 0 if past_k is None else past_k.shape[0]
+    keys = k if past_k is None else torch.cat([past_k.to(k.dtype), k])
+    keys = keys.float().transpose(0, 1)  # [Hkv, P + T, D]
+    positions = torch.arange(num_past + num_tokens, device=q.device)
+    mass = torch.zeros(num_past + num_tokens, dtype=torch.float32, device=q.device)
     for start in range(0, num_tokens, chunk):
         rows = q[start : start + chunk].float()
         qg = rows.view(rows.shape[0], num_kv_heads, num_heads // num_kv_heads, head_dim)
-        scores = torch.einsum("chgd,htd->chgt", qg, keys) / math.sqrt(head_dim)  # [c, Hkv, g, T]
-        future = positions[None, :] > positions[start : start + rows.shape[0], None]  # [c, T]
+        scores = torch.einsum("chgd,htd->chgt", qg, keys) / math.sqrt(head_dim)  # [c, Hkv, g, P + T]
+        future = positions[None, :] > positions[num_past + start : num_past + start + rows.shape[0], None]
         scores.masked_fill_(future[:, None, None, :], float("-inf"))
         mass += torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
     return mass
@@ -91,9 +98,10 @@ class QueryRecorder:
         """A new iteration: forgets the previous one's prefill mass."""
         self.prefill = {}
 
-    def add_prefill(self, row: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Adds one layer's mass for context row ``row`` (q: [T, H, D], k: [T, Hkv, D])."""
-        mass = prefill_attention_mass(q, k)
+    def add_prefill(self, row: int, q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None) -> None:
+        """Adds one layer's mass for context row ``row`` (q: [T, H, D], k: [T, Hkv, D]; past_k:
+        the keys of a reused prefix, see ``prefill_attention_mass``)."""
+        mass = prefill_attention_mass(q, k, past_k=past_k)
         self.prefill[row] = mass if row not in self.prefill else self.prefill[row] + mass
 
     def record(self, layer_idx: int, q: torch.Tensor, num_generation: int) -> None:

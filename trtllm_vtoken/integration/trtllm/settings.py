@@ -95,8 +95,7 @@ class VTokenSettings:
 
 # (dotted path in the LLM args, required value, why)
 REQUIRED: tuple[tuple[str, Any, str], ...] = (
-    ("kv_cache_config.enable_block_reuse", False, "compaction rewrites blocks that reuse would share"),
-    ("kv_cache_config.enable_partial_reuse", False, "compaction rewrites blocks that reuse would share"),
+    ("kv_cache_config.enable_partial_reuse", False, "a partly matched block is taken over and rewritten"),
     ("kv_cache_config.host_cache_size", (None, 0), "offload streams would race the relocation copies"),
     ("kv_cache_config.max_attention_window", None, "window detachment moves the block list's front"),
     ("kv_cache_config.sink_token_length", (None, 0), "use the streaming_llm policy instead"),

@@ -19,7 +19,7 @@ update runs before N+1's prepare):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,12 +36,19 @@ CUDA_GRAPH_DUMMY_REQUEST_ID = (1 << 64) - 1
 
 
 def make_step(settings: VTokenSettings, tokens_per_block: int, num_blocks: int,
-              pools: Sequence[torch.Tensor] | None = None, rerotation: KeyRerotation | None = None) -> DecodeStep:
+              pools: Sequence[torch.Tensor] | None = None, rerotation: KeyRerotation | None = None,
+              reduce_mass: Callable[[np.ndarray], np.ndarray] | None = None,
+              shared_blocks: Callable[[], Collection[int]] | None = None) -> DecodeStep:
     """The step a TensorRT-LLM host with these settings runs (dense: its kernels have no mask);
-    ``rerotation``: the key re-rotation pass of shift positions (the trtllm-build engine path)."""
+    ``rerotation``: the key re-rotation pass of shift positions (the trtllm-build engine path);
+    ``reduce_mass``: the cross-rank sum of the batch's mass (tensor / pipeline parallelism);
+    ``shared_blocks``: the blocks that are or may become reusable (block reuse): never a source or
+    destination of a move, their tokens never evicted."""
     config = StepConfig("dense", settings.fragmentation_threshold, settings.check_invariants, settings.step_impl)
     return DecodeStep(config, num_blocks, tokens_per_block, settings.make_policy(),
-                      TorchCopyExecutor(pools) if pools else None, rerotation=rerotation)
+                      TorchCopyExecutor(pools) if pools else None, reduce_mass=reduce_mass, rerotation=rerotation,
+                      is_shared=(lambda block: block in shared_blocks()) if shared_blocks else None,
+                      shared_blocks=shared_blocks)
 
 
 class VTokenState:
@@ -52,13 +59,18 @@ class VTokenState:
         pools: the manager's primary pools as 6-D HND views (``manager_pools``); None: metadata only.
         attention_mass: (request id, kv_len, block ids) -> mass per position, for policies that
             observe attention; None if the policy needs none.
+        reduce_mass: the batch's mass [B, L] -> its sum over every rank (``RankConsistency``).
+        shared_blocks: () -> the blocks vToken must leave as they are (block reuse).
     """
 
     def __init__(self, settings: VTokenSettings, tokens_per_block: int, num_blocks: int,
                  pools: Sequence[torch.Tensor] | None = None,
-                 attention_mass: Callable[[int, int, list[int]], torch.Tensor] | None = None) -> None:
+                 attention_mass: Callable[[int, int, list[int]], torch.Tensor] | None = None,
+                 reduce_mass: Callable[[np.ndarray], np.ndarray] | None = None,
+                 shared_blocks: Callable[[], Collection[int]] | None = None) -> None:
         self.settings = settings
-        self.step = make_step(settings, tokens_per_block, num_blocks, pools)
+        self.step = make_step(settings, tokens_per_block, num_blocks, pools, reduce_mass=reduce_mass,
+                              shared_blocks=shared_blocks)
         self.policy = self.step.policy
         self.needs_attention = self.policy.observes_attention()
         if self.needs_attention and attention_mass is None:

@@ -5,7 +5,9 @@ request) with what the KV-cache manager and vToken read: ``py_request_id``, ``pr
 ``KVCacheManager.prepare_resources`` for every context request), ``is_first_context_chunk``,
 ``py_rewind_len`` (speculative rewinds), ``state`` and ``max_beam_num_tokens``, the logical
 length the model engine takes position ids from (``past_seen_token_num``), which
-``rewind_kv_cache`` does not change. Keyword-only, as the binding; unknown keywords: TypeError."""
+``rewind_kv_cache`` does not change; ``get_tokens(beam)``, the ids block reuse keys blocks by; ``context_current_position``, the
+prompt tokens the context forward skips (``setPrepopulatedPromptLen`` after a reuse hit; the model
+engine's ``begin_compute`` and ``num_cached_tokens_per_seq`` of the row). Keyword-only, as the binding; unknown keywords: TypeError."""
 
 from __future__ import annotations
 
@@ -36,6 +38,13 @@ class LlmRequest:
         self.is_dummy_request = False
         self.py_rewind_len = 0
         self.max_beam_num_tokens = len(input_tokens)
+        self._tokens = list(input_tokens)
+        self.context_current_position = 0  # prompt tokens already in the KV cache (a reused prefix)
 
     def add_new_token(self, token: int, beam: int) -> None:
         self.max_beam_num_tokens += 1
+        self._tokens.append(token)
+
+    def get_tokens(self, beam: int) -> list[int]:
+        """The prompt and the tokens generated so far (C++ ``getTokens`` / ``getUniqueTokens``)."""
+        return list(self._tokens)

@@ -25,6 +25,21 @@ Imitated, per behaviour:
 - ``update_resources``: rewinds ``py_rewind_len`` of generation requests (speculative decoding).
 - ``copy_batch_block_offsets``: per pool, ``block * layers_in_pool * kv_factor + {0, 1}``.
 - ``get_needed_resource_to_completion``: blocks of ``orig_prompt_len + max_new_tokens``.
+- Block reuse (``enable_block_reuse``, True by default in ``KvCacheConfig``), read in
+  ``kvCacheManager.cpp`` (1.2-era copy, index id 1277673704) and ``resource_manager.py`` (index id
+  3501434665). A block enters the reuse tree, keyed by the token ids up to its end (a chain):
+  (1) ``update_resources`` -> ``impl.store_context_blocks(request)`` for every context request:
+  the full blocks of the first ``prompt_len - 1`` tokens (``chopVectorIntoBlocks(..., false)``);
+  (2) ``free_resources`` -> ``impl.remove_sequence(id, request, pin)`` -> ``BlockManager::
+  releaseBlocks(sequence, llmRequest)``: only if a request is given (and beam width 1, not cyclic,
+  not a dummy) ``storeBlocksForReuse`` keys every block of the first ``len(tokens) - 1`` tokens,
+  the partial last one too (``allowPartial`` true), by the request's tokens, prompt and generated;
+  with no request (``None``) the blocks are released unstored. ``add_sequence`` with reuse
+  recovers the longest chain of stored full blocks over the first ``prompt_len - 1`` tokens
+  (shared: a reference per holder; a stored block with no holder is taken back out of the free
+  queue) and sets the request's prepopulated length (``context_current_position``: the context
+  forward computes only the rest), then allocates the rest. A block taken from the free queue for new content leaves the
+  tree. Partial reuse is not modelled (vToken refuses it).
 Beam width 1 only (vToken's requirement; the C++ ``removeToken`` checks it too).
 """
 
@@ -88,22 +103,43 @@ class KVCacheManager(BaseResourceManager):
         self._free = deque(range(self.blocks_in_primary_pool))
         self._blocks: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
+        self._refs = [0] * self.blocks_in_primary_pool
+        self._tree: dict[tuple, int] = {}  # token ids up to a block's end -> the block holding their KV
+        self._key_of: dict[int, tuple] = {}
+        self.impl = _ImplDouble(self)
 
     # ---- the C++ side (impl) --------------------------------------------------------------------
-    def _add_sequence(self, req_id: int, length: int, beam_width: int) -> None:
+    def _add_sequence(self, req_id: int, length: int, beam_width: int, request=None) -> None:
         if beam_width != 1:
             raise NotImplementedError("this double models beam width 1 (vToken's requirement)")
         if req_id in self._blocks:
             raise RuntimeError(f"sequence {req_id} already exists")
         self._blocks[req_id], self._num_tokens[req_id] = [], 0
-        for _ in range(length):
+        if self.enable_block_reuse and request is not None:
+            tokens, tpb = request.get_tokens(0), self.tokens_per_block
+            for end in range(tpb, length, tpb):  # full blocks within the first length - 1 tokens
+                block = self._tree.get(tuple(tokens[:end]))
+                if block is None:
+                    break
+                if self._refs[block] == 0:
+                    self._free.remove(block)
+                self._refs[block] += 1
+                self._blocks[req_id].append(block)
+                self._num_tokens[req_id] = end
+            request.context_current_position = self._num_tokens[req_id]  # setPrepopulatedPromptLen
+        for _ in range(length - self._num_tokens[req_id]):
             self._add_token(req_id)
 
     def _add_token(self, req_id: int) -> None:
         if self._num_tokens[req_id] % self.tokens_per_block == 0:
             if not self._free:
                 raise RuntimeError("no free blocks left")
-            self._blocks[req_id].append(self._free.popleft())
+            block = self._free.popleft()
+            key = self._key_of.pop(block, None)  # new content: the block leaves the reuse tree
+            if key is not None:
+                del self._tree[key]
+            self._refs[block] += 1
+            self._blocks[req_id].append(block)
         self._num_tokens[req_id] += 1
 
     def _remove_token(self, req_id: int) -> None:
@@ -111,7 +147,34 @@ class KVCacheManager(BaseResourceManager):
             return
         self._num_tokens[req_id] -= 1
         if self._num_tokens[req_id] % self.tokens_per_block == 0:
-            self._free.appendleft(self._blocks[req_id].pop())
+            block = self._blocks[req_id].pop()
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.appendleft(block)
+
+    def _store(self, req_id: int, tokens: list[int], usable: int, allow_partial: bool) -> None:
+        """``storeBlocks``: the request's blocks over its first ``usable`` tokens enter the tree
+        under the token chain up to each block's end (a key already stored keeps its block)."""
+        tpb = self.tokens_per_block
+        ends = list(range(tpb, usable + 1, tpb)) + ([usable] if allow_partial and usable % tpb else [])
+        for block, end in zip(self._blocks[req_id], ends):
+            key = tuple(tokens[:end])
+            if key not in self._tree and block not in self._key_of:
+                self._tree[key], self._key_of[block] = block, key
+
+    def _remove_sequence(self, req_id: int, request) -> None:
+        if self.enable_block_reuse and request is not None and not request.is_dummy_request:
+            tokens = request.get_tokens(0)
+            self._store(req_id, tokens, len(tokens) - 1, allow_partial=True)
+        for block in reversed(self._blocks.pop(req_id)):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
+        del self._num_tokens[req_id]
+
+    def stored_blocks(self) -> dict[tuple, int]:
+        """The reuse tree (test view): token chain -> block."""
+        return dict(self._tree)
 
     def num_tokens_in_sequence(self, req_id: int) -> int:
         """The C++ ``GenerationRequest::getNumTokens`` (test view)."""
@@ -121,7 +184,7 @@ class KVCacheManager(BaseResourceManager):
     def prepare_resources(self, scheduled_batch) -> None:
         for req in scheduled_batch.context_requests:
             if req.is_first_context_chunk:
-                self._add_sequence(req.py_request_id, req.prompt_len, req.sampling_config.beam_width)
+                self._add_sequence(req.py_request_id, req.prompt_len, req.sampling_config.beam_width, req)
         for req in scheduled_batch.generation_requests:
             self._add_token(req.py_request_id)
 
@@ -129,10 +192,11 @@ class KVCacheManager(BaseResourceManager):
         for request in scheduled_batch.generation_requests:
             if request.py_rewind_len > 0:
                 self.rewind_kv_cache(request, request.py_rewind_len)
+        for request in scheduled_batch.context_requests:
+            self.impl.store_context_blocks(request)
 
     def free_resources(self, request, pin_on_release: bool = False) -> None:
-        self._free.extend(self._blocks.pop(request.py_request_id))
-        del self._num_tokens[request.py_request_id]
+        return self.impl.remove_sequence(request.py_request_id, request, pin_on_release)
 
     # ---- KVCacheManager -------------------------------------------------------------------------
     def rewind_kv_cache(self, request, rewind_len: int) -> None:
@@ -169,3 +233,19 @@ class KVCacheManager(BaseResourceManager):
                 blocks = torch.tensor(self._blocks.get(req_id, []), dtype=torch.int32)
                 dst_tensor[pool, row, 0, : len(blocks)] = blocks * per_block
                 dst_tensor[pool, row, 1, : len(blocks)] = blocks * per_block + (self.kv_factor - 1)
+
+
+class _ImplDouble:
+    """The C++ manager's bindings that vToken and the Python wrapper call directly."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self._manager = manager
+
+    def store_context_blocks(self, request) -> None:
+        manager = self._manager
+        if manager.enable_block_reuse:
+            tokens = request.get_tokens(0)
+            manager._store(request.py_request_id, tokens, len(tokens) - 1, allow_partial=False)
+
+    def remove_sequence(self, request_id: int, llm_request=None, pin_on_release: bool = False) -> None:
+        self._manager._remove_sequence(request_id, llm_request)
