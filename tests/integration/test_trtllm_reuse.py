@@ -75,12 +75,14 @@ class Driver:
 
 
 def test_reuse_with_eviction_keeps_the_tree_true_and_shares_the_prefix():
-    manager = make_reuse_manager("random", budget=12)
+    manager = make_reuse_manager("random", budget=4)
     drive = Driver(manager)
     first = make_request(0, 0, 12)
     first.__init__(request_id=0, max_new_tokens=12, input_tokens=SYSTEM + [1, 2, 3],
                    sampling_config=first.sampling_config)
-    drive.run(first, new_tokens=10)  # 13 prompt tokens, 10 new: Random evicts (budget 12)
+    # 13 prompt tokens (12 in full, protected blocks), 10 new: Random evicts down to the budget of
+    # 4 over the 11 others, the protected 12 kept on top
+    drive.run(first, new_tokens=10)
     assert manager.vtoken.num_evicted(0) > 0
     prompt_blocks = manager.get_cache_indices(first)[:13 // TPB]
     assert manager.vtoken.step.block_ids(0)[:3] == prompt_blocks  # the prompt's full blocks stayed put
@@ -125,9 +127,10 @@ def test_without_the_rules_the_tree_would_lie():
 
 def test_two_running_requests_share_the_system_prompt_while_evicting():
     """The second request arrives while the first decodes: ``add_sequence`` hands it the first's
-    stored system-prompt blocks, both hold them at once, and both evict (down to the budget, never
-    inside the shared blocks) without the tree ever lying."""
-    manager = make_reuse_manager("random", budget=14)
+    stored system-prompt blocks, both hold them at once, and both evict (down to the budget, which
+    applies to the tokens outside the protected prompt blocks, never inside them) without the
+    tree ever lying."""
+    manager = make_reuse_manager("random", budget=4)
     drive = Driver(manager)
     first = make_request(0, 0, 12)
     first.__init__(request_id=0, max_new_tokens=12, input_tokens=SYSTEM + [1, 2, 3],

@@ -174,7 +174,10 @@ def build_manager_class(base: type) -> type:
             self._vtoken_publish(force=True)  # gauges must not keep a finished request
 
         def get_needed_resource_to_completion(self, request) -> int:
-            return self.vtoken.needed_blocks(request.py_request_id, request.prompt_len, request.max_new_tokens)
+            # Block reuse protects the prompt's full blocks: their tokens are kept on top of the budget.
+            protected = request.prompt_len // self.tokens_per_block * self.tokens_per_block if self._vtoken_reuse else 0
+            return self.vtoken.needed_blocks(request.py_request_id, request.prompt_len, request.max_new_tokens,
+                                             protected)
 
         # ---- vToken's view -------------------------------------------------------------------
         def local_layer(self, layer_idx: int) -> int:

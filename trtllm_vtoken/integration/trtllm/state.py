@@ -118,14 +118,16 @@ class VTokenState:
         if req_id in self.step:
             self.step.remove_request(req_id)
 
-    def needed_blocks(self, req_id: int, prompt_len: int, max_new_tokens: int) -> int:
+    def needed_blocks(self, req_id: int, prompt_len: int, max_new_tokens: int, protected: int = 0) -> int:
         """Blocks the request may still need beyond those it holds, until it completes: the
-        admission demand of the reference runtime (``reclaim.admission.peak_blocks``)."""
+        admission demand of the reference runtime (``reclaim.admission.peak_blocks``).
+        ``protected``: its tokens in shared blocks (block reuse), kept on top of the budget."""
         step, tpb = self.step, self.step.tokens_per_block
         known = req_id in step
         logical = step.num_tokens(req_id) if known else prompt_len
         live = step.num_live(req_id) if known else prompt_len
         held = step.num_blocks(req_id) if known else 0
         total = prompt_len + max_new_tokens
-        peak = peak_blocks(tpb, logical, live, max(total - logical, 0), self.policy.budget.target(total))
+        budget = self.policy.budget.target(total - protected) + protected
+        peak = peak_blocks(tpb, logical, live, max(total - logical, 0), budget)
         return max(peak - held, 0)
