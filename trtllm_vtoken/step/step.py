@@ -32,15 +32,14 @@ from typing import Any
 
 import numpy as np
 
-from trtllm_vtoken.core.native import load as load_native
-from trtllm_vtoken.policies import EvictionPolicy, ScorePolicy
-from trtllm_vtoken.policies.batch import BatchView
+from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.reclaim.copy import CopyExecutor
-from trtllm_vtoken.step.background import BackgroundCompaction
 from trtllm_vtoken.reclaim.rerotate import KeyRerotation
+from trtllm_vtoken.step.background import BackgroundCompaction
 from trtllm_vtoken.step.checks import StepChecks
 from trtllm_vtoken.step.config import StepConfig, StepStats
 from trtllm_vtoken.step.core import TableCore, make_core
+from trtllm_vtoken.step.decide import BadMass, BatchDecision
 from trtllm_vtoken.step.io import StepInput, StepOutput
 from trtllm_vtoken.step.slots import SlotMap
 
@@ -82,16 +81,16 @@ class DecodeStep:
         self.impl = self.core.impl
         self.slots = SlotMap(num_blocks, tokens_per_block)
         self.executor = executor
-        self.reduce_mass = reduce_mass
         self.policy = policy
         self.stats = StepStats()
         self.checks = StepChecks(self) if config.check_invariants else None
         self.background = BackgroundCompaction(self) if config.background else None
         self._policies: list[EvictionPolicy] = []
+        self.decision = BatchDecision(self.slots, self._policies, tokens_per_block, self.impl == "cpp",
+                                      reduce_mass, self.stats)
         self._policy_of: dict[int, int] = {}  # request -> index into _policies (absent: never evicts)
         self._pushed_shared: frozenset[int] = frozenset()
         self._broken: str | None = None
-        self._rows_in_run = np.zeros(0, dtype=np.int64)
         if policy is not None:
             self._policy_index(policy)
 
@@ -190,14 +189,17 @@ class DecodeStep:
         clock, seconds = time.perf_counter, self.stats.seconds
         t0 = clock()
         req_ids, rows, num_new, block_offsets, new_blocks = self._validated(inp)
-        self._rows_in_run = rows
         self._push_shared()
         length = self.slots.kv_len[rows] + num_new
         background = self.background
         self.slots.append_blocks(rows, block_offsets, new_blocks)
         new_slots = self.slots.register(rows, num_new)
         t1, mass_seconds = clock(), self.stats.mass_seconds
-        victim_index, victim_pos = self._decide(req_ids, rows, inp.mass)
+        try:
+            victim_index, victim_pos = self.decision.victims(req_ids, rows, inp.mass, self.shared_blocks())
+        except BadMass as exc:  # the new tokens are registered already: the step cannot go on
+            self._broken = str(exc)
+            raise
         victim_rows = rows[victim_index]
         victim_slots = self.slots.slots_at(victim_rows, victim_pos)
         victim_ids = self.slots.tokens[victim_slots].astype(np.int64)
@@ -349,118 +351,3 @@ class DecodeStep:
             for block_id in self._pushed_shared - shared:
                 self.core.set_shared(block_id, False)
             self._pushed_shared = shared
-
-    def _decide(self, req_ids: np.ndarray, rows: np.ndarray, mass: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Victims of the batch: (batch index, position) pairs sorted by index, then logical id.
-
-        One call per policy of the batch: the policy's ``select_batch`` over the gathered batch
-        layout, or, where the C++ core is built and the policy's score lives in the slot layout
-        (``ScorePolicy.scores_are_ids`` / ``score_stat``), one native pass over the slots
-        (``cpp/core/select.h``, the same victims, no copies)."""
-        slots = self.slots
-        index = slots.policy[rows]
-        groups: dict[int, np.ndarray] = {}  # policy -> the batch rows it decides for
-        for policy_index in sorted(set(np.unique(index).tolist()) - {-1}):
-            policy = self._policies[policy_index]
-            group = np.flatnonzero(index == policy_index)
-            if not policy.observes_attention():  # nothing to learn: only the rows over budget
-                group = group[policy.wants_to_evict(slots.num_tokens[rows[group]], slots.num_live[rows[group]])]
-            if len(group):
-                groups[policy_index] = group
-        if not groups:  # e.g. every request within its budget: no layout is even looked at
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        shared = self.shared_blocks()
-        blocks = slots.block_rows(rows)
-        holds_shared = (np.isin(blocks, list(shared)).any(axis=1) if len(shared)
-                        else np.zeros(len(rows), dtype=bool))
-        native: set[int] = set()
-        for policy_index in [i for i in groups if self._native_selection(self._policies[i])]:
-            # The native pass knows no protected tokens: rows holding a shared block decide in
-            # Python (their own group, under the same policy), the others natively.
-            group = groups[policy_index]
-            with_shared = group[holds_shared[group]]
-            if len(with_shared) == len(group):
-                continue
-            native.add(policy_index)
-            groups[policy_index] = group[~holds_shared[group]]
-            if len(with_shared):
-                groups[-2 - policy_index] = with_shared
-        layout: dict[str, np.ndarray] = {}  # the batch's token layout, gathered once if needed
-
-        def tokens() -> np.ndarray:
-            if "tokens" not in layout:
-                layout["tokens"] = slots.gather(slots.tokens, blocks)
-            return layout["tokens"]
-
-        def policy_of(key: int) -> EvictionPolicy:  # key -2 - i: policy i's rows decided in Python
-            return self._policies[key if key >= 0 else -2 - key]
-
-        observing = [i for i in groups if policy_of(i).observes_attention()]
-        mass_rows = self._mass(mass, blocks.shape[1] * self.tokens_per_block, tokens) if observing else None
-        protected = (np.repeat(np.isin(blocks, list(shared)), self.tokens_per_block, axis=1) if len(shared) else None)
-        picked_index, picked_pos = [], []
-        for policy_index, group in groups.items():
-            policy = policy_of(policy_index)
-            if policy_index in native:
-                whole = len(group) == len(rows)  # the usual case: no copy of the batch's mass
-                victim_rows, positions = self._select_native(
-                    policy, rows if whole else rows[group],
-                    None if mass_rows is None else mass_rows if whole else mass_rows[group])
-            else:
-                group_blocks = blocks[group]
-                view = BatchView(req_ids[group], slots.num_tokens[rows[group]], slots.num_live[rows[group]],
-                                 tokens()[group], None if protected is None else protected[group],
-                                 {name: slots.gather(slots.stats[name], group_blocks) for name in policy.slot_stats})
-                if policy_index in observing:
-                    policy.observe_batch(view, mass_rows[group])
-                    for name, values in view.stats.items():
-                        slots.scatter(slots.stats[name], group_blocks, values)
-                victims = policy.select_batch(view)
-                victim_rows, positions = victims.rows, victims.positions
-            picked_index.append(group[victim_rows]), picked_pos.append(positions)
-        victim_index = np.concatenate(picked_index)
-        victim_pos = np.concatenate(picked_pos)
-        if len(picked_index) > 1:
-            ids = slots.tokens[slots.slots_at(rows[victim_index], victim_pos)]
-            order = np.lexsort((ids, victim_index))
-            victim_index, victim_pos = victim_index[order], victim_pos[order]
-        return victim_index, victim_pos
-
-    def _native_selection(self, policy: EvictionPolicy) -> bool:
-        """Can the C++ core decide for this policy in one pass over the slot layout?"""
-        if self.impl != "cpp" or not isinstance(policy, ScorePolicy):
-            return False
-        if not (policy.scores_are_ids or policy.score_stat):
-            return False
-        return not policy.observes_attention() or policy.observe_adds_mass
-
-    def _select_native(self, policy: ScorePolicy, rows: np.ndarray,
-                       mass: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        slots = self.slots
-        num_tokens, num_live = slots.num_tokens[rows], slots.num_live[rows]
-        excess, lo, hi = policy.candidate_bounds(num_tokens, num_live)
-        stat = slots.stats[policy.score_stat] if policy.score_stat else None
-        add = mass if policy.observe_adds_mass else None
-        return load_native().select_lowest(slots.tokens, slots.block_table, self.tokens_per_block, rows,
-                                           slots.kv_len[rows], lo, hi, excess, stat, add)
-
-    def _mass(self, mass: Any, width: int, tokens: Callable[[], np.ndarray]) -> np.ndarray:
-        """The batch's mass as float32 or float64 [B, width] (C order), reduced across ranks if
-        asked. float32 stays float32: it is added to float64 statistics either way."""
-        if callable(mass):  # the simulated attention: a function of the token layout, not timed as ours
-            start = time.perf_counter()
-            mass = mass(tokens())
-            self.stats.mass_seconds += time.perf_counter() - start
-        if not isinstance(mass, np.ndarray):  # a torch tensor (on any device)
-            mass = mass.detach().float().cpu().numpy()
-        longest = int(self.slots.kv_len[self._rows_in_run].max())
-        if mass.ndim != 2 or mass.shape[0] != len(self._rows_in_run) or mass.shape[1] < longest:
-            # only a mass function's result can get here (arrays are checked before any change)
-            self._broken = f"the mass function returned {list(mass.shape)} for a batch of {len(self._rows_in_run)}"
-            raise RuntimeError(self._broken)
-        if mass.shape[1] < width:
-            mass = np.pad(mass, ((0, 0), (0, width - mass.shape[1])))
-        if self.reduce_mass is not None:
-            mass = self.reduce_mass(mass)
-        dtype = np.float32 if mass.dtype == np.float32 else np.float64
-        return np.ascontiguousarray(mass[:, :width], dtype=dtype)

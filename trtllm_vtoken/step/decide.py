@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The batch's eviction decision, step 2 of ``DecodeStep.run``: every policy of the batch decides
+for its rows at once, from the step's slot layout.
+
+    rows of policy p  --+-- p's score lives in the slot layout and the C++ core is built:
+                        |     one native pass over the slots (``cpp/core/select.h``)
+                        +-- otherwise, or rows holding a shared (protected) block:
+                              BatchView [rows, positions] -> p.observe_batch -> p.select_batch
+
+The victims come back as (batch index, position) pairs sorted by index, then logical id."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection
+from typing import Any
+
+import numpy as np
+
+from trtllm_vtoken.core.native import load as load_native
+from trtllm_vtoken.policies import EvictionPolicy, ScorePolicy
+from trtllm_vtoken.policies.batch import BatchView
+from trtllm_vtoken.step.config import StepStats
+from trtllm_vtoken.step.slots import SlotMap
+
+
+class BadMass(RuntimeError):
+    """A mass function returned something that does not fit the batch (after the step began)."""
+
+
+class BatchDecision:
+    """Decides the victims of a batch over a step's slot layout.
+
+    Args:
+        policies: The step's policies, indexed as ``SlotMap.policy`` (shared with the step).
+        native: Whether the C++ core is there to decide for score policies in one pass.
+        reduce_mass: Applied to the batch's mass before any policy sees it (tensor / pipeline
+            parallelism sums it over the ranks).
+        stats: Where the time spent in a mass function (simulated attention) is counted apart.
+    """
+
+    def __init__(self, slots: SlotMap, policies: list[EvictionPolicy], tokens_per_block: int, native: bool,
+                 reduce_mass: Callable[[np.ndarray], np.ndarray] | None, stats: StepStats) -> None:
+        self.slots, self.policies, self.tokens_per_block = slots, policies, tokens_per_block
+        self.native, self.reduce_mass, self.stats = native, reduce_mass, stats
+
+    def victims(self, req_ids: np.ndarray, rows: np.ndarray, mass: Any,
+                shared: Collection[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Victims of the batch: (batch index, position) pairs sorted by index, then logical id.
+
+        One call per policy of the batch: the policy's ``select_batch`` over the gathered batch
+        layout, or, where the C++ core is built and the policy's score lives in the slot layout
+        (``ScorePolicy.scores_are_ids`` / ``score_stat``), one native pass over the slots
+        (``cpp/core/select.h``, the same victims, no copies). ``shared``: the blocks shared now
+        (their tokens are protected). RuntimeError (``BadMass``) if a mass function's result does
+        not fit the batch."""
+        slots = self.slots
+        index = slots.policy[rows]
+        groups: dict[int, np.ndarray] = {}  # policy -> the batch rows it decides for
+        for policy_index in sorted(set(np.unique(index).tolist()) - {-1}):
+            policy = self.policies[policy_index]
+            group = np.flatnonzero(index == policy_index)
+            if not policy.observes_attention():  # nothing to learn: only the rows over budget
+                group = group[policy.wants_to_evict(slots.num_tokens[rows[group]], slots.num_live[rows[group]])]
+            if len(group):
+                groups[policy_index] = group
+        if not groups:  # e.g. every request within its budget: no layout is even looked at
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        blocks = slots.block_rows(rows)
+        holds_shared = (np.isin(blocks, list(shared)).any(axis=1) if len(shared)
+                        else np.zeros(len(rows), dtype=bool))
+        native: set[int] = set()
+        for policy_index in [i for i in groups if self.native_selection(self.policies[i])]:
+            # The native pass knows no protected tokens: rows holding a shared block decide in
+            # Python (their own group, under the same policy), the others natively.
+            group = groups[policy_index]
+            with_shared = group[holds_shared[group]]
+            if len(with_shared) == len(group):
+                continue
+            native.add(policy_index)
+            groups[policy_index] = group[~holds_shared[group]]
+            if len(with_shared):
+                groups[-2 - policy_index] = with_shared
+        layout: dict[str, np.ndarray] = {}  # the batch's token layout, gathered once if needed
+
+        def tokens() -> np.ndarray:
+            if "tokens" not in layout:
+                layout["tokens"] = slots.gather(slots.tokens, blocks)
+            return layout["tokens"]
+
+        def policy_of(key: int) -> EvictionPolicy:  # key -2 - i: policy i's rows decided in Python
+            return self.policies[key if key >= 0 else -2 - key]
+
+        observing = [i for i in groups if policy_of(i).observes_attention()]
+        mass_rows = self.batch_mass(mass, rows, blocks.shape[1] * self.tokens_per_block, tokens) if observing else None
+        protected = (np.repeat(np.isin(blocks, list(shared)), self.tokens_per_block, axis=1) if len(shared) else None)
+        picked_index, picked_pos = [], []
+        for policy_index, group in groups.items():
+            policy = policy_of(policy_index)
+            if policy_index in native:
+                whole = len(group) == len(rows)  # the usual case: no copy of the batch's mass
+                victim_rows, positions = self.select_native(
+                    policy, rows if whole else rows[group],
+                    None if mass_rows is None else mass_rows if whole else mass_rows[group])
+            else:
+                group_blocks = blocks[group]
+                view = BatchView(req_ids[group], slots.num_tokens[rows[group]], slots.num_live[rows[group]],
+                                 tokens()[group], None if protected is None else protected[group],
+                                 {name: slots.gather(slots.stats[name], group_blocks) for name in policy.slot_stats})
+                if policy_index in observing:
+                    policy.observe_batch(view, mass_rows[group])
+                    for name, values in view.stats.items():
+                        slots.scatter(slots.stats[name], group_blocks, values)
+                victims = policy.select_batch(view)
+                victim_rows, positions = victims.rows, victims.positions
+            picked_index.append(group[victim_rows]), picked_pos.append(positions)
+        victim_index = np.concatenate(picked_index)
+        victim_pos = np.concatenate(picked_pos)
+        if len(picked_index) > 1:
+            ids = slots.tokens[slots.slots_at(rows[victim_index], victim_pos)]
+            order = np.lexsort((ids, victim_index))
+            victim_index, victim_pos = victim_index[order], victim_pos[order]
+        return victim_index, victim_pos
+
+    def native_selection(self, policy: EvictionPolicy) -> bool:
+        """Can the C++ core decide for this policy in one pass over the slot layout?"""
+        if not self.native or not isinstance(policy, ScorePolicy):
+            return False
+        if not (policy.scores_are_ids or policy.score_stat):
+            return False
+        return not policy.observes_attention() or policy.observe_adds_mass
+
+    def select_native(self, policy: ScorePolicy, rows: np.ndarray,
+                       mass: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        slots = self.slots
+        num_tokens, num_live = slots.num_tokens[rows], slots.num_live[rows]
+        excess, lo, hi = policy.candidate_bounds(num_tokens, num_live)
+        stat = slots.stats[policy.score_stat] if policy.score_stat else None
+        add = mass if policy.observe_adds_mass else None
+        return load_native().select_lowest(slots.tokens, slots.block_table, self.tokens_per_block, rows,
+                                           slots.kv_len[rows], lo, hi, excess, stat, add)
+
+    def batch_mass(self, mass: Any, rows: np.ndarray, width: int, tokens: Callable[[], np.ndarray]) -> np.ndarray:
+        """The batch's mass as float32 or float64 [B, width] (C order), reduced across ranks if
+        asked. float32 stays float32: it is added to float64 statistics either way."""
+        if callable(mass):  # the simulated attention: a function of the token layout, not timed as ours
+            start = time.perf_counter()
+            mass = mass(tokens())
+            self.stats.mass_seconds += time.perf_counter() - start
+        if not isinstance(mass, np.ndarray):  # a torch tensor (on any device)
+            mass = mass.detach().float().cpu().numpy()
+        longest = int(self.slots.kv_len[rows].max())
+        if mass.ndim != 2 or mass.shape[0] != len(rows) or mass.shape[1] < longest:
+            # only a mass function's result can get here (arrays are checked before any change)
+            raise BadMass(f"the mass function returned {list(mass.shape)} for a batch of {len(rows)}")
+        if mass.shape[1] < width:
+            mass = np.pad(mass, ((0, 0), (0, width - mass.shape[1])))
+        if self.reduce_mass is not None:
+            mass = self.reduce_mass(mass)
+        dtype = np.float32 if mass.dtype == np.float32 else np.float64
+        return np.ascontiguousarray(mass[:, :width], dtype=dtype)
