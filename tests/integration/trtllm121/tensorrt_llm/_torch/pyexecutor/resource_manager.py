@@ -236,16 +236,20 @@ class KVCacheManager(BaseResourceManager):
 
 
 class _ImplDouble:
-    """The C++ manager's bindings that vToken and the Python wrapper call directly."""
+    """The C++ manager's bindings that vToken and the Python wrapper call directly. Bound without
+    argument names (``.def("remove_sequence", &BaseKVCacheManager::removeSequence)``, nanobind
+    kvCacheManager bindings, index id 585945368), so positional only; ``llm_request`` is an
+    ``OptionalRef<LlmRequest const>``, whose caster turns Python ``None`` into an empty reference
+    (``type_caster<OptionalRef<T>>``, index id 1039870972)."""
 
     def __init__(self, manager: KVCacheManager) -> None:
         self._manager = manager
 
-    def store_context_blocks(self, request) -> None:
+    def store_context_blocks(self, request, /) -> None:
         manager = self._manager
         if manager.enable_block_reuse:
             tokens = request.get_tokens(0)
             manager._store(request.py_request_id, tokens, len(tokens) - 1, allow_partial=False)
 
-    def remove_sequence(self, request_id: int, llm_request=None, pin_on_release: bool = False) -> None:
+    def remove_sequence(self, request_id: int, llm_request, pin_on_release: bool = False, /) -> None:
         self._manager._remove_sequence(request_id, llm_request)
