@@ -207,7 +207,7 @@ def run_capacity(args: argparse.Namespace) -> int:
 def run_all(args: argparse.Namespace) -> int:
     from trtllm_vtoken.cli import main
 
-    names = ["variants", "capacity", "quality", "core", "step", "overhead", "sweeps", "sla", "sharing"]
+    names = ["variants", "capacity", "quality", "core", "step", "overhead", "sweeps", "sla", "sharing", "shift"]
     names += [] if args.quick else ["utilization", "serve"]
     for name in names:
         print(f"\n== vtoken bench {name}{' --quick' if args.quick else ''} ==", flush=True)
