@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,56 +38,15 @@ from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.policies.request_settings import EvictionSettings, PolicySpec
 from trtllm_vtoken.reclaim.admission import AdmissionConfig, AdmissionController
 from trtllm_vtoken.reclaim.copy import AccountingCopyExecutor, TorchCopyExecutor
-from trtllm_vtoken.runtime.block_lists import BlockLists
 from trtllm_vtoken.reclaim.rerotate import KeyRerotation
+from trtllm_vtoken.runtime.block_lists import BlockLists
 from trtllm_vtoken.runtime.config import EngineConfig
+from trtllm_vtoken.runtime.engine_step import make_step
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
+from trtllm_vtoken.runtime.kv_stats import KVStats, KVUsage
 from trtllm_vtoken.runtime.model import LlamaConfig
 from trtllm_vtoken.runtime.prefix_caching import PrefixCaching
-from trtllm_vtoken.step import DecodeStep, StepConfig, StepInput, StepOutput, StepStats
-
-
-@dataclass
-class KVStats:
-    tokens_evicted: int = 0
-    tokens_evicted_by_policy: dict[str, int] = field(default_factory=dict)
-    """The same, by the policy's name (requests may follow different ones)."""
-    peak_blocks_used: int = 0
-    mask_seconds: float = 0.0
-    """Host time building the validity mask (naive-evict, lazy mode)."""
-    lists_seconds: float = 0.0
-    """native: host time appending the new tokens to the block lists."""
-
-
-@dataclass(frozen=True)
-class KVUsage:
-    blocks_used: int
-    live_tokens: int
-    slots_held: int
-
-    @property
-    def utilization(self) -> float:
-        """Live tokens over slots in allocated blocks: the memory doing useful work."""
-        return self.live_tokens / self.slots_held if self.slots_held else 0.0
-
-
-def make_step(config: EngineConfig, num_blocks: int, pool: BlockPool, executor,
-              rerotation: KeyRerotation | None = None, prefix: PrefixCaching | None = None,
-              policy: EvictionPolicy | None = None) -> DecodeStep:
-    """The step an engine of ``config`` runs (vtoken: its compaction mode; naive-evict: dead
-    blocks). Shift positions commit lazy plans in their own step: the keys turn right after.
-    With ``prefix``, its shared blocks are protected and evicting requests' chains are cut."""
-    compaction = config.mode if config.variant == "vtoken" else "dead-blocks"
-    background = compaction == "lazy" and config.lazy_background and rerotation is None
-    is_shared, shared = (prefix.cache.is_shared, lambda: prefix.cache.shared) if prefix else (pool.is_shared,
-                                                                                              lambda: pool.shared)
-    step = DecodeStep(StepConfig(compaction, config.fragmentation_threshold, config.check_invariants, config.step_impl,
-                                 background),
-                      num_blocks, config.tokens_per_block, policy or config.make_policy(), executor, is_shared,
-                      shared, rerotation=rerotation)
-    if prefix is not None:
-        step.on_victims = lambda req_ids, offsets, victims: prefix.cut_batch(step.block_ids, req_ids, offsets, victims)
-    return step
+from trtllm_vtoken.step import DecodeStep, StepInput, StepOutput, StepStats
 
 
 class KVCacheManager:
