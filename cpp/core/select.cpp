@@ -18,42 +18,72 @@ struct Candidate {
 };
 
 constexpr int64_t kAhead = 4;  // blocks prefetched ahead: a row's blocks lie anywhere in the pool
+constexpr int64_t kLine = 64;  // bytes per cache line
 
 // One row: accumulate the mass (kMass), then find the victims among [low, high). kStat: the key is
-// the statistic, else the id. kSingle: one victim (the decode step), kept in registers; else every
-// candidate is collected for an exact partial sort. Specialised so the loop carries no branch on
-// what is constant for the row.
+// the statistic, else the id. kSingle: one victim (the decode step); else every candidate is
+// collected for an exact partial sort. Specialised so the loops carry no branch on what is constant
+// for the row.
+//
+// A row's positions lie block by block anywhere in the pool, tokens_per_block contiguous slots each:
+//
+//   block  [ add: stat += mass   (vectorised)                 ]
+//          [ min: key of each candidate, +inf elsewhere        ]  -> block minimum (vectorised)
+//          [ only if that minimum can beat the best so far: the exact (key, id) scan of the block ]
+//
+// The exact scan is what decides; the block minimum only skips blocks that cannot hold a better
+// candidate, so ties (equal keys, lowest id first) resolve exactly as in the one-pass form.
 template <bool kStat, bool kMass, bool kSingle, typename Mass>
 int64_t scan_row(const SlotLayout& layout, const int32_t* blocks, int64_t length, int64_t low, int64_t high,
                  double* stat, const Mass* row_mass, Candidate& best, std::vector<Candidate>& pool) {
   const int64_t tpb = layout.tokens_per_block;
   const int64_t num_blocks = (length + tpb - 1) / tpb;
-  const auto width = static_cast<uint64_t>(high - low);
+  const auto width = static_cast<uint32_t>(high - low);
+  const auto low32 = static_cast<int32_t>(low);
+  constexpr double kNone = std::numeric_limits<double>::infinity();
   int64_t count = 0;
   for (int64_t block = 0; block < num_blocks; ++block) {
-    if (block + kAhead < num_blocks) {
+    if (block + kAhead < num_blocks) {  // every cache line of the block kAhead blocks on
       const int64_t ahead = static_cast<int64_t>(blocks[block + kAhead]) * tpb;
-      __builtin_prefetch(layout.tokens + ahead);
-      if (kStat) __builtin_prefetch(stat + ahead);
+      for (int64_t o = 0; o < tpb; o += kLine / sizeof(int32_t)) __builtin_prefetch(layout.tokens + ahead + o);
+      if (kStat) {
+        for (int64_t o = 0; o < tpb; o += kLine / sizeof(double)) __builtin_prefetch(stat + ahead + o, 1);
+      }
     }
     const int64_t base = static_cast<int64_t>(blocks[block]) * tpb;
     const int64_t start = block * tpb, end = std::min(tpb, length - start);
     const int32_t* tokens = layout.tokens + base;
     double* values = kStat ? stat + base : nullptr;
-    for (int64_t o = 0; o < end; ++o) {
-      double key;
-      if (kStat) {
-        if (kMass) values[o] += static_cast<double>(row_mass[start + o]);
-        key = values[o];
+    if (kMass) {
+      const Mass* m = row_mass + start;
+#pragma omp simd
+      for (int64_t o = 0; o < end; ++o) values[o] += static_cast<double>(m[o]);
+    }
+    if (kSingle) {
+      // Candidates: t - low in [0, width) as unsigned (a -1 or an id below low wraps past it).
+      double block_min = kNone;
+      int64_t candidates = 0;
+#pragma omp simd reduction(min : block_min) reduction(+ : candidates)
+      for (int64_t o = 0; o < end; ++o) {
+        const bool candidate = static_cast<uint32_t>(tokens[o] - low32) < width;
+        const double key = kStat ? values[o] : static_cast<double>(tokens[o]);
+        block_min = std::min(block_min, candidate ? key : kNone);
+        candidates += candidate;
       }
-      const int64_t t = tokens[o];
-      if (static_cast<uint64_t>(t - low) >= width) continue;  // not a candidate (also -1: low >= 0)
-      if (!kStat) key = static_cast<double>(t);
-      ++count;
-      if (kSingle) {
+      count += candidates;
+      if (candidates == 0 || block_min > best.key) continue;
+      for (int64_t o = 0; o < end; ++o) {
+        const int64_t t = tokens[o];
+        if (static_cast<uint32_t>(tokens[o] - low32) >= width) continue;
+        const double key = kStat ? values[o] : static_cast<double>(t);
         if (key < best.key || (key == best.key && t < best.id)) best = Candidate{key, t, start + o};
-      } else {
-        pool.push_back(Candidate{key, t, start + o});
+      }
+    } else {
+      for (int64_t o = 0; o < end; ++o) {
+        const int64_t t = tokens[o];
+        if (static_cast<uint32_t>(tokens[o] - low32) >= width) continue;
+        ++count;
+        pool.push_back(Candidate{kStat ? values[o] : static_cast<double>(t), t, start + o});
       }
     }
   }
@@ -88,7 +118,13 @@ Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t b
     const Mass* row_mass = mass != nullptr ? mass + i * mass_stride : nullptr;
     if (want <= 0) {  // nothing to evict: only the observation
       if (row_mass == nullptr) continue;
-      for (int64_t p = 0; p < length; ++p) stat[blocks[p / tpb] * tpb + p % tpb] += static_cast<double>(row_mass[p]);
+      for (int64_t start = 0; start < length; start += tpb) {
+        double* values = stat + static_cast<int64_t>(blocks[start / tpb]) * tpb;
+        const Mass* m = row_mass + start;
+        const int64_t end = std::min(tpb, length - start);
+#pragma omp simd
+        for (int64_t o = 0; o < end; ++o) values[o] += static_cast<double>(m[o]);
+      }
       continue;
     }
     // Candidates: live ids in [low, high); an empty range (low >= high) has none.

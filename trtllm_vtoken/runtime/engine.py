@@ -302,7 +302,7 @@ class Engine:
         if not self.kv.needs_attention or not req_ids:
             return None
         if self.simulated:
-            return self.model.batch_mass(req_ids, [self.kv.staged_tokens(r) for r in req_ids], queries)
+            return self.model.batch_mass(req_ids, queries)
         width = max(m.shape[0] for m in masses)
         out = torch.zeros(len(masses), width)
         for i, m in enumerate(masses):

@@ -76,6 +76,7 @@ class KVCacheManager:
         """The engine's own policy (requests that set no eviction of their own run with it)."""
         self._policies: dict[PolicySpec, EvictionPolicy] = {}
         self._name_of: dict[int, str] = {}  # request -> its policy's name ("native": none)
+        self._running_names: dict[str, int] = {}  # policy name -> requests admitted with it
         if config.variant == "native":
             self.lists = BlockLists(tpb)
         else:
@@ -169,7 +170,8 @@ class KVCacheManager:
             self.needs_attention = self.needs_attention or (policy is not None and policy.observes_attention())
         else:
             self.lists.add_request(req_id)
-        self._name_of[req_id] = "native" if spec is None else spec.name
+        name = self._name_of[req_id] = "native" if spec is None else spec.name
+        self._running_names[name] = self._running_names.get(name, 0) + 1
         if self.prefix is None:
             return 0
         blocks = self.prefix.begin(req_id, token_ids, relocating)
@@ -180,8 +182,8 @@ class KVCacheManager:
     def reserve(self, req_id: int, num_new: int) -> bool:
         """Room for ``num_new`` tokens after the request's KV, allocating blocks as needed
         (``staged_slots`` names the slots). False, changing nothing, if the pool lacks the blocks."""
-        tpb, (blocks, start) = self.config.tokens_per_block, self._written(req_id)
-        missing = -(-(start + num_new) // tpb) - len(blocks)
+        tpb, (held, start) = self.config.tokens_per_block, self._written_counts(req_id)
+        missing = -(-(start + num_new) // tpb) - held
         fresh: list[int] = []
         if missing > 0:
             fresh = self.prefix.allocate(missing) if self.prefix else self.pool.allocate(missing)
@@ -198,10 +200,6 @@ class KVCacheManager:
         blocks, start = self._written(req_id)
         return blocks + fresh, start + num_new
 
-    def staged_tokens(self, req_id: int) -> int:
-        """The request's logical length once its reserved tokens are written."""
-        return self.layout.num_tokens(req_id) + self._pending.get(req_id, ((), 0))[1] + self._staged[req_id][1]
-
     def staged_slots(self, req_id: int) -> list[int]:
         """The flat slots ``reserve`` handed out for the request's pending write."""
         blocks, total = self.staged_blocks(req_id)
@@ -216,6 +214,14 @@ class KVCacheManager:
             cached_blocks, cached = self._pending[req_id]
             return blocks + cached_blocks, length + cached
         return blocks, length
+
+    def _written_counts(self, req_id: int) -> tuple[int, int]:
+        """``_written`` as counts: (blocks held, length written), without copying a block list."""
+        layout = self.layout
+        if req_id in self._pending:
+            cached_blocks, cached = self._pending[req_id]
+            return layout.num_blocks(req_id) + len(cached_blocks), layout.kv_len(req_id) + cached
+        return layout.num_blocks(req_id), layout.kv_len(req_id)
 
     def unreserve(self, req_id: int) -> None:
         """Gives back blocks ``reserve`` allocated that were never committed."""
@@ -255,29 +261,39 @@ class KVCacheManager:
             mass: attention per physical position [B, >= L] (or the step's ``Mass`` function),
                 when the policy observes it.
         """
-        staged = []
-        for req_id in req_ids:  # a cached prefix joins with the request's first written tokens
-            fresh, num_new = self._staged.pop(req_id)
-            cached_blocks, cached = self._pending.pop(req_id, ([], 0))
-            staged.append((cached_blocks + fresh, cached + num_new))
         if self.step is None:
             start = time.perf_counter()
-            for req_id, (fresh, num_new) in zip(req_ids, staged):
-                self.lists.append(req_id, fresh, num_new)
+            for req_id in req_ids:
+                self.lists.append(req_id, *self._take_staged(req_id))
             self.stats.lists_seconds += time.perf_counter() - start
             return None
         if not req_ids:
             return None
-        offsets = np.cumsum([0] + [len(fresh) for fresh, _ in staged])
+        num_new, counts, new_blocks = [], [], []  # the batch in CSR form
+        for req_id in req_ids:
+            fresh, n = self._take_staged(req_id)
+            num_new.append(n), counts.append(len(fresh))
+            new_blocks += fresh
+        offsets = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
         on_cuda = self.cache is not None and self.cache.pool.is_cuda and not self.config.synchronous_copies
         # Memory pressure: the pool could not give every running request a block for its next token.
         pressure = self.pool.num_free < len(req_ids) + self.config.evacuation_headroom
-        out = self.step.run(StepInput(req_ids, [n for _, n in staged], offsets, [b for f, _ in staged for b in f],
+        out = self.step.run(StepInput(req_ids, num_new, offsets, new_blocks,
                                       mass=mass if self.needs_attention else None, pressure=pressure,
                                       stream=torch.cuda.current_stream() if on_cuda else None))
         self._free(out.table.freed.tolist())
         self._count_evictions(out)
         return out
+
+    def _take_staged(self, req_id: int) -> tuple[list[int], int]:
+        """The request's blocks and tokens that join its layout this step: what ``reserve``
+        staged, after its cached prefix the first time (it joins as written tokens)."""
+        fresh, num_new = self._staged.pop(req_id)
+        if self._pending and req_id in self._pending:
+            cached_blocks, cached = self._pending.pop(req_id)
+            return cached_blocks + fresh, cached + num_new
+        return fresh, num_new
 
     def store_written(self, req_ids: list[int], token_ids: Callable[[int], list[int]]) -> None:
         """Prefix caching, after ``step_batch``: keys the blocks the step's tokens filled (up to
@@ -336,7 +352,11 @@ class KVCacheManager:
         else:
             self.pool.free(blocks)
         self.admission.finish(req_id)
-        self._name_of.pop(req_id, None)
+        name = self._name_of.pop(req_id, None)
+        if name is not None:
+            self._running_names[name] -= 1
+            if not self._running_names[name]:
+                del self._running_names[name]
 
     def _free(self, blocks: list[int]) -> None:
         """Blocks the step released (a keyed one stays cached)."""
@@ -346,10 +366,17 @@ class KVCacheManager:
             self.pool.free(blocks)
 
     def _count_evictions(self, out: StepOutput) -> None:
-        """Per-policy eviction counters."""
+        """Per-policy eviction counters (one addition when every request runs one policy)."""
         counts = np.diff(out.victim_offsets)
-        self.stats.tokens_evicted += int(counts.sum())
+        total = int(counts.sum())
+        self.stats.tokens_evicted += total
+        if not total:
+            return
         by_policy = self.stats.tokens_evicted_by_policy
+        if len(self._running_names) == 1:
+            name = next(iter(self._running_names))
+            by_policy[name] = by_policy.get(name, 0) + total
+            return
         for i in np.flatnonzero(counts).tolist():
             name = self._name_of[int(out.req_ids[i])]
             by_policy[name] = by_policy.get(name, 0) + int(counts[i])

@@ -94,17 +94,20 @@ class SimulatedModel(torch.nn.Module):
         self.config = shape.as_llama_config()
         self.attention = attention or SyntheticAttention()
 
-    def batch_mass(self, req_ids: list[int], num_tokens: list[int], num_queries: list[int]):
+    def batch_mass(self, req_ids: list[int], num_queries: list[int]):
         """The step's ``Mass`` function for a batch: attention per physical position of the
         batch's token layout (tokens [B, L], -1 where no live token), from ``num_queries`` queries
-        of requests now ``num_tokens`` long. Stands in for the attention of a forward, so the step
-        does not count its time as its own."""
+        of each request. A request's logical length is read off its layout: its newest token was
+        written this step and is live, so it is the row's highest id + 1. Stands in for the
+        attention of a forward, so the step does not count its time (nor this per-request work,
+        which a real forward does not do on the host) as its own."""
 
         def mass(tokens: np.ndarray) -> np.ndarray:
             out = np.zeros(tokens.shape)
+            num_tokens = tokens.max(axis=1) + 1
             for i, req_id in enumerate(req_ids):
                 live = np.flatnonzero(tokens[i] >= 0)
-                out[i, live] = self.attention.scores(req_id, tokens[i, live].astype(np.int64), num_tokens[i],
+                out[i, live] = self.attention.scores(req_id, tokens[i, live].astype(np.int64), int(num_tokens[i]),
                                                      num_queries[i])
             return out
 

@@ -135,8 +135,7 @@ class SlotMap:
         if not len(slots):
             return
         self.tokens[slots] = NO_TOKEN
-        counted, counts = np.unique(rows, return_counts=True)
-        self.num_live[counted] -= counts
+        self.num_live -= np.bincount(rows, minlength=len(self.num_live))
 
     def move(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Relocations: ids and statistics go from ``src`` to ``dst`` slots (disjoint sets)."""

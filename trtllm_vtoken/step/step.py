@@ -304,19 +304,24 @@ class DecodeStep:
         if len(num_new) != batch or len(offsets) != batch + 1:
             raise ValueError(f"step: {batch} requests need {batch} num_new and {batch + 1} block offsets, "
                              f"got {len(num_new)} and {len(offsets)}")
-        if len(set(req_ids.tolist())) != batch:
+        ids = req_ids.tolist()
+        if len(set(ids)) != batch:
             raise ValueError("step: a request appears twice in the batch")
-        if offsets[0] != 0 or offsets[-1] != len(blocks) or (np.diff(offsets) < 0).any():
+        counts = offsets[1:] - offsets[:-1]
+        if offsets[0] != 0 or offsets[-1] != len(blocks) or counts.min(initial=0) < 0:
             raise ValueError("step: new_block_offsets must start at 0, never decrease and end at len(new_blocks)")
-        if (num_new < 0).any():
+        if num_new.min(initial=0) < 0:
             raise ValueError(f"step: num_new must be >= 0, got {num_new[num_new < 0][:4].tolist()}")
-        if len(blocks) and ((blocks < 0) | (blocks >= self.slots.num_blocks)).any():
-            raise ValueError(f"step: new block ids must lie in [0, {self.slots.num_blocks})")
-        unique, counts = np.unique(blocks, return_counts=True)
-        if len(unique) != len(blocks) and not all(self.is_shared(int(b)) for b in unique[counts > 1]):
-            raise ValueError("step: a new block is given twice (only a shared block may join several requests)")
-        rows = self.slots.rows(req_ids)
-        capacity = (self.slots.num_blocks_of[rows] + np.diff(offsets)) * self.tokens_per_block
+        if len(blocks):
+            if blocks.min() < 0 or blocks.max() >= self.slots.num_blocks:
+                raise ValueError(f"step: new block ids must lie in [0, {self.slots.num_blocks})")
+            listed = blocks.tolist()
+            if len(set(listed)) != len(listed):
+                unique, times = np.unique(blocks, return_counts=True)
+                if not all(self.is_shared(int(b)) for b in unique[times > 1]):
+                    raise ValueError("step: a new block is given twice (only a shared block may join several requests)")
+        rows = self.slots.rows(ids)
+        capacity = (self.slots.num_blocks_of[rows] + counts) * self.tokens_per_block
         short = np.flatnonzero(self.slots.kv_len[rows] + num_new > capacity)
         if len(short):
             i = int(short[0])
@@ -327,9 +332,8 @@ class DecodeStep:
     def _check_mass(self, mass: Any, rows: np.ndarray, num_new: np.ndarray) -> None:
         """The mass a batch needs, checked before anything changes (a function's result is
         checked when it comes)."""
-        observing = any(self._policies[i].observes_attention() for i in set(self.slots.policy[rows].tolist()) - {-1})
         if mass is None:
-            if observing:
+            if any(self._policies[i].observes_attention() for i in set(self.slots.policy[rows].tolist()) - {-1}):
                 raise ValueError("a policy of this batch observes attention: pass the mass per position")
             return
         if callable(mass) or not len(rows):
