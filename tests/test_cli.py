@@ -36,12 +36,18 @@ def test_bench_step_prints_table_and_writes_rows(tmp_path, capsys):
     assert (tmp_path / "step.png").stat().st_size > 0
     rows = json.loads((tmp_path / "step.json").read_text())
     impls = ["cpp", "python"] if native.load() is not None else ["python"]
-    assert len(rows) == 1 + 5 * len(impls)
+    assert len(rows) == 1 + 5 * len(impls) + 1  # dense H2O at a block boundary once, with the first core
     for row in rows:
         assert {"variant", "mode", "policy", "impl", "batch", "host_us_p50", "added_us_p50"} <= set(row)
         assert row["batch"] == 4 and row["host_us_p50"] > 0
         evicting = row["variant"] == "vtoken"
         assert (row["evicted_per_step"] == 4) == evicting  # one eviction per request per step
+    # Dense compaction mid-block: one move, no block changes hands; at a block boundary every request
+    # allocates a block for its new token and releases it again.
+    dense = [r for r in rows if (r["variant"], r["mode"], r["policy"]) == ("vtoken", "dense", "h2o")]
+    assert {r["blocks_freed_per_step"] for r in dense if not r.get("boundary")} == {0}
+    assert [r["blocks_freed_per_step"] for r in dense if r.get("boundary")] == [4]
+    assert all(r["moves_per_step"] == 4 for r in dense)
     native_row = rows[0]
     assert native_row["variant"] == "native" and native_row["added_us_p50"] == 0
 

@@ -37,11 +37,12 @@ ROWS = (("native", "dense"), ("naive-evict", "dense"), ("vtoken", "dense"), ("vt
 class RealSharingConfig:
     requests: int = 8
     prefix_tokens: int = 1024
-    suffix_tokens: int = 512
+    suffix_tokens: int = 1024
+    """The paper's workload has as many private tokens as shared ones (8K + 8K)."""
     decode_tokens: int = 32
     tokens_per_block: int = 16
     policy: str = "h2o"
-    budget: str = "0.75"
+    budget: str = "0.5"
     """Per request, of its tokens outside shared blocks (the protected shared prefix is kept on top)."""
     policy_options: dict[str, Any] = field(default_factory=lambda: {"recent_ratio": 0.1})
     degrees: tuple[int, ...] = (1, 2, 4, 8)

@@ -4,14 +4,27 @@
 The engine runs with the simulated-attention backend (no model: it isolates host work): every
 request starts with ``context`` tokens, less up to a block so that requests cross block
 boundaries on different steps (prefilled, not timed), and decodes one token per step; the
-evicting rows hold a budget of ``context - tokens_per_block`` live tokens, so from the first
-decode step on every request evicts one token per step. Timed per decode step: the whole ``Engine.step()`` (scheduling,
-reservation, sampling, the step), minus the simulated attention (it stands in for the GPU's
-forward; the step times it apart).
+evicting rows hold a budget of ``context - 3/2 tokens_per_block`` live tokens, so from the first
+decode step on every request evicts one token per step. Timed per decode step: the whole
+``Engine.step()`` (scheduling, reservation, sampling, the step), minus the simulated attention
+(it stands in for the GPU's forward; the step times it apart).
+
+Where the budget ends within a block decides what dense compaction does besides the move. With
+one count budget every evicting request settles at the same length (the budget), so either none
+or all of them sit at a block boundary:
+
+    mid-block (the rows)   the new token fits the tail block; the eviction's hole takes it: one
+                           move, no block allocated or released
+    at a block boundary    the new token needs a fresh block, which the move empties again: every
+                           request allocates and releases one block per step (the extra row
+                           "at a block boundary", budget ``context - tokens_per_block``)
+
+In a workload of many lengths and budgets a request is at a boundary on about one step in
+``tokens_per_block``; the two rows bracket that.
 
     native              plain block lists, no token table, no policy (the baseline)
     indirection-only    vToken's step with nothing evicted (StreamingLLM at a 1.0 ratio)
-    vtoken              dense and lazy, H2O and StreamingLLM
+    vtoken              dense and lazy, H2O and StreamingLLM; dense H2O also at a block boundary
 
 Each row runs with the C++ core and with the Python core (``step_impl``). Rows are repeated in
 alternating order; a row's value is the median step of its median run, with the runs' range.
@@ -45,6 +58,8 @@ class StepBenchConfig:
 
     def __post_init__(self) -> None:
         require_positive(self, "context", "tokens_per_block", "steps", "repeats")
+        if self.context <= 2 * self.tokens_per_block:
+            raise ValueError(f"context ({self.context}) must exceed two blocks of {self.tokens_per_block} tokens")
         if not self.batches or min(self.batches) <= 0:
             raise ValueError(f"batches must be positive, got {self.batches}")
         if self.warmup < 0:
@@ -62,7 +77,15 @@ class StepBenchConfig:
                 for mode in ("dense", "lazy"):
                     rows.append((f"vtoken {mode} {policy} {impl}",
                                  dict(variant="vtoken", mode=mode, policy=policy, impl=impl)))
+            if impl == self.impls[0]:  # the bracket's other end, once
+                rows.append((f"vtoken dense h2o at a block boundary {impl}",
+                             dict(variant="vtoken", mode="dense", policy="h2o", impl=impl, boundary=True)))
         return rows
+
+    def budget(self, row: dict[str, Any]) -> int:
+        """Live tokens an evicting row keeps: mid-block, or at a block boundary (see the module)."""
+        tpb = self.tokens_per_block
+        return self.context - tpb - (0 if row.get("boundary") else tpb // 2)
 
     def engine_config(self, batch: int, row: dict[str, Any]) -> EngineConfig:
         tpb, length = self.tokens_per_block, self.context + self.warmup + self.steps + 4
@@ -73,7 +96,7 @@ class StepBenchConfig:
             variant="native" if row["variant"] == "native" else "vtoken")
         if row["variant"] != "native":
             values.update(mode=row["mode"], policy=row["policy"], step_impl=row["impl"],
-                          budget="1.0" if row["variant"] == "indirection-only" else self.context - tpb)
+                          budget="1.0" if row["variant"] == "indirection-only" else self.budget(row))
         return EngineConfig(**values)
 
 
@@ -107,13 +130,13 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
     if len(engine.running) != batch:
         raise RuntimeError(f"only {len(engine.running)} of {batch} requests were admitted")
     stats = engine.kv.step_stats
-    host_us, evicted, moves = [], 0, 0
+    host_us, evicted, moves, freed = [], 0, 0, 0
     split = dict.fromkeys(SPLIT, 0.0)
     was_enabled = gc.isenabled()
     gc.disable()  # as timeit: a collection landing in a timed step times the collector
     try:
         for i in range(cfg.warmup + cfg.steps):
-            before = (stats.mass_seconds, dict(stats.seconds), stats.tokens_evicted, stats.moves)
+            before = (stats.mass_seconds, dict(stats.seconds), stats.tokens_evicted, stats.moves, stats.blocks_freed)
             start = time.perf_counter()
             engine.step()
             wall = time.perf_counter() - start
@@ -124,6 +147,7 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
                 split[name] += 1e6 * (stats.seconds[name] - before[1][name]) / cfg.steps
             evicted += stats.tokens_evicted - before[2]
             moves += stats.moves - before[3]
+            freed += stats.blocks_freed - before[4]
     finally:
         if was_enabled:
             gc.enable()
@@ -132,6 +156,7 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
     return {**row, "batch": batch, "host_us_p50": float(np.median(host_us)),
             "host_us_steps_min": float(np.min(host_us)), "split_us": split,
             "evicted_per_step": evicted / cfg.steps, "moves_per_step": moves / cfg.steps,
+            "blocks_freed_per_step": freed / cfg.steps,
             "metadata_bytes_per_token": engine.kv.step.metadata_bytes_per_token() if engine.kv.step else 0.0}
 
 

@@ -50,10 +50,11 @@ def register(bench) -> None:
     sharing.add_argument("--requests", type=int, default=8, help="--real: requests per degree (default 8)")
     sharing.add_argument("--prefix-tokens", type=int, default=1024,
                          help="--real: shared system prompt length (default 1024)")
-    sharing.add_argument("--suffix-tokens", type=int, default=512,
-                         help="--real: private suffix per request (default 512)")
-    sharing.add_argument("--budget", default="0.75",
-                         help="--real: H2O budget per request, a ratio of its length or a count (default 0.75)")
+    sharing.add_argument("--suffix-tokens", type=int, default=1024,
+                         help="--real: private suffix per request (default 1024: the paper's 8K + 8K, scaled)")
+    sharing.add_argument("--budget", default="0.5",
+                         help="--real: H2O budget per request, a ratio of its tokens outside shared blocks or a "
+                              "count (default 0.5)")
     sharing.add_argument("--recent-ratio", type=float, default=0.1,
                          help="--real: share of the budget H2O keeps for the newest tokens (default 0.1)")
     sharing.add_argument("--no-check", action="store_true", help="--real: skip I1/I2/I4 on every relocation")

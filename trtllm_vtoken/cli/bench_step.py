@@ -15,8 +15,9 @@ def register(bench) -> None:
         "step", help="host time per decode step: native vs vToken's step (simulated attention, C++ and Python)",
         description="The engine with the simulated-attention backend at 4k tokens of context: native (plain "
                     "block lists), indirection-only (the step, nothing evicted), vtoken dense and lazy for H2O "
-                    "and StreamingLLM (one eviction per request per step), each with the C++ and the Python "
-                    "core. The simulated attention is not counted.")
+                    "and StreamingLLM (one eviction per request per step, the budget mid-block), each with the C++ "
+                    "and the Python core, and dense H2O with the budget at a block boundary (every request "
+                    "allocates and releases a block per step). The simulated attention is not counted.")
     step.add_argument("--batches", default="64,256", help="comma-separated batch sizes (default 64,256)")
     step.add_argument("--context", type=int, default=4096, help="tokens of context per request (default 4096)")
     step.add_argument("--tokens-per-block", type=int, default=32, help="default 32")
@@ -56,11 +57,11 @@ def run_step(args: argparse.Namespace) -> int:
           f"tokens_per_block {cfg.tokens_per_block}, one eviction per request per step; {cfg.steps} timed "
           f"steps per run, the median of {cfg.repeats} alternating runs per row")
     headers = ["batch", "row", "impl", "host us/step", "runs min-max", "added us", "added %", "table us",
-               "policy us", "core us", "copy us", "evicted/step", "moves/step"]
+               "policy us", "core us", "copy us", "evicted/step", "moves/step", "freed/step"]
     rows = [[r["batch"], r["label"].removesuffix(f" {r['impl']}"), r["impl"], r["host_us_p50"],
              f"{r['host_us_p50_min']:,.0f}-{r['host_us_p50_max']:,.0f}", r["added_us_p50"], r["added_pct"],
              *(r["split_us"][k] for k in ("table", "policy", "core", "copy")), r["evicted_per_step"],
-             r["moves_per_step"]] for r in result["rows"]]
+             r["moves_per_step"], r["blocks_freed_per_step"]] for r in result["rows"]]
     print(format_table(headers, rows))
     print("table: the step's batch layout; policy: mass, observe, select (vectorised); core: the one token-table "
           "call (append, evict, plan, commit); copy: the one copy of all moves (metadata only here)")

@@ -201,11 +201,16 @@ class DecodeStep:
             self._broken = str(exc)
             raise
         victim_rows = rows[victim_index]
-        victim_slots = self.slots.slots_at(victim_rows, victim_pos)
-        victim_ids = self.slots.tokens[victim_slots].astype(np.int64)
-        victim_offsets = np.searchsorted(victim_index, np.arange(len(rows) + 1)).astype(np.int64)
-        if self.on_victims is not None and len(victim_ids):
-            self.on_victims(req_ids, victim_offsets, victim_ids)
+        if len(victim_index):
+            victim_slots = self.slots.slots_at(victim_rows, victim_pos)
+            victim_ids = self.slots.tokens[victim_slots].astype(np.int64)
+            victim_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum(np.bincount(victim_index, minlength=len(rows)), out=victim_offsets[1:])
+            if self.on_victims is not None:
+                self.on_victims(req_ids, victim_offsets, victim_ids)
+        else:  # nothing evicted (e.g. every request within its budget)
+            victim_slots = victim_ids = victim_index
+            victim_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         t2 = clock()
         before = self.checks.before(req_ids, new_slots, num_new) if self.checks else None
         t3 = clock()
