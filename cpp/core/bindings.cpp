@@ -176,6 +176,26 @@ NB_MODULE(_core, m) {
       "A score policy's decision for a batch over the step's slot layout (cpp/core/select.h): "
       "(batch rows, positions) of the victims.");
 
+  m.def(
+      "lowest_live_ids",
+      [](const TokenTable& table, Ids req_ids, Ids lo, Ids hi, Ids excess) {
+        const auto batch = static_cast<int64_t>(req_ids.shape(0));
+        for (const Ids* a : {&lo, &hi, &excess}) {
+          if (a->shape(0) != static_cast<size_t>(batch)) {
+            throw std::invalid_argument("lowest_live_ids: req_ids, lo, hi and excess need one entry per request");
+          }
+        }
+        vtoken::Selection r;
+        {
+          nb::gil_scoped_release release;
+          r = vtoken::lowest_live_ids(table, req_ids.data(), batch, lo.data(), hi.data(), excess.data());
+        }
+        return nb::make_tuple(to_numpy(std::move(r.rows)), to_numpy(std::move(r.positions)));
+      },
+      "table"_a, "req_ids"_a, "lo"_a, "hi"_a, "excess"_a,
+      "An id-scored policy's decision from the table's liveness (cpp/core/select.h): (batch rows, "
+      "positions) of the victims.");
+
   nb::class_<Plan>(m, "Plan")
       .def_ro("req_id", &Plan::req_id)
       .def_ro("dense", &Plan::dense)

@@ -159,6 +159,31 @@ Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t b
   return out;
 }
 
+Selection lowest_live_ids(const TokenTable& table, const int64_t* req_ids, int64_t batch, const int64_t* lo,
+                          const int64_t* hi, const int64_t* excess) {
+  Selection out;
+  const int64_t tpb = table.tokens_per_block();
+  for (int64_t i = 0; i < batch; ++i) {
+    const Sequence& s = table.seq(req_ids[i]);
+    const int64_t low = std::max<int64_t>(lo[i], 0), high = hi[i];
+    int64_t want = excess[i];
+    for (int64_t id = low; id < std::min(high, s.num_tokens) && want > 0; ++id) {
+      if (!s.live[id]) continue;
+      const int64_t slot = s.slot_of[id];
+      out.rows.push_back(i);
+      out.positions.push_back(s.block_index.find(slot / tpb) * tpb + slot % tpb);
+      --want;
+    }
+    // Ids from num_tokens on are this step's new tokens: in the step's layout already, not yet in
+    // the table, live, at the positions right after its kv_len.
+    for (int64_t id = std::max(low, s.num_tokens); id < high && want > 0; ++id, --want) {
+      out.rows.push_back(i);
+      out.positions.push_back(s.kv_len + (id - s.num_tokens));
+    }
+  }
+  return out;
+}
+
 template Selection select_lowest<float>(const SlotLayout&, const int64_t*, int64_t, const int64_t*, const int64_t*,
                                         const int64_t*, const int64_t*, double*, const float*, int64_t);
 template Selection select_lowest<double>(const SlotLayout&, const int64_t*, int64_t, const int64_t*, const int64_t*,

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "token_table.h"
+
 namespace vtoken {
 
 struct SlotLayout {
@@ -34,5 +36,17 @@ template <typename Mass>
 Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t batch, const int64_t* kv_len,
                         const int64_t* lo, const int64_t* hi, const int64_t* excess, double* stat,
                         const Mass* mass, int64_t mass_stride);
+
+// The id-scored decision (StreamingLLM, sliding window: the key is the logical id) from the token
+// table's own liveness instead of the slot layout: for request req_ids[i], the excess[i] lowest
+// live ids in [lo[i], hi[i]) (all of them when there are fewer), ascending, as (batch index,
+// physical position) pairs. The same victims as select_lowest with no statistic, in time
+// proportional to the ids walked past (the dead ones below the victims), not to the row's length.
+// Called between the step's registration of its new tokens and the table's step: ids from the
+// table's num_tokens up to hi are those new tokens, live, right after the table's kv_len (a row
+// holding a shared block, where they would start a fresh block, is never decided natively).
+// Throws UnknownRequest for an unknown request.
+Selection lowest_live_ids(const TokenTable& table, const int64_t* req_ids, int64_t batch, const int64_t* lo,
+                          const int64_t* hi, const int64_t* excess);
 
 }  // namespace vtoken

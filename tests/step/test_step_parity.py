@@ -102,3 +102,33 @@ def test_bad_input_changes_nothing():
         assert (step.table_digest(), step.kv_len(0)) == (before[0], before[2])
         assert np.array_equal(step.slots.tokens, before[1])
     step.run(StepInput([0], [1], [0, 0], [], mass=np.ones((1, 7))))  # still usable
+
+
+@pytest.mark.parametrize("compaction", ["dense", "lazy"])
+def test_id_scored_victims_from_the_table_include_this_steps_new_tokens(compaction):
+    """StreamingLLM and sliding window decide from the C++ table's liveness (``lowest_live_ids``),
+    which does not hold the step's new tokens yet: with no recent window left (budget = sinks, a
+    window of 0) the newest tokens are candidates too, at the positions after the table's
+    length. Both cores evict the same ids, step after step, prefill included."""
+    from trtllm_vtoken.policies import make_policy
+    from trtllm_vtoken.step import StepInput
+
+    hosts = [Host(64, 4), Host(64, 4)]
+    policies = [[make_policy("streaming_llm", 3, n_sink=3), make_policy("sliding_window", 2)] for _ in hosts]
+    steps_ = [make_step(h, impl, compaction, policy=None) for h, impl in zip(hosts, ("python", "cpp"))]
+    for step, (sink, window) in zip(steps_, policies):
+        step.add_request(0, sink), step.add_request(1, window)
+    evicted = []
+    for n in (9, 1, 2, 1, 5, 1):  # prompts, then decode and a few multi-token steps
+        outs = []
+        for step, host in zip(steps_, hosts):
+            need = [-(-(step.kv_len(r) + n) // 4) - step.num_blocks(r) for r in (0, 1)]
+            blocks = [host.allocate(max(k, 0)) for k in need]
+            outs.append(step.run(StepInput([0, 1], [n, n], np.cumsum([0] + [len(b) for b in blocks]),
+                                           [b for bl in blocks for b in bl])))
+            host.release(outs[-1].table.freed)
+        outputs_equal(*outs)
+        tables_equal(*steps_)
+        evicted.append([outs[1].victims_of(0), outs[1].victims_of(1)])
+    assert evicted[0] == [[3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5, 6]]  # the prompt beyond the sinks / window
+    assert evicted[1] == [[9], [7]]  # the newest token itself goes: no recent window is left

@@ -39,10 +39,11 @@ class BatchDecision:
         stats: Where the time spent in a mass function (simulated attention) is counted apart.
     """
 
-    def __init__(self, slots: SlotMap, policies: list[EvictionPolicy], tokens_per_block: int, native: bool,
+    def __init__(self, slots: SlotMap, policies: list[EvictionPolicy], tokens_per_block: int, native_table: Any,
                  reduce_mass: Callable[[np.ndarray], np.ndarray] | None, stats: StepStats) -> None:
         self.slots, self.policies, self.tokens_per_block = slots, policies, tokens_per_block
-        self.native, self.reduce_mass, self.stats = native, reduce_mass, stats
+        self.native_table = native_table
+        self.native, self.reduce_mass, self.stats = native_table is not None, reduce_mass, stats
 
     def victims(self, req_ids: np.ndarray, rows: np.ndarray, mass: Any,
                 shared: Collection[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -103,7 +104,7 @@ class BatchDecision:
             if policy_index in native:
                 whole = len(group) == len(rows)  # the usual case: no copy of the batch's mass
                 victim_rows, positions = self.select_native(
-                    policy, rows if whole else rows[group],
+                    policy, req_ids if whole else req_ids[group], rows if whole else rows[group],
                     None if mass_rows is None else mass_rows if whole else mass_rows[group])
             else:
                 group_blocks = blocks[group]
@@ -133,11 +134,14 @@ class BatchDecision:
             return False
         return not policy.observes_attention() or policy.observe_adds_mass
 
-    def select_native(self, policy: ScorePolicy, rows: np.ndarray,
-                       mass: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    def select_native(self, policy: ScorePolicy, req_ids: np.ndarray, rows: np.ndarray,
+                      mass: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         slots = self.slots
         num_tokens, num_live = slots.num_tokens[rows], slots.num_live[rows]
         excess, lo, hi = policy.candidate_bounds(num_tokens, num_live)
+        if policy.scores_are_ids and not policy.observes_attention():
+            # The lowest live ids: walked in the table's liveness, not scanned over every slot.
+            return load_native().lowest_live_ids(self.native_table, req_ids, lo, hi, excess)
         stat = slots.stats[policy.score_stat] if policy.score_stat else None
         add = mass if policy.observe_adds_mass else None
         return load_native().select_lowest(slots.tokens, slots.block_table, self.tokens_per_block, rows,

@@ -86,8 +86,8 @@ class DecodeStep:
         self.checks = StepChecks(self) if config.check_invariants else None
         self.background = BackgroundCompaction(self) if config.background else None
         self._policies: list[EvictionPolicy] = []
-        self.decision = BatchDecision(self.slots, self._policies, tokens_per_block, self.impl == "cpp",
-                                      reduce_mass, self.stats)
+        self.decision = BatchDecision(self.slots, self._policies, tokens_per_block,
+                                      self.core.table if self.impl == "cpp" else None, reduce_mass, self.stats)
         self._policy_of: dict[int, int] = {}  # request -> index into _policies (absent: never evicts)
         self._pushed_shared: frozenset[int] = frozenset()
         self._broken: str | None = None
