@@ -26,7 +26,8 @@ In a workload of many lengths and budgets a request is at a boundary on about on
     indirection-only    vToken's step with nothing evicted (StreamingLLM at a 1.0 ratio)
     vtoken              dense and lazy, H2O and StreamingLLM; dense H2O also at a block boundary
 
-Each row runs with the C++ core and with the Python core (``step_impl``). Rows are repeated in
+The attention mass arrives as float32 [batch, length], as attention kernels return it. Each row
+runs with the C++ core and with the Python core (``step_impl``). Rows are repeated in
 alternating order; a row's value is the median step of its median run, with the runs' range.
 """
 
@@ -121,7 +122,8 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
     from trtllm_vtoken.runtime.sampling import SamplingParams
     from trtllm_vtoken.runtime.simulated import MODEL_SHAPES, SimulatedModel, SyntheticAttention
 
-    engine = Engine(SimulatedModel(MODEL_SHAPES["llama-3.1-8b"], SyntheticAttention(cfg.seed)),
+    # float32 mass, as attention kernels hand it to a host
+    engine = Engine(SimulatedModel(MODEL_SHAPES["llama-3.1-8b"], SyntheticAttention(cfg.seed), np.float32),
                     cfg.engine_config(batch, row))
     params = SamplingParams(max_tokens=cfg.warmup + cfg.steps + 2, ignore_eos=True)
     for i in range(batch):  # lengths staggered by up to a block: requests cross blocks on different steps

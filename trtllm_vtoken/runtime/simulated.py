@@ -88,11 +88,15 @@ class SimulatedModel(torch.nn.Module):
 
     simulated = True
 
-    def __init__(self, shape: ModelShape, attention: SyntheticAttention | None = None) -> None:
+    def __init__(self, shape: ModelShape, attention: SyntheticAttention | None = None,
+                 mass_dtype: type = np.float64) -> None:
+        """``mass_dtype``: what the batch's mass arrives as; float32 is what attention kernels
+        (and the TensorRT-LLM adapter's recorded queries) return."""
         super().__init__()
         self.shape = shape
         self.config = shape.as_llama_config()
         self.attention = attention or SyntheticAttention()
+        self.mass_dtype = mass_dtype
 
     def batch_mass(self, req_ids: list[int], num_queries: list[int]):
         """The step's ``Mass`` function for a batch: attention per physical position of the
@@ -103,7 +107,7 @@ class SimulatedModel(torch.nn.Module):
         which a real forward does not do on the host) as its own."""
 
         def mass(tokens: np.ndarray) -> np.ndarray:
-            out = np.zeros(tokens.shape)
+            out = np.zeros(tokens.shape, dtype=self.mass_dtype)
             num_tokens = tokens.max(axis=1) + 1
             for i, req_id in enumerate(req_ids):
                 live = np.flatnonzero(tokens[i] >= 0)
