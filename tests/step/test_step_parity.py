@@ -27,6 +27,14 @@ def outputs_equal(a, b) -> None:
 
 def tables_equal(a, b) -> None:
     assert a.request_ids() == b.request_ids()
+    # The batch layouts too: the C++ core updates it in one call each side of its step
+    # (cpp/core/slots.h), the Python core through SlotMap's own methods.
+    for name in ("tokens", "block_table", "num_blocks_of", "kv_len", "num_tokens", "num_live"):
+        assert np.array_equal(getattr(a.slots, name), getattr(b.slots, name)), name
+    assert a.slots.stats.keys() == b.slots.stats.keys()
+    held = a.slots.tokens >= 0  # statistics of slots without a live token are never read
+    for name in a.slots.stats:
+        assert np.array_equal(a.slots.stats[name][held], b.slots.stats[name][held]), name
     for req in a.request_ids():
         sa, sb = a.core.sequence(req), b.core.sequence(req)
         nb = len(sa.block_ids) * a.tokens_per_block

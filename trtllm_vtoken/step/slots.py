@@ -20,6 +20,7 @@ released blocks leave the rows. Every slot that does not hold a live token holds
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -29,10 +30,13 @@ NO_TOKEN = -1
 class SlotMap:
     """Batch-layout state of one step over a pool of ``num_blocks`` blocks."""
 
-    def __init__(self, num_blocks: int, tokens_per_block: int) -> None:
+    def __init__(self, num_blocks: int, tokens_per_block: int, native: Any = None) -> None:
+        """``native``: the C++ core's module, which then applies ``add_tokens`` and ``apply_step``
+        in one call each (``cpp/core/slots.h``, the same effects as the methods they combine)."""
         if num_blocks <= 0 or tokens_per_block <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and tokens_per_block ({tokens_per_block}) must be positive")
         self.num_blocks, self.tokens_per_block = num_blocks, tokens_per_block
+        self.native = native
         self.scratch = num_blocks
         self.tokens = np.full((num_blocks + 1) * tokens_per_block, NO_TOKEN, dtype=np.int32)
         self.stats: dict[str, np.ndarray] = {}
@@ -88,6 +92,32 @@ class SlotMap:
             raise KeyError(f"unknown request {err.args[0]}") from None
 
     # ---- the step's updates -----------------------------------------------------------------------
+    def add_tokens(self, rows: np.ndarray, offsets: np.ndarray, blocks: np.ndarray, num_new: np.ndarray) -> np.ndarray:
+        """``append_blocks`` then ``register``: the batch's new blocks and tokens. Returns the new
+        tokens' slots (row by row)."""
+        if self.native is None:
+            self.append_blocks(rows, offsets, blocks)
+            return self.register(rows, num_new)
+        if len(blocks):
+            needed = int((self.num_blocks_of[rows] + (offsets[1:] - offsets[:-1])).max())
+            if needed > self.block_table.shape[1]:
+                self._grow_columns(needed)
+        return self.native.slots_register(*self._arrays(), rows, offsets, blocks, num_new)
+
+    def apply_step(self, victim_rows: np.ndarray, victim_slots: np.ndarray, move_src: np.ndarray,
+                   move_dst: np.ndarray, rows: np.ndarray, req_ids: np.ndarray, kv_lens: np.ndarray,
+                   freed_offsets: np.ndarray, tail_only: bool, table: Any) -> None:
+        """``evict``, ``move`` and ``set_rows`` after the table's step; a row that released a block
+        in the middle is rebuilt from ``table``'s block list of its request."""
+        if self.native is None:
+            self.evict(victim_rows, victim_slots)
+            self.move(move_src, move_dst)
+            self.set_rows(rows, kv_lens, lambda i: table.block_ids(int(req_ids[i])), np.diff(freed_offsets),
+                          tail_only)
+            return
+        self.native.slots_apply_step(*self._arrays(), victim_rows, victim_slots, move_src, move_dst, rows, req_ids,
+                                     kv_lens, freed_offsets, tail_only, table)
+
     def append_blocks(self, rows: np.ndarray, offsets: np.ndarray, blocks: np.ndarray) -> None:
         """Appends CSR ``blocks`` (request i: blocks[offsets[i]:offsets[i + 1]]) to the rows."""
         counts = np.diff(offsets)
@@ -185,6 +215,11 @@ class SlotMap:
         values.reshape(-1, tpb)[blocks] = batch.reshape(*blocks.shape, tpb)
 
     # ---- private -------------------------------------------------------------------------------
+    def _arrays(self) -> tuple:
+        """The layout's arrays as the C++ updates take them."""
+        return (self.tokens, self.block_table, self.tokens_per_block, self.num_blocks_of, self.kv_len,
+                self.num_tokens, self.num_live, list(self.stats.values()))
+
     def _grow_rows(self, capacity: int) -> None:
         extra = capacity - len(self.kv_len)
         self.block_table = np.vstack([self.block_table,

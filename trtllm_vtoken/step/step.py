@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from trtllm_vtoken.core.native import load as load_native
 from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.reclaim.copy import CopyExecutor
 from trtllm_vtoken.reclaim.rerotate import KeyRerotation
@@ -79,7 +80,7 @@ class DecodeStep:
         self.shared_blocks = shared_blocks or (lambda: ())
         self.core: TableCore = make_core(config.impl, tokens_per_block, self.is_shared)
         self.impl = self.core.impl
-        self.slots = SlotMap(num_blocks, tokens_per_block)
+        self.slots = SlotMap(num_blocks, tokens_per_block, load_native() if self.impl == "cpp" else None)
         self.executor = executor
         self.policy = policy
         self.stats = StepStats()
@@ -192,8 +193,7 @@ class DecodeStep:
         self._push_shared()
         length = self.slots.kv_len[rows] + num_new
         background = self.background
-        self.slots.append_blocks(rows, block_offsets, new_blocks)
-        new_slots = self.slots.register(rows, num_new)
+        new_slots = self.slots.add_tokens(rows, block_offsets, new_blocks, num_new)
         t1, mass_seconds = clock(), self.stats.mass_seconds
         try:
             victim_index, victim_pos = self.decision.victims(req_ids, rows, inp.mass, self.shared_blocks())
@@ -223,8 +223,8 @@ class DecodeStep:
             self._broken = f"the token table refused a step: {exc}"
             raise RuntimeError(self._broken) from exc
         t4 = clock()
-        self.slots.evict(victim_rows, victim_slots)
         if background is not None:
+            self.slots.evict(victim_rows, victim_slots)
             # Plans whose copies finished commit now, after this iteration's mass was credited to
             # the layout the forward read; the new plans' copies start, to commit at a later step.
             self.slots.kv_len[rows] = result.kv_lens
@@ -235,10 +235,10 @@ class DecodeStep:
             result = committed  # what this step committed
             freed_counts = np.diff(result.freed_offsets)
         else:
-            self.slots.move(result.move_src, result.move_dst)
+            self.slots.apply_step(victim_rows, victim_slots, result.move_src, result.move_dst, rows, req_ids,
+                                  result.kv_lens, result.freed_offsets, self.config.compaction == "dense",
+                                  self.core.table)
             freed_counts = np.diff(result.freed_offsets)
-            self.slots.set_rows(rows, result.kv_lens, lambda i: self.core.block_ids(int(req_ids[i])), freed_counts,
-                                tail_only=self.config.compaction == "dense")
             t5 = clock()
             copied = len(result.move_src)
             handle = None

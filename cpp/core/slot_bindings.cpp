@@ -1,0 +1,114 @@
+// SPDX-License-Identifier: Apache-2.0
+// Python bindings of the step's batch-layout updates (slots.h): the arrays are the SlotMap's own
+// numpy buffers, written in place.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/vector.h>
+
+#include "slots.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using Ids = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Counters = nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Tokens = nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using BlockTable = nb::ndarray<int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Stat = nb::ndarray<nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+nb::ndarray<nb::numpy, int64_t, nb::ndim<1>> to_numpy(std::vector<int64_t>&& values) {
+  auto* owner = new std::vector<int64_t>(std::move(values));
+  nb::capsule free_when_done(owner, [](void* p) noexcept { delete static_cast<std::vector<int64_t>*>(p); });
+  return nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>(owner->data(), {owner->size()}, free_when_done);
+}
+
+// The layout's arrays, checked against each other once per call.
+vtoken::SlotArrays arrays(Tokens tokens, BlockTable block_table, int64_t tokens_per_block, Counters num_blocks_of,
+                          Counters kv_len, Counters num_tokens, Counters num_live, const std::vector<Stat>& stats) {
+  const size_t rows = block_table.shape(0);
+  for (const Counters* c : {&num_blocks_of, &kv_len, &num_tokens, &num_live}) {
+    if (c->shape(0) != rows) throw std::invalid_argument("slots: every counter needs one entry per block-table row");
+  }
+  if (tokens_per_block <= 0 || tokens.shape(0) % tokens_per_block != 0) {
+    throw std::invalid_argument("slots: tokens must hold whole blocks of tokens_per_block slots");
+  }
+  vtoken::SlotArrays a{tokens.data(), block_table.data(), static_cast<int64_t>(block_table.shape(1)), tokens_per_block,
+                       static_cast<int32_t>(tokens.shape(0) / tokens_per_block - 1), num_blocks_of.data(), kv_len.data(),
+                       num_tokens.data(), num_live.data(), {}};
+  for (const Stat& s : stats) {
+    if (s.shape(0) != tokens.shape(0)) throw std::invalid_argument("slots: a statistic needs one entry per slot");
+    a.stats.push_back({static_cast<uint8_t*>(s.data()), static_cast<int64_t>(s.itemsize())});
+  }
+  return a;
+}
+
+void check_batch(const Ids& rows, size_t rows_in_table, size_t batch, const char* what) {
+  if (rows.shape(0) != batch) throw std::invalid_argument(std::string("slots: ") + what + " needs one entry per request");
+  for (size_t i = 0; i < batch; ++i) {
+    if (rows.data()[i] < 0 || static_cast<size_t>(rows.data()[i]) >= rows_in_table) {
+      throw std::invalid_argument("slots: row " + std::to_string(rows.data()[i]) + " is outside the block table");
+    }
+  }
+}
+
+}  // namespace
+
+void bind_slots(nb::module_& m) {
+  m.def(
+      "slots_register",
+      [](Tokens tokens, BlockTable block_table, int64_t tpb, Counters num_blocks_of, Counters kv_len,
+         Counters num_tokens, Counters num_live, const std::vector<Stat>& stats, Ids rows, Ids offsets, Ids blocks,
+         Ids num_new) {
+        vtoken::SlotArrays a = arrays(tokens, block_table, tpb, num_blocks_of, kv_len, num_tokens, num_live, stats);
+        const size_t batch = rows.shape(0);
+        check_batch(rows, block_table.shape(0), batch, "rows");
+        if (offsets.shape(0) != batch + 1 || num_new.shape(0) != batch ||
+            offsets.data()[batch] != static_cast<int64_t>(blocks.shape(0))) {
+          throw std::invalid_argument("slots_register: offsets need one entry more than rows, num_new one per row");
+        }
+        for (size_t i = 0; i < batch; ++i) {
+          const int64_t row = rows.data()[i], held = num_blocks_of.data()[row] + offsets.data()[i + 1] - offsets.data()[i];
+          if (held > a.block_stride || kv_len.data()[row] + num_new.data()[i] > held * tpb) {
+            throw std::invalid_argument("slots_register: row " + std::to_string(row) + "'s new blocks or tokens do not fit");
+          }
+        }
+        return to_numpy(vtoken::register_new(a, rows.data(), static_cast<int64_t>(batch), offsets.data(),
+                                             blocks.data(), num_new.data()));
+      },
+      "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a, "num_tokens"_a,
+      "num_live"_a, "stats"_a, "rows"_a, "offsets"_a, "blocks"_a, "num_new"_a,
+      "SlotMap.append_blocks + register in one call (cpp/core/slots.h): the new tokens' slots.");
+  m.def(
+      "slots_apply_step",
+      [](Tokens tokens, BlockTable block_table, int64_t tpb, Counters num_blocks_of, Counters kv_len,
+         Counters num_tokens, Counters num_live, const std::vector<Stat>& stats, Ids victim_rows, Ids victim_slots,
+         Ids move_src, Ids move_dst, Ids rows, Ids req_ids, Ids kv_lens, Ids freed_offsets, bool tail_only,
+         const vtoken::TokenTable& table) {
+        vtoken::SlotArrays a = arrays(tokens, block_table, tpb, num_blocks_of, kv_len, num_tokens, num_live, stats);
+        const size_t batch = rows.shape(0), slots = tokens.shape(0);
+        check_batch(rows, block_table.shape(0), batch, "rows");
+        check_batch(victim_rows, block_table.shape(0), victim_slots.shape(0), "victim_rows");
+        if (req_ids.shape(0) != batch || kv_lens.shape(0) != batch || freed_offsets.shape(0) != batch + 1 ||
+            move_src.shape(0) != move_dst.shape(0)) {
+          throw std::invalid_argument("slots_apply_step: req_ids and kv_lens need one entry per row, freed_offsets "
+                                      "one more, moves a destination per source");
+        }
+        for (const Ids* s : {&victim_slots, &move_src, &move_dst}) {
+          for (size_t k = 0; k < s->shape(0); ++k) {
+            if (s->data()[k] < 0 || static_cast<size_t>(s->data()[k]) >= slots) {
+              throw std::invalid_argument("slots_apply_step: slot " + std::to_string(s->data()[k]) + " is outside the layout");
+            }
+          }
+        }
+        vtoken::apply_step(a, victim_rows.data(), victim_slots.data(), static_cast<int64_t>(victim_slots.shape(0)),
+                           move_src.data(), move_dst.data(), static_cast<int64_t>(move_src.shape(0)), rows.data(),
+                           req_ids.data(), static_cast<int64_t>(batch), kv_lens.data(), freed_offsets.data(), tail_only,
+                           table);
+      },
+      "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a, "num_tokens"_a,
+      "num_live"_a, "stats"_a, "victim_rows"_a, "victim_slots"_a, "move_src"_a, "move_dst"_a, "rows"_a, "req_ids"_a,
+      "kv_lens"_a, "freed_offsets"_a, "tail_only"_a, "table"_a,
+      "SlotMap.evict + move + set_rows after the table's step, in one call (cpp/core/slots.h).");
+}

@@ -1,0 +1,66 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "slots.h"
+
+#include <cstring>
+
+namespace vtoken {
+
+std::vector<int64_t> register_new(SlotArrays& a, const int64_t* rows, int64_t batch, const int64_t* offsets,
+                                  const int64_t* blocks, const int64_t* num_new) {
+  const int64_t tpb = a.tokens_per_block;
+  std::vector<int64_t> slots;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t row = rows[i];
+    int32_t* table = a.block_table + row * a.block_stride;
+    for (int64_t k = offsets[i]; k < offsets[i + 1]; ++k) table[a.num_blocks_of[row]++] = static_cast<int32_t>(blocks[k]);
+    const int64_t start = a.kv_len[row], first_id = a.num_tokens[row];
+    for (int64_t k = 0; k < num_new[i]; ++k) {
+      const int64_t position = start + k;
+      const int64_t slot = static_cast<int64_t>(table[position / tpb]) * tpb + position % tpb;
+      a.tokens[slot] = static_cast<int32_t>(first_id + k);
+      for (const SlotStat& stat : a.stats) std::memset(stat.data + slot * stat.item_size, 0, stat.item_size);
+      slots.push_back(slot);
+    }
+    a.kv_len[row] += num_new[i];
+    a.num_tokens[row] += num_new[i];
+    a.num_live[row] += num_new[i];
+  }
+  return slots;
+}
+
+void apply_step(SlotArrays& a, const int64_t* victim_rows, const int64_t* victim_slots, int64_t num_victims,
+                const int64_t* move_src, const int64_t* move_dst, int64_t num_moves, const int64_t* rows,
+                const int64_t* req_ids, int64_t batch, const int64_t* kv_lens, const int64_t* freed_offsets,
+                bool tail_only, const TokenTable& table) {
+  for (int64_t k = 0; k < num_victims; ++k) {
+    a.tokens[victim_slots[k]] = kNoToken;
+    --a.num_live[victim_rows[k]];
+  }
+  // Sources and destinations are disjoint: moving one by one reads what a gather would.
+  for (int64_t k = 0; k < num_moves; ++k) {
+    a.tokens[move_dst[k]] = a.tokens[move_src[k]];
+    for (const SlotStat& stat : a.stats) {
+      std::memcpy(stat.data + move_dst[k] * stat.item_size, stat.data + move_src[k] * stat.item_size, stat.item_size);
+    }
+  }
+  for (int64_t k = 0; k < num_moves; ++k) a.tokens[move_src[k]] = kNoToken;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t row = rows[i], released = freed_offsets[i + 1] - freed_offsets[i];
+    a.kv_len[row] = kv_lens[i];
+    if (released == 0) continue;
+    int32_t* columns = a.block_table + row * a.block_stride;
+    if (tail_only) {
+      const int64_t kept = a.num_blocks_of[row] - released;
+      for (int64_t c = kept; c < a.num_blocks_of[row]; ++c) columns[c] = a.scratch;
+      a.num_blocks_of[row] = kept;
+      continue;
+    }
+    const std::vector<int64_t>& listed = table.seq(req_ids[i]).block_ids;
+    for (int64_t c = 0; c < a.block_stride; ++c) {
+      columns[c] = c < static_cast<int64_t>(listed.size()) ? static_cast<int32_t>(listed[c]) : a.scratch;
+    }
+    a.num_blocks_of[row] = static_cast<int64_t>(listed.size());
+  }
+}
+
+}  // namespace vtoken
