@@ -16,6 +16,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "batch.h"
+#include "owned_ids.h"
 #include "select.h"
 #include "token_table.h"
 
@@ -25,16 +26,10 @@ using vtoken::Plan;
 using vtoken::TokenTable;
 
 using Ids = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using OwnedIds = nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>;
+using vtoken::OwnedIds;
+using vtoken::to_numpy;
 
 namespace {
-
-// A numpy array that owns the vector's buffer (no copy).
-OwnedIds to_numpy(std::vector<int64_t>&& values) {
-  auto* owner = new std::vector<int64_t>(std::move(values));
-  nb::capsule free_when_done(owner, [](void* p) noexcept { delete static_cast<std::vector<int64_t>*>(p); });
-  return OwnedIds(owner->data(), {owner->size()}, free_when_done);
-}
 
 // operator.index(value), then the int64 range (arguments.as_int).
 int64_t as_int(nb::handle value) {

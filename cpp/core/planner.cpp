@@ -177,11 +177,16 @@ void TokenTable::check_lazy_commit(const Plan& plan) const {
       if (plan.src_slots[i] / tpb_ == plan.blocks_to_free[k] && s.live[t]) ++leaving[k];
     }
   }
+  // release_blocks' own refusals, in its words (core/table_checks.py check_release), as they would
+  // stand once the moves are applied.
+  auto refuse = [req_id](const std::string& what) {
+    throw std::invalid_argument("request " + std::to_string(req_id) + ": " + what);
+  };
   for (size_t k = 0; k < plan.blocks_to_free.size(); ++k) {
     const int64_t b = plan.blocks_to_free[k], index = s.block_index.find(b);
-    if (index == FlatIndex::kAbsent || is_shared(b) || s.live_per_block[index] != leaving[k]) {
-      fail_plan(req_id, "block " + std::to_string(b) + " can no longer be released");
-    }
+    if (index == FlatIndex::kAbsent) refuse("block " + std::to_string(b) + " is not one of its blocks");
+    if (is_shared(b)) refuse("cannot release shared block " + std::to_string(b));
+    if (s.live_per_block[index] != leaving[k]) refuse("block " + std::to_string(b) + " still holds live tokens");
   }
 }
 

@@ -5,6 +5,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/vector.h>
 
+#include "owned_ids.h"
 #include "slots.h"
 
 namespace nb = nanobind;
@@ -17,12 +18,6 @@ using Counters = nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu
 using Tokens = nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using BlockTable = nb::ndarray<int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Stat = nb::ndarray<nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-
-nb::ndarray<nb::numpy, int64_t, nb::ndim<1>> to_numpy(std::vector<int64_t>&& values) {
-  auto* owner = new std::vector<int64_t>(std::move(values));
-  nb::capsule free_when_done(owner, [](void* p) noexcept { delete static_cast<std::vector<int64_t>*>(p); });
-  return nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>(owner->data(), {owner->size()}, free_when_done);
-}
 
 // The layout's arrays, checked against each other once per call.
 vtoken::SlotArrays arrays(Tokens tokens, BlockTable block_table, int64_t tokens_per_block, Counters num_blocks_of,
@@ -74,7 +69,7 @@ void bind_slots(nb::module_& m) {
             throw std::invalid_argument("slots_register: row " + std::to_string(row) + "'s new blocks or tokens do not fit");
           }
         }
-        return to_numpy(vtoken::register_new(a, rows.data(), static_cast<int64_t>(batch), offsets.data(),
+        return vtoken::to_numpy(vtoken::register_new(a, rows.data(), static_cast<int64_t>(batch), offsets.data(),
                                              blocks.data(), num_new.data()));
       },
       "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a, "num_tokens"_a,

@@ -265,3 +265,19 @@ def test_a_lazy_plan_commits_after_changes_while_its_sources_hold():
     outcome = pair.both(lambda: py_commit(pair.py, py_plan), lambda: pair.cpp.commit(cpp_plan))
     assert outcome[0] == "ValueError" and "no longer at its planned source" in outcome[1]
     pair.check()
+
+
+def test_a_lazy_plan_without_moves_is_refused_alike_the_second_time():
+    """A block whose tokens all died is released by a lazy plan that moves nothing; committing it
+    again reaches the release check itself, which both cores word as release_blocks does (the
+    random sequences above found the C++ core's words differing here)."""
+    pair = Pair(2)
+    pair.both(lambda: pair.py.add_request(0), lambda: pair.cpp.add_request(0))
+    pair.both(lambda: pair.py.sync_new_tokens(0, [0], 2).start, lambda: pair.cpp.sync_new_tokens(0, [0], 2))
+    pair.both(lambda: pair.py.evict_tokens(0, [0, 1]), lambda: pair.cpp.evict_tokens(0, [0, 1]))
+    plan = plan_lazy(pair.py, 0)
+    assert plan is not None and plan.token_ids == () and plan.blocks_to_free == (0,)
+    plan_and_commit(pair, 0, "lazy")  # commits, then both refuse the same plan again alike
+    pair.check()
+    cpp_plan = pair.cpp.plan_lazy(0)
+    assert cpp_plan is None and plan_lazy(pair.py, 0) is None
