@@ -3,7 +3,9 @@
 for its rows at once, from the step's slot layout.
 
     rows of policy p  --+-- p's score lives in the slot layout and the C++ core is built:
-                        |     one native pass over the slots (``cpp/core/select.h``)
+                        |     H2O: one native pass over the slots (``cpp/core/select.h``);
+                        |     id-scored (StreamingLLM, sliding window): the lowest live ids,
+                        |     walked in the C++ table's liveness
                         +-- otherwise, or rows holding a shared (protected) block:
                               BatchView [rows, positions] -> p.observe_batch -> p.select_batch
 
@@ -33,7 +35,8 @@ class BatchDecision:
 
     Args:
         policies: The step's policies, indexed as ``SlotMap.policy`` (shared with the step).
-        native: Whether the C++ core is there to decide for score policies in one pass.
+        native_table: The C++ core's token table when the C++ core serves the step (None: the
+            Python core): score policies then decide natively, id-scored ones from its liveness.
         reduce_mass: Applied to the batch's mass before any policy sees it (tensor / pipeline
             parallelism sums it over the ranks).
         stats: Where the time spent in a mass function (simulated attention) is counted apart.
