@@ -43,10 +43,14 @@ from trtllm_vtoken.runtime.block_lists import BlockLists
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.engine_step import make_step
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
-from trtllm_vtoken.runtime.kv_stats import KVStats, KVUsage
+from trtllm_vtoken.runtime.kv_stats import EvictionCounter, KVStats, KVUsage
 from trtllm_vtoken.runtime.model import LlamaConfig
 from trtllm_vtoken.runtime.prefix_caching import PrefixCaching
 from trtllm_vtoken.step import DecodeStep, StepInput, StepOutput, StepStats
+
+
+NOTHING_PENDING: tuple[list[int], int] = ([], 0)
+"""No cached prefix waiting to join a request's layout (read only: never extended in place)."""
 
 
 class KVCacheManager:
@@ -75,8 +79,6 @@ class KVCacheManager:
         self.spec: PolicySpec | None = None if config.variant == "native" else config.policy_spec()
         """The engine's own policy (requests that set no eviction of their own run with it)."""
         self._policies: dict[PolicySpec, EvictionPolicy] = {}
-        self._name_of: dict[int, str] = {}  # request -> its policy's name ("native": none)
-        self._running_names: dict[str, int] = {}  # policy name -> requests admitted with it
         if config.variant == "native":
             self.lists = BlockLists(tpb)
         else:
@@ -96,6 +98,7 @@ class KVCacheManager:
             config.variant, config.mode, config.fragmentation_threshold, config.evacuation_headroom),
             reclaimable=(lambda: self.prefix.cache.num_reclaimable) if self.prefix else None)
         self.stats = KVStats()
+        self.evictions = EvictionCounter(self.stats)
         self._staged: dict[int, tuple[list[int], int]] = {}  # req -> (new blocks, new tokens)
         self._pending: dict[int, tuple[list[int], int]] = {}
         """req -> (blocks, tokens) of its cached prefix, taken at admission; they join the layout
@@ -170,8 +173,7 @@ class KVCacheManager:
             self.needs_attention = self.needs_attention or (policy is not None and policy.observes_attention())
         else:
             self.lists.add_request(req_id)
-        name = self._name_of[req_id] = "native" if spec is None else spec.name
-        self._running_names[name] = self._running_names.get(name, 0) + 1
+        self.evictions.admit(req_id, "native" if spec is None else spec.name)
         if self.prefix is None:
             return 0
         blocks = self.prefix.begin(req_id, token_ids, relocating)
@@ -209,19 +211,13 @@ class KVCacheManager:
     def _written(self, req_id: int) -> tuple[list[int], int]:
         """The request's blocks and the length of its KV written so far: the layout's, plus a
         cached prefix that has not joined it yet."""
-        blocks, length = self.layout.block_ids(req_id), self.layout.kv_len(req_id)
-        if req_id in self._pending:
-            cached_blocks, cached = self._pending[req_id]
-            return blocks + cached_blocks, length + cached
-        return blocks, length
+        cached_blocks, cached = self._pending.get(req_id, NOTHING_PENDING)
+        return self.layout.block_ids(req_id) + cached_blocks, self.layout.kv_len(req_id) + cached
 
     def _written_counts(self, req_id: int) -> tuple[int, int]:
         """``_written`` as counts: (blocks held, length written), without copying a block list."""
-        layout = self.layout
-        if req_id in self._pending:
-            cached_blocks, cached = self._pending[req_id]
-            return layout.num_blocks(req_id) + len(cached_blocks), layout.kv_len(req_id) + cached
-        return layout.num_blocks(req_id), layout.kv_len(req_id)
+        cached_blocks, cached = self._pending.get(req_id, NOTHING_PENDING)
+        return self.layout.num_blocks(req_id) + len(cached_blocks), self.layout.kv_len(req_id) + cached
 
     def unreserve(self, req_id: int) -> None:
         """Gives back blocks ``reserve`` allocated that were never committed."""
@@ -283,17 +279,15 @@ class KVCacheManager:
                                       mass=mass if self.needs_attention else None, pressure=pressure,
                                       stream=torch.cuda.current_stream() if on_cuda else None))
         self._free(out.table.freed.tolist())
-        self._count_evictions(out)
+        self.evictions.count(out.req_ids, out.victim_offsets)
         return out
 
     def _take_staged(self, req_id: int) -> tuple[list[int], int]:
         """The request's blocks and tokens that join its layout this step: what ``reserve``
         staged, after its cached prefix the first time (it joins as written tokens)."""
         fresh, num_new = self._staged.pop(req_id)
-        if self._pending and req_id in self._pending:
-            cached_blocks, cached = self._pending.pop(req_id)
-            return cached_blocks + fresh, cached + num_new
-        return fresh, num_new
+        cached_blocks, cached = self._pending.pop(req_id, NOTHING_PENDING)
+        return cached_blocks + fresh, cached + num_new
 
     def store_written(self, req_ids: list[int], token_ids: Callable[[int], list[int]]) -> None:
         """Prefix caching, after ``step_batch``: keys the blocks the step's tokens filled (up to
@@ -337,7 +331,7 @@ class KVCacheManager:
     def next_position(self, req_id: int) -> int:
         """RoPE position of the request's next token: its logical position in "keep" mode, its
         physical one (kv_len) in "shift" mode, where the step re-rotates the cached keys."""
-        cached = self._pending[req_id][1] if req_id in self._pending else 0
+        cached = self._pending.get(req_id, NOTHING_PENDING)[1]
         if self.config.positions == "shift":
             return self.layout.kv_len(req_id) + cached
         return self.layout.num_tokens(req_id) + cached
@@ -346,17 +340,13 @@ class KVCacheManager:
         """Returns every block of the request to the pool (keyed ones stay cached) and drops its
         state everywhere."""
         fresh = self._staged.pop(req_id, ([], 0))[0]
-        blocks = self.layout.remove_request(req_id) + self._pending.pop(req_id, ([], 0))[0] + fresh
+        blocks = self.layout.remove_request(req_id) + self._pending.pop(req_id, NOTHING_PENDING)[0] + fresh
         if self.prefix is not None:
             self.prefix.end(req_id, blocks)
         else:
             self.pool.free(blocks)
         self.admission.finish(req_id)
-        name = self._name_of.pop(req_id, None)
-        if name is not None:
-            self._running_names[name] -= 1
-            if not self._running_names[name]:
-                del self._running_names[name]
+        self.evictions.release(req_id)
 
     def _free(self, blocks: list[int]) -> None:
         """Blocks the step released (a keyed one stays cached)."""
@@ -364,22 +354,6 @@ class KVCacheManager:
             self.prefix.cache.release(blocks)
         else:
             self.pool.free(blocks)
-
-    def _count_evictions(self, out: StepOutput) -> None:
-        """Per-policy eviction counters (one addition when every request runs one policy)."""
-        counts = np.diff(out.victim_offsets)
-        total = int(counts.sum())
-        self.stats.tokens_evicted += total
-        if not total:
-            return
-        by_policy = self.stats.tokens_evicted_by_policy
-        if len(self._running_names) == 1:
-            name = next(iter(self._running_names))
-            by_policy[name] = by_policy.get(name, 0) + total
-            return
-        for i in np.flatnonzero(counts).tolist():
-            name = self._name_of[int(out.req_ids[i])]
-            by_policy[name] = by_policy.get(name, 0) + int(counts[i])
 
     # ---- reporting -----------------------------------------------------------------------------
     @property

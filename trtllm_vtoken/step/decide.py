@@ -62,11 +62,11 @@ class BatchDecision:
         index = slots.policy[rows]
         groups: dict[int, np.ndarray] = {}  # policy -> the batch rows it decides for
         present = set(index.tolist())
-        whole = len(present) == 1  # one policy (or none) for the whole batch: its rows are all of them
+        one_policy = len(present) == 1  # one policy (or none) for the whole batch: its rows are all of them
         present.discard(-1)
         for policy_index in sorted(present):
             policy = self.policies[policy_index]
-            group = np.arange(len(rows)) if whole else np.flatnonzero(index == policy_index)
+            group = np.arange(len(rows)) if one_policy else np.flatnonzero(index == policy_index)
             if not policy.observes_attention():  # nothing to learn: only the rows over budget
                 group = group[policy.wants_to_evict(slots.num_tokens[rows[group]], slots.num_live[rows[group]])]
             if len(group):

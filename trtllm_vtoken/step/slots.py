@@ -98,10 +98,7 @@ class SlotMap:
         if self.native is None:
             self.append_blocks(rows, offsets, blocks)
             return self.register(rows, num_new)
-        if len(blocks):
-            needed = int((self.num_blocks_of[rows] + (offsets[1:] - offsets[:-1])).max())
-            if needed > self.block_table.shape[1]:
-                self._grow_columns(needed)
+        self._fit_columns(rows, offsets[1:] - offsets[:-1])
         return self.native.slots_register(*self._arrays(), rows, offsets, blocks, num_new)
 
     def apply_step(self, victim_rows: np.ndarray, victim_slots: np.ndarray, move_src: np.ndarray,
@@ -123,9 +120,7 @@ class SlotMap:
         counts = np.diff(offsets)
         if not len(blocks):
             return
-        needed = int((self.num_blocks_of[rows] + counts).max())
-        if needed > self.block_table.shape[1]:
-            self._grow_columns(needed)
+        self._fit_columns(rows, counts)
         owner = np.repeat(rows, counts)
         columns = self.num_blocks_of[owner] + (np.arange(len(blocks)) - np.repeat(offsets[:-1], counts))
         self.block_table[owner, columns] = blocks
@@ -227,6 +222,14 @@ class SlotMap:
         for name in ("num_blocks_of", "kv_len", "num_tokens", "num_live"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, dtype=np.int64)]))
         self.policy = np.concatenate([self.policy, np.full(extra, -1, dtype=np.int64)])
+
+    def _fit_columns(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        """Widens the block table if the rows' lists, ``counts`` blocks longer, would not fit."""
+        if not counts.any():
+            return
+        needed = int((self.num_blocks_of[rows] + counts).max())
+        if needed > self.block_table.shape[1]:
+            self._grow_columns(needed)
 
     def _grow_columns(self, needed: int) -> None:
         width = self.block_table.shape[1]
