@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Python bindings of the step's batch-layout updates (slots.h): the arrays are the SlotMap's own
 // numpy buffers, written in place.
+#include <algorithm>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/vector.h>
@@ -54,27 +56,35 @@ void bind_slots(nb::module_& m) {
   m.def(
       "slots_register",
       [](Tokens tokens, BlockTable block_table, int64_t tpb, Counters num_blocks_of, Counters kv_len,
-         Counters num_tokens, Counters num_live, const std::vector<Stat>& stats, Ids rows, Ids offsets, Ids blocks,
-         Ids num_new) {
+         Counters num_tokens, Counters num_live, const std::vector<Stat>& stats, Ids req_ids, Ids rows, Ids offsets,
+         Ids blocks, Ids num_new, int64_t num_blocks, const vtoken::TokenTable& table) {
         vtoken::SlotArrays a = arrays(tokens, block_table, tpb, num_blocks_of, kv_len, num_tokens, num_live, stats);
         const size_t batch = rows.shape(0);
         check_batch(rows, block_table.shape(0), batch, "rows");
-        if (offsets.shape(0) != batch + 1 || num_new.shape(0) != batch ||
-            offsets.data()[batch] != static_cast<int64_t>(blocks.shape(0))) {
-          throw std::invalid_argument("slots_register: offsets need one entry more than rows, num_new one per row");
+        if (req_ids.shape(0) != batch || offsets.shape(0) != batch + 1 || num_new.shape(0) != batch) {
+          throw std::invalid_argument("slots_register: req_ids and num_new need one entry per row, offsets one more");
         }
+        if (num_blocks <= 0 || num_blocks > a.scratch) {
+          throw std::invalid_argument("slots_register: num_blocks must lie in [1, the layout's blocks]");
+        }
+        const std::string wrong = vtoken::check_new(a, req_ids.data(), rows.data(), static_cast<int64_t>(batch),
+                                                    static_cast<int64_t>(block_table.shape(0)), offsets.data(),
+                                                    blocks.data(), static_cast<int64_t>(blocks.shape(0)),
+                                                    num_new.data(), num_blocks, table);
+        if (!wrong.empty()) throw std::invalid_argument(wrong);
+        int64_t needed = 0;  // block-table columns the rows need with their new blocks
         for (size_t i = 0; i < batch; ++i) {
-          const int64_t row = rows.data()[i], held = num_blocks_of.data()[row] + offsets.data()[i + 1] - offsets.data()[i];
-          if (held > a.block_stride || kv_len.data()[row] + num_new.data()[i] > held * tpb) {
-            throw std::invalid_argument("slots_register: row " + std::to_string(row) + "'s new blocks or tokens do not fit");
-          }
+          needed = std::max(needed, num_blocks_of.data()[rows.data()[i]] + offsets.data()[i + 1] - offsets.data()[i]);
         }
-        return vtoken::to_numpy(vtoken::register_new(a, rows.data(), static_cast<int64_t>(batch), offsets.data(),
-                                             blocks.data(), num_new.data()));
+        if (needed > a.block_stride) return nb::make_tuple(needed, nb::none());  // nothing written
+        return nb::make_tuple(0, vtoken::to_numpy(vtoken::register_new(a, rows.data(), static_cast<int64_t>(batch),
+                                                                       offsets.data(), blocks.data(), num_new.data())));
       },
       "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a, "num_tokens"_a,
-      "num_live"_a, "stats"_a, "rows"_a, "offsets"_a, "blocks"_a, "num_new"_a,
-      "SlotMap.append_blocks + register in one call (cpp/core/slots.h): the new tokens' slots.");
+      "num_live"_a, "stats"_a, "req_ids"_a, "rows"_a, "offsets"_a, "blocks"_a, "num_new"_a, "num_blocks"_a, "table"_a,
+      "The step's checks of the new blocks and tokens (ValueError, nothing changed), then SlotMap.append_blocks + "
+      "register in one call (cpp/core/slots.h). Returns (0, the new tokens' slots), or (the block-table columns "
+      "needed, None) with nothing written when the table must grow first.");
   m.def(
       "slots_apply_step",
       [](Tokens tokens, BlockTable block_table, int64_t tpb, Counters num_blocks_of, Counters kv_len,

@@ -1,9 +1,48 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "slots.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace vtoken {
+
+std::string check_new(const SlotArrays& a, const int64_t* req_ids, const int64_t* rows, int64_t batch,
+                      int64_t num_rows, const int64_t* offsets, const int64_t* blocks, int64_t num_given,
+                      const int64_t* num_new, int64_t num_blocks, const TokenTable& table) {
+  std::vector<char> seen(static_cast<size_t>(num_rows), 0);  // a request is one row: a row twice is a request twice
+  for (int64_t i = 0; i < batch; ++i) {
+    if (seen[rows[i]]++) return "step: a request appears twice in the batch";
+  }
+  bool monotone = offsets[0] == 0 && offsets[batch] == num_given;
+  for (int64_t i = 0; i < batch && monotone; ++i) monotone = offsets[i + 1] >= offsets[i];
+  if (!monotone) return "step: new_block_offsets must start at 0, never decrease and end at len(new_blocks)";
+  std::string negative;  // as Python prints a list: the first four
+  for (int64_t i = 0, listed = 0; i < batch && listed < 4; ++i) {
+    if (num_new[i] >= 0) continue;
+    negative += (listed++ ? ", " : "") + std::to_string(num_new[i]);
+  }
+  if (!negative.empty()) return "step: num_new must be >= 0, got [" + negative + "]";
+  if (num_given > 0) {
+    const auto [low, high] = std::minmax_element(blocks, blocks + num_given);
+    if (*low < 0 || *high >= num_blocks) return "step: new block ids must lie in [0, " + std::to_string(num_blocks) + ")";
+    std::vector<int64_t> sorted(blocks, blocks + num_given);
+    std::sort(sorted.begin(), sorted.end());
+    for (int64_t k = 1; k < num_given; ++k) {
+      if (sorted[k] == sorted[k - 1] && !table.is_shared(sorted[k])) {
+        return "step: a new block is given twice (only a shared block may join several requests)";
+      }
+    }
+  }
+  const int64_t tpb = a.tokens_per_block;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t row = rows[i], held = a.num_blocks_of[row] + offsets[i + 1] - offsets[i];
+    if (a.kv_len[row] + num_new[i] > held * tpb) {
+      return "step: request " + std::to_string(req_ids[i]) + "'s " + std::to_string(num_new[i]) +
+             " new tokens do not fit its blocks";
+    }
+  }
+  return "";
+}
 
 std::vector<int64_t> register_new(SlotArrays& a, const int64_t* rows, int64_t batch, const int64_t* offsets,
                                   const int64_t* blocks, const int64_t* num_new) {

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "token_table.h"
@@ -32,6 +33,15 @@ struct SlotArrays {
   int64_t *num_blocks_of, *kv_len, *num_tokens, *num_live;
   std::vector<SlotStat> stats;
 };
+
+// The step's checks of a batch's new blocks and tokens (DecodeStep._check_new, step/step.py, the
+// specification; same order, same words): "" when they fit, else what is wrong. Reads only.
+// Request i is req_ids[i] at row rows[i]; offsets has one entry per request and one more (the
+// caller checked the sizes); new block ids lie in [0, num_blocks); a block may be given twice only
+// if the table holds it as shared.
+std::string check_new(const SlotArrays& a, const int64_t* req_ids, const int64_t* rows, int64_t batch,
+                      int64_t num_rows, const int64_t* offsets, const int64_t* blocks, int64_t num_given,
+                      const int64_t* num_new, int64_t num_blocks, const TokenTable& table);
 
 // SlotMap.append_blocks + SlotMap.register: row rows[i] takes blocks[offsets[i]:offsets[i + 1]]
 // and then num_new[i] new tokens (the next logical ids) at positions [kv_len, kv_len + num_new).

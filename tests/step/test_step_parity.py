@@ -88,28 +88,45 @@ def test_cpp_step_equals_python_step(compaction, tpb, steps, threshold, seed):
     assert steps_[0].stats.tokens_evicted == steps_[1].stats.tokens_evicted
 
 
-def test_bad_input_changes_nothing():
-    """Every check of a batch runs before the step changes anything (mass shape included)."""
+def bad_input_errors(impl: str) -> list[str]:
+    """Runs bad batches through a step of ``impl``; checks that none changed anything; returns
+    the errors, in order."""
     from trtllm_vtoken.policies import make_policy
     from trtllm_vtoken.step import StepInput
 
     host = Host(16, 4)
-    step = make_step(host, "auto", "dense", policy=make_policy("h2o", 6))
-    step.add_request(0)
-    step.run(StepInput([0], [6], [0, 2], host.allocate(2), mass=np.ones((1, 6))))
-    before = (step.table_digest(), step.slots.tokens.copy(), step.kv_len(0))
+    step = make_step(host, impl, "dense", policy=make_policy("h2o", 6))
+    step.add_request(0), step.add_request(1)
+    step.run(StepInput([0, 1], [6, 2], [0, 2, 3], host.allocate(3), mass=np.ones((2, 6))))
+    before = (step.table_digest(), step.slots.tokens.copy(), step.slots.block_table.copy(), step.kv_len(0))
+    spare = host.allocate(1)
     bad = [StepInput([0], [1], [0, 0], [], mass=None),  # H2O needs the mass
            StepInput([0], [1], [0, 0], [], mass=np.ones((1, 5))),  # narrower than the request
            StepInput([0], [3], [0, 0], [], mass=np.ones((1, 9))),  # 3 new tokens do not fit
            StepInput([0, 0], [1, 1], [0, 0, 0], [], mass=np.ones((2, 9))),  # a request twice
            StepInput([0], [1], [0, 1], [99], mass=np.ones((1, 9))),  # a block outside the pool
+           StepInput([0], [1], [0, 2], spare, mass=np.ones((1, 9))),  # offsets past the blocks
+           StepInput([0, 1], [-1, -2], [0, 0, 0], [], mass=np.ones((2, 9))),  # negative counts
+           StepInput([0, 1], [1, 1], [0, 1, 2], spare + spare, mass=np.ones((2, 9))),  # an unshared block twice
+           StepInput([0], [1], [0], [], mass=np.ones((1, 9))),  # offsets of the wrong size
            StepInput([7], [1], [0, 0], [], mass=np.ones((1, 9)))]  # an unknown request
+    errors = []
     for inp in bad:
-        with pytest.raises((ValueError, KeyError)):
+        with pytest.raises((ValueError, KeyError)) as caught:
             step.run(inp)
-        assert (step.table_digest(), step.kv_len(0)) == (before[0], before[2])
-        assert np.array_equal(step.slots.tokens, before[1])
+        errors.append(f"{caught.type.__name__}: {caught.value}")
+        assert (step.table_digest(), step.kv_len(0)) == (before[0], before[3])
+        assert np.array_equal(step.slots.tokens, before[1]) and np.array_equal(step.slots.block_table, before[2])
     step.run(StepInput([0], [1], [0, 0], [], mass=np.ones((1, 7))))  # still usable
+    return errors
+
+
+def test_bad_input_changes_nothing_and_both_cores_refuse_it_alike():
+    """Every check of a batch runs before the step changes anything (mass shape included); the
+    C++ core's registration call checks the new blocks and tokens in the Python step's words."""
+    python, native = bad_input_errors("python"), bad_input_errors("cpp")
+    assert python == native
+    assert "step: num_new must be >= 0, got [-1, -2]" in python[6]
 
 
 @pytest.mark.parametrize("compaction", ["dense", "lazy"])

@@ -68,7 +68,8 @@ class BatchDecision:
             policy = self.policies[policy_index]
             group = np.arange(len(rows)) if one_policy else np.flatnonzero(index == policy_index)
             if not policy.observes_attention():  # nothing to learn: only the rows over budget
-                group = group[policy.wants_to_evict(slots.num_tokens[rows[group]], slots.num_live[rows[group]])]
+                mine = rows if one_policy else rows[group]
+                group = group[policy.wants_to_evict(slots.num_tokens[mine], slots.num_live[mine])]
             if len(group):
                 groups[policy_index] = group
         if not groups:  # e.g. every request within its budget: no layout is even looked at

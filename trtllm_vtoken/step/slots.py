@@ -92,14 +92,23 @@ class SlotMap:
             raise KeyError(f"unknown request {err.args[0]}") from None
 
     # ---- the step's updates -----------------------------------------------------------------------
-    def add_tokens(self, rows: np.ndarray, offsets: np.ndarray, blocks: np.ndarray, num_new: np.ndarray) -> np.ndarray:
-        """``append_blocks`` then ``register``: the batch's new blocks and tokens. Returns the new
-        tokens' slots (row by row)."""
+    def add_tokens(self, rows: np.ndarray, offsets: np.ndarray, blocks: np.ndarray, num_new: np.ndarray,
+                   req_ids: np.ndarray, table: Any = None) -> np.ndarray:
+        """``append_blocks`` then ``register``: the batch's new blocks and tokens (request i:
+        ``req_ids[i]`` at ``rows[i]``). Returns the new tokens' slots (row by row). The C++ core
+        first checks them as ``DecodeStep._check_new`` does (ValueError in its words, nothing
+        changed; ``table``: the C++ token table, which knows the shared blocks); the Python path
+        takes checked input."""
         if self.native is None:
             self.append_blocks(rows, offsets, blocks)
             return self.register(rows, num_new)
-        self._fit_columns(rows, offsets[1:] - offsets[:-1])
-        return self.native.slots_register(*self._arrays(), rows, offsets, blocks, num_new)
+        needed, slots = self.native.slots_register(*self._arrays(), req_ids, rows, offsets, blocks, num_new,
+                                                   self.num_blocks, table)
+        if needed:  # the rows' lists outgrow the block table: widen it, then register
+            self._grow_columns(needed)
+            needed, slots = self.native.slots_register(*self._arrays(), req_ids, rows, offsets, blocks, num_new,
+                                                       self.num_blocks, table)
+        return slots
 
     def apply_step(self, victim_rows: np.ndarray, victim_slots: np.ndarray, move_src: np.ndarray,
                    move_dst: np.ndarray, rows: np.ndarray, req_ids: np.ndarray, kv_lens: np.ndarray,

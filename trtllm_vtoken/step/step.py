@@ -193,7 +193,7 @@ class DecodeStep:
         self._push_shared()
         length = self.slots.kv_len[rows] + num_new
         background = self.background
-        new_slots = self.slots.add_tokens(rows, block_offsets, new_blocks, num_new)
+        new_slots = self.slots.add_tokens(rows, block_offsets, new_blocks, num_new, req_ids, self.core.table)
         t1, mass_seconds = clock(), self.stats.mass_seconds
         try:
             victim_index, victim_pos = self.decision.victims(req_ids, rows, inp.mass, self.shared_blocks())
@@ -233,12 +233,10 @@ class DecodeStep:
             copied = len(result.move_src)
             handle = background.start(req_ids, result, self.checks is not None)
             result = committed  # what this step committed
-            freed_counts = np.diff(result.freed_offsets)
         else:
             self.slots.apply_step(victim_rows, victim_slots, result.move_src, result.move_dst, rows, req_ids,
                                   result.kv_lens, result.freed_offsets, self.config.compaction == "dense",
                                   self.core.table)
-            freed_counts = np.diff(result.freed_offsets)
             t5 = clock()
             copied = len(result.move_src)
             handle = None
@@ -251,7 +249,8 @@ class DecodeStep:
         t6 = clock()
         lost = length - result.kv_lens
         out = StepOutput(req_ids, victim_offsets, victim_ids, result, lost, self.slots.num_tokens[rows].copy(), handle)
-        changed = (np.diff(result.move_offsets) > 0) | (freed_counts > 0) | (lost > 0)
+        # A request's layout changed where it moved tokens, released blocks or got shorter (each >= 0).
+        changed = np.diff(result.move_offsets) + np.diff(result.freed_offsets) + lost > 0
         if self.checks:
             self.checks.after(out, before, changed)  # I1 on the relocated keys, before they turn
         if self.rerotation is not None and lost.any():
@@ -260,7 +259,7 @@ class DecodeStep:
         stats = self.stats
         stats.steps += 1
         stats.tokens_evicted += len(victim_ids)
-        stats.compactions += int(changed.sum())
+        stats.compactions += int(np.count_nonzero(changed))
         stats.moves += len(result.move_src)
         stats.blocks_freed += len(result.freed)
         if self.executor is not None:
@@ -300,7 +299,9 @@ class DecodeStep:
 
     def _validated(self, inp: StepInput) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(req_ids, their rows, num_new, block offsets, new blocks) as int64 arrays, checked as the
-        token table would check them, so that a bad batch changes nothing."""
+        token table would check them, so that a bad batch changes nothing: the sizes, known
+        requests (KeyError), the mass, then ``_check_new`` (the C++ core runs it, in the same
+        words, in its registration call: ``SlotMap.add_tokens``)."""
         req_ids = np.asarray(inp.req_ids, dtype=np.int64).reshape(-1)
         num_new = np.asarray(inp.num_new, dtype=np.int64).reshape(-1)
         offsets = np.asarray(inp.new_block_offsets, dtype=np.int64).reshape(-1)
@@ -309,8 +310,18 @@ class DecodeStep:
         if len(num_new) != batch or len(offsets) != batch + 1:
             raise ValueError(f"step: {batch} requests need {batch} num_new and {batch + 1} block offsets, "
                              f"got {len(num_new)} and {len(offsets)}")
-        ids = req_ids.tolist()
-        if len(set(ids)) != batch:
+        rows = self.slots.rows(req_ids.tolist())
+        self._check_mass(inp.mass, rows, num_new)
+        if self.impl == "python":
+            self._check_new(req_ids, rows, num_new, offsets, blocks)
+        return req_ids, rows, num_new, offsets, blocks
+
+    def _check_new(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray,
+                   blocks: np.ndarray) -> None:
+        """The batch's new blocks and tokens: each request once, CSR offsets, counts >= 0, block
+        ids in the pool (twice only if shared), every request's tokens within its blocks. The
+        specification of ``cpp/core/slots.h`` ``check_new``. ValueError naming the first problem."""
+        if len(set(req_ids.tolist())) != len(req_ids):
             raise ValueError("step: a request appears twice in the batch")
         counts = offsets[1:] - offsets[:-1]
         if offsets[0] != 0 or offsets[-1] != len(blocks) or counts.min(initial=0) < 0:
@@ -325,14 +336,11 @@ class DecodeStep:
                 unique, times = np.unique(blocks, return_counts=True)
                 if not all(self.is_shared(int(b)) for b in unique[times > 1]):
                     raise ValueError("step: a new block is given twice (only a shared block may join several requests)")
-        rows = self.slots.rows(ids)
         capacity = (self.slots.num_blocks_of[rows] + counts) * self.tokens_per_block
         short = np.flatnonzero(self.slots.kv_len[rows] + num_new > capacity)
         if len(short):
             i = int(short[0])
             raise ValueError(f"step: request {req_ids[i]}'s {num_new[i]} new tokens do not fit its blocks")
-        self._check_mass(inp.mass, rows, num_new)
-        return req_ids, rows, num_new, offsets, blocks
 
     def _check_mass(self, mass: Any, rows: np.ndarray, num_new: np.ndarray) -> None:
         """The mass a batch needs, checked before anything changes (a function's result is
