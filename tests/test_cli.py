@@ -48,6 +48,17 @@ def test_bench_step_prints_table_and_writes_rows(tmp_path, capsys):
     assert {r["blocks_freed_per_step"] for r in dense if not r.get("boundary")} == {0}
     assert [r["blocks_freed_per_step"] for r in dense if r.get("boundary")] == [4]
     assert all(r["moves_per_step"] == 4 for r in dense)
+
+
+def test_bench_step_with_a_fixed_mass_evicts_alike(tmp_path, capsys):
+    """--mass fixed: the mass is one array per layout shape (no simulated attention on the host);
+    every evicting row still evicts one token per request per step."""
+    assert main(["bench", "step", "--batches", "4", "--context", "96", "--tokens-per-block", "8", "--steps", "3",
+                 "--repeats", "1", "--impl", "python", "--mass", "fixed", "--out", str(tmp_path)]) == 0
+    assert "a fixed mass array" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "step.json").read_text())
+    assert {r["mass"] for r in rows} == {"fixed"}
+    assert all((r["evicted_per_step"] == 4) == (r["variant"] == "vtoken") for r in rows)
     native_row = rows[0]
     assert native_row["variant"] == "native" and native_row["added_us_p50"] == 0
 

@@ -26,7 +26,10 @@ In a workload of many lengths and budgets a request is at a boundary on about on
     indirection-only    vToken's step with nothing evicted (StreamingLLM at a 1.0 ratio)
     vtoken              dense and lazy, H2O and StreamingLLM; dense H2O also at a block boundary
 
-The attention mass arrives as float32 [batch, length], as attention kernels return it. Each row
+The attention mass arrives as float32 [batch, length], as attention kernels return it: from the
+simulated attention (``mass="synthetic"``), whose per-request numpy work runs on the host's cores
+and leaves their caches cold for the step after it, or as one fixed random array per layout shape
+(``mass="fixed"``: the host only receives a buffer, as from a GPU's attention). Each row
 runs with the C++ core and with the Python core (``step_impl``). Rows are repeated in
 alternating order; a row's value is the median step of its median run, with the runs' range.
 """
@@ -44,6 +47,7 @@ from trtllm_vtoken.config_base import require_positive
 from trtllm_vtoken.runtime.config import EngineConfig
 
 SPLIT = ("table", "policy", "core", "copy")
+MASSES = ("synthetic", "fixed")
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class StepBenchConfig:
     warmup: int = 3
     repeats: int = 3
     impls: tuple[str, ...] = ("cpp", "python")
+    mass: str = "synthetic"
+    """Where the attention mass comes from: "synthetic" (the simulated attention) or "fixed"."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -67,6 +73,8 @@ class StepBenchConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if not self.impls or set(self.impls) - {"cpp", "python"}:
             raise ValueError(f"impls must be among cpp, python, got {self.impls}")
+        if self.mass not in MASSES:
+            raise ValueError(f"mass must be one of {MASSES}, got {self.mass!r}")
 
     def rows(self) -> list[tuple[str, dict[str, Any]]]:
         """(label, the row's settings) for one batch size, in run order."""
@@ -123,8 +131,10 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
     from trtllm_vtoken.runtime.simulated import MODEL_SHAPES, SimulatedModel, SyntheticAttention
 
     # float32 mass, as attention kernels hand it to a host
-    engine = Engine(SimulatedModel(MODEL_SHAPES["llama-3.1-8b"], SyntheticAttention(cfg.seed), np.float32),
-                    cfg.engine_config(batch, row))
+    model = SimulatedModel(MODEL_SHAPES["llama-3.1-8b"], SyntheticAttention(cfg.seed), np.float32)
+    if cfg.mass == "fixed":
+        model.batch_mass = fixed_mass(cfg.seed)
+    engine = Engine(model, cfg.engine_config(batch, row))
     params = SamplingParams(max_tokens=cfg.warmup + cfg.steps + 2, ignore_eos=True)
     for i in range(batch):  # lengths staggered by up to a block: requests cross blocks on different steps
         engine.add_request([1] * (cfg.context - i % cfg.tokens_per_block), params)
@@ -155,11 +165,27 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
             gc.enable()
     if len(engine.running) != batch or engine.stats.preemptions:
         raise RuntimeError("a request finished or was preempted inside the timed steps")
-    return {**row, "batch": batch, "host_us_p50": float(np.median(host_us)),
+    return {**row, "batch": batch, "mass": cfg.mass, "host_us_p50": float(np.median(host_us)),
             "host_us_steps_min": float(np.min(host_us)), "split_us": split,
             "evicted_per_step": evicted / cfg.steps, "moves_per_step": moves / cfg.steps,
             "blocks_freed_per_step": freed / cfg.steps,
             "metadata_bytes_per_token": engine.kv.step.metadata_bytes_per_token() if engine.kv.step else 0.0}
+
+
+def fixed_mass(seed: int):
+    """A ``batch_mass`` (``SimulatedModel``'s signature) whose function returns one fixed random
+    float32 array per layout shape [B, L]: nothing runs on the host's cores to make it."""
+    arrays: dict[tuple[int, ...], np.ndarray] = {}
+
+    def batch_mass(req_ids: list[int], num_queries: list[int]):
+        def mass(tokens: np.ndarray) -> np.ndarray:
+            if tokens.shape not in arrays:
+                arrays[tokens.shape] = np.random.default_rng(seed).random(tokens.shape, dtype=np.float32)
+            return arrays[tokens.shape]
+
+        return mass
+
+    return batch_mass
 
 
 def plot_step(result: dict[str, Any], path) -> None:

@@ -26,6 +26,11 @@ def register(bench) -> None:
                       help="runs per row in alternating order; the median run is reported (default 3)")
     step.add_argument("--impl", choices=["cpp", "python", "both"], default="both",
                       help="the step's token-table core (default both; cpp is skipped where it is not built)")
+    step.add_argument("--mass", choices=["synthetic", "fixed"], default="synthetic",
+                      help="the attention mass: the simulated attention (its per-request numpy work runs on these "
+                           "cores, not counted, and leaves their caches cold for the step after it) or one fixed "
+                           "random array per layout shape (the host only receives a buffer, as from a GPU); "
+                           "default synthetic")
     add_output_options(step, "5 timed steps, one run per row", run_step)
 
 
@@ -49,11 +54,12 @@ def run_step(args: argparse.Namespace) -> int:
         print("note: the C++ core is not built; timing the Python core only", file=sys.stderr)
     cfg = StepBenchConfig(batches=batches, context=args.context, tokens_per_block=args.tokens_per_block,
                           steps=5 if args.quick else args.steps, warmup=2 if args.quick else 3,
-                          repeats=1 if args.quick else args.repeats, impls=tuple(impls))
+                          repeats=1 if args.quick else args.repeats, impls=tuple(impls), mass=args.mass)
     total = len(cfg.batches) * len(cfg.rows()) * cfg.repeats
     with tqdm(total=total, desc="bench step", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_step_bench(cfg, progress=bar)
-    print(f"vtoken bench step: engine + simulated attention (not counted), {cfg.context} tokens of context, "
+    source = "simulated attention" if cfg.mass == "synthetic" else "a fixed mass array"
+    print(f"vtoken bench step: engine + {source} (not counted), {cfg.context} tokens of context, "
           f"tokens_per_block {cfg.tokens_per_block}, one eviction per request per step; {cfg.steps} timed "
           f"steps per run, the median of {cfg.repeats} alternating runs per row")
     headers = ["batch", "row", "impl", "host us/step", "runs min-max", "added us", "added %", "table us",
