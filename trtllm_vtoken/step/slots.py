@@ -93,12 +93,12 @@ class SlotMap:
 
     # ---- the step's updates -----------------------------------------------------------------------
     def add_tokens(self, rows: np.ndarray, offsets: np.ndarray, blocks: np.ndarray, num_new: np.ndarray,
-                   req_ids: np.ndarray, table: Any = None) -> np.ndarray:
+                   req_ids: np.ndarray, table: Any) -> np.ndarray:
         """``append_blocks`` then ``register``: the batch's new blocks and tokens (request i:
         ``req_ids[i]`` at ``rows[i]``). Returns the new tokens' slots (row by row). The C++ core
         first checks them as ``DecodeStep._check_new`` does (ValueError in its words, nothing
-        changed; ``table``: the C++ token table, which knows the shared blocks); the Python path
-        takes checked input."""
+        changed; ``table``: the step's token table, whose C++ form knows the shared blocks); the
+        Python path takes checked input."""
         if self.native is None:
             self.append_blocks(rows, offsets, blocks)
             return self.register(rows, num_new)
