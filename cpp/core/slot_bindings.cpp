@@ -5,8 +5,10 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
+#include "decode_step.h"
 #include "owned_ids.h"
 #include "slots.h"
 
@@ -116,4 +118,72 @@ void bind_slots(nb::module_& m) {
       "num_live"_a, "stats"_a, "victim_rows"_a, "victim_slots"_a, "move_src"_a, "move_dst"_a, "rows"_a, "req_ids"_a,
       "kv_lens"_a, "freed_offsets"_a, "tail_only"_a, "table"_a,
       "SlotMap.evict + move + set_rows after the table's step, in one call (cpp/core/slots.h).");
+
+  m.def(
+      "slots_decide_step",
+      [](Tokens tokens, BlockTable block_table, int64_t tpb, Counters num_blocks_of, Counters kv_len,
+         Counters num_tokens, Counters num_live, const std::vector<Stat>& stats, vtoken::TokenTable& table,
+         Ids req_ids, Ids rows, Ids num_new, Ids offsets, Ids blocks, int64_t selector, Ids lo, Ids hi, Ids excess,
+         int64_t compaction, int64_t fragmentation_threshold, bool pressure,
+         std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
+         std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass) {
+        vtoken::SlotArrays a = arrays(tokens, block_table, tpb, num_blocks_of, kv_len, num_tokens, num_live, stats);
+        const size_t batch = rows.shape(0);
+        check_batch(rows, block_table.shape(0), batch, "rows");
+        if (req_ids.shape(0) != batch || num_new.shape(0) != batch || offsets.shape(0) != batch + 1 ||
+            lo.shape(0) != batch || hi.shape(0) != batch || excess.shape(0) != batch) {
+          throw std::invalid_argument("slots_decide_step: req_ids, num_new, lo, hi and excess need one entry per row, "
+                                      "offsets one more");
+        }
+        if (selector < 0 || selector > 2 || compaction < 0 || compaction > 2) {
+          throw std::invalid_argument("slots_decide_step: selector must be 0-2 and compaction 0-2 (dense, lazy, "
+                                      "dead-blocks; a deferred plan takes the general path)");
+        }
+        vtoken::Decision d{static_cast<vtoken::Selector>(selector), lo.data(), hi.data(), excess.data()};
+        if (d.selector == vtoken::Selector::kLowestStat) {
+          if (!stat || stat->shape(0) != tokens.shape(0)) {
+            throw std::invalid_argument("slots_decide_step: the statistic selector needs one entry per slot");
+          }
+          d.stat = stat->data();
+        }
+        if (mass) {
+          if (d.selector != vtoken::Selector::kLowestStat || mass->shape(0) != batch) {
+            throw std::invalid_argument("slots_decide_step: mass needs the statistic selector and one row per request");
+          }
+          for (size_t i = 0; i < batch; ++i) {
+            if (kv_len.data()[rows.data()[i]] > static_cast<int64_t>(mass->shape(1))) {
+              throw std::invalid_argument("slots_decide_step: the mass is narrower than request " +
+                                          std::to_string(req_ids.data()[i]) + "'s length");
+            }
+          }
+          d.mass_stride = static_cast<int64_t>(mass->shape(1));
+          if (mass->dtype() == nb::dtype<float>()) {
+            d.mass32 = static_cast<const float*>(mass->data());
+          } else if (mass->dtype() == nb::dtype<double>()) {
+            d.mass64 = static_cast<const double*>(mass->data());
+          } else {
+            throw std::invalid_argument("slots_decide_step: mass must be float32 or float64");
+          }
+        }
+        vtoken::DecodeResult r = vtoken::decide_and_step(
+            a, table, req_ids.data(), rows.data(), static_cast<int64_t>(batch), num_new.data(), offsets.data(),
+            blocks.data(), d, static_cast<vtoken::Compaction>(compaction), fragmentation_threshold, pressure);
+        using vtoken::to_numpy;
+        vtoken::StepResult& t = r.table;
+        return nb::make_tuple(
+            to_numpy(std::move(r.victim_offsets)), to_numpy(std::move(r.victim_ids)),
+            nb::make_tuple(to_numpy(std::move(t.move_offsets)), to_numpy(std::move(t.move_tokens)),
+                           to_numpy(std::move(t.move_src)), to_numpy(std::move(t.move_dst)),
+                           to_numpy(std::move(t.freed_offsets)), to_numpy(std::move(t.freed)),
+                           to_numpy(std::move(t.kv_lens))),
+            to_numpy(std::move(r.lost)), to_numpy(std::move(r.num_tokens)), to_numpy(std::move(r.changed)),
+            r.num_changed);
+      },
+      "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a, "num_tokens"_a,
+      "num_live"_a, "stats"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
+      "lo"_a, "hi"_a, "excess"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a,
+      "stat"_a = nb::none(), "mass"_a = nb::none(),
+      "After slots_register: the batch's decision, the token table's step and the layout's update in one call "
+      "(cpp/core/decode_step.h). Returns (victim_offsets, victim_ids, the table's step as step_batch returns it, "
+      "lost, num_tokens, changed, number changed).");
 }

@@ -33,11 +33,12 @@ class Host:
         self.free.extend(int(b) for b in blocks)
 
 
-def make_step(host: Host, impl: str, compaction: str, threshold: int = 1, policy=None) -> DecodeStep:
-    """``compaction`` "lazy-background": lazy compaction committing a step later (StepConfig.background)."""
+def make_step(host: Host, impl: str, compaction: str, threshold: int = 1, policy=None, fused: bool = True) -> DecodeStep:
+    """``compaction`` "lazy-background": lazy compaction committing a step later (StepConfig.background);
+    ``fused``: StepConfig.fused (the C++ core's one-call decode step where a batch allows it)."""
     background = compaction == "lazy-background"
     config = StepConfig("lazy" if background else compaction, threshold, check_invariants=True, impl=impl,
-                        background=background)
+                        background=background, fused=fused)
     return DecodeStep(config, host.num_blocks, host.tpb, policy, TorchCopyExecutor([host.kv]),
                       host.shared.__contains__, lambda: host.shared)
 

@@ -51,6 +51,8 @@ class Budget:
         num_tokens = np.asarray(num_tokens, dtype=np.int64)
         if self.tokens is not None:
             return np.minimum(self.tokens, num_tokens)
+        if self.ratio >= 1.0:  # the whole length (ceil(n) = n): no float pass
+            return num_tokens.copy()
         return np.minimum(num_tokens, np.ceil(self.ratio * num_tokens).astype(np.int64))
 
     def __str__(self) -> str:

@@ -57,11 +57,11 @@ class EvictionCounter:
     def count(self, req_ids: np.ndarray, victim_offsets: np.ndarray) -> None:
         """A step's victims in CSR form: request ``req_ids[i]`` evicted
         ``victim_offsets[i + 1] - victim_offsets[i]`` tokens."""
-        counts = np.diff(victim_offsets)
-        total = int(counts.sum())
+        total = int(victim_offsets[-1]) if len(victim_offsets) else 0
         self.stats.tokens_evicted += total
         if not total:
             return
+        counts = np.diff(victim_offsets)
         by_policy = self.stats.tokens_evicted_by_policy
         if len(self._admitted) == 1:
             name = next(iter(self._admitted))

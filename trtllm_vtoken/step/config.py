@@ -25,6 +25,10 @@ class StepConfig:
     background: bool = False
     """Lazy only: a request's compaction copies in the background (the next forward does not wait
     for it) and commits at a later step, once its copy has finished (``step/background.py``)."""
+    fused: bool = True
+    """C++ core: a batch that one natively decided policy (or none) serves, with no shared block,
+    takes the decision, the table's step and the layout's update in one native call
+    (``step/fused.py``). False: every batch takes the general path (for comparing both)."""
 
     def __post_init__(self) -> None:
         if self.compaction not in COMPACTIONS or self.compaction == "lazy-deferred":
@@ -48,10 +52,14 @@ class StepStats:
     blocks_freed: int = 0
     bytes_copied: int = 0
     invariant_checks: int = 0
+    fused_steps: int = 0
+    """Steps that took the fused native call (``step/fused.py``)."""
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("table", "policy", "core", "copy", "checks"), 0.0))
     """Host time: "table" the batch layout's upkeep (slots, block rows, counters); "policy" mass
     reduction, observation and selection; "core" the one token-table call (append, evict, plan,
-    commit); "copy" submitting the copy and ordering it; "checks" invariant checks."""
+    commit); "copy" submitting the copy and ordering it; "checks" invariant checks. A fused step
+    counts its native call (the native decision, the table's step, the layout's update) as
+    "core" and what prepares the decision (bounds, mass) as "policy"."""
     mass_seconds: float = 0.0
     """Time in a ``Mass`` function (the simulated attention): not host work of the step."""

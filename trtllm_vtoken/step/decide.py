@@ -9,13 +9,17 @@ for its rows at once, from the step's slot layout.
                         +-- otherwise, or rows holding a shared (protected) block:
                               BatchView [rows, positions] -> p.observe_batch -> p.select_batch
 
-The victims come back as (batch index, position) pairs sorted by index, then logical id."""
+The victims come back as (batch index, position) pairs sorted by index, then logical id.
+
+Where the C++ core serves the step, one policy (or none) serves every row of the batch, the
+policy decides natively and no block is shared, ``native_decision`` instead describes the
+decision for the fused native call (``step/fused.py``), which selects the same victims."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -24,6 +28,21 @@ from trtllm_vtoken.policies import EvictionPolicy, ScorePolicy
 from trtllm_vtoken.policies.batch import BatchView
 from trtllm_vtoken.step.config import StepStats
 from trtllm_vtoken.step.slots import SlotMap
+
+
+class NativeDecision(NamedTuple):
+    """A batch's decision as the fused native call takes it (``cpp/core/decode_step.h``)."""
+
+    selector: int
+    """0: no victims; 1: the lowest live ids in [lo, hi); 2: the lowest ``stat`` in [lo, hi)."""
+    lo: np.ndarray
+    hi: np.ndarray
+    excess: np.ndarray
+    """[B] int64 each: the candidates' id range and the tokens to evict (<= 0: none)."""
+    stat: np.ndarray | None
+    """Selector 2: the per-slot score statistic (float64), which ``mass`` is added to first."""
+    mass: np.ndarray | None
+    """[B, >= each row's length] float32 or float64, C order; None: nothing observed."""
 
 
 class BadMass(RuntimeError):
@@ -47,6 +66,7 @@ class BatchDecision:
         self.slots, self.policies, self.tokens_per_block = slots, policies, tokens_per_block
         self.native_table = native_table
         self.native, self.reduce_mass, self.stats = native_table is not None, reduce_mass, stats
+        self._selectors: dict[int, int] = {}  # policy index -> native_selector's answer
 
     def victims(self, req_ids: np.ndarray, rows: np.ndarray, mass: Any,
                 shared: Collection[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -129,6 +149,57 @@ class BatchDecision:
             order = np.lexsort((ids, victim_index))
             victim_index, victim_pos = victim_index[order], victim_pos[order]
         return victim_index, victim_pos
+
+    def native_decision(self, rows: np.ndarray, mass: Any, shared: Collection[int],
+                        sole_policy: int | None = None) -> NativeDecision | None:
+        """The batch's decision for the fused native call, or None where it takes ``victims``: the
+        Python core, several policies in the batch, a policy the C++ core cannot decide, a shared
+        block anywhere (its tokens are protected). The same victims as ``victims``: the bounds
+        are the policy's own (``candidate_bounds``, zero excess where ``wants_to_evict`` says
+        no), the mass is this step's as ``batch_mass`` gives it. ``sole_policy``: the policy index
+        (-1: none) every request of the step follows, when the step knows (the rows need no
+        look). Raises ``BadMass`` as ``victims`` does."""
+        if not self.native or len(shared):
+            return None
+        first = -1 if not len(rows) else sole_policy
+        if first is None:
+            index = self.slots.policy[rows]
+            first = int(index[0])
+            if np.count_nonzero(index != first):
+                return None
+        if first < 0:  # no request of the batch evicts (or no request at all)
+            return NativeDecision(0, *(np.zeros(len(rows), dtype=np.int64),) * 3, None, None)
+        selector = self._selectors.get(first)
+        if selector is None:  # once per policy: which native pass decides for it, if any
+            selector = self._selectors[first] = self.native_selector(self.policies[first])
+        if not selector:
+            return None
+        policy, slots = self.policies[first], self.slots
+        num_tokens, num_live = slots.num_tokens[rows], slots.num_live[rows]
+        observes = selector == 2 and policy.observes_attention()
+        wants = None if observes else policy.wants_to_evict(num_tokens, num_live)
+        if wants is not None and not np.count_nonzero(wants):  # nothing over budget, nothing to learn
+            return NativeDecision(0, *(np.zeros(len(rows), dtype=np.int64),) * 3, None, None)
+        excess, lo, hi = (np.ascontiguousarray(b, dtype=np.int64) for b in policy.candidate_bounds(num_tokens, num_live))
+        if wants is not None:
+            excess[~wants] = 0
+        if selector == 1:
+            return NativeDecision(1, lo, hi, excess, None, None)
+        batch_mass = None
+        if observes:
+            batch_mass = self.batch_mass(mass, rows, int(slots.kv_len[rows].max()),
+                                         lambda: slots.gather(slots.tokens, slots.block_rows(rows)))
+        return NativeDecision(2, lo, hi, excess, slots.stats[policy.score_stat], batch_mass)
+
+    def native_selector(self, policy: EvictionPolicy) -> int:
+        """The fused call's selector for a policy: 1 (lowest live ids), 2 (lowest statistic), or
+        0 where the policy takes ``victims`` (not decided natively, or an id-scored policy that
+        observes attention)."""
+        if not self.native_selection(policy):
+            return 0
+        if policy.scores_are_ids and not policy.observes_attention():
+            return 1
+        return 2 if policy.score_stat else 0
 
     def native_selection(self, policy: EvictionPolicy) -> bool:
         """Can the C++ core decide for this policy in one pass over the slot layout?"""

@@ -96,17 +96,17 @@ class SlotMap:
                    req_ids: np.ndarray, table: Any) -> np.ndarray:
         """``append_blocks`` then ``register``: the batch's new blocks and tokens (request i:
         ``req_ids[i]`` at ``rows[i]``). Returns the new tokens' slots (row by row). The C++ core
-        first checks them as ``DecodeStep._check_new`` does (ValueError in its words, nothing
+        first checks them as ``InputChecks.check_new`` does (ValueError in its words, nothing
         changed; ``table``: the step's token table, whose C++ form knows the shared blocks); the
         Python path takes checked input."""
         if self.native is None:
             self.append_blocks(rows, offsets, blocks)
             return self.register(rows, num_new)
-        needed, slots = self.native.slots_register(*self._arrays(), req_ids, rows, offsets, blocks, num_new,
+        needed, slots = self.native.slots_register(*self.native_arrays(), req_ids, rows, offsets, blocks, num_new,
                                                    self.num_blocks, table)
         if needed:  # the rows' lists outgrow the block table: widen it, then register
             self._grow_columns(needed)
-            needed, slots = self.native.slots_register(*self._arrays(), req_ids, rows, offsets, blocks, num_new,
+            needed, slots = self.native.slots_register(*self.native_arrays(), req_ids, rows, offsets, blocks, num_new,
                                                        self.num_blocks, table)
         return slots
 
@@ -121,7 +121,7 @@ class SlotMap:
             self.set_rows(rows, kv_lens, lambda i: table.block_ids(int(req_ids[i])), np.diff(freed_offsets),
                           tail_only)
             return
-        self.native.slots_apply_step(*self._arrays(), victim_rows, victim_slots, move_src, move_dst, rows, req_ids,
+        self.native.slots_apply_step(*self.native_arrays(), victim_rows, victim_slots, move_src, move_dst, rows, req_ids,
                                      kv_lens, freed_offsets, tail_only, table)
 
     def append_blocks(self, rows: np.ndarray, offsets: np.ndarray, blocks: np.ndarray) -> None:
@@ -202,6 +202,12 @@ class SlotMap:
             self.block_table[row, : len(listed)] = listed
             self.num_blocks_of[row] = len(listed)
 
+    def native_arrays(self) -> tuple:
+        """The layout's arrays as the C++ core's calls take them (``cpp/core/slots.h`` SlotArrays):
+        tokens, block table, tokens_per_block, the four counters, the statistics."""
+        return (self.tokens, self.block_table, self.tokens_per_block, self.num_blocks_of, self.kv_len,
+                self.num_tokens, self.num_live, list(self.stats.values()))
+
     # ---- batch views ---------------------------------------------------------------------------
     def block_rows(self, rows: np.ndarray) -> np.ndarray:
         """[B, nb] the rows of the block table, nb = the longest list (scratch-padded)."""
@@ -219,11 +225,6 @@ class SlotMap:
         values.reshape(-1, tpb)[blocks] = batch.reshape(*blocks.shape, tpb)
 
     # ---- private -------------------------------------------------------------------------------
-    def _arrays(self) -> tuple:
-        """The layout's arrays as the C++ updates take them."""
-        return (self.tokens, self.block_table, self.tokens_per_block, self.num_blocks_of, self.kv_len,
-                self.num_tokens, self.num_live, list(self.stats.values()))
-
     def _grow_rows(self, capacity: int) -> None:
         extra = capacity - len(self.kv_len)
         self.block_table = np.vstack([self.block_table,

@@ -36,11 +36,14 @@ from trtllm_vtoken.core.native import load as load_native
 from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.reclaim.copy import CopyExecutor
 from trtllm_vtoken.reclaim.rerotate import KeyRerotation
+from trtllm_vtoken.reclaim.step_batch import StepBatchResult
 from trtllm_vtoken.step.background import BackgroundCompaction
 from trtllm_vtoken.step.checks import StepChecks
 from trtllm_vtoken.step.config import StepConfig, StepStats
 from trtllm_vtoken.step.core import TableCore, make_core
 from trtllm_vtoken.step.decide import BadMass, BatchDecision
+from trtllm_vtoken.step.fused import decide_and_step
+from trtllm_vtoken.step.input_checks import InputChecks
 from trtllm_vtoken.step.io import StepInput, StepOutput
 from trtllm_vtoken.step.slots import SlotMap
 
@@ -87,9 +90,11 @@ class DecodeStep:
         self.checks = StepChecks(self) if config.check_invariants else None
         self.background = BackgroundCompaction(self) if config.background else None
         self._policies: list[EvictionPolicy] = []
+        self.input_checks = InputChecks(self.slots, self._policies, self.is_shared, self.impl == "python")
         self.decision = BatchDecision(self.slots, self._policies, tokens_per_block,
                                       self.core.table if self.impl == "cpp" else None, reduce_mass, self.stats)
         self._policy_of: dict[int, int] = {}  # request -> index into _policies (absent: never evicts)
+        self._following: dict[int, int] = {}  # policy index (-1: none) -> requests that follow it
         self._pushed_shared: frozenset[int] = frozenset()
         self._broken: str | None = None
         if policy is not None:
@@ -103,6 +108,8 @@ class DecodeStep:
         row = self.slots.add_request(req_id)
         if chosen is not None:
             self._policy_of[req_id] = self.slots.policy[row] = self._policy_index(chosen)
+        key = self._policy_of.get(req_id, -1)
+        self._following[key] = self._following.get(key, 0) + 1
 
     def remove_request(self, req_id: int) -> list[int]:
         """Forgets the request; returns its block list, which the host frees in its pool."""
@@ -111,6 +118,10 @@ class DecodeStep:
         blocks = self.core.remove_request(req_id)
         self.slots.remove_request(req_id, blocks, self.is_shared)
         index = self._policy_of.pop(req_id, None)
+        key = -1 if index is None else index
+        self._following[key] -= 1
+        if not self._following[key]:
+            del self._following[key]
         if index is not None:
             self._policies[index].forget(req_id)
         return blocks
@@ -187,79 +198,66 @@ class DecodeStep:
         RuntimeError if the token table refused the step midway (the step is then unusable)."""
         if self._broken:
             raise RuntimeError(f"the step is unusable after an earlier failure: {self._broken}")
-        clock, seconds = time.perf_counter, self.stats.seconds
+        clock, seconds, stats = time.perf_counter, self.stats.seconds, self.stats
         t0 = clock()
-        req_ids, rows, num_new, block_offsets, new_blocks = self._validated(inp)
+        req_ids, rows, num_new, block_offsets, new_blocks = self.input_checks.validated(inp)
         self._push_shared()
-        length = self.slots.kv_len[rows] + num_new
-        background = self.background
         new_slots = self.slots.add_tokens(rows, block_offsets, new_blocks, num_new, req_ids, self.core.table)
-        t1, mass_seconds = clock(), self.stats.mass_seconds
+        t1, mass_seconds = clock(), stats.mass_seconds
+        shared = self.shared_blocks()
         try:
-            victim_index, victim_pos = self.decision.victims(req_ids, rows, inp.mass, self.shared_blocks())
+            native = (self.decision.native_decision(rows, inp.mass, shared, self._sole_policy())
+                      if self._fuses() else None)
+            if native is None:
+                victim_index, victim_pos = self.decision.victims(req_ids, rows, inp.mass, shared)
         except BadMass as exc:  # the new tokens are registered already: the step cannot go on
             self._broken = str(exc)
             raise
-        victim_rows = rows[victim_index]
-        if len(victim_index):
-            victim_slots = self.slots.slots_at(victim_rows, victim_pos)
-            victim_ids = self.slots.tokens[victim_slots].astype(np.int64)
-            victim_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-            np.cumsum(np.bincount(victim_index, minlength=len(rows)), out=victim_offsets[1:])
-            if self.on_victims is not None:
-                self.on_victims(req_ids, victim_offsets, victim_ids)
-        else:  # nothing evicted (e.g. every request within its budget)
-            victim_slots = victim_ids = victim_index
-            victim_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         t2 = clock()
         before = self.checks.before(req_ids, new_slots, num_new) if self.checks else None
         t3 = clock()
+        compaction = "lazy-deferred" if self.background else self.config.compaction
         try:
-            result = self.core.step(req_ids, num_new, block_offsets, new_blocks, victim_offsets, victim_ids,
-                                    "lazy-deferred" if background else self.config.compaction,
-                                    self.config.fragmentation_threshold, inp.pressure,
-                                    background.may_plan(req_ids) if background else None)
+            if native is not None:
+                fused = decide_and_step(self.slots, self.core.table, req_ids, rows, num_new, block_offsets,
+                                        new_blocks, native, compaction, self.config.fragmentation_threshold,
+                                        inp.pressure)
+                victim_offsets, victim_ids, result, lost = fused.victim_offsets, fused.victim_ids, fused.table, fused.lost
+                num_tokens, changed, num_changed = fused.num_tokens, fused.changed, fused.num_changed
+                stats.fused_steps += 1
+                t4 = t5 = clock()
+            else:
+                length = self.slots.kv_len[rows]  # after the new tokens
+                victim_rows, victim_slots, victim_offsets, victim_ids = self._victims(req_ids, rows, victim_index,
+                                                                                      victim_pos)
+                result = self.core.step(req_ids, num_new, block_offsets, new_blocks, victim_offsets, victim_ids,
+                                        compaction, self.config.fragmentation_threshold, inp.pressure,
+                                        self.background.may_plan(req_ids) if self.background else None)
         except (KeyError, ValueError) as exc:
             self._broken = f"the token table refused a step: {exc}"
             raise RuntimeError(self._broken) from exc
-        t4 = clock()
-        if background is not None:
-            self.slots.evict(victim_rows, victim_slots)
-            # Plans whose copies finished commit now, after this iteration's mass was credited to
-            # the layout the forward read; the new plans' copies start, to commit at a later step.
-            self.slots.kv_len[rows] = result.kv_lens
-            committed = background.finish(req_ids, rows)
+        copied = len(result.move_src)
+        if native is None:
+            t4 = clock()
+            result, handle = self._update_layout(req_ids, rows, victim_rows, victim_slots, result, inp.stream)
             t5 = clock()
-            copied = len(result.move_src)
-            handle = background.start(req_ids, result, self.checks is not None)
-            result = committed  # what this step committed
+            lost = length - result.kv_lens
+            num_tokens = self.slots.num_tokens[rows].copy()
+            # A request's layout changed where it moved tokens, released blocks or got shorter (each >= 0).
+            changed = np.diff(result.move_offsets) + np.diff(result.freed_offsets) + lost > 0
+            num_changed = int(np.count_nonzero(changed))
         else:
-            self.slots.apply_step(victim_rows, victim_slots, result.move_src, result.move_dst, rows, req_ids,
-                                  result.kv_lens, result.freed_offsets, self.config.compaction == "dense",
-                                  self.core.table)
-            t5 = clock()
-            copied = len(result.move_src)
-            handle = None
-            if copied and self.executor is not None:
-                handle = self.executor.submit_slots(result.move_src, result.move_dst)
-                if inp.stream is not None:
-                    handle.make_stream_wait(inp.stream)  # the next forward runs after the copy (I3)
-                else:
-                    handle.synchronize()
+            handle = self._submit_copy(result, inp.stream)
         t6 = clock()
-        lost = length - result.kv_lens
-        out = StepOutput(req_ids, victim_offsets, victim_ids, result, lost, self.slots.num_tokens[rows].copy(), handle)
-        # A request's layout changed where it moved tokens, released blocks or got shorter (each >= 0).
-        changed = np.diff(result.move_offsets) + np.diff(result.freed_offsets) + lost > 0
+        out = StepOutput(req_ids, victim_offsets, victim_ids, result, lost, num_tokens, handle)
         if self.checks:
-            self.checks.after(out, before, changed)  # I1 on the relocated keys, before they turn
+            self.checks.after(out, before, changed.astype(bool))  # I1 on the relocated keys, before they turn
         if self.rerotation is not None and lost.any():
             self.rerotation.shift_requests(self.core, dict(zip(req_ids.tolist(), lost.tolist())), inp.stream)
         t7 = clock()
-        stats = self.stats
         stats.steps += 1
         stats.tokens_evicted += len(victim_ids)
-        stats.compactions += int(np.count_nonzero(changed))
+        stats.compactions += num_changed
         stats.moves += len(result.move_src)
         stats.blocks_freed += len(result.freed)
         if self.executor is not None:
@@ -297,65 +295,57 @@ class DecodeStep:
         self._policies.append(policy)
         return len(self._policies) - 1
 
-    def _validated(self, inp: StepInput) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(req_ids, their rows, num_new, block offsets, new blocks) as int64 arrays, checked as the
-        token table would check them, so that a bad batch changes nothing: the sizes, known
-        requests (KeyError), the mass, then ``_check_new`` (the C++ core runs it, in the same
-        words, in its registration call: ``SlotMap.add_tokens``)."""
-        req_ids = np.asarray(inp.req_ids, dtype=np.int64).reshape(-1)
-        num_new = np.asarray(inp.num_new, dtype=np.int64).reshape(-1)
-        offsets = np.asarray(inp.new_block_offsets, dtype=np.int64).reshape(-1)
-        blocks = np.asarray(inp.new_blocks, dtype=np.int64).reshape(-1)
-        batch = len(req_ids)
-        if len(num_new) != batch or len(offsets) != batch + 1:
-            raise ValueError(f"step: {batch} requests need {batch} num_new and {batch + 1} block offsets, "
-                             f"got {len(num_new)} and {len(offsets)}")
-        rows = self.slots.rows(req_ids.tolist())
-        self._check_mass(inp.mass, rows, num_new)
-        if self.impl == "python":
-            self._check_new(req_ids, rows, num_new, offsets, blocks)
-        return req_ids, rows, num_new, offsets, blocks
+    def _fuses(self) -> bool:
+        """May a batch take the fused native call (``step/fused.py``)? Not where something must run
+        between the decision and the table (background plans, the victims hook)."""
+        return self.impl == "cpp" and self.config.fused and self.background is None and self.on_victims is None
 
-    def _check_new(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray,
-                   blocks: np.ndarray) -> None:
-        """The batch's new blocks and tokens: each request once, CSR offsets, counts >= 0, block
-        ids in the pool (twice only if shared), every request's tokens within its blocks. The
-        specification of ``cpp/core/slots.h`` ``check_new``. ValueError naming the first problem."""
-        if len(set(req_ids.tolist())) != len(req_ids):
-            raise ValueError("step: a request appears twice in the batch")
-        counts = offsets[1:] - offsets[:-1]
-        if offsets[0] != 0 or offsets[-1] != len(blocks) or counts.min(initial=0) < 0:
-            raise ValueError("step: new_block_offsets must start at 0, never decrease and end at len(new_blocks)")
-        if num_new.min(initial=0) < 0:
-            raise ValueError(f"step: num_new must be >= 0, got {num_new[num_new < 0][:4].tolist()}")
-        if len(blocks):
-            if blocks.min() < 0 or blocks.max() >= self.slots.num_blocks:
-                raise ValueError(f"step: new block ids must lie in [0, {self.slots.num_blocks})")
-            listed = blocks.tolist()
-            if len(set(listed)) != len(listed):
-                unique, times = np.unique(blocks, return_counts=True)
-                if not all(self.is_shared(int(b)) for b in unique[times > 1]):
-                    raise ValueError("step: a new block is given twice (only a shared block may join several requests)")
-        capacity = (self.slots.num_blocks_of[rows] + counts) * self.tokens_per_block
-        short = np.flatnonzero(self.slots.kv_len[rows] + num_new > capacity)
-        if len(short):
-            i = int(short[0])
-            raise ValueError(f"step: request {req_ids[i]}'s {num_new[i]} new tokens do not fit its blocks")
+    def _sole_policy(self) -> int | None:
+        """The policy index (-1: none) every request of the step follows, None if they differ."""
+        return next(iter(self._following)) if len(self._following) == 1 else None
 
-    def _check_mass(self, mass: Any, rows: np.ndarray, num_new: np.ndarray) -> None:
-        """The mass a batch needs, checked before anything changes (a function's result is
-        checked when it comes)."""
-        if mass is None:
-            if any(self._policies[i].observes_attention() for i in set(self.slots.policy[rows].tolist()) - {-1}):
-                raise ValueError("a policy of this batch observes attention: pass the mass per position")
-            return
-        if callable(mass) or not len(rows):
-            return
-        shape = tuple(mass.shape)
-        longest = int((self.slots.kv_len[rows] + num_new).max())
-        if len(shape) != 2 or shape[0] != len(rows) or shape[1] < longest:
-            raise ValueError(f"mass must be [{len(rows)}, >= {longest}] (the batch's longest request after its new "
-                             f"tokens), got {list(shape)}")
+    def _victims(self, req_ids: np.ndarray, rows: np.ndarray, victim_index: np.ndarray,
+                 victim_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The general path's victims as the layout drops them (rows, slots) and as the table takes
+        them (CSR offsets, logical ids); the victims hook sees them here, before the table's step."""
+        victim_rows = rows[victim_index]
+        victim_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        if not len(victim_index):  # nothing evicted (e.g. every request within its budget)
+            return victim_rows, victim_index, victim_offsets, victim_index
+        victim_slots = self.slots.slots_at(victim_rows, victim_pos)
+        victim_ids = self.slots.tokens[victim_slots].astype(np.int64)
+        np.cumsum(np.bincount(victim_index, minlength=len(rows)), out=victim_offsets[1:])
+        if self.on_victims is not None:
+            self.on_victims(req_ids, victim_offsets, victim_ids)
+        return victim_rows, victim_slots, victim_offsets, victim_ids
+
+    def _update_layout(self, req_ids: np.ndarray, rows: np.ndarray, victim_rows: np.ndarray,
+                       victim_slots: np.ndarray, result: StepBatchResult, stream: Any) -> tuple[StepBatchResult, Any]:
+        """The general path after the table's step: the layout follows it and the copy starts.
+        Background compaction: plans whose copies finished commit now, after this iteration's mass
+        was credited to the layout the forward read; the new plans' copies start, to commit at a
+        later step. Returns what this step committed and the copy's handle."""
+        background = self.background
+        if background is None:
+            self.slots.apply_step(victim_rows, victim_slots, result.move_src, result.move_dst, rows, req_ids,
+                                  result.kv_lens, result.freed_offsets, self.config.compaction == "dense",
+                                  self.core.table)
+            return result, self._submit_copy(result, stream)
+        self.slots.evict(victim_rows, victim_slots)
+        self.slots.kv_len[rows] = result.kv_lens
+        committed = background.finish(req_ids, rows)
+        return committed, background.start(req_ids, result, self.checks is not None)
+
+    def _submit_copy(self, result: StepBatchResult, stream: Any) -> Any:
+        """ONE copy of every move, ordered before the host's next forward (I3); None if none."""
+        if not len(result.move_src) or self.executor is None:
+            return None
+        handle = self.executor.submit_slots(result.move_src, result.move_dst)
+        if stream is not None:
+            handle.make_stream_wait(stream)  # the next forward runs after the copy
+        else:
+            handle.synchronize()
+        return handle
 
     def _push_shared(self) -> None:
         """The C++ table keeps its own set of shared blocks: send it what changed."""

@@ -1,0 +1,68 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "decode_step.h"
+
+#include "select.h"
+
+namespace vtoken {
+
+namespace {
+
+Selection decide(const SlotArrays& a, const TokenTable& table, const int64_t* req_ids, const int64_t* rows,
+                 int64_t batch, const Decision& d) {
+  if (d.selector == Selector::kLowestIds) return lowest_live_ids(table, req_ids, batch, d.lo, d.hi, d.excess);
+  if (d.selector == Selector::kNone) return {};
+  std::vector<int64_t> kv_len(static_cast<size_t>(batch));
+  for (int64_t i = 0; i < batch; ++i) kv_len[i] = a.kv_len[rows[i]];
+  const SlotLayout layout{a.tokens, a.block_table, a.block_stride, a.tokens_per_block, a.scratch + 1};
+  if (d.mass64 != nullptr) {
+    return select_lowest(layout, rows, batch, kv_len.data(), d.lo, d.hi, d.excess, d.stat, d.mass64, d.mass_stride);
+  }
+  return select_lowest(layout, rows, batch, kv_len.data(), d.lo, d.hi, d.excess, d.stat, d.mass32, d.mass_stride);
+}
+
+}  // namespace
+
+DecodeResult decide_and_step(SlotArrays& a, TokenTable& table, const int64_t* req_ids, const int64_t* rows,
+                             int64_t batch, const int64_t* num_new, const int64_t* new_block_offsets,
+                             const int64_t* new_blocks, const Decision& decision, Compaction mode,
+                             int64_t fragmentation_threshold, bool pressure) {
+  const Selection picked = decide(a, table, req_ids, rows, batch, decision);
+  const int64_t tpb = a.tokens_per_block, num_victims = static_cast<int64_t>(picked.rows.size());
+  DecodeResult out;
+  // Victims as the table takes them (logical ids, CSR by request) and as the layout drops them
+  // (row, slot), read from the layout before anything moves.
+  std::vector<int64_t> victim_rows(num_victims), victim_slots(num_victims);
+  out.victim_ids.resize(num_victims);
+  out.victim_offsets.assign(batch + 1, 0);
+  for (int64_t k = 0; k < num_victims; ++k) {
+    const int64_t i = picked.rows[k], row = rows[i], position = picked.positions[k];
+    const int64_t slot = static_cast<int64_t>(a.block_table[row * a.block_stride + position / tpb]) * tpb + position % tpb;
+    victim_rows[k] = row;
+    victim_slots[k] = slot;
+    out.victim_ids[k] = a.tokens[slot];
+    ++out.victim_offsets[i + 1];
+  }
+  for (int64_t i = 0; i < batch; ++i) out.victim_offsets[i + 1] += out.victim_offsets[i];
+  std::vector<int64_t> length(batch);  // after the new tokens, before the step
+  for (int64_t i = 0; i < batch; ++i) length[i] = a.kv_len[rows[i]];
+  out.table = step_batch(table, req_ids, batch, num_new, new_block_offsets, new_blocks, out.victim_offsets.data(),
+                         out.victim_ids.data(), mode, fragmentation_threshold, pressure);
+  const StepResult& r = out.table;
+  apply_step(a, victim_rows.data(), victim_slots.data(), num_victims, r.move_src.data(), r.move_dst.data(),
+             static_cast<int64_t>(r.move_src.size()), rows, req_ids, batch, r.kv_lens.data(), r.freed_offsets.data(),
+             mode == Compaction::kDense, table);
+  out.lost.resize(batch);
+  out.num_tokens.resize(batch);
+  out.changed.resize(batch);
+  for (int64_t i = 0; i < batch; ++i) {
+    out.lost[i] = length[i] - r.kv_lens[i];
+    out.num_tokens[i] = a.num_tokens[rows[i]];
+    const int64_t work = (r.move_offsets[i + 1] - r.move_offsets[i]) + (r.freed_offsets[i + 1] - r.freed_offsets[i]) +
+                         out.lost[i];
+    out.changed[i] = work > 0;
+    out.num_changed += work > 0;
+  }
+  return out;
+}
+
+}  // namespace vtoken

@@ -1,0 +1,60 @@
+// SPDX-License-Identifier: Apache-2.0
+// The common decode step after its registration call, in one call: the batch's decision, the
+// token table's step and the batch layout's update (DecodeStep.run's steps 2 and 3 for a batch one
+// natively decided policy serves; trtllm_vtoken/step/fused.py says when). The same effects, in the
+// same order, as the four calls the general path makes:
+//
+//     select_lowest / lowest_live_ids (select.h)   the victims, (batch row, position) pairs
+//     victims -> slots, logical ids, CSR offsets    what DecodeStep.run computes in numpy
+//     step_batch (batch.h)                          append, evict, plan, commit
+//     apply_step (slots.h)                          evictions, moves, released blocks, lengths
+//
+// plus what the step's output reports per request: the length lost, the logical length, and
+// whether its layout changed. The step parity test runs both paths on the same batches.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "batch.h"
+#include "slots.h"
+
+namespace vtoken {
+
+enum class Selector : int64_t {
+  kNone = 0,        // nothing over budget and nothing to learn: no victims
+  kLowestIds = 1,   // the lowest live ids in [lo, hi) (StreamingLLM, sliding window)
+  kLowestStat = 2,  // the lowest per-slot statistic in [lo, hi), after adding the mass (H2O)
+};
+
+struct Decision {
+  Selector selector = Selector::kNone;
+  const int64_t* lo = nullptr;      // [batch] lowest candidate id
+  const int64_t* hi = nullptr;      // [batch] one past the highest
+  const int64_t* excess = nullptr;  // [batch] tokens to evict (<= 0: none)
+  double* stat = nullptr;           // kLowestStat: the score per slot
+  const float* mass32 = nullptr;    // optional, one of the two: [batch, mass_stride] added to stat first
+  const double* mass64 = nullptr;
+  int64_t mass_stride = 0;
+};
+
+struct DecodeResult {
+  std::vector<int64_t> victim_offsets;  // [batch + 1] CSR into victim_ids
+  std::vector<int64_t> victim_ids;      // each request's ascending
+  StepResult table;
+  std::vector<int64_t> lost;        // [batch] physical length lost after the new tokens
+  std::vector<int64_t> num_tokens;  // [batch] logical lengths
+  int64_t num_changed = 0;          // requests that moved tokens, released blocks or got shorter
+  std::vector<int64_t> changed;     // [batch] 1 where so
+};
+
+// Request i is req_ids[i] at layout row rows[i], whose new blocks and tokens the registration
+// call (register_new) wrote into the layout; the table has not seen them yet. Throws what the
+// calls it makes throw; a throw from the table's step leaves the step half done (the caller then
+// refuses further steps, as for the general path).
+DecodeResult decide_and_step(SlotArrays& a, TokenTable& table, const int64_t* req_ids, const int64_t* rows,
+                             int64_t batch, const int64_t* num_new, const int64_t* new_block_offsets,
+                             const int64_t* new_blocks, const Decision& decision, Compaction mode,
+                             int64_t fragmentation_threshold, bool pressure);
+
+}  // namespace vtoken

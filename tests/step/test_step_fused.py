@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The C++ core's fused decode step (``step/fused.py``: decision, table step and layout update in
+one native call) equals the general path and the Python core: the same random batches under one
+policy at a time (each of the five, and none) give the same victims, moves, freed blocks, lengths,
+tables, layouts and KV, with I1/I2 checked around every step; batches it cannot serve (several
+policies, a shared block, a victims hook) take the general path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.step.drive import POLICY_SPECS, Host, make_step, random_batch
+from tests.step.test_step_parity import outputs_equal, tables_equal
+from trtllm_vtoken.core.native import load
+from trtllm_vtoken.policies import make_policy
+from trtllm_vtoken.step import StepInput
+from trtllm_vtoken.step.decide import BadMass
+
+pytestmark = pytest.mark.skipif(load() is None, reason="the C++ core is not built")
+
+NATIVE = {"h2o", "streaming_llm", "sliding_window"}  # decided in one native pass (ScorePolicy.scores_are_ids / score_stat)
+
+
+def three_steps(tpb: int, compaction: str, threshold: int, spec):
+    """Python core, C++ general path, C++ fused path: each on its own host, one policy each."""
+    hosts = [Host(256, tpb, 1) for _ in range(3)]
+    policies = [None if spec is None else make_policy(spec[0], spec[1], **spec[2]) for _ in hosts]
+    steps = [make_step(h, impl, compaction, threshold, p, fused)
+             for h, (impl, fused), p in zip(hosts, (("python", True), ("cpp", False), ("cpp", True)), policies)]
+    return hosts, steps
+
+
+@settings(max_examples=30, deadline=None)
+@given(compaction=st.sampled_from(["dense", "lazy", "dead-blocks"]), tpb=st.sampled_from([2, 4, 8]),
+       spec=st.sampled_from(POLICY_SPECS + [None]), steps=st.integers(1, 20), threshold=st.integers(1, 3),
+       seed=st.integers(0, 2**31))
+def test_fused_step_equals_general_path_and_python(compaction, tpb, spec, steps, threshold, seed):
+    rng = np.random.default_rng(seed)
+    hosts, steps_ = three_steps(tpb, compaction, threshold, spec)
+    next_req, empty = 0, 0
+    for _ in range(steps):
+        joining = list(range(next_req, next_req + int(rng.integers(0, 3))))
+        next_req += len(joining)
+        for step in steps_:
+            for req in joining:
+                step.add_request(req)
+        if not steps_[0].request_ids():
+            continue
+        state = rng.bit_generator.state
+        inputs = []
+        for step, host in zip(steps_, hosts):
+            rng.bit_generator.state = state
+            inputs.append(random_batch(rng, step, host, joining))
+        outs = [step.run(inp) for step, inp in zip(steps_, inputs)]
+        empty += not len(inputs[0].req_ids)
+        for out in outs[1:]:
+            outputs_equal(outs[0], out)
+        for host, out in zip(hosts, outs):
+            host.release(out.table.freed)
+        for step in steps_[1:]:
+            tables_equal(steps_[0], step)
+            assert step.stats.compactions == steps_[0].stats.compactions
+        assert torch.equal(hosts[0].kv, hosts[2].kv) and torch.equal(hosts[1].kv, hosts[2].kv)
+        for req in steps_[0].request_ids():  # some finish
+            if rng.random() < 0.08:
+                for step, host in zip(steps_, hosts):
+                    host.release(step.remove_request(req))
+    python, general, fused = (s.stats for s in steps_)
+    assert python.fused_steps == general.fused_steps == 0
+    # Every batch of a natively decided policy (or none) fuses; an empty one under any policy.
+    assert fused.fused_steps == (python.steps if spec is None or spec[0] in NATIVE else empty)
+
+
+def test_a_shared_block_or_several_policies_take_the_general_path():
+    host = Host(32, 4)
+    shared: set[int] = set()
+    step = make_step(host, "cpp", "dense", policy=make_policy("streaming_llm", 5, n_sink=2))
+    step.shared_blocks, step.is_shared = (lambda: shared), shared.__contains__
+    step.add_request(0)
+    step.run(StepInput([0], [8], [0, 2], host.allocate(2)))
+    assert step.stats.fused_steps == 1
+    shared.add(step.block_ids(0)[0])  # a prefix cache shares its first block
+    step.run(StepInput.decode([0], [host.allocate(1)]))
+    assert step.stats.fused_steps == 1
+    shared.clear()
+    step.add_request(1, make_policy("sliding_window", 4))  # a second policy joins the batch
+    step.run(StepInput([0, 1], [1, 3], [0, 0, 1], host.allocate(1)))
+    assert step.stats.fused_steps == 1
+    step.run(StepInput.decode([1]))
+    assert step.stats.fused_steps == 2
+
+
+def test_a_bad_mass_function_stops_the_fused_step_as_the_general_one():
+    """A mass function's result is checked when it comes: the new tokens are registered by then,
+    so the step refuses to go on, on either path, with the same message."""
+    messages = []
+    for fused in (False, True):
+        host = Host(16, 4)
+        step = make_step(host, "cpp", "dense", policy=make_policy("h2o", 6), fused=fused)
+        step.add_request(0)
+        with pytest.raises(BadMass) as caught:
+            step.run(StepInput([0], [5], [0, 2], host.allocate(2), mass=lambda tokens: np.ones((2, 8))))
+        with pytest.raises(RuntimeError, match="unusable"):
+            step.run(StepInput.decode([0], mass=np.ones((1, 8))))
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1]

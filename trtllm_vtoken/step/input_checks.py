@@ -1,0 +1,91 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The step's checks of a batch before anything changes (``DecodeStep.run``'s first act): a bad
+batch raises and leaves the step as it was.
+
+    sizes        one num_new per request, one block offset more          ValueError
+    requests     every request added to the step                         KeyError
+    mass         present when a policy of the batch observes attention,
+                 [B, >= the longest length after the new tokens]         ValueError
+    new blocks   ``check_new``: the Python core runs it; the C++ core runs its mirror
+    and tokens   (``cpp/core/slots.h`` ``check_new``, the same words) in its registration call
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from trtllm_vtoken.policies import EvictionPolicy
+from trtllm_vtoken.step.io import StepInput
+from trtllm_vtoken.step.slots import SlotMap
+
+
+class InputChecks:
+    """Checks a step's input against its batch layout, its policies and its shared blocks."""
+
+    def __init__(self, slots: SlotMap, policies: list[EvictionPolicy], is_shared: Callable[[int], bool],
+                 checks_new: bool) -> None:
+        """``checks_new``: run ``check_new`` here (False where the C++ core runs it)."""
+        self.slots, self.policies, self.is_shared, self.checks_new = slots, policies, is_shared, checks_new
+
+    def validated(self, inp: StepInput) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(req_ids, their rows, num_new, block offsets, new blocks) as int64 arrays, checked as the
+        token table would check them: the sizes, known requests (KeyError), the mass, then
+        ``check_new`` (Python core)."""
+        req_ids = np.asarray(inp.req_ids, dtype=np.int64).reshape(-1)
+        num_new = np.asarray(inp.num_new, dtype=np.int64).reshape(-1)
+        offsets = np.asarray(inp.new_block_offsets, dtype=np.int64).reshape(-1)
+        blocks = np.asarray(inp.new_blocks, dtype=np.int64).reshape(-1)
+        batch = len(req_ids)
+        if len(num_new) != batch or len(offsets) != batch + 1:
+            raise ValueError(f"step: {batch} requests need {batch} num_new and {batch + 1} block offsets, "
+                             f"got {len(num_new)} and {len(offsets)}")
+        rows = self.slots.rows(req_ids.tolist())
+        self.check_mass(inp.mass, rows, num_new)
+        if self.checks_new:
+            self.check_new(req_ids, rows, num_new, offsets, blocks)
+        return req_ids, rows, num_new, offsets, blocks
+
+    def check_new(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray,
+                  blocks: np.ndarray) -> None:
+        """The batch's new blocks and tokens: each request once, CSR offsets, counts >= 0, block
+        ids in the pool (twice only if shared), every request's tokens within its blocks. The
+        specification of ``cpp/core/slots.h`` ``check_new``. ValueError naming the first problem."""
+        slots = self.slots
+        if len(set(req_ids.tolist())) != len(req_ids):
+            raise ValueError("step: a request appears twice in the batch")
+        counts = offsets[1:] - offsets[:-1]
+        if offsets[0] != 0 or offsets[-1] != len(blocks) or counts.min(initial=0) < 0:
+            raise ValueError("step: new_block_offsets must start at 0, never decrease and end at len(new_blocks)")
+        if num_new.min(initial=0) < 0:
+            raise ValueError(f"step: num_new must be >= 0, got {num_new[num_new < 0][:4].tolist()}")
+        if len(blocks):
+            if blocks.min() < 0 or blocks.max() >= slots.num_blocks:
+                raise ValueError(f"step: new block ids must lie in [0, {slots.num_blocks})")
+            listed = blocks.tolist()
+            if len(set(listed)) != len(listed):
+                unique, times = np.unique(blocks, return_counts=True)
+                if not all(self.is_shared(int(b)) for b in unique[times > 1]):
+                    raise ValueError("step: a new block is given twice (only a shared block may join several requests)")
+        capacity = (slots.num_blocks_of[rows] + counts) * slots.tokens_per_block
+        short = np.flatnonzero(slots.kv_len[rows] + num_new > capacity)
+        if len(short):
+            i = int(short[0])
+            raise ValueError(f"step: request {req_ids[i]}'s {num_new[i]} new tokens do not fit its blocks")
+
+    def check_mass(self, mass: Any, rows: np.ndarray, num_new: np.ndarray) -> None:
+        """The mass a batch needs, checked before anything changes (a function's result is
+        checked when it comes)."""
+        if mass is None:
+            if any(self.policies[i].observes_attention() for i in set(self.slots.policy[rows].tolist()) - {-1}):
+                raise ValueError("a policy of this batch observes attention: pass the mass per position")
+            return
+        if callable(mass) or not len(rows):
+            return
+        shape = tuple(mass.shape)
+        longest = int((self.slots.kv_len[rows] + num_new).max())
+        if len(shape) != 2 or shape[0] != len(rows) or shape[1] < longest:
+            raise ValueError(f"mass must be [{len(rows)}, >= {longest}] (the batch's longest request after its new "
+                             f"tokens), got {list(shape)}")
