@@ -30,7 +30,8 @@ The attention mass arrives as float32 [batch, length], as attention kernels retu
 simulated attention (``mass="synthetic"``), whose per-request numpy work runs on the host's cores
 and leaves their caches cold for the step after it, or as one fixed random array per layout shape
 (``mass="fixed"``: the host only receives a buffer, as from a GPU's attention). Each row
-runs with the C++ core and with the Python core (``step_impl``). Rows are repeated in
+runs with the C++ core and with the Python core (``step_impl``); "cpp-general" rows run the C++
+core with its fused decode call off (``step_fused``), for comparing the two paths. Rows are repeated in
 alternating order; a row's value is the median step of its median run, with the runs' range.
 """
 
@@ -47,6 +48,8 @@ from trtllm_vtoken.config_base import require_positive
 from trtllm_vtoken.runtime.config import EngineConfig
 
 SPLIT = ("table", "policy", "core", "copy")
+IMPLS = ("cpp", "python", "cpp-general")
+"""The step's core: C++ (its fused call where a batch allows), Python, C++ on the general path only."""
 MASSES = ("synthetic", "fixed")
 
 
@@ -59,6 +62,7 @@ class StepBenchConfig:
     warmup: int = 3
     repeats: int = 3
     impls: tuple[str, ...] = ("cpp", "python")
+    """Among ``IMPLS``."""
     mass: str = "synthetic"
     """Where the attention mass comes from: "synthetic" (the simulated attention) or "fixed"."""
     seed: int = 0
@@ -71,8 +75,8 @@ class StepBenchConfig:
             raise ValueError(f"batches must be positive, got {self.batches}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if not self.impls or set(self.impls) - {"cpp", "python"}:
-            raise ValueError(f"impls must be among cpp, python, got {self.impls}")
+        if not self.impls or set(self.impls) - set(IMPLS):
+            raise ValueError(f"impls must be among {', '.join(IMPLS)}, got {self.impls}")
         if self.mass not in MASSES:
             raise ValueError(f"mass must be one of {MASSES}, got {self.mass!r}")
 
@@ -104,7 +108,8 @@ class StepBenchConfig:
             prefix_caching=False,  # identical placeholder prompts must not share blocks
             variant="native" if row["variant"] == "native" else "vtoken")
         if row["variant"] != "native":
-            values.update(mode=row["mode"], policy=row["policy"], step_impl=row["impl"],
+            values.update(mode=row["mode"], policy=row["policy"], step_impl=row["impl"].removesuffix("-general"),
+                          step_fused=row["impl"] != "cpp-general",
                           budget="1.0" if row["variant"] == "indirection-only" else self.budget(row))
         return EngineConfig(**values)
 
@@ -206,7 +211,7 @@ def plot_step(result: dict[str, Any], path) -> None:
         added = [max(r["added_us_p50"], 1.0) for r in mine]
         low = [max(r["host_us_p50_min"] - native["host_us_p50"], 1.0) for r in mine]
         high = [max(r["host_us_p50_max"] - native["host_us_p50"], 1.0) for r in mine]
-        colors = ["tab:blue" if r["impl"] == "cpp" else "tab:orange" for r in mine]
+        colors = [{"cpp": "tab:blue", "cpp-general": "tab:green"}.get(r["impl"], "tab:orange") for r in mine]
         ax.barh(labels, added, color=colors, xerr=[np.maximum(np.subtract(added, low), 0),
                                                   np.maximum(np.subtract(high, added), 0)], capsize=3)
         target = 300 if batch <= 64 else 1000
@@ -222,7 +227,7 @@ def plot_step(result: dict[str, Any], path) -> None:
     c = result["config"]
     fig.suptitle(f"vtoken bench step (simulated attention, not counted): {c['context']} tokens of context, "
                  f"tokens_per_block {c['tokens_per_block']}, one eviction per request per step "
-                 "(blue: C++ core, orange: Python)")
+                 "(blue: C++ core, green: C++ general path only, orange: Python)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

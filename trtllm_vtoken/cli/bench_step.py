@@ -24,8 +24,10 @@ def register(bench) -> None:
     step.add_argument("--steps", type=int, default=20, help="timed decode steps per run (default 20)")
     step.add_argument("--repeats", type=int, default=3,
                       help="runs per row in alternating order; the median run is reported (default 3)")
-    step.add_argument("--impl", choices=["cpp", "python", "both"], default="both",
-                      help="the step's token-table core (default both; cpp is skipped where it is not built)")
+    step.add_argument("--impl", default="both",
+                      help="comma-separated cores among cpp, python, cpp-general (the C++ core without its fused "
+                           "decode call: the general path for every batch), or both (= cpp,python; the default; "
+                           "cpp is skipped where it is not built)")
     step.add_argument("--mass", choices=["synthetic", "fixed"], default="synthetic",
                       help="the attention mass: the simulated attention (its per-request numpy work runs on these "
                            "cores, not counted, and leaves their caches cold for the step after it) or one fixed "
@@ -37,7 +39,7 @@ def register(bench) -> None:
 def run_step(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.step import StepBenchConfig, plot_step, run_step_bench
+    from trtllm_vtoken.bench.step import IMPLS, StepBenchConfig, plot_step, run_step_bench
     from trtllm_vtoken.cli.info import machine
     from trtllm_vtoken.core.native import load as load_native
     from trtllm_vtoken.report import format_table
@@ -46,11 +48,14 @@ def run_step(args: argparse.Namespace) -> int:
         batches = tuple(int(b) for b in args.batches.split(","))
     except ValueError:
         raise ValueError(f"--batches must be comma-separated integers, got {args.batches!r}") from None
-    impls = ["cpp", "python"] if args.impl == "both" else [args.impl]
-    if "cpp" in impls and load_native() is None:
-        if args.impl == "cpp":
-            raise ValueError("--impl cpp: the C++ core is not built")
-        impls.remove("cpp")
+    impls = ["cpp", "python"] if args.impl == "both" else args.impl.split(",")
+    if set(impls) - set(IMPLS):
+        raise ValueError(f"--impl must list cores among {', '.join(IMPLS)} or be both, got {args.impl!r}")
+    native = [i for i in impls if i != "python"]
+    if native and load_native() is None:
+        if args.impl != "both":
+            raise ValueError(f"--impl {args.impl}: the C++ core is not built")
+        impls = ["python"]
         print("note: the C++ core is not built; timing the Python core only", file=sys.stderr)
     cfg = StepBenchConfig(batches=batches, context=args.context, tokens_per_block=args.tokens_per_block,
                           steps=5 if args.quick else args.steps, warmup=2 if args.quick else 3,

@@ -66,6 +66,9 @@ class EngineConfig:
     step_impl: Literal["auto", "cpp", "python"] = "auto"
     """The step's token table (naive-evict, vtoken): "cpp" (the C++ core), "python" (the
     specification), or "auto" (cpp where it is built). ``vtoken info`` shows what auto picks."""
+    step_fused: bool = True
+    """C++ core: batches one natively decided policy serves take the fused native call
+    (``StepConfig.fused``); False: the general path (for comparing both)."""
     synchronous_copies: bool = False
     """On CUDA: wait on the host for every relocation instead of ordering the compute stream
     after its event (the ablation of the asynchronous side-stream copy)."""

@@ -213,6 +213,10 @@ class DecodeStep:
         except BadMass as exc:  # the new tokens are registered already: the step cannot go on
             self._broken = str(exc)
             raise
+        if native is None:
+            length = self.slots.kv_len[rows]  # after the new tokens
+            victim_rows, victim_slots, victim_offsets, victim_ids = self._victims(req_ids, rows, victim_index,
+                                                                                  victim_pos)
         t2 = clock()
         before = self.checks.before(req_ids, new_slots, num_new) if self.checks else None
         t3 = clock()
@@ -227,9 +231,6 @@ class DecodeStep:
                 stats.fused_steps += 1
                 t4 = t5 = clock()
             else:
-                length = self.slots.kv_len[rows]  # after the new tokens
-                victim_rows, victim_slots, victim_offsets, victim_ids = self._victims(req_ids, rows, victim_index,
-                                                                                      victim_pos)
                 result = self.core.step(req_ids, num_new, block_offsets, new_blocks, victim_offsets, victim_ids,
                                         compaction, self.config.fragmentation_threshold, inp.pressure,
                                         self.background.may_plan(req_ids) if self.background else None)
@@ -239,8 +240,11 @@ class DecodeStep:
         copied = len(result.move_src)
         if native is None:
             t4 = clock()
-            result, handle = self._update_layout(req_ids, rows, victim_rows, victim_slots, result, inp.stream)
+            planned, result = result, self._update_layout(req_ids, rows, victim_rows, victim_slots, result)
             t5 = clock()
+            handle = (self.background.start(req_ids, planned, self.checks is not None) if self.background
+                      else self._submit_copy(result, inp.stream))
+            t6 = clock()
             lost = length - result.kv_lens
             num_tokens = self.slots.num_tokens[rows].copy()
             # A request's layout changed where it moved tokens, released blocks or got shorter (each >= 0).
@@ -248,7 +252,7 @@ class DecodeStep:
             num_changed = int(np.count_nonzero(changed))
         else:
             handle = self._submit_copy(result, inp.stream)
-        t6 = clock()
+            t6 = clock()
         out = StepOutput(req_ids, victim_offsets, victim_ids, result, lost, num_tokens, handle)
         if self.checks:
             self.checks.after(out, before, changed.astype(bool))  # I1 on the relocated keys, before they turn
@@ -320,21 +324,19 @@ class DecodeStep:
         return victim_rows, victim_slots, victim_offsets, victim_ids
 
     def _update_layout(self, req_ids: np.ndarray, rows: np.ndarray, victim_rows: np.ndarray,
-                       victim_slots: np.ndarray, result: StepBatchResult, stream: Any) -> tuple[StepBatchResult, Any]:
-        """The general path after the table's step: the layout follows it and the copy starts.
-        Background compaction: plans whose copies finished commit now, after this iteration's mass
-        was credited to the layout the forward read; the new plans' copies start, to commit at a
-        later step. Returns what this step committed and the copy's handle."""
-        background = self.background
-        if background is None:
+                       victim_slots: np.ndarray, result: StepBatchResult) -> StepBatchResult:
+        """The general path after the table's step: the layout follows it. Returns what this step
+        committed: the table's step, or with background compaction the plans whose copies
+        finished, committed now (after this iteration's mass was credited to the layout the
+        forward read; the new plans' copies start next, to commit at a later step)."""
+        if self.background is None:
             self.slots.apply_step(victim_rows, victim_slots, result.move_src, result.move_dst, rows, req_ids,
                                   result.kv_lens, result.freed_offsets, self.config.compaction == "dense",
                                   self.core.table)
-            return result, self._submit_copy(result, stream)
+            return result
         self.slots.evict(victim_rows, victim_slots)
         self.slots.kv_len[rows] = result.kv_lens
-        committed = background.finish(req_ids, rows)
-        return committed, background.start(req_ids, result, self.checks is not None)
+        return self.background.finish(req_ids, rows)
 
     def _submit_copy(self, result: StepBatchResult, stream: Any) -> Any:
         """ONE copy of every move, ordered before the host's next forward (I3); None if none."""
