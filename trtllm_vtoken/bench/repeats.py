@@ -10,9 +10,10 @@ from typing import Any
 
 
 def run_alternating(rows: Sequence[tuple[str, Any]], repeats: int, run: Callable[[str, Any], dict[str, Any]],
-                    progress=None, key: str = "tokens_per_s") -> list[dict[str, Any]]:
+                    progress=None, key: str = "tokens_per_s", spread: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Calls ``run(label, spec)`` ``repeats`` times per row; returns, in row order, each row's
-    median run (by ``key``) with ``label``, ``{key}_min`` and ``{key}_max``."""
+    median run (by ``key``) with ``label``, ``{key}_min`` and ``{key}_max``, and the same range
+    over the runs for each of the values named in ``spread``."""
     if repeats <= 0:
         raise ValueError(f"repeats must be positive, got {repeats}")
     samples: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in rows}
@@ -24,6 +25,9 @@ def run_alternating(rows: Sequence[tuple[str, Any]], repeats: int, run: Callable
     summary = []
     for label, _ in rows:
         ordered = sorted(samples[label], key=lambda r: r[key])
-        summary.append(dict(ordered[len(ordered) // 2], label=label, **{f"{key}_min": ordered[0][key],
-                                                                          f"{key}_max": ordered[-1][key]}))
+        ranges = {}
+        for name in (key, *spread):
+            values = [r[name] for r in ordered]
+            ranges[f"{name}_min"], ranges[f"{name}_max"] = min(values), max(values)
+        summary.append(dict(ordered[len(ordered) // 2], label=label, **ranges))
     return summary

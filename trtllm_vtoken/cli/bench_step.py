@@ -67,15 +67,19 @@ def run_step(args: argparse.Namespace) -> int:
     print(f"vtoken bench step: engine + {source} (not counted), {cfg.context} tokens of context, "
           f"tokens_per_block {cfg.tokens_per_block}, one eviction per request per step; {cfg.steps} timed "
           f"steps per run, the median of {cfg.repeats} alternating runs per row")
-    headers = ["batch", "row", "impl", "host us/step", "runs min-max", "added us", "added %", "table us",
-               "policy us", "core us", "copy us", "evicted/step", "moves/step", "freed/step"]
+    headers = ["batch", "row", "impl", "host us/step", "runs min-max", "added us", "added %", "step us",
+               "step runs min-max", "table us", "policy us", "core us", "copy us", "evicted/step", "moves/step",
+               "freed/step"]
     rows = [[r["batch"], r["label"].removesuffix(f" {r['impl']}"), r["impl"], r["host_us_p50"],
              f"{r['host_us_p50_min']:,.0f}-{r['host_us_p50_max']:,.0f}", r["added_us_p50"], r["added_pct"],
+             r["step_us"], f"{r['step_us_min']:,.0f}-{r['step_us_max']:,.0f}",
              *(r["split_us"][k] for k in ("table", "policy", "core", "copy")), r["evicted_per_step"],
              r["moves_per_step"], r["blocks_freed_per_step"]] for r in result["rows"]]
     print(format_table(headers, rows))
-    print("table: the step's batch layout; policy: mass, observe, select (vectorised); core: the one token-table "
-          "call (append, evict, plan, commit); copy: the one copy of all moves (metadata only here)")
+    print("step: the step's own time per decode step, timed inside it (the sum of the split; the engine's glue "
+          "around it is not in it); table: the step's batch layout; policy: mass, observe, select (vectorised); "
+          "core: the one token-table call (append, evict, plan, commit; a fused step's one native call); copy: the "
+          "one copy of all moves (metadata only here)")
     where = machine()
     listed = [dict(r, context=cfg.context, tokens_per_block=cfg.tokens_per_block, steps=cfg.steps,
                    repeats=cfg.repeats, machine=where) for r in result["rows"]]
