@@ -25,7 +25,7 @@ Selection decide(const SlotArrays& a, const TokenTable& table, const int64_t* re
 DecodeResult decide_and_step(SlotArrays& a, TokenTable& table, const int64_t* req_ids, const int64_t* rows,
                              int64_t batch, const int64_t* num_new, const int64_t* new_block_offsets,
                              const int64_t* new_blocks, const Decision& decision, Compaction mode,
-                             int64_t fragmentation_threshold, bool pressure) {
+                             int64_t fragmentation_threshold, bool pressure, const VictimsHook& on_victims) {
   const Selection picked = decide(a, table, req_ids, rows, batch, decision);
   const int64_t tpb = a.tokens_per_block, num_victims = static_cast<int64_t>(picked.rows.size());
   DecodeResult out;
@@ -43,6 +43,7 @@ DecodeResult decide_and_step(SlotArrays& a, TokenTable& table, const int64_t* re
     ++out.victim_offsets[i + 1];
   }
   for (int64_t i = 0; i < batch; ++i) out.victim_offsets[i + 1] += out.victim_offsets[i];
+  if (num_victims && on_victims) on_victims(out.victim_offsets, out.victim_ids);
   std::vector<int64_t> length(batch);  // after the new tokens, before the step
   for (int64_t i = 0; i < batch; ++i) length[i] = a.kv_len[rows[i]];
   out.table = step_batch(table, req_ids, batch, num_new, new_block_offsets, new_blocks, out.victim_offsets.data(),

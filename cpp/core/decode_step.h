@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "batch.h"
@@ -48,13 +49,17 @@ struct DecodeResult {
   std::vector<int64_t> changed;     // [batch] 1 where so
 };
 
+// Called with (victim_offsets, victim_ids) after the decision, before the table's step, when
+// there are victims (DecodeStep.on_victims: prefix caching ends the chains there).
+using VictimsHook = std::function<void(const std::vector<int64_t>&, const std::vector<int64_t>&)>;
+
 // Request i is req_ids[i] at layout row rows[i], whose new blocks and tokens the registration
 // call (register_new) wrote into the layout; the table has not seen them yet. Throws what the
-// calls it makes throw; a throw from the table's step leaves the step half done (the caller then
-// refuses further steps, as for the general path).
+// calls it makes throw (the hook's throw before the table changed); a throw from the table's step
+// leaves the step half done (the caller then refuses further steps, as for the general path).
 DecodeResult decide_and_step(SlotArrays& a, TokenTable& table, const int64_t* req_ids, const int64_t* rows,
                              int64_t batch, const int64_t* num_new, const int64_t* new_block_offsets,
                              const int64_t* new_blocks, const Decision& decision, Compaction mode,
-                             int64_t fragmentation_threshold, bool pressure);
+                             int64_t fragmentation_threshold, bool pressure, const VictimsHook& on_victims = {});
 
 }  // namespace vtoken

@@ -126,7 +126,8 @@ void bind_slots(nb::module_& m) {
          Ids req_ids, Ids rows, Ids num_new, Ids offsets, Ids blocks, int64_t selector, Ids lo, Ids hi, Ids excess,
          int64_t compaction, int64_t fragmentation_threshold, bool pressure,
          std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
-         std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass) {
+         std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass,
+         std::optional<nb::callable> on_victims) {
         vtoken::SlotArrays a = arrays(tokens, block_table, tpb, num_blocks_of, kv_len, num_tokens, num_live, stats);
         const size_t batch = rows.shape(0);
         check_batch(rows, block_table.shape(0), batch, "rows");
@@ -165,9 +166,16 @@ void bind_slots(nb::module_& m) {
             throw std::invalid_argument("slots_decide_step: mass must be float32 or float64");
           }
         }
+        vtoken::VictimsHook hook;
+        if (on_victims) {  // with numpy copies of the victims, as the general path hands them over
+          hook = [&](const std::vector<int64_t>& victim_offsets, const std::vector<int64_t>& victim_ids) {
+            (*on_victims)(vtoken::to_numpy(std::vector<int64_t>(victim_offsets)),
+                          vtoken::to_numpy(std::vector<int64_t>(victim_ids)));
+          };
+        }
         vtoken::DecodeResult r = vtoken::decide_and_step(
             a, table, req_ids.data(), rows.data(), static_cast<int64_t>(batch), num_new.data(), offsets.data(),
-            blocks.data(), d, static_cast<vtoken::Compaction>(compaction), fragmentation_threshold, pressure);
+            blocks.data(), d, static_cast<vtoken::Compaction>(compaction), fragmentation_threshold, pressure, hook);
         using vtoken::to_numpy;
         vtoken::StepResult& t = r.table;
         return nb::make_tuple(
@@ -182,8 +190,9 @@ void bind_slots(nb::module_& m) {
       "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a, "num_tokens"_a,
       "num_live"_a, "stats"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
       "lo"_a, "hi"_a, "excess"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a,
-      "stat"_a = nb::none(), "mass"_a = nb::none(),
+      "stat"_a = nb::none(), "mass"_a = nb::none(), "on_victims"_a = nb::none(),
       "After slots_register: the batch's decision, the token table's step and the layout's update in one call "
-      "(cpp/core/decode_step.h). Returns (victim_offsets, victim_ids, the table's step as step_batch returns it, "
+      "(cpp/core/decode_step.h); on_victims(victim_offsets, victim_ids) runs between the decision and the "
+      "table's step when there are victims. Returns (victim_offsets, victim_ids, the table's step as step_batch returns it, "
       "lost, num_tokens, changed, number changed).");
 }

@@ -108,3 +108,40 @@ def test_a_bad_mass_function_stops_the_fused_step_as_the_general_one():
             step.run(StepInput.decode([0], mass=np.ones((1, 8))))
         messages.append(str(caught.value))
     assert messages[0] == messages[1]
+
+
+def test_an_engine_with_prefix_caching_fuses_and_cuts_its_chains_alike():
+    """The reference engine's default: prefix caching on, its cut inside the fused call. Two
+    requests with their own prompts evict (StreamingLLM, 8 sinks): their chains are cut at the
+    first victim's block, inside the fused call; two later requests start with the first prompt's
+    two cached blocks and share them, so their batches take the general path. Either way: the
+    same tokens, evictions and prefix-cache counts as with the general path only."""
+    from trtllm_vtoken.runtime.config import EngineConfig
+    from trtllm_vtoken.runtime.engine import Engine
+    from trtllm_vtoken.runtime.sampling import SamplingParams
+    from trtllm_vtoken.runtime.simulated import MODEL_SHAPES, SimulatedModel
+
+    def run(fused: bool):
+        config = EngineConfig(tokens_per_block=4, num_blocks=96, max_batch_size=4, max_seq_len=64, policy="streaming_llm",
+                              budget=12, policy_options={"n_sink": 8}, step_impl="cpp", step_fused=fused,
+                              check_invariants=True)
+        engine = Engine(SimulatedModel(MODEL_SHAPES["smollm2-135m"]), config, record_trace=True)
+        first = [1, 0, 1, 1, 0, 0, 1, 0, 1, 1, 1]  # the simulated model's vocabulary is {0, 1}
+        ids = [engine.add_request(prompt, SamplingParams(max_tokens=14, ignore_eos=True))
+               for prompt in (first, [0, 1, 0, 0, 1, 1, 0, 1, 0, 0])]
+        while engine.has_unfinished():
+            engine.step()
+        alone = (engine.kv.step_stats.fused_steps, engine.kv.step_stats.steps)
+        ids += [engine.add_request(first[:8] + [i] * 5, SamplingParams(max_tokens=10, ignore_eos=True)) for i in (0, 1)]
+        while engine.has_unfinished():
+            engine.step()
+        requests = [engine.requests[r] for r in ids]
+        return [(r.output_ids, r.evictions) for r in requests], engine.kv.prefix.cache.stats, alone, engine.kv.step_stats
+
+    general, fused = run(False), run(True)
+    assert general[0] == fused[0] and general[1] == fused[1]
+    assert general[1].hit_tokens >= 16 and general[1].dropped_keys > 0  # cached blocks hit, chains cut
+    assert general[3].fused_steps == 0
+    fused_alone, steps_alone = fused[2]
+    assert fused_alone == steps_alone > 0  # every batch of the first phase fused, its cuts inside the call
+    assert fused[3].fused_steps == fused_alone < fused[3].steps  # the batches holding shared blocks did not

@@ -13,6 +13,7 @@ from trtllm_vtoken.policies import make_policy
 from trtllm_vtoken.step import StepInput
 
 from tests.step.drive import Host, make_step
+from trtllm_vtoken.core.native import load
 
 TPB = 4
 
@@ -63,9 +64,13 @@ def test_native_and_python_cores_pick_the_same_victims_with_shared_blocks():
     assert run("python") == run("cpp")
 
 
-def test_on_victims_runs_between_the_decision_and_the_table():
+@pytest.mark.parametrize("impl, fused", [("python", False), ("cpp", False), ("cpp", True)])
+def test_on_victims_runs_between_the_decision_and_the_table(impl, fused):
+    """On the general path and inside the C++ core's fused call alike."""
+    if impl == "cpp" and load() is None:
+        pytest.skip("the C++ core is not built")
     host = Host(16, TPB)
-    step = make_step(host, "python", "dense", policy=make_policy("sliding_window", 4))
+    step = make_step(host, impl, "dense", policy=make_policy("sliding_window", 4), fused=fused)
     seen = []
 
     def on_victims(req_ids, offsets, victims):
@@ -77,6 +82,25 @@ def test_on_victims_runs_between_the_decision_and_the_table():
     step.run(StepInput([7], [10], [0, 3], host.allocate(3)))
     assert seen == [([7], [0, 6], [0, 1, 2, 3, 4, 5], 0)]
     assert step.num_live(7) == 4
+    assert step.stats.fused_steps == int(fused)
+
+
+@pytest.mark.parametrize("impl, fused", [("python", False), ("cpp", False), ("cpp", True)])
+def test_a_failing_victims_hook_leaves_the_step_unusable_with_its_own_error(impl, fused):
+    if impl == "cpp" and load() is None:
+        pytest.skip("the C++ core is not built")
+    host = Host(16, TPB)
+    step = make_step(host, impl, "dense", policy=make_policy("sliding_window", 4), fused=fused)
+
+    def on_victims(req_ids, offsets, victims):
+        raise LookupError("the prefix cache lost request 7")
+
+    step.on_victims = on_victims
+    step.add_request(7)
+    with pytest.raises(LookupError, match="lost request 7"):
+        step.run(StepInput([7], [10], [0, 3], host.allocate(3)))
+    with pytest.raises(RuntimeError, match="unusable after an earlier failure: the victims hook failed"):
+        step.run(StepInput.decode([7]))
 
 
 def test_a_shared_block_may_join_several_requests_of_one_batch_only_if_shared():

@@ -12,15 +12,16 @@ numpy work between them:
     lost, num_tokens, "changed" (numpy)            the same, per request
 
 A batch fuses when the C++ core serves the step (``StepConfig.fused``), one natively decided
-policy or none serves all its requests, no block is shared, and neither background compaction
-nor a victims hook (prefix caching's cut) must run between the decision and the table
-(``DecodeStep`` checks the last two; ``BatchDecision.native_decision`` the rest). Otherwise, and
-for the Python core, the general path runs; the parity test holds both to the same outputs,
+policy or none serves all its requests, no block is shared and no background compaction runs
+(``DecodeStep`` checks the last; ``BatchDecision.native_decision`` the rest). The victims hook
+(prefix caching's cut) runs inside the call, between the decision and the table's step, as on
+the general path. Otherwise, and for the Python core, the general path runs; the parity test holds both to the same outputs,
 tables and layouts (``tests/step/test_step_fused.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -43,12 +44,16 @@ class FusedResult(NamedTuple):
 
 def decide_and_step(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray,
                     offsets: np.ndarray, blocks: np.ndarray, decision: NativeDecision, compaction: str,
-                    fragmentation_threshold: int, pressure: bool) -> FusedResult:
+                    fragmentation_threshold: int, pressure: bool,
+                    on_victims: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None) -> FusedResult:
     """The decision, the table's step and the layout's update of a registered batch (``table``:
-    the C++ token table; ``compaction``: "dense", "lazy" or "dead-blocks"). ValueError/KeyError
-    from the table's step may leave it half done: the caller stops the step then."""
+    the C++ token table; ``compaction``: "dense", "lazy" or "dead-blocks"). ``on_victims(req_ids,
+    victim_offsets, victim_ids)`` runs between the decision and the table's step when there are
+    victims (``DecodeStep.on_victims``). ValueError/KeyError from the table's step may leave it
+    half done: the caller stops the step then."""
+    hook = None if on_victims is None else (lambda offsets, ids: on_victims(req_ids, offsets, ids))
     victim_offsets, victim_ids, step, lost, num_tokens, changed, num_changed = slots.native.slots_decide_step(
         *slots.native_arrays(), table, req_ids, rows, num_new, offsets, blocks, decision.selector, decision.lo,
         decision.hi, decision.excess, COMPACTIONS.index(compaction), fragmentation_threshold, pressure,
-        decision.stat, decision.mass)
+        decision.stat, decision.mass, hook)
     return FusedResult(victim_offsets, victim_ids, StepBatchResult(*step), lost, num_tokens, changed, num_changed)

@@ -225,7 +225,7 @@ class DecodeStep:
             if native is not None:
                 fused = decide_and_step(self.slots, self.core.table, req_ids, rows, num_new, block_offsets,
                                         new_blocks, native, compaction, self.config.fragmentation_threshold,
-                                        inp.pressure)
+                                        inp.pressure, self._on_victims if self.on_victims else None)
                 victim_offsets, victim_ids, result, lost = fused.victim_offsets, fused.victim_ids, fused.table, fused.lost
                 num_tokens, changed, num_changed = fused.num_tokens, fused.changed, fused.num_changed
                 stats.fused_steps += 1
@@ -235,6 +235,8 @@ class DecodeStep:
                                         compaction, self.config.fragmentation_threshold, inp.pressure,
                                         self.background.may_plan(req_ids) if self.background else None)
         except (KeyError, ValueError) as exc:
+            if self._broken:  # the victims hook failed inside the fused call: its own error
+                raise
             self._broken = f"the token table refused a step: {exc}"
             raise RuntimeError(self._broken) from exc
         copied = len(result.move_src)
@@ -300,9 +302,8 @@ class DecodeStep:
         return len(self._policies) - 1
 
     def _fuses(self) -> bool:
-        """May a batch take the fused native call (``step/fused.py``)? Not where something must run
-        between the decision and the table (background plans, the victims hook)."""
-        return self.impl == "cpp" and self.config.fused and self.background is None and self.on_victims is None
+        """May a batch take the fused native call (``step/fused.py``)? Not with background plans."""
+        return self.impl == "cpp" and self.config.fused and self.background is None
 
     def _sole_policy(self) -> int | None:
         """The policy index (-1: none) every request of the step follows, None if they differ."""
@@ -320,8 +321,17 @@ class DecodeStep:
         victim_ids = self.slots.tokens[victim_slots].astype(np.int64)
         np.cumsum(np.bincount(victim_index, minlength=len(rows)), out=victim_offsets[1:])
         if self.on_victims is not None:
-            self.on_victims(req_ids, victim_offsets, victim_ids)
+            self._on_victims(req_ids, victim_offsets, victim_ids)
         return victim_rows, victim_slots, victim_offsets, victim_ids
+
+    def _on_victims(self, req_ids: np.ndarray, victim_offsets: np.ndarray, victim_ids: np.ndarray) -> None:
+        """The victims hook; if it fails, the step (its new tokens registered, the table not yet
+        stepped) is unusable, and its error goes to the host as it is."""
+        try:
+            self.on_victims(req_ids, victim_offsets, victim_ids)
+        except Exception as exc:
+            self._broken = f"the victims hook failed: {exc}"
+            raise
 
     def _update_layout(self, req_ids: np.ndarray, rows: np.ndarray, victim_rows: np.ndarray,
                        victim_slots: np.ndarray, result: StepBatchResult) -> StepBatchResult:
