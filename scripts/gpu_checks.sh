@@ -9,8 +9,9 @@
 #      not wait for)
 #   4. vtoken bench gpu: copy bandwidth, eager vs graph decode, every variant end to end (each
 #      through the one batched step: vtoken info says which core serves it)
-#   5. vtoken bench step: the step's host time per decode step against native, C++ and Python,
-#      on this machine's quieter cores (the C++ core is built in place when nanobind is there)
+#   5. vtoken bench step: the step's host time per decode step against native, C++ (its fused
+#      decode call), C++ on the general path only and Python, on this machine's quieter cores
+#      (the C++ core is built in place when nanobind is there)
 #   6. where tensorrt_llm imports and the package is installed (the gpu Docker image) and
 #      $VTOKEN_TRTLLM_MODEL names a model folder: examples/trtllm/run_llm.py --check
 # Uses the machine's python3 and its torch; the repository is put on PYTHONPATH, nothing is
@@ -71,7 +72,7 @@ banner vtoken bench gpu
 timeout 420 $py -m trtllm_vtoken.cli bench gpu --out "$out" 2>&1 | tee "$out/bench_gpu.txt" || status=1
 
 banner vtoken bench step
-timeout 240 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --out "$out" 2>&1 \
+timeout 300 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --impl cpp,cpp-general,python --out "$out" 2>&1 \
   | tee "$out/bench_step.txt" || status=1
 
 banner "TensorRT-LLM check"
