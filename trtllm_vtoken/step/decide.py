@@ -187,8 +187,7 @@ class BatchDecision:
             return NativeDecision(1, lo, hi, excess, None, None)
         batch_mass = None
         if observes:
-            batch_mass = self.batch_mass(mass, rows, int(slots.kv_len[rows].max()),
-                                         lambda: slots.gather(slots.tokens, slots.block_rows(rows)))
+            batch_mass = self.batch_mass(mass, rows, None, lambda: slots.gather(slots.tokens, slots.block_rows(rows)))
         return NativeDecision(2, lo, hi, excess, slots.stats[policy.score_stat], batch_mass)
 
     def native_selector(self, policy: EvictionPolicy) -> int:
@@ -222,9 +221,11 @@ class BatchDecision:
         return load_native().select_lowest(slots.tokens, slots.block_table, self.tokens_per_block, rows,
                                            slots.kv_len[rows], lo, hi, excess, stat, add)
 
-    def batch_mass(self, mass: Any, rows: np.ndarray, width: int, tokens: Callable[[], np.ndarray]) -> np.ndarray:
+    def batch_mass(self, mass: Any, rows: np.ndarray, width: int | None,
+                   tokens: Callable[[], np.ndarray]) -> np.ndarray:
         """The batch's mass as float32 or float64 [B, width] (C order), reduced across ranks if
-        asked. float32 stays float32: it is added to float64 statistics either way."""
+        asked; ``width`` None: as wide as it came (at least every row's length; no copy of a C-order
+        array). float32 stays float32: it is added to float64 statistics either way."""
         if callable(mass):  # the simulated attention: a function of the token layout, not timed as ours
             start = time.perf_counter()
             mass = mass(tokens())
@@ -235,9 +236,9 @@ class BatchDecision:
         if mass.ndim != 2 or mass.shape[0] != len(rows) or mass.shape[1] < longest:
             # only a mass function's result can get here (arrays are checked before any change)
             raise BadMass(f"the mass function returned {list(mass.shape)} for a batch of {len(rows)}")
-        if mass.shape[1] < width:
+        if width is not None and mass.shape[1] < width:
             mass = np.pad(mass, ((0, 0), (0, width - mass.shape[1])))
         if self.reduce_mass is not None:
             mass = self.reduce_mass(mass)
         dtype = np.float32 if mass.dtype == np.float32 else np.float64
-        return np.ascontiguousarray(mass[:, :width], dtype=dtype)
+        return np.ascontiguousarray(mass if width is None else mass[:, :width], dtype=dtype)
