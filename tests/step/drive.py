@@ -33,7 +33,8 @@ class Host:
         self.free.extend(int(b) for b in blocks)
 
 
-def make_step(host: Host, impl: str, compaction: str, threshold: int = 1, policy=None, fused: bool = True) -> DecodeStep:
+def make_step(host: Host, impl: str, compaction: str, threshold: int = 1, policy=None,
+              fused: bool = True) -> DecodeStep:
     """``compaction`` "lazy-background": lazy compaction committing a step later (StepConfig.background);
     ``fused``: StepConfig.fused (the C++ core's one-call decode step where a batch allows it)."""
     background = compaction == "lazy-background"

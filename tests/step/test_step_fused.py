@@ -22,7 +22,8 @@ from trtllm_vtoken.step.decide import BadMass
 
 pytestmark = pytest.mark.skipif(load() is None, reason="the C++ core is not built")
 
-NATIVE = {"h2o", "streaming_llm", "sliding_window"}  # decided in one native pass (ScorePolicy.scores_are_ids / score_stat)
+# decided in one native pass (ScorePolicy.scores_are_ids / score_stat)
+NATIVE = {"h2o", "streaming_llm", "sliding_window"}
 
 
 def three_steps(tpb: int, compaction: str, threshold: int, spec):
@@ -122,9 +123,9 @@ def test_an_engine_with_prefix_caching_fuses_and_cuts_its_chains_alike():
     from trtllm_vtoken.runtime.simulated import MODEL_SHAPES, SimulatedModel
 
     def run(fused: bool):
-        config = EngineConfig(tokens_per_block=4, num_blocks=96, max_batch_size=4, max_seq_len=64, policy="streaming_llm",
-                              budget=12, policy_options={"n_sink": 8}, step_impl="cpp", step_fused=fused,
-                              check_invariants=True)
+        config = EngineConfig(tokens_per_block=4, num_blocks=96, max_batch_size=4, max_seq_len=64,
+                              policy="streaming_llm", budget=12, policy_options={"n_sink": 8}, step_impl="cpp",
+                              step_fused=fused, check_invariants=True)
         engine = Engine(SimulatedModel(MODEL_SHAPES["smollm2-135m"]), config, record_trace=True)
         first = [1, 0, 1, 1, 0, 0, 1, 0, 1, 1, 1]  # the simulated model's vocabulary is {0, 1}
         ids = [engine.add_request(prompt, SamplingParams(max_tokens=14, ignore_eos=True))
@@ -136,7 +137,8 @@ def test_an_engine_with_prefix_caching_fuses_and_cuts_its_chains_alike():
         while engine.has_unfinished():
             engine.step()
         requests = [engine.requests[r] for r in ids]
-        return [(r.output_ids, r.evictions) for r in requests], engine.kv.prefix.cache.stats, alone, engine.kv.step_stats
+        stats = engine.kv.step_stats
+        return [(r.output_ids, r.evictions) for r in requests], engine.kv.prefix.cache.stats, alone, stats
 
     general, fused = run(False), run(True)
     assert general[0] == fused[0] and general[1] == fused[1]

@@ -172,7 +172,7 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
         raise RuntimeError("a request finished or was preempted inside the timed steps")
     return {**row, "batch": batch, "mass": cfg.mass, "host_us_p50": float(np.median(host_us)),
             "host_us_steps_min": float(np.min(host_us)), "split_us": split,
-            "step_us": sum(split.values()),  # the step's own time, timed inside it: the VM's noise around it is not in it
+            "step_us": sum(split.values()),  # the step's own time, timed inside it (not the glue around it)
             "evicted_per_step": evicted / cfg.steps, "moves_per_step": moves / cfg.steps,
             "blocks_freed_per_step": freed / cfg.steps,
             "metadata_bytes_per_token": engine.kv.step.metadata_bytes_per_token() if engine.kv.step else 0.0}

@@ -180,7 +180,8 @@ class BatchDecision:
         wants = None if observes else policy.wants_to_evict(num_tokens, num_live)
         if wants is not None and not np.count_nonzero(wants):  # nothing over budget, nothing to learn
             return NativeDecision(0, *(np.zeros(len(rows), dtype=np.int64),) * 3, None, None)
-        excess, lo, hi = (np.ascontiguousarray(b, dtype=np.int64) for b in policy.candidate_bounds(num_tokens, num_live))
+        bounds = policy.candidate_bounds(num_tokens, num_live)
+        excess, lo, hi = (np.ascontiguousarray(b, dtype=np.int64) for b in bounds)
         if wants is not None:
             excess[~wants] = 0
         if selector == 1:

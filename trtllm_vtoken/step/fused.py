@@ -15,8 +15,8 @@ A batch fuses when the C++ core serves the step (``StepConfig.fused``), one nati
 policy or none serves all its requests, no block is shared and no background compaction runs
 (``DecodeStep`` checks the last; ``BatchDecision.native_decision`` the rest). The victims hook
 (prefix caching's cut) runs inside the call, between the decision and the table's step, as on
-the general path. Otherwise, and for the Python core, the general path runs; the parity test holds both to the same outputs,
-tables and layouts (``tests/step/test_step_fused.py``).
+the general path. Otherwise, and for the Python core, the general path runs; the parity test
+holds both to the same outputs, tables and layouts (``tests/step/test_step_fused.py``).
 """
 
 from __future__ import annotations

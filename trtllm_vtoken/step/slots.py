@@ -121,8 +121,8 @@ class SlotMap:
             self.set_rows(rows, kv_lens, lambda i: table.block_ids(int(req_ids[i])), np.diff(freed_offsets),
                           tail_only)
             return
-        self.native.slots_apply_step(*self.native_arrays(), victim_rows, victim_slots, move_src, move_dst, rows, req_ids,
-                                     kv_lens, freed_offsets, tail_only, table)
+        self.native.slots_apply_step(*self.native_arrays(), victim_rows, victim_slots, move_src, move_dst, rows,
+                                     req_ids, kv_lens, freed_offsets, tail_only, table)
 
     def append_blocks(self, rows: np.ndarray, offsets: np.ndarray, blocks: np.ndarray) -> None:
         """Appends CSR ``blocks`` (request i: blocks[offsets[i]:offsets[i + 1]]) to the rows."""

@@ -147,18 +147,18 @@ class DecodeStep:
             return any(p.observes_attention() for p in self._policies)
         return any(self._policies[self._policy_of[r]].observes_attention() for r in req_ids if r in self._policy_of)
 
-    # ---- queries (the table's) ---------------------------------------------------------------------
+    # ---- queries (the table's; hosts ask per request, so each is one array read) ---------------------
     def kv_len(self, req_id: int) -> int:
-        return int(self.slots.kv_len[self.slots.row_of[req_id]])
+        return self.slots.kv_len.item(self.slots.row_of[req_id])
 
     def num_tokens(self, req_id: int) -> int:
-        return int(self.slots.num_tokens[self.slots.row_of[req_id]])
+        return self.slots.num_tokens.item(self.slots.row_of[req_id])
 
     def num_live(self, req_id: int) -> int:
-        return int(self.slots.num_live[self.slots.row_of[req_id]])
+        return self.slots.num_live.item(self.slots.row_of[req_id])
 
     def num_blocks(self, req_id: int) -> int:
-        return int(self.slots.num_blocks_of[self.slots.row_of[req_id]])
+        return self.slots.num_blocks_of.item(self.slots.row_of[req_id])
 
     def counters(self, req_ids: Collection[int]) -> tuple[list[int], list[int], list[int]]:
         """(logical lengths, live tokens, blocks held) of the requests, read at once."""
@@ -226,8 +226,7 @@ class DecodeStep:
                 fused = decide_and_step(self.slots, self.core.table, req_ids, rows, num_new, block_offsets,
                                         new_blocks, native, compaction, self.config.fragmentation_threshold,
                                         inp.pressure, self._on_victims if self.on_victims else None)
-                victim_offsets, victim_ids, result, lost = fused.victim_offsets, fused.victim_ids, fused.table, fused.lost
-                num_tokens, changed, num_changed = fused.num_tokens, fused.changed, fused.num_changed
+                victim_offsets, victim_ids, result, lost, num_tokens, changed, num_changed = fused
                 stats.fused_steps += 1
                 t4 = t5 = clock()
             else:
