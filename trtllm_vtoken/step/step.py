@@ -25,7 +25,6 @@ ends a request's cached chain there, before compaction may write into its blocks
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -45,14 +44,15 @@ from trtllm_vtoken.step.decide import BadMass, BatchDecision
 from trtllm_vtoken.step.fused import decide_and_step
 from trtllm_vtoken.step.input_checks import InputChecks
 from trtllm_vtoken.step.io import StepInput, StepOutput
+from trtllm_vtoken.step.queries import TableQueries
 from trtllm_vtoken.step.slots import SlotMap
 
 DEFAULT = object()
 """``add_request``'s policy argument: the step's default policy."""
 
 
-class DecodeStep:
-    """One step for every host. See the module docstring.
+class DecodeStep(TableQueries):
+    """One step for every host. See the module docstring; its tables' queries: ``TableQueries``.
 
     Args:
         num_blocks: Blocks in the host's pool (block ids lie in [0, num_blocks)).
@@ -147,51 +147,6 @@ class DecodeStep:
             return any(p.observes_attention() for p in self._policies)
         return any(self._policies[self._policy_of[r]].observes_attention() for r in req_ids if r in self._policy_of)
 
-    # ---- queries (the table's; hosts ask per request, so each is one array read) ---------------------
-    def kv_len(self, req_id: int) -> int:
-        return self.slots.kv_len.item(self.slots.row_of[req_id])
-
-    def num_tokens(self, req_id: int) -> int:
-        return self.slots.num_tokens.item(self.slots.row_of[req_id])
-
-    def num_live(self, req_id: int) -> int:
-        return self.slots.num_live.item(self.slots.row_of[req_id])
-
-    def num_blocks(self, req_id: int) -> int:
-        return self.slots.num_blocks_of.item(self.slots.row_of[req_id])
-
-    def counters(self, req_ids: Collection[int]) -> tuple[list[int], list[int], list[int]]:
-        """(logical lengths, live tokens, blocks held) of the requests, read at once."""
-        rows = self.slots.rows(req_ids)
-        slots = self.slots
-        return slots.num_tokens[rows].tolist(), slots.num_live[rows].tolist(), slots.num_blocks_of[rows].tolist()
-
-    def block_ids(self, req_id: int) -> list[int]:
-        row = self.slots.row_of[req_id]
-        return self.slots.block_table[row, : self.slots.num_blocks_of[row]].tolist()
-
-    def block_rows(self, req_ids: Collection[int]) -> np.ndarray:
-        """[B, nb] int32: the requests' block lists, padded with ``num_blocks`` (a scratch id)."""
-        return self.slots.block_rows(self.slots.rows(req_ids))
-
-    def batch_tokens(self, req_ids: Collection[int]) -> np.ndarray:
-        """[B, L] int32: the live logical id at each physical position of each request, -1 where
-        none (what the attention of a masked kernel may read)."""
-        return self.slots.gather(self.slots.tokens, self.block_rows(req_ids))
-
-    def live_tokens(self, req_id: int) -> np.ndarray:
-        """The request's live logical ids, ascending (int64)."""
-        return self.core.live_slots(req_id)[0]
-
-    def token_stats(self, req_id: int, name: str) -> tuple[np.ndarray, np.ndarray]:
-        """(live ids ascending, the per-slot statistic ``name`` of each): what a policy has
-        accumulated for the request's tokens (e.g. H2O's "mass")."""
-        ids, slots = self.core.live_slots(req_id)
-        return ids, self.slots.stats[name][slots]
-
-    def metadata_bytes_per_token(self) -> float:
-        return self.core.metadata_bytes_per_token()
-
     # ---- the step ------------------------------------------------------------------------------
     def run(self, inp: StepInput) -> StepOutput:
         """One iteration of the batch. Raises ValueError/KeyError for bad input (nothing changed);
@@ -277,18 +232,6 @@ class DecodeStep:
     def check_integrity(self) -> None:
         """I2 over every request, and the batch layout against the table. RuntimeError if broken."""
         StepChecks(self).layout(self.request_ids())
-
-    def table_digest(self, req_ids: Collection[int] | None = None) -> str:
-        """SHA-256 of the requests' tables (lengths, block lists, logical id per position, liveness):
-        equal on every tensor/pipeline-parallel rank when their decisions agreed."""
-        digest = hashlib.sha256()
-        for req_id in sorted(self.request_ids() if req_ids is None else req_ids):
-            seq = self.core.sequence(req_id)
-            digest.update(np.array([req_id, seq.kv_len, seq.num_tokens, seq.num_live], dtype="<i8").tobytes())
-            digest.update(np.asarray(seq.block_ids, dtype="<i8").tobytes())
-            digest.update(seq.token_at[: seq.kv_len].astype("<i4").tobytes())
-            digest.update(seq.live[: seq.num_tokens].tobytes())
-        return digest.hexdigest()
 
     # ---- private -------------------------------------------------------------------------------
     def _policy_index(self, policy: EvictionPolicy) -> int:
