@@ -9,11 +9,14 @@ namespace {
 
 Selection decide(const SlotArrays& a, const TokenTable& table, const int64_t* req_ids, const int64_t* rows,
                  int64_t batch, const Decision& d) {
-  if (d.selector == Selector::kLowestIds) return lowest_live_ids(table, req_ids, batch, d.lo, d.hi, d.excess);
+  const SlotLayout layout{a.tokens, a.block_table, a.block_stride, a.tokens_per_block, a.scratch + 1};
+  if (d.selector == Selector::kLowestIds) {
+    const RowsOf shared_in{&layout, rows};
+    return lowest_live_ids(table, req_ids, batch, d.lo, d.hi, d.excess, d.skip_shared ? &shared_in : nullptr);
+  }
   if (d.selector == Selector::kNone) return {};
   std::vector<int64_t> kv_len(static_cast<size_t>(batch));
   for (int64_t i = 0; i < batch; ++i) kv_len[i] = a.kv_len[rows[i]];
-  const SlotLayout layout{a.tokens, a.block_table, a.block_stride, a.tokens_per_block, a.scratch + 1};
   if (d.mass64 != nullptr) {
     return select_lowest(layout, rows, batch, kv_len.data(), d.lo, d.hi, d.excess, d.stat, d.mass64, d.mass_stride);
   }

@@ -160,7 +160,7 @@ Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t b
 }
 
 Selection lowest_live_ids(const TokenTable& table, const int64_t* req_ids, int64_t batch, const int64_t* lo,
-                          const int64_t* hi, const int64_t* excess) {
+                          const int64_t* hi, const int64_t* excess, const RowsOf* shared_in) {
   Selection out;
   const int64_t tpb = table.tokens_per_block();
   for (int64_t i = 0; i < batch; ++i) {
@@ -170,15 +170,22 @@ Selection lowest_live_ids(const TokenTable& table, const int64_t* req_ids, int64
     for (int64_t id = low; id < std::min(high, s.num_tokens) && want > 0; ++id) {
       if (!s.live[id]) continue;
       const int64_t slot = s.slot_of[id];
+      if (shared_in != nullptr && table.is_shared(slot / tpb)) continue;
       out.rows.push_back(i);
       out.positions.push_back(s.block_index.find(slot / tpb) * tpb + slot % tpb);
       --want;
     }
     // Ids from num_tokens on are this step's new tokens: in the step's layout already, not yet in
     // the table, live, at the positions right after its kv_len.
-    for (int64_t id = std::max(low, s.num_tokens); id < high && want > 0; ++id, --want) {
+    const int32_t* blocks = shared_in == nullptr ? nullptr
+                                                 : shared_in->layout->block_table +
+                                                       shared_in->rows[i] * shared_in->layout->block_stride;
+    for (int64_t id = std::max(low, s.num_tokens); id < high && want > 0; ++id) {
+      const int64_t position = s.kv_len + (id - s.num_tokens);
+      if (blocks != nullptr && table.is_shared(blocks[position / tpb])) continue;
       out.rows.push_back(i);
-      out.positions.push_back(s.kv_len + (id - s.num_tokens));
+      out.positions.push_back(position);
+      --want;
     }
   }
   return out;

@@ -43,10 +43,17 @@ Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t b
 // physical position) pairs. The same victims as select_lowest with no statistic, in time
 // proportional to the ids walked past (the dead ones below the victims), not to the row's length.
 // Called between the step's registration of its new tokens and the table's step: ids from the
-// table's num_tokens up to hi are those new tokens, live, right after the table's kv_len (a row
-// holding a shared block, where they would start a fresh block, is never decided natively).
+// table's num_tokens up to hi are those new tokens, live, right after the table's kv_len (hosts
+// share whole blocks only). shared_in (optional): the step's layout and request i's row rows[i];
+// tokens in blocks the table holds as shared are then no candidates (prefix caching protects
+// them, the caller's bounds keep them on top of the budget: slots.h protected_live), the new
+// tokens' blocks read from the layout (a cached prefix joins as new tokens in shared blocks).
 // Throws UnknownRequest for an unknown request.
+struct RowsOf {
+  const SlotLayout* layout;
+  const int64_t* rows;
+};
 Selection lowest_live_ids(const TokenTable& table, const int64_t* req_ids, int64_t batch, const int64_t* lo,
-                          const int64_t* hi, const int64_t* excess);
+                          const int64_t* hi, const int64_t* excess, const RowsOf* shared_in = nullptr);
 
 }  // namespace vtoken

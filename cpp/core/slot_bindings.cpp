@@ -120,6 +120,18 @@ void bind_slots(nb::module_& m) {
       "SlotMap.evict + move + set_rows after the table's step, in one call (cpp/core/slots.h).");
 
   m.def(
+      "slots_protected_live",
+      [](Tokens tokens, BlockTable block_table, int64_t tpb, Counters num_blocks_of, Counters kv_len,
+         Counters num_tokens, Counters num_live, const std::vector<Stat>& stats, Ids rows,
+         const vtoken::TokenTable& table) {
+        const vtoken::SlotArrays a = arrays(tokens, block_table, tpb, num_blocks_of, kv_len, num_tokens, num_live, stats);
+        check_batch(rows, block_table.shape(0), rows.shape(0), "rows");
+        return vtoken::to_numpy(vtoken::protected_live(a, rows.data(), static_cast<int64_t>(rows.shape(0)), table));
+      },
+      "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a, "num_tokens"_a,
+      "num_live"_a, "stats"_a, "rows"_a, "table"_a,
+      "Per row, its live tokens in blocks the table holds as shared, read from the layout (cpp/core/slots.h).");
+  m.def(
       "slots_decide_step",
       [](Tokens tokens, BlockTable block_table, int64_t tpb, Counters num_blocks_of, Counters kv_len,
          Counters num_tokens, Counters num_live, const std::vector<Stat>& stats, vtoken::TokenTable& table,
@@ -127,7 +139,7 @@ void bind_slots(nb::module_& m) {
          int64_t compaction, int64_t fragmentation_threshold, bool pressure,
          std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
          std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass,
-         std::optional<nb::callable> on_victims) {
+         std::optional<nb::callable> on_victims, bool skip_shared) {
         vtoken::SlotArrays a = arrays(tokens, block_table, tpb, num_blocks_of, kv_len, num_tokens, num_live, stats);
         const size_t batch = rows.shape(0);
         check_batch(rows, block_table.shape(0), batch, "rows");
@@ -141,6 +153,7 @@ void bind_slots(nb::module_& m) {
                                       "dead-blocks; a deferred plan takes the general path)");
         }
         vtoken::Decision d{static_cast<vtoken::Selector>(selector), lo.data(), hi.data(), excess.data()};
+        d.skip_shared = skip_shared;
         if (d.selector == vtoken::Selector::kLowestStat) {
           if (!stat || stat->shape(0) != tokens.shape(0)) {
             throw std::invalid_argument("slots_decide_step: the statistic selector needs one entry per slot");
@@ -190,9 +203,9 @@ void bind_slots(nb::module_& m) {
       "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a, "num_tokens"_a,
       "num_live"_a, "stats"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
       "lo"_a, "hi"_a, "excess"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a,
-      "stat"_a = nb::none(), "mass"_a = nb::none(), "on_victims"_a = nb::none(),
+      "stat"_a = nb::none(), "mass"_a = nb::none(), "on_victims"_a = nb::none(), "skip_shared"_a = false,
       "After slots_register: the batch's decision, the token table's step and the layout's update in one call "
       "(cpp/core/decode_step.h); on_victims(victim_offsets, victim_ids) runs between the decision and the "
-      "table's step when there are victims. Returns (victim_offsets, victim_ids, the table's step as step_batch returns it, "
+      "table's step when there are victims; skip_shared: the id selector passes over tokens in shared blocks. Returns (victim_offsets, victim_ids, the table's step as step_batch returns it, "
       "lost, num_tokens, changed, number changed).");
 }

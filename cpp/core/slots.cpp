@@ -102,4 +102,18 @@ void apply_step(SlotArrays& a, const int64_t* victim_rows, const int64_t* victim
   }
 }
 
+std::vector<int64_t> protected_live(const SlotArrays& a, const int64_t* rows, int64_t batch, const TokenTable& table) {
+  std::vector<int64_t> out(static_cast<size_t>(batch), 0);
+  const int64_t tpb = a.tokens_per_block;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int32_t* blocks = a.block_table + rows[i] * a.block_stride;
+    for (int64_t c = 0; c < a.num_blocks_of[rows[i]]; ++c) {
+      if (!table.is_shared(blocks[c])) continue;
+      const int32_t* tokens = a.tokens + static_cast<int64_t>(blocks[c]) * tpb;
+      for (int64_t o = 0; o < tpb; ++o) out[i] += tokens[o] != kNoToken;
+    }
+  }
+  return out;
+}
+
 }  // namespace vtoken

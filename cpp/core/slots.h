@@ -58,4 +58,9 @@ void apply_step(SlotArrays& a, const int64_t* victim_rows, const int64_t* victim
                 const int64_t* req_ids, int64_t batch, const int64_t* kv_lens, const int64_t* freed_offsets,
                 bool tail_only, const TokenTable& table);
 
+// Per request i (row rows[i]): its live tokens in blocks the table holds as shared, read from the
+// layout (this step's new tokens included): what a policy keeps on top of its budget
+// (ScorePolicy.candidate_bounds' protected_live; the Python path's protected mask, counted).
+std::vector<int64_t> protected_live(const SlotArrays& a, const int64_t* rows, int64_t batch, const TokenTable& table);
+
 }  // namespace vtoken

@@ -10,6 +10,7 @@ the KV of the tokens its key names."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from tests.integration.test_trtllm_adapter import DIM, HEADS, KV_HEADS, LAYERS, TPB
@@ -125,12 +126,14 @@ def test_without_the_rules_the_tree_would_lie():
     raise AssertionError("the reuse tree stayed true without the rules: this test proves nothing")
 
 
-def test_two_running_requests_share_the_system_prompt_while_evicting():
+@pytest.mark.parametrize("policy", ["random", "streaming_llm"])
+def test_two_running_requests_share_the_system_prompt_while_evicting(policy):
     """The second request arrives while the first decodes: ``add_sequence`` hands it the first's
     stored system-prompt blocks, both hold them at once, and both evict (down to the budget, which
     applies to the tokens outside the protected prompt blocks, never inside them) without the
-    tree ever lying."""
-    manager = make_reuse_manager("random", budget=4)
+    tree ever lying. StreamingLLM's batches take the C++ core's fused call (its selection passes
+    over the protected blocks), Random's the general path."""
+    manager = make_reuse_manager(policy, budget=4)
     drive = Driver(manager)
     first = make_request(0, 0, 12)
     first.__init__(request_id=0, max_new_tokens=12, input_tokens=SYSTEM + [1, 2, 3],
@@ -164,6 +167,8 @@ def test_two_running_requests_share_the_system_prompt_while_evicting():
     for request in (first, second):
         assert manager.vtoken.num_evicted(request.py_request_id) > 0
         assert set(range(8)) <= set(step.live_tokens(request.py_request_id).tolist())  # the shared prefix kept
+    fused = step.stats.fused_steps
+    assert fused > 0 if policy == "streaming_llm" and step.impl == "cpp" else fused == 0
     manager.free_resources(first)
     manager.free_resources(second)
     drive.check_tree()

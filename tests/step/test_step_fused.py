@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The C++ core's fused decode step (``step/fused.py``: decision, table step and layout update in
 one native call) equals the general path and the Python core: the same random batches under one
-policy at a time (each of the five, and none) give the same victims, moves, freed blocks, lengths,
-tables, layouts and KV, with I1/I2 checked around every step; batches it cannot serve (several
-policies, a shared block, a victims hook) take the general path."""
+policy at a time (each of the five, and none), blocks becoming shared, give the same victims,
+moves, freed blocks, lengths, tables, layouts and KV, with I1/I2 checked around every step;
+batches it cannot serve (several policies, H2O with a shared block) take the general path."""
 
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ from trtllm_vtoken.step.decide import BadMass
 
 pytestmark = pytest.mark.skipif(load() is None, reason="the C++ core is not built")
 
-# decided in one native pass (ScorePolicy.scores_are_ids / score_stat)
+# decided in one native pass (ScorePolicy.scores_are_ids / score_stat); the id-scored ones also
+# with shared blocks in the batch
 NATIVE = {"h2o", "streaming_llm", "sliding_window"}
+ID_SCORED = {"streaming_llm", "sliding_window"}
 
 
 def three_steps(tpb: int, compaction: str, threshold: int, spec):
@@ -42,7 +44,7 @@ def three_steps(tpb: int, compaction: str, threshold: int, spec):
 def test_fused_step_equals_general_path_and_python(compaction, tpb, spec, steps, threshold, seed):
     rng = np.random.default_rng(seed)
     hosts, steps_ = three_steps(tpb, compaction, threshold, spec)
-    next_req, empty = 0, 0
+    next_req, expected = 0, 0
     for _ in range(steps):
         joining = list(range(next_req, next_req + int(rng.integers(0, 3))))
         next_req += len(joining)
@@ -51,13 +53,20 @@ def test_fused_step_equals_general_path_and_python(compaction, tpb, spec, steps,
                 step.add_request(req)
         if not steps_[0].request_ids():
             continue
+        if rng.random() < 0.15:  # a full block becomes shared (prefix caching)
+            req = int(rng.choice(steps_[0].request_ids()))
+            if steps_[0].kv_len(req) >= tpb:
+                for host in hosts:
+                    host.shared.add(steps_[0].block_ids(req)[0])
         state = rng.bit_generator.state
         inputs = []
         for step, host in zip(steps_, hosts):
             rng.bit_generator.state = state
             inputs.append(random_batch(rng, step, host, joining))
         outs = [step.run(inp) for step, inp in zip(steps_, inputs)]
-        empty += not len(inputs[0].req_ids)
+        name = None if spec is None else spec[0]
+        expected += (not len(inputs[0].req_ids) or name is None
+                     or (name in NATIVE and (not hosts[0].shared or name in ID_SCORED)))
         for out in outs[1:]:
             outputs_equal(outs[0], out)
         for host, out in zip(hosts, outs):
@@ -69,30 +78,44 @@ def test_fused_step_equals_general_path_and_python(compaction, tpb, spec, steps,
         for req in steps_[0].request_ids():  # some finish
             if rng.random() < 0.08:
                 for step, host in zip(steps_, hosts):
-                    host.release(step.remove_request(req))
+                    host.release(b for b in step.remove_request(req) if b not in host.shared)
     python, general, fused = (s.stats for s in steps_)
     assert python.fused_steps == general.fused_steps == 0
-    # Every batch of a natively decided policy (or none) fuses; an empty one under any policy.
-    assert fused.fused_steps == (python.steps if spec is None or spec[0] in NATIVE else empty)
+    # Every batch of a natively decided policy (or none) fuses, H2O's only without shared blocks;
+    # an empty one under any policy.
+    assert fused.fused_steps == expected
 
 
-def test_a_shared_block_or_several_policies_take_the_general_path():
+@pytest.mark.parametrize("name", ["streaming_llm", "h2o"])
+def test_shared_blocks_fuse_for_id_scored_policies_and_several_policies_never(name):
+    """A shared block's tokens are kept on top of the budget and never evicted; StreamingLLM's
+    batch still fuses (its selection passes over them), H2O's takes the general path."""
     host = Host(32, 4)
     shared: set[int] = set()
-    step = make_step(host, "cpp", "dense", policy=make_policy("streaming_llm", 5, n_sink=2))
+    policy = make_policy(name, 5, **({"n_sink": 2} if name == "streaming_llm" else {}))
+    step = make_step(host, "cpp", "dense", policy=policy)
     step.shared_blocks, step.is_shared = (lambda: shared), shared.__contains__
     step.add_request(0)
-    step.run(StepInput([0], [8], [0, 2], host.allocate(2)))
+    mass = (lambda n: np.ones((1, n))) if name == "h2o" else (lambda n: None)
+    step.run(StepInput([0], [8], [0, 2], host.allocate(2), mass=mass(8)))
     assert step.stats.fused_steps == 1
-    shared.add(step.block_ids(0)[0])  # a prefix cache shares its first block
-    step.run(StepInput.decode([0], [host.allocate(1)]))
-    assert step.stats.fused_steps == 1
+    shared.add(step.block_ids(0)[0])  # a prefix cache shares its first block: 4 live tokens
+    protected = set(step.batch_tokens([0])[0, :4].tolist())
+    evicted = []
+    for _ in range(6):
+        extra = host.allocate(1) if step.kv_len(0) % 4 == 0 else []
+        out = step.run(StepInput([0], [1], [0, len(extra)], extra, mass=mass(step.kv_len(0) + 1)))
+        evicted += out.victims_of(0)
+        assert not set(out.victims_of(0)) & protected  # the shared block's tokens are protected
+    assert evicted and step.num_live(0) == 4 + 5  # the budget applies to the unshared tokens
+    assert step.stats.fused_steps == (7 if name == "streaming_llm" else 1)
     shared.clear()
     step.add_request(1, make_policy("sliding_window", 4))  # a second policy joins the batch
-    step.run(StepInput([0, 1], [1, 3], [0, 0, 1], host.allocate(1)))
-    assert step.stats.fused_steps == 1
-    step.run(StepInput.decode([1]))
-    assert step.stats.fused_steps == 2
+    fused = step.stats.fused_steps
+    step.run(StepInput([0, 1], [1, 3], [0, int(step.kv_len(0) % 4 == 0), int(step.kv_len(0) % 4 == 0) + 1],
+                       (host.allocate(1) if step.kv_len(0) % 4 == 0 else []) + host.allocate(1),
+                       mass=np.ones((2, 16)) if name == "h2o" else None))
+    assert step.stats.fused_steps == fused
 
 
 def test_a_bad_mass_function_stops_the_fused_step_as_the_general_one():
@@ -115,8 +138,9 @@ def test_an_engine_with_prefix_caching_fuses_and_cuts_its_chains_alike():
     """The reference engine's default: prefix caching on, its cut inside the fused call. Two
     requests with their own prompts evict (StreamingLLM, 8 sinks): their chains are cut at the
     first victim's block, inside the fused call; two later requests start with the first prompt's
-    two cached blocks and share them, so their batches take the general path. Either way: the
-    same tokens, evictions and prefix-cache counts as with the general path only."""
+    two cached blocks and share them (their prefill registers those shared blocks as new tokens,
+    protected from the first step on). The same tokens, evictions and prefix-cache counts as with
+    the general path only, every batch fused."""
     from trtllm_vtoken.runtime.config import EngineConfig
     from trtllm_vtoken.runtime.engine import Engine
     from trtllm_vtoken.runtime.sampling import SamplingParams
@@ -146,4 +170,4 @@ def test_an_engine_with_prefix_caching_fuses_and_cuts_its_chains_alike():
     assert general[3].fused_steps == 0
     fused_alone, steps_alone = fused[2]
     assert fused_alone == steps_alone > 0  # every batch of the first phase fused, its cuts inside the call
-    assert fused[3].fused_steps == fused_alone < fused[3].steps  # the batches holding shared blocks did not
+    assert fused[3].fused_steps == fused[3].steps > steps_alone  # and those holding shared blocks

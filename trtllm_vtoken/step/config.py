@@ -26,9 +26,9 @@ class StepConfig:
     """Lazy only: a request's compaction copies in the background (the next forward does not wait
     for it) and commits at a later step, once its copy has finished (``step/background.py``)."""
     fused: bool = True
-    """C++ core: a batch that one natively decided policy (or none) serves, with no shared block,
-    takes the decision, the table's step and the layout's update in one native call
-    (``step/fused.py``). False: every batch takes the general path (for comparing both)."""
+    """C++ core: a batch that one natively decided policy (or none) serves takes the decision, the
+    table's step and the layout's update in one native call (``step/fused.py`` says which
+    batches). False: every batch takes the general path (for comparing both)."""
 
     def __post_init__(self) -> None:
         if self.compaction not in COMPACTIONS or self.compaction == "lazy-deferred":

@@ -43,6 +43,9 @@ class NativeDecision(NamedTuple):
     """Selector 2: the per-slot score statistic (float64), which ``mass`` is added to first."""
     mass: np.ndarray | None
     """[B, >= each row's length] float32 or float64, C order; None: nothing observed."""
+    skip_shared: bool = False
+    """Selector 1: tokens in shared blocks are no candidates (the bounds keep them on top of the
+    budget)."""
 
 
 class BadMass(RuntimeError):
@@ -154,12 +157,14 @@ class BatchDecision:
                         sole_policy: int | None = None) -> NativeDecision | None:
         """The batch's decision for the fused native call, or None where it takes ``victims``: the
         Python core, several policies in the batch, a policy the C++ core cannot decide, a shared
-        block anywhere (its tokens are protected). The same victims as ``victims``: the bounds
-        are the policy's own (``candidate_bounds``, zero excess where ``wants_to_evict`` says
-        no), the mass is this step's as ``batch_mass`` gives it. ``sole_policy``: the policy index
-        (-1: none) every request of the step follows, when the step knows (the rows need no
-        look). Raises ``BadMass`` as ``victims`` does."""
-        if not self.native or len(shared):
+        block anywhere under a score-statistic policy (H2O: the Python path's statistics of
+        shared slots). The same victims as ``victims``: the bounds are the policy's own
+        (``candidate_bounds``, zero excess where ``wants_to_evict`` says no; with shared blocks,
+        their live tokens kept on top of the budget and never candidates, as the Python path's
+        protected mask), the mass is this step's as ``batch_mass`` gives it. ``sole_policy``: the
+        policy index (-1: none) every request of the step follows, when the step knows (the rows
+        need no look). Raises ``BadMass`` as ``victims`` does."""
+        if not self.native:
             return None
         first = -1 if not len(rows) else sole_policy
         if first is None:
@@ -172,7 +177,7 @@ class BatchDecision:
         selector = self._selectors.get(first)
         if selector is None:  # once per policy: which native pass decides for it, if any
             selector = self._selectors[first] = self.native_selector(self.policies[first])
-        if not selector:
+        if not selector or (len(shared) and selector != 1):
             return None
         policy, slots = self.policies[first], self.slots
         num_tokens, num_live = slots.num_tokens[rows], slots.num_live[rows]
@@ -180,12 +185,13 @@ class BatchDecision:
         wants = None if observes else policy.wants_to_evict(num_tokens, num_live)
         if wants is not None and not np.count_nonzero(wants):  # nothing over budget, nothing to learn
             return NativeDecision(0, *(np.zeros(len(rows), dtype=np.int64),) * 3, None, None)
-        bounds = policy.candidate_bounds(num_tokens, num_live)
+        kept = slots.native.slots_protected_live(*slots.native_arrays(), rows, self.native_table) if len(shared) else 0
+        bounds = policy.candidate_bounds(num_tokens, num_live, kept)
         excess, lo, hi = (np.ascontiguousarray(b, dtype=np.int64) for b in bounds)
         if wants is not None:
             excess[~wants] = 0
         if selector == 1:
-            return NativeDecision(1, lo, hi, excess, None, None)
+            return NativeDecision(1, lo, hi, excess, None, None, bool(len(shared)))
         batch_mass = None
         if observes:
             batch_mass = self.batch_mass(mass, rows, None, lambda: slots.gather(slots.tokens, slots.block_rows(rows)))

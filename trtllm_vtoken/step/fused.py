@@ -12,8 +12,10 @@ numpy work between them:
     lost, num_tokens, "changed" (numpy)            the same, per request
 
 A batch fuses when the C++ core serves the step (``StepConfig.fused``), one natively decided
-policy or none serves all its requests, no block is shared and no background compaction runs
-(``DecodeStep`` checks the last; ``BatchDecision.native_decision`` the rest). The victims hook
+policy or none serves all its requests, no background compaction runs (``DecodeStep`` checks
+that; ``BatchDecision.native_decision`` the rest), and no block is shared unless the policy is
+id-scored (StreamingLLM, sliding window: tokens in shared blocks are then kept on top of the
+budget and passed over, as the Python path's protected mask does). The victims hook
 (prefix caching's cut) runs inside the call, between the decision and the table's step, as on
 the general path. Otherwise, and for the Python core, the general path runs; the parity test
 holds both to the same outputs, tables and layouts (``tests/step/test_step_fused.py``).
@@ -55,5 +57,5 @@ def decide_and_step(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.nd
     victim_offsets, victim_ids, step, lost, num_tokens, changed, num_changed = slots.native.slots_decide_step(
         *slots.native_arrays(), table, req_ids, rows, num_new, offsets, blocks, decision.selector, decision.lo,
         decision.hi, decision.excess, COMPACTIONS.index(compaction), fragmentation_threshold, pressure,
-        decision.stat, decision.mass, hook)
+        decision.stat, decision.mass, hook, decision.skip_shared)
     return FusedResult(victim_offsets, victim_ids, StepBatchResult(*step), lost, num_tokens, changed, num_changed)
