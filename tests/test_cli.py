@@ -63,6 +63,31 @@ def test_bench_step_with_a_fixed_mass_evicts_alike(tmp_path, capsys):
     assert native_row["variant"] == "native" and native_row["added_us_p50"] == 0
 
 
+@pytest.mark.skipif(native.load() is None, reason="the C++ core is not built")
+def test_bench_step_times_the_fused_call_against_the_general_path(tmp_path, capsys):
+    """--impl cpp,cpp-general: the C++ core with and without its fused decode call, in one
+    alternating run; the same evictions, moves and freed blocks either way, and each row's in-step
+    time with its range over the runs."""
+    assert main(["bench", "step", "--batches", "4", "--context", "96", "--tokens-per-block", "8", "--steps", "3",
+                 "--repeats", "2", "--impl", "cpp,cpp-general", "--out", str(tmp_path)]) == 0
+    assert "step runs min-max" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "step.json").read_text())
+    by = {(r["variant"], r["mode"], r["policy"], r.get("boundary", False), r["impl"]): r for r in rows}
+    pairs = [(key[:4], by[key], by[key[:4] + ("cpp-general",)]) for key in by if key[4] == "cpp" and
+             key[:4] + ("cpp-general",) in by]
+    assert len(pairs) == 5
+    for _, fused, general in pairs:
+        for name in ("evicted_per_step", "moves_per_step", "blocks_freed_per_step"):
+            assert fused[name] == general[name], name
+        assert 0 < fused["step_us_min"] <= fused["step_us"] <= fused["step_us_max"]
+
+
+def test_bench_step_refuses_an_unknown_core(capsys):
+    assert main(["bench", "step", "--impl", "cpp,rust", "--out", "/tmp/unused"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "vtoken: error: --impl must list cores among cpp, python, cpp-general or be both, got 'cpp,rust'")
+
+
 def test_bad_arguments_give_one_line_error(capsys):
     assert main(["bench", "core", "--batch", "0", "--out", "/tmp/unused"]) == 2
     assert capsys.readouterr().err.strip() == "vtoken: error: batch must be positive, got 0"
