@@ -15,12 +15,15 @@ Selection decide(const SlotArrays& a, const TokenTable& table, const int64_t* re
     return lowest_live_ids(table, req_ids, batch, d.lo, d.hi, d.excess, d.skip_shared ? &shared_in : nullptr);
   }
   if (d.selector == Selector::kNone) return {};
+  const TokenTable* shared_of = d.skip_shared ? &table : nullptr;
   std::vector<int64_t> kv_len(static_cast<size_t>(batch));
   for (int64_t i = 0; i < batch; ++i) kv_len[i] = a.kv_len[rows[i]];
   if (d.mass64 != nullptr) {
-    return select_lowest(layout, rows, batch, kv_len.data(), d.lo, d.hi, d.excess, d.stat, d.mass64, d.mass_stride);
+    return select_lowest(layout, rows, batch, kv_len.data(), d.lo, d.hi, d.excess, d.stat, d.mass64, d.mass_stride,
+                         shared_of);
   }
-  return select_lowest(layout, rows, batch, kv_len.data(), d.lo, d.hi, d.excess, d.stat, d.mass32, d.mass_stride);
+  return select_lowest(layout, rows, batch, kv_len.data(), d.lo, d.hi, d.excess, d.stat, d.mass32, d.mass_stride,
+                       shared_of);
 }
 
 }  // namespace

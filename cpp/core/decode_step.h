@@ -37,7 +37,7 @@ struct Decision {
   const float* mass32 = nullptr;    // optional, one of the two: [batch, mass_stride] added to stat first
   const double* mass64 = nullptr;
   int64_t mass_stride = 0;
-  bool skip_shared = false;  // kLowestIds: tokens in shared blocks are no candidates (lowest_live_ids)
+  bool skip_shared = false;  // tokens in shared blocks are no candidates (select.h)
 };
 
 struct DecodeResult {

@@ -35,7 +35,8 @@ constexpr int64_t kLine = 64;  // bytes per cache line
 // candidate, so ties (equal keys, lowest id first) resolve exactly as in the one-pass form.
 template <bool kStat, bool kMass, bool kSingle, typename Mass>
 int64_t scan_row(const SlotLayout& layout, const int32_t* blocks, int64_t length, int64_t low, int64_t high,
-                 double* stat, const Mass* row_mass, Candidate& best, std::vector<Candidate>& pool) {
+                 double* stat, const Mass* row_mass, const TokenTable* shared_of, Candidate& best,
+                 std::vector<Candidate>& pool) {
   const int64_t tpb = layout.tokens_per_block;
   const int64_t num_blocks = (length + tpb - 1) / tpb;
   const auto width = static_cast<uint32_t>(high - low);
@@ -59,6 +60,7 @@ int64_t scan_row(const SlotLayout& layout, const int32_t* blocks, int64_t length
 #pragma omp simd
       for (int64_t o = 0; o < end; ++o) values[o] += static_cast<double>(m[o]);
     }
+    if (shared_of != nullptr && shared_of->is_shared(blocks[block])) continue;  // protected: observed only
     if (kSingle) {
       // Candidates: t - low in [0, width) as unsigned (a -1 or an id below low wraps past it).
       double block_min = kNone;
@@ -92,9 +94,11 @@ int64_t scan_row(const SlotLayout& layout, const int32_t* blocks, int64_t length
 
 template <bool kStat, bool kMass, typename Mass>
 int64_t scan(bool single, const SlotLayout& layout, const int32_t* blocks, int64_t length, int64_t low,
-             int64_t high, double* stat, const Mass* row_mass, Candidate& best, std::vector<Candidate>& pool) {
-  return single ? scan_row<kStat, kMass, true>(layout, blocks, length, low, high, stat, row_mass, best, pool)
-                : scan_row<kStat, kMass, false>(layout, blocks, length, low, high, stat, row_mass, best, pool);
+             int64_t high, double* stat, const Mass* row_mass, const TokenTable* shared_of, Candidate& best,
+             std::vector<Candidate>& pool) {
+  return single ? scan_row<kStat, kMass, true>(layout, blocks, length, low, high, stat, row_mass, shared_of, best, pool)
+                : scan_row<kStat, kMass, false>(layout, blocks, length, low, high, stat, row_mass, shared_of, best,
+                                                 pool);
 }
 
 }  // namespace
@@ -102,7 +106,7 @@ int64_t scan(bool single, const SlotLayout& layout, const int32_t* blocks, int64
 template <typename Mass>
 Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t batch, const int64_t* kv_len,
                         const int64_t* lo, const int64_t* hi, const int64_t* excess, double* stat,
-                        const Mass* mass, int64_t mass_stride) {
+                        const Mass* mass, int64_t mass_stride, const TokenTable* shared_of) {
   Selection out;
   const int64_t tpb = layout.tokens_per_block;
   std::vector<Candidate> pool;
@@ -134,11 +138,14 @@ Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t b
     const bool single = want == 1;
     int64_t count;
     if (stat == nullptr) {
-      count = scan<false, false, Mass>(single, layout, blocks, length, low, high, stat, row_mass, best, pool);
+      count = scan<false, false, Mass>(single, layout, blocks, length, low, high, stat, row_mass, shared_of, best,
+                                       pool);
     } else if (row_mass == nullptr) {
-      count = scan<true, false, Mass>(single, layout, blocks, length, low, high, stat, row_mass, best, pool);
+      count = scan<true, false, Mass>(single, layout, blocks, length, low, high, stat, row_mass, shared_of, best,
+                                      pool);
     } else {
-      count = scan<true, true, Mass>(single, layout, blocks, length, low, high, stat, row_mass, best, pool);
+      count = scan<true, true, Mass>(single, layout, blocks, length, low, high, stat, row_mass, shared_of, best,
+                                     pool);
     }
     if (count == 0) continue;
     if (single) {
@@ -192,8 +199,10 @@ Selection lowest_live_ids(const TokenTable& table, const int64_t* req_ids, int64
 }
 
 template Selection select_lowest<float>(const SlotLayout&, const int64_t*, int64_t, const int64_t*, const int64_t*,
-                                        const int64_t*, const int64_t*, double*, const float*, int64_t);
+                                        const int64_t*, const int64_t*, double*, const float*, int64_t,
+                                        const TokenTable*);
 template Selection select_lowest<double>(const SlotLayout&, const int64_t*, int64_t, const int64_t*, const int64_t*,
-                                         const int64_t*, const int64_t*, double*, const double*, int64_t);
+                                         const int64_t*, const int64_t*, double*, const double*, int64_t,
+                                         const TokenTable*);
 
 }  // namespace vtoken

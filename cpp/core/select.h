@@ -31,11 +31,14 @@ struct Selection {
 //   excess[i] > 0: candidates are live ids in [lo[i], hi[i]); victims: the excess[i] candidates
 //                  with the lowest (key, id), key = the id (stat == null) or stat[slot]; all of
 //                  them when there are no more than excess[i]
-// Mass is float (what attention kernels return) or double; stat is accumulated in double.
+// Mass is float (what attention kernels return) or double; stat is accumulated in double, row
+// after row (a slot several rows hold, in a shared block, gets each one's mass in batch order).
+// shared_of (optional): tokens in blocks that table holds as shared are observed but no
+// candidates (prefix caching protects them; the caller's bounds keep them on top of the budget).
 template <typename Mass>
 Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t batch, const int64_t* kv_len,
                         const int64_t* lo, const int64_t* hi, const int64_t* excess, double* stat,
-                        const Mass* mass, int64_t mass_stride);
+                        const Mass* mass, int64_t mass_stride, const TokenTable* shared_of = nullptr);
 
 // The id-scored decision (StreamingLLM, sliding window: the key is the logical id) from the token
 // table's own liveness instead of the slot layout: for request req_ids[i], the excess[i] lowest

@@ -3,7 +3,8 @@
 one native call) equals the general path and the Python core: the same random batches under one
 policy at a time (each of the five, and none), blocks becoming shared, give the same victims,
 moves, freed blocks, lengths, tables, layouts and KV, with I1/I2 checked around every step;
-batches it cannot serve (several policies, H2O with a shared block) take the general path."""
+batches it cannot serve (several policies, a policy the C++ core does not decide) take the
+general path."""
 
 from __future__ import annotations
 
@@ -22,10 +23,8 @@ from trtllm_vtoken.step.decide import BadMass
 
 pytestmark = pytest.mark.skipif(load() is None, reason="the C++ core is not built")
 
-# decided in one native pass (ScorePolicy.scores_are_ids / score_stat); the id-scored ones also
-# with shared blocks in the batch
+# decided in one native pass (ScorePolicy.scores_are_ids / score_stat)
 NATIVE = {"h2o", "streaming_llm", "sliding_window"}
-ID_SCORED = {"streaming_llm", "sliding_window"}
 
 
 def three_steps(tpb: int, compaction: str, threshold: int, spec):
@@ -65,8 +64,7 @@ def test_fused_step_equals_general_path_and_python(compaction, tpb, spec, steps,
             inputs.append(random_batch(rng, step, host, joining))
         outs = [step.run(inp) for step, inp in zip(steps_, inputs)]
         name = None if spec is None else spec[0]
-        expected += (not len(inputs[0].req_ids) or name is None
-                     or (name in NATIVE and (not hosts[0].shared or name in ID_SCORED)))
+        expected += not len(inputs[0].req_ids) or name is None or name in NATIVE
         for out in outs[1:]:
             outputs_equal(outs[0], out)
         for host, out in zip(hosts, outs):
@@ -81,15 +79,15 @@ def test_fused_step_equals_general_path_and_python(compaction, tpb, spec, steps,
                     host.release(b for b in step.remove_request(req) if b not in host.shared)
     python, general, fused = (s.stats for s in steps_)
     assert python.fused_steps == general.fused_steps == 0
-    # Every batch of a natively decided policy (or none) fuses, H2O's only without shared blocks;
-    # an empty one under any policy.
+    # Every batch of a natively decided policy (or none) fuses, shared blocks or not; an empty one
+    # under any policy.
     assert fused.fused_steps == expected
 
 
 @pytest.mark.parametrize("name", ["streaming_llm", "h2o"])
-def test_shared_blocks_fuse_for_id_scored_policies_and_several_policies_never(name):
-    """A shared block's tokens are kept on top of the budget and never evicted; StreamingLLM's
-    batch still fuses (its selection passes over them), H2O's takes the general path."""
+def test_shared_blocks_are_protected_in_the_fused_call_and_several_policies_never_fuse(name):
+    """A shared block's tokens are kept on top of the budget and never evicted, the batch still
+    fused (the selection passes over them; H2O's mass is still added to them)."""
     host = Host(32, 4)
     shared: set[int] = set()
     policy = make_policy(name, 5, **({"n_sink": 2} if name == "streaming_llm" else {}))
@@ -108,7 +106,7 @@ def test_shared_blocks_fuse_for_id_scored_policies_and_several_policies_never(na
         evicted += out.victims_of(0)
         assert not set(out.victims_of(0)) & protected  # the shared block's tokens are protected
     assert evicted and step.num_live(0) == 4 + 5  # the budget applies to the unshared tokens
-    assert step.stats.fused_steps == (7 if name == "streaming_llm" else 1)
+    assert step.stats.fused_steps == 7
     shared.clear()
     step.add_request(1, make_policy("sliding_window", 4))  # a second policy joins the batch
     fused = step.stats.fused_steps

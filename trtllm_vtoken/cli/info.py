@@ -30,8 +30,7 @@ def run(args: argparse.Namespace) -> int:
     for host, impl in step_implementations():
         print(f"  {host}: {impl}")
     print("  (cpp: a batch that one of h2o, streaming_llm, sliding_window or no policy serves, without background "
-          "compaction and, under h2o, without a shared block, takes one fused native call for its decision, table "
-          "step and layout update)")
+          "compaction, takes one fused native call for its decision, table step and layout update)")
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
     print(f"CUDA relocation kernel: {cuda_kernel.describe()}")
     print(f"numpy {numpy.__version__}")

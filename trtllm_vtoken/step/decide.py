@@ -8,12 +8,14 @@ for its rows at once, from the step's slot layout.
                         |     walked in the C++ table's liveness
                         +-- otherwise, or rows holding a shared (protected) block:
                               BatchView [rows, positions] -> p.observe_batch -> p.select_batch
+                              (H2O's observe: its mass added slot by slot, row after row, as the
+                              native pass adds it, so a shared slot gets every holder's mass)
 
 The victims come back as (batch index, position) pairs sorted by index, then logical id.
 
-Where the C++ core serves the step, one policy (or none) serves every row of the batch, the
-policy decides natively and no block is shared, ``native_decision`` instead describes the
-decision for the fused native call (``step/fused.py``), which selects the same victims."""
+Where the C++ core serves the step and one natively decided policy (or none) serves every row
+of the batch, ``native_decision`` instead describes the decision for the fused native call
+(``step/fused.py``), which selects the same victims, shared blocks' tokens protected alike."""
 
 from __future__ import annotations
 
@@ -44,8 +46,7 @@ class NativeDecision(NamedTuple):
     mass: np.ndarray | None
     """[B, >= each row's length] float32 or float64, C order; None: nothing observed."""
     skip_shared: bool = False
-    """Selector 1: tokens in shared blocks are no candidates (the bounds keep them on top of the
-    budget)."""
+    """Tokens in shared blocks are no candidates (the bounds keep them on top of the budget)."""
 
 
 class BadMass(RuntimeError):
@@ -138,7 +139,13 @@ class BatchDecision:
                 view = BatchView(req_ids[group], slots.num_tokens[rows[group]], slots.num_live[rows[group]],
                                  tokens()[group], None if protected is None else protected[group],
                                  {name: slots.gather(slots.stats[name], group_blocks) for name in policy.slot_stats})
-                if policy_index in observing:
+                if policy_index in observing and isinstance(policy, ScorePolicy) and policy.observe_adds_mass:
+                    # Added slot by slot, row after row, as the native pass adds it: a slot several
+                    # rows hold (a shared block) gets each one's mass, in batch order.
+                    name = policy.score_stat
+                    self.add_mass(slots.stats[name], group_blocks, slots.kv_len[rows[group]], mass_rows[group])
+                    view.stats[name] = slots.gather(slots.stats[name], group_blocks)
+                elif policy_index in observing:
                     policy.observe_batch(view, mass_rows[group])
                     for name, values in view.stats.items():
                         slots.scatter(slots.stats[name], group_blocks, values)
@@ -156,9 +163,8 @@ class BatchDecision:
     def native_decision(self, rows: np.ndarray, mass: Any, shared: Collection[int],
                         sole_policy: int | None = None) -> NativeDecision | None:
         """The batch's decision for the fused native call, or None where it takes ``victims``: the
-        Python core, several policies in the batch, a policy the C++ core cannot decide, a shared
-        block anywhere under a score-statistic policy (H2O: the Python path's statistics of
-        shared slots). The same victims as ``victims``: the bounds are the policy's own
+        Python core, several policies in the batch, a policy the C++ core cannot decide. The same
+        victims as ``victims``: the bounds are the policy's own
         (``candidate_bounds``, zero excess where ``wants_to_evict`` says no; with shared blocks,
         their live tokens kept on top of the budget and never candidates, as the Python path's
         protected mask), the mass is this step's as ``batch_mass`` gives it. ``sole_policy``: the
@@ -177,7 +183,7 @@ class BatchDecision:
         selector = self._selectors.get(first)
         if selector is None:  # once per policy: which native pass decides for it, if any
             selector = self._selectors[first] = self.native_selector(self.policies[first])
-        if not selector or (len(shared) and selector != 1):
+        if not selector:
             return None
         policy, slots = self.policies[first], self.slots
         num_tokens, num_live = slots.num_tokens[rows], slots.num_live[rows]
@@ -195,7 +201,17 @@ class BatchDecision:
         batch_mass = None
         if observes:
             batch_mass = self.batch_mass(mass, rows, None, lambda: slots.gather(slots.tokens, slots.block_rows(rows)))
-        return NativeDecision(2, lo, hi, excess, slots.stats[policy.score_stat], batch_mass)
+        return NativeDecision(2, lo, hi, excess, slots.stats[policy.score_stat], batch_mass, bool(len(shared)))
+
+    def add_mass(self, stat: np.ndarray, blocks: np.ndarray, lengths: np.ndarray, mass: np.ndarray) -> None:
+        """``stat[slot] += mass`` at each row's positions [0, length), row after row (the order the
+        native pass adds in, so a slot two rows hold sums alike: ``cpp/core/select.h``)."""
+        tpb = self.tokens_per_block
+        width = blocks.shape[1] * tpb
+        offset = np.arange(width)
+        flat = blocks.astype(np.int64).repeat(tpb, axis=1) * tpb + offset % tpb  # [B, width] slots
+        held = offset < lengths[:, None]
+        np.add.at(stat, flat[held], mass[:, :width][held].astype(np.float64))
 
     def native_selector(self, policy: EvictionPolicy) -> int:
         """The fused call's selector for a policy: 1 (lowest live ids), 2 (lowest statistic), or

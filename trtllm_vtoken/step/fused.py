@@ -12,10 +12,9 @@ numpy work between them:
     lost, num_tokens, "changed" (numpy)            the same, per request
 
 A batch fuses when the C++ core serves the step (``StepConfig.fused``), one natively decided
-policy or none serves all its requests, no background compaction runs (``DecodeStep`` checks
-that; ``BatchDecision.native_decision`` the rest), and no block is shared unless the policy is
-id-scored (StreamingLLM, sliding window: tokens in shared blocks are then kept on top of the
-budget and passed over, as the Python path's protected mask does). The victims hook
+policy or none serves all its requests and no background compaction runs (``DecodeStep`` checks
+that; ``BatchDecision.native_decision`` the rest). Tokens in shared blocks are kept on top of the
+budget and passed over, as the Python path's protected mask does. The victims hook
 (prefix caching's cut) runs inside the call, between the decision and the table's step, as on
 the general path. Otherwise, and for the Python core, the general path runs; the parity test
 holds both to the same outputs, tables and layouts (``tests/step/test_step_fused.py``).
