@@ -71,3 +71,25 @@ def random_batch(rng: np.random.Generator, step: DecodeStep, host: Host, new_req
     offsets = np.cumsum([0] + [len(b) for b in blocks])
     return StepInput(rows, num_new, offsets, [b for bl in blocks for b in bl], mass=mass,
                      pressure=bool(rng.random() < 0.15))
+
+
+def share_a_block(rng: np.random.Generator, steps: list[DecodeStep], hosts: list[Host], chance: float) -> None:
+    """With probability ``chance``, a random request's first block becomes shared in every host
+    (prefix caching), if it is full and no background compaction in flight touches it."""
+    if rng.random() >= chance or not steps[0].request_ids():
+        return
+    req = int(rng.choice(steps[0].request_ids()))
+    busy = set().union(*(step.relocating_blocks() for step in steps))
+    if steps[0].kv_len(req) >= hosts[0].tpb and steps[0].block_ids(req)[0] not in busy:
+        for host in hosts:
+            host.shared.add(steps[0].block_ids(req)[0])
+
+
+def same_batches(rng: np.random.Generator, steps: list[DecodeStep], hosts: list[Host],
+                 new_requests: list[int]) -> list[StepInput]:
+    """``random_batch`` once per step, from the same random state: the same batch for each."""
+    state, inputs = rng.bit_generator.state, []
+    for step, host in zip(steps, hosts):
+        rng.bit_generator.state = state
+        inputs.append(random_batch(rng, step, host, new_requests))
+    return inputs

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.step.drive import POLICY_SPECS, Host, make_step, random_batch
+from tests.step.drive import POLICY_SPECS, Host, make_step, same_batches, share_a_block
 from tests.step.test_step_parity import outputs_equal, tables_equal
 from trtllm_vtoken.core.native import load
 from trtllm_vtoken.policies import make_policy
@@ -52,16 +52,8 @@ def test_fused_step_equals_general_path_and_python(compaction, tpb, spec, steps,
                 step.add_request(req)
         if not steps_[0].request_ids():
             continue
-        if rng.random() < 0.15:  # a full block becomes shared (prefix caching)
-            req = int(rng.choice(steps_[0].request_ids()))
-            if steps_[0].kv_len(req) >= tpb:
-                for host in hosts:
-                    host.shared.add(steps_[0].block_ids(req)[0])
-        state = rng.bit_generator.state
-        inputs = []
-        for step, host in zip(steps_, hosts):
-            rng.bit_generator.state = state
-            inputs.append(random_batch(rng, step, host, joining))
+        share_a_block(rng, steps_, hosts, 0.15)
+        inputs = same_batches(rng, steps_, hosts, joining)
         outs = [step.run(inp) for step, inp in zip(steps_, inputs)]
         name = None if spec is None else spec[0]
         expected += not len(inputs[0].req_ids) or name is None or name in NATIVE

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.step.drive import Host, make_step, random_batch, random_policies
+from tests.step.drive import Host, make_step, random_policies, same_batches, share_a_block
 from trtllm_vtoken.core.native import load
 
 pytestmark = pytest.mark.skipif(load() is None, reason="the C++ core is not built")
@@ -62,17 +62,8 @@ def test_cpp_step_equals_python_step(compaction, tpb, steps, threshold, seed):
                 step.add_request(req, pols[k])
         if not steps_[0].request_ids():
             continue
-        if rng.random() < 0.1 and steps_[0].request_ids():  # a full block becomes shared (prefix caching)
-            req = int(rng.choice(steps_[0].request_ids()))
-            busy = steps_[0].relocating_blocks() | steps_[1].relocating_blocks()
-            if steps_[0].kv_len(req) >= tpb and steps_[0].block_ids(req)[0] not in busy:
-                for host in hosts:
-                    host.shared.add(steps_[0].block_ids(req)[0])
-        state = rng.bit_generator.state
-        inputs = []
-        for step, host in zip(steps_, hosts):
-            rng.bit_generator.state = state
-            inputs.append(random_batch(rng, step, host, joining))
+        share_a_block(rng, steps_, hosts, 0.1)
+        inputs = same_batches(rng, steps_, hosts, joining)
         outs = [step.run(inp) for step, inp in zip(steps_, inputs)]
         outputs_equal(*outs)
         for host, out in zip(hosts, outs):

@@ -64,13 +64,20 @@ def test_native_and_python_cores_pick_the_same_victims_with_shared_blocks():
     assert run("python") == run("cpp")
 
 
-@pytest.mark.parametrize("impl, fused", [("python", False), ("cpp", False), ("cpp", True)])
-def test_on_victims_runs_between_the_decision_and_the_table(impl, fused):
-    """On the general path and inside the C++ core's fused call alike."""
+PATHS = [("python", False), ("cpp", False), ("cpp", True)]  # the Python core, the C++ general path, the fused call
+
+
+def sliding_window_step(impl: str, fused: bool):
     if impl == "cpp" and load() is None:
         pytest.skip("the C++ core is not built")
     host = Host(16, TPB)
-    step = make_step(host, impl, "dense", policy=make_policy("sliding_window", 4), fused=fused)
+    return host, make_step(host, impl, "dense", policy=make_policy("sliding_window", 4), fused=fused)
+
+
+@pytest.mark.parametrize("impl, fused", PATHS)
+def test_on_victims_runs_between_the_decision_and_the_table(impl, fused):
+    """On the general path and inside the C++ core's fused call alike."""
+    host, step = sliding_window_step(impl, fused)
     seen = []
 
     def on_victims(req_ids, offsets, victims):
@@ -85,12 +92,9 @@ def test_on_victims_runs_between_the_decision_and_the_table(impl, fused):
     assert step.stats.fused_steps == int(fused)
 
 
-@pytest.mark.parametrize("impl, fused", [("python", False), ("cpp", False), ("cpp", True)])
+@pytest.mark.parametrize("impl, fused", PATHS)
 def test_a_failing_victims_hook_leaves_the_step_unusable_with_its_own_error(impl, fused):
-    if impl == "cpp" and load() is None:
-        pytest.skip("the C++ core is not built")
-    host = Host(16, TPB)
-    step = make_step(host, impl, "dense", policy=make_policy("sliding_window", 4), fused=fused)
+    host, step = sliding_window_step(impl, fused)
 
     def on_victims(req_ids, offsets, victims):
         raise LookupError("the prefix cache lost request 7")
@@ -114,3 +118,23 @@ def test_a_shared_block_may_join_several_requests_of_one_batch_only_if_shared():
     step.run(StepInput([1, 2], [6, 5], [0, 2, 4], block + host.allocate(1) + block + host.allocate(1)))
     assert step.block_ids(1)[0] == step.block_ids(2)[0] == block[0]
     step.check_integrity()
+
+
+@pytest.mark.parametrize("impl, fused", PATHS)
+def test_a_shared_slot_gets_the_h2o_mass_of_every_request_holding_it(impl, fused):
+    """Two requests share a prefix block; one step's mass is added to its slots once per holder,
+    row after row, on every path (the native pass adds in place; the Python path as it does)."""
+    if impl == "cpp" and load() is None:
+        pytest.skip("the C++ core is not built")
+    host = Host(16, TPB)
+    step = make_step(host, impl, "dense", policy=make_policy("h2o", 64), fused=fused)
+    prefix = host.allocate(1)
+    host.shared.update(prefix)
+    step.add_request(1), step.add_request(2)
+    mass = np.array([[0.5] * 6, [0.25] * 6])
+    step.run(StepInput([1, 2], [6, 6], [0, 2, 4], prefix + host.allocate(1) + prefix + host.allocate(1), mass=mass))
+    slots = prefix[0] * TPB + np.arange(TPB)
+    assert step.slots.stats["mass"][slots].tolist() == [0.75] * TPB  # each holder's mass
+    own = step.block_ids(1)[1] * TPB
+    assert step.slots.stats["mass"][own : own + 2].tolist() == [0.5, 0.5]
+    assert step.stats.fused_steps == int(fused)

@@ -48,6 +48,12 @@ class NativeDecision(NamedTuple):
     skip_shared: bool = False
     """Tokens in shared blocks are no candidates (the bounds keep them on top of the budget)."""
 
+    @classmethod
+    def none(cls, batch: int) -> NativeDecision:
+        """No victims and nothing to observe."""
+        zeros = np.zeros(batch, dtype=np.int64)
+        return cls(0, zeros, zeros, zeros, None, None)
+
 
 class BadMass(RuntimeError):
     """A mass function returned something that does not fit the batch (after the step began)."""
@@ -179,7 +185,7 @@ class BatchDecision:
             if np.count_nonzero(index != first):
                 return None
         if first < 0:  # no request of the batch evicts (or no request at all)
-            return NativeDecision(0, *(np.zeros(len(rows), dtype=np.int64),) * 3, None, None)
+            return NativeDecision.none(len(rows))
         selector = self._selectors.get(first)
         if selector is None:  # once per policy: which native pass decides for it, if any
             selector = self._selectors[first] = self.native_selector(self.policies[first])
@@ -190,7 +196,7 @@ class BatchDecision:
         observes = selector == 2 and policy.observes_attention()
         wants = None if observes else policy.wants_to_evict(num_tokens, num_live)
         if wants is not None and not np.count_nonzero(wants):  # nothing over budget, nothing to learn
-            return NativeDecision(0, *(np.zeros(len(rows), dtype=np.int64),) * 3, None, None)
+            return NativeDecision.none(len(rows))
         kept = slots.native.slots_protected_live(*slots.native_arrays(), rows, self.native_table) if len(shared) else 0
         bounds = policy.candidate_bounds(num_tokens, num_live, kept)
         excess, lo, hi = (np.ascontiguousarray(b, dtype=np.int64) for b in bounds)
