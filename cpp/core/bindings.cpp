@@ -122,7 +122,8 @@ NB_MODULE(_core, m) {
          nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> block_table, int64_t tokens_per_block,
          Ids rows, Ids kv_len, Ids lo, Ids hi, Ids excess,
          std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
-         std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass) {
+         std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass,
+         const TokenTable* shared_of) {
         const auto batch = static_cast<int64_t>(rows.shape(0));
         for (const Ids* a : {&kv_len, &lo, &hi, &excess}) {
           if (a->shape(0) != static_cast<size_t>(batch)) {
@@ -161,38 +162,59 @@ NB_MODULE(_core, m) {
           double* accumulated = stat ? stat->data() : nullptr;
           if (single) {
             r = vtoken::select_lowest(layout, rows.data(), batch, kv_len.data(), lo.data(), hi.data(), excess.data(),
-                                      accumulated, static_cast<const float*>(mass->data()), stride);
+                                      accumulated, static_cast<const float*>(mass->data()), stride, shared_of);
           } else {
             r = vtoken::select_lowest(layout, rows.data(), batch, kv_len.data(), lo.data(), hi.data(), excess.data(),
-                                      accumulated, mass ? static_cast<const double*>(mass->data()) : nullptr, stride);
+                                      accumulated, mass ? static_cast<const double*>(mass->data()) : nullptr, stride,
+                                      shared_of);
           }
         }
         return nb::make_tuple(to_numpy(std::move(r.rows)), to_numpy(std::move(r.positions)));
       },
       "tokens"_a, "block_table"_a, "tokens_per_block"_a, "rows"_a, "kv_len"_a, "lo"_a, "hi"_a, "excess"_a,
-      "stat"_a = nb::none(), "mass"_a = nb::none(),
+      "stat"_a = nb::none(), "mass"_a = nb::none(), "shared_of"_a = nb::none(),
       "A score policy's decision for a batch over the step's slot layout (cpp/core/select.h): "
-      "(batch rows, positions) of the victims.");
+      "(batch rows, positions) of the victims; shared_of: the table whose shared blocks' tokens are no "
+      "candidates.");
 
   m.def(
       "lowest_live_ids",
-      [](const TokenTable& table, Ids req_ids, Ids lo, Ids hi, Ids excess) {
+      [](const TokenTable& table, Ids req_ids, Ids lo, Ids hi, Ids excess,
+         std::optional<nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>> block_table,
+         std::optional<Ids> rows) {
         const auto batch = static_cast<int64_t>(req_ids.shape(0));
         for (const Ids* a : {&lo, &hi, &excess}) {
           if (a->shape(0) != static_cast<size_t>(batch)) {
             throw std::invalid_argument("lowest_live_ids: req_ids, lo, hi and excess need one entry per request");
           }
         }
+        if (block_table.has_value() != rows.has_value() || (rows && rows->shape(0) != static_cast<size_t>(batch))) {
+          throw std::invalid_argument("lowest_live_ids: block_table and rows come together, one row per request");
+        }
+        vtoken::SlotLayout layout{nullptr, nullptr, 0, table.tokens_per_block(), 0};
+        vtoken::RowsOf shared_in{&layout, nullptr};
+        if (rows) {
+          for (int64_t i = 0; i < batch; ++i) {
+            if (rows->data()[i] < 0 || rows->data()[i] >= static_cast<int64_t>(block_table->shape(0))) {
+              throw std::invalid_argument("lowest_live_ids: a row is outside the block table");
+            }
+          }
+          layout.block_table = block_table->data();
+          layout.block_stride = static_cast<int64_t>(block_table->shape(1));
+          shared_in.rows = rows->data();
+        }
         vtoken::Selection r;
         {
           nb::gil_scoped_release release;
-          r = vtoken::lowest_live_ids(table, req_ids.data(), batch, lo.data(), hi.data(), excess.data());
+          r = vtoken::lowest_live_ids(table, req_ids.data(), batch, lo.data(), hi.data(), excess.data(),
+                                      rows ? &shared_in : nullptr);
         }
         return nb::make_tuple(to_numpy(std::move(r.rows)), to_numpy(std::move(r.positions)));
       },
-      "table"_a, "req_ids"_a, "lo"_a, "hi"_a, "excess"_a,
+      "table"_a, "req_ids"_a, "lo"_a, "hi"_a, "excess"_a, "block_table"_a = nb::none(), "rows"_a = nb::none(),
       "An id-scored policy's decision from the table's liveness (cpp/core/select.h): (batch rows, "
-      "positions) of the victims.");
+      "positions) of the victims; with the step's block table and the requests' rows, tokens in shared "
+      "blocks are no candidates.");
 
   nb::class_<Plan>(m, "Plan")
       .def_ro("req_id", &Plan::req_id)

@@ -5,11 +5,12 @@ for its rows at once, from the step's slot layout.
     rows of policy p  --+-- p's score lives in the slot layout and the C++ core is built:
                         |     H2O: one native pass over the slots (``cpp/core/select.h``);
                         |     id-scored (StreamingLLM, sliding window): the lowest live ids,
-                        |     walked in the C++ table's liveness
-                        +-- otherwise, or rows holding a shared (protected) block:
-                              BatchView [rows, positions] -> p.observe_batch -> p.select_batch
-                              (H2O's observe: its mass added slot by slot, row after row, as the
-                              native pass adds it, so a shared slot gets every holder's mass)
+                        |     walked in the C++ table's liveness; the tokens of shared
+                        |     (protected) blocks kept on top of the budget, passed over
+                        +-- otherwise: BatchView [rows, positions] -> p.observe_batch ->
+                              p.select_batch, shared blocks' tokens masked (H2O's observe: its
+                              mass added slot by slot, row after row, as the native pass adds it,
+                              so a shared slot gets every holder's mass)
 
 The victims come back as (batch index, position) pairs sorted by index, then logical id.
 
@@ -105,20 +106,7 @@ class BatchDecision:
         if not groups:  # e.g. every request within its budget: no layout is even looked at
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         blocks = slots.block_rows(rows)
-        holds_shared = (np.isin(blocks, list(shared)).any(axis=1) if len(shared)
-                        else np.zeros(len(rows), dtype=bool))
-        native: set[int] = set()
-        for policy_index in [i for i in groups if self.native_selection(self.policies[i])]:
-            # The native pass knows no protected tokens: rows holding a shared block decide in
-            # Python (their own group, under the same policy), the others natively.
-            group = groups[policy_index]
-            with_shared = group[holds_shared[group]]
-            if len(with_shared) == len(group):
-                continue
-            native.add(policy_index)
-            groups[policy_index] = group[~holds_shared[group]]
-            if len(with_shared):
-                groups[-2 - policy_index] = with_shared
+        native = {i for i in groups if self.native_selection(self.policies[i])}
         layout: dict[str, np.ndarray] = {}  # the batch's token layout, gathered once if needed
 
         def tokens() -> np.ndarray:
@@ -126,20 +114,19 @@ class BatchDecision:
                 layout["tokens"] = slots.gather(slots.tokens, blocks)
             return layout["tokens"]
 
-        def policy_of(key: int) -> EvictionPolicy:  # key -2 - i: policy i's rows decided in Python
-            return self.policies[key if key >= 0 else -2 - key]
-
-        observing = [i for i in groups if policy_of(i).observes_attention()]
+        observing = [i for i in groups if self.policies[i].observes_attention()]
         mass_rows = self.batch_mass(mass, rows, blocks.shape[1] * self.tokens_per_block, tokens) if observing else None
-        protected = (np.repeat(np.isin(blocks, list(shared)), self.tokens_per_block, axis=1) if len(shared) else None)
+        protected = None
+        if len(shared) and len(native) < len(groups):  # the Python policies' view of the shared blocks
+            protected = np.repeat(np.isin(blocks, list(shared)), self.tokens_per_block, axis=1)
         picked_index, picked_pos = [], []
         for policy_index, group in groups.items():
-            policy = policy_of(policy_index)
+            policy = self.policies[policy_index]
             if policy_index in native:
                 whole = len(group) == len(rows)  # the usual case: no copy of the batch's mass
                 victim_rows, positions = self.select_native(
                     policy, req_ids if whole else req_ids[group], rows if whole else rows[group],
-                    None if mass_rows is None else mass_rows if whole else mass_rows[group])
+                    None if mass_rows is None else mass_rows if whole else mass_rows[group], bool(len(shared)))
             else:
                 group_blocks = blocks[group]
                 view = BatchView(req_ids[group], slots.num_tokens[rows[group]], slots.num_live[rows[group]],
@@ -197,9 +184,7 @@ class BatchDecision:
         wants = None if observes else policy.wants_to_evict(num_tokens, num_live)
         if wants is not None and not np.count_nonzero(wants):  # nothing over budget, nothing to learn
             return NativeDecision.none(len(rows))
-        kept = slots.native.slots_protected_live(*slots.native_arrays(), rows, self.native_table) if len(shared) else 0
-        bounds = policy.candidate_bounds(num_tokens, num_live, kept)
-        excess, lo, hi = (np.ascontiguousarray(b, dtype=np.int64) for b in bounds)
+        excess, lo, hi = self.native_bounds(policy, rows, bool(len(shared)))
         if wants is not None:
             excess[~wants] = 0
         if selector == 1:
@@ -208,6 +193,15 @@ class BatchDecision:
         if observes:
             batch_mass = self.batch_mass(mass, rows, None, lambda: slots.gather(slots.tokens, slots.block_rows(rows)))
         return NativeDecision(2, lo, hi, excess, slots.stats[policy.score_stat], batch_mass, bool(len(shared)))
+
+    def native_bounds(self, policy: ScorePolicy, rows: np.ndarray, shared: bool) -> tuple[np.ndarray, ...]:
+        """(excess, lo, hi) of a native pass over these rows, int64 (``candidate_bounds``); with
+        shared blocks, the live tokens in them (counted from the layout, this step's new tokens
+        included) kept on top of the budget, as the Python path's protected mask keeps them."""
+        slots = self.slots
+        kept = slots.native.slots_protected_live(*slots.native_arrays(), rows, self.native_table) if shared else 0
+        bounds = policy.candidate_bounds(slots.num_tokens[rows], slots.num_live[rows], kept)
+        return tuple(np.ascontiguousarray(b, dtype=np.int64) for b in bounds)
 
     def add_mass(self, stat: np.ndarray, blocks: np.ndarray, lengths: np.ndarray, mass: np.ndarray) -> None:
         """``stat[slot] += mass`` at each row's positions [0, length), row after row (the order the
@@ -238,17 +232,19 @@ class BatchDecision:
         return not policy.observes_attention() or policy.observe_adds_mass
 
     def select_native(self, policy: ScorePolicy, req_ids: np.ndarray, rows: np.ndarray,
-                      mass: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        slots = self.slots
-        num_tokens, num_live = slots.num_tokens[rows], slots.num_live[rows]
-        excess, lo, hi = policy.candidate_bounds(num_tokens, num_live)
+                      mass: np.ndarray | None, shared: bool) -> tuple[np.ndarray, np.ndarray]:
+        """One native pass for a policy's rows; ``shared``: some block is shared now, its tokens
+        kept on top of the budget and no candidates (as ``native_decision`` has them)."""
+        slots, native = self.slots, load_native()
+        excess, lo, hi = self.native_bounds(policy, rows, shared)
         if policy.scores_are_ids and not policy.observes_attention():
             # The lowest live ids: walked in the table's liveness, not scanned over every slot.
-            return load_native().lowest_live_ids(self.native_table, req_ids, lo, hi, excess)
+            layout = (slots.block_table, rows) if shared else (None, None)
+            return native.lowest_live_ids(self.native_table, req_ids, lo, hi, excess, *layout)
         stat = slots.stats[policy.score_stat] if policy.score_stat else None
         add = mass if policy.observe_adds_mass else None
-        return load_native().select_lowest(slots.tokens, slots.block_table, self.tokens_per_block, rows,
-                                           slots.kv_len[rows], lo, hi, excess, stat, add)
+        return native.select_lowest(slots.tokens, slots.block_table, self.tokens_per_block, rows, slots.kv_len[rows],
+                                    lo, hi, excess, stat, add, self.native_table if shared else None)
 
     def batch_mass(self, mass: Any, rows: np.ndarray, width: int | None,
                    tokens: Callable[[], np.ndarray]) -> np.ndarray:
