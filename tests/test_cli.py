@@ -32,13 +32,14 @@ def test_bench_step_prints_table_and_writes_rows(tmp_path, capsys):
     assert main(["bench", "step", "--batches", "4", "--context", "96", "--tokens-per-block", "8", "--steps", "3",
                  "--repeats", "1", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "indirection-only" in out and "vtoken dense h2o" in out and "added us" in out
+    assert "indirection-only" in out and "vtoken dense h2o" in out and "added us" in out and "native us/step" in out
     assert (tmp_path / "step.png").stat().st_size > 0
     rows = json.loads((tmp_path / "step.json").read_text())
     impls = ["cpp", "python"] if native.load() is not None else ["python"]
     assert len(rows) == 1 + 5 * len(impls) + 1  # dense H2O at a block boundary once, with the first core
     for row in rows:
-        assert {"variant", "mode", "policy", "impl", "batch", "host_us_p50", "added_us_p50"} <= set(row)
+        assert {"variant", "mode", "policy", "impl", "batch", "host_us_p50", "added_us_p50", "native_us_p50",
+                "added_pct"} <= set(row)
         assert row["batch"] == 4 and row["host_us_p50"] > 0
         evicting = row["variant"] == "vtoken"
         assert (row["evicted_per_step"] == 4) == evicting  # one eviction per request per step
@@ -50,17 +51,18 @@ def test_bench_step_prints_table_and_writes_rows(tmp_path, capsys):
     assert all(r["moves_per_step"] == 4 for r in dense)
 
 
-def test_bench_step_with_a_fixed_mass_evicts_alike(tmp_path, capsys):
-    """--mass fixed: the mass is one array per layout shape (no simulated attention on the host);
-    every evicting row still evicts one token per request per step."""
+def test_bench_step_with_the_simulated_attention_evicts_alike(tmp_path, capsys):
+    """--mass synthetic: the simulated attention computes the mass (its time not counted); every
+    evicting row still evicts one token per request per step; the native row is native paired
+    with native."""
     assert main(["bench", "step", "--batches", "4", "--context", "96", "--tokens-per-block", "8", "--steps", "3",
-                 "--repeats", "1", "--impl", "python", "--mass", "fixed", "--out", str(tmp_path)]) == 0
-    assert "a fixed mass array" in capsys.readouterr().out
+                 "--repeats", "1", "--impl", "python", "--mass", "synthetic", "--out", str(tmp_path)]) == 0
+    assert "simulated attention" in capsys.readouterr().out
     rows = json.loads((tmp_path / "step.json").read_text())
-    assert {r["mass"] for r in rows} == {"fixed"}
+    assert {r["mass"] for r in rows} == {"synthetic"}
     assert all((r["evicted_per_step"] == 4) == (r["variant"] == "vtoken") for r in rows)
     native_row = rows[0]
-    assert native_row["variant"] == "native" and native_row["added_us_p50"] == 0
+    assert native_row["variant"] == "native" and native_row["step_us"] == 0 and native_row["native_us_p50"] > 0
 
 
 @pytest.mark.skipif(native.load() is None, reason="the C++ core is not built")

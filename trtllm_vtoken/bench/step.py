@@ -26,13 +26,27 @@ In a workload of many lengths and budgets a request is at a boundary on about on
     indirection-only    vToken's step with nothing evicted (StreamingLLM at a 1.0 ratio)
     vtoken              dense and lazy, H2O and StreamingLLM; dense H2O also at a block boundary
 
-The attention mass arrives as float32 [batch, length], as attention kernels return it: from the
-simulated attention (``mass="synthetic"``), whose per-request numpy work runs on the host's cores
-and leaves their caches cold for the step after it, or as one fixed random array per layout shape
-(``mass="fixed"``: the host only receives a buffer, as from a GPU's attention). Each row
-runs with the C++ core and with the Python core (``step_impl``); "cpp-general" rows run the C++
-core with its fused decode call off (``step_fused``), for comparing the two paths. Rows are repeated in
-alternating order; a row's value is the median step of its median run, with the runs' range.
+Each run of a row pairs it with a native engine of its own, in the same process, step by step in
+alternating order (native first on even steps, the row first on odd ones): a step of the row and
+the native step beside it meet the same machine, so drift of the machine's speed (other tenants,
+frequency) cancels in their difference. A row's added time is the median over its steps of
+(row step - native step), its added % the median of (row step / native step - 1); the ``native``
+row is native paired with native: how far identical code differs in this measurement (its noise
+floor). Rows are repeated in alternating order; a row's values are those of its median run (by
+added time), with the runs' range.
+
+    step i (even)    native.step()   row.step()
+    step i+1 (odd)   row.step()      native.step()
+                     ---- paired: (row - native), (row / native - 1) per step ----
+
+The attention mass arrives as float32 [batch, length], as attention kernels return it: as one
+fixed random array per layout shape (``mass="fixed"``, the default: the host only receives a
+buffer, as from a GPU's attention), or from the simulated attention (``mass="synthetic"``),
+whose per-request numpy work runs on the host's cores; its time is subtracted, but it leaves
+the caches cold for what runs after it, the paired native step included, so it narrows the
+difference in vToken's favour. Each row runs with the C++ core and with the Python core
+(``step_impl``); "cpp-general" rows run the C++ core with its fused decode call off
+(``step_fused``), for comparing the two paths.
 """
 
 from __future__ import annotations
@@ -50,7 +64,9 @@ from trtllm_vtoken.runtime.config import EngineConfig
 SPLIT = ("table", "policy", "core", "copy")
 IMPLS = ("cpp", "python", "cpp-general")
 """The step's core: C++ (its fused call where a batch allows), Python, C++ on the general path only."""
-MASSES = ("synthetic", "fixed")
+MASSES = ("fixed", "synthetic")
+NATIVE = dict(variant="native", mode="-", policy="-", impl="-")
+"""The baseline row: plain block lists, no token table (also every run's paired partner)."""
 
 
 @dataclass(frozen=True)
@@ -63,8 +79,9 @@ class StepBenchConfig:
     repeats: int = 3
     impls: tuple[str, ...] = ("cpp", "python")
     """Among ``IMPLS``."""
-    mass: str = "synthetic"
-    """Where the attention mass comes from: "synthetic" (the simulated attention) or "fixed"."""
+    mass: str = "fixed"
+    """Where the attention mass comes from: "fixed" (one array per shape) or "synthetic" (the
+    simulated attention)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -82,7 +99,7 @@ class StepBenchConfig:
 
     def rows(self) -> list[tuple[str, dict[str, Any]]]:
         """(label, the row's settings) for one batch size, in run order."""
-        rows: list[tuple[str, dict[str, Any]]] = [("native", dict(variant="native", mode="-", policy="-", impl="-"))]
+        rows: list[tuple[str, dict[str, Any]]] = [("native", NATIVE)]
         for impl in self.impls:
             rows.append((f"indirection-only {impl}", dict(variant="indirection-only", mode="dense",
                                                           policy="streaming_llm", impl=impl)))
@@ -119,18 +136,61 @@ def run_step_bench(cfg: StepBenchConfig, progress=None) -> dict[str, Any]:
 
     results = []
     for batch in cfg.batches:
-        runs = run_alternating(cfg.rows(), cfg.repeats, lambda label, row: _run(cfg, batch, row), progress,
-                               key="host_us_p50", spread=("step_us",))
-        native = next(r for r in runs if r["variant"] == "native")
-        for r in runs:
-            r["added_us_p50"] = r["host_us_p50"] - native["host_us_p50"]
-            r["added_pct"] = 100.0 * r["added_us_p50"] / native["host_us_p50"]
-        results += runs
+        results += run_alternating(cfg.rows(), cfg.repeats, lambda label, row: _run(cfg, batch, row), progress,
+                                   key="added_us_p50",
+                                   spread=("added_pct", "host_us_p50", "native_us_p50", "step_us"))
     return {"config": asdict(cfg), "rows": results}
 
 
 def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any]:
-    """One engine run of a row; the median host microseconds per timed decode step."""
+    """One paired run of a row (see the module): the row's engine and a native engine, stepped in
+    alternating order; the medians of the row's and native's host microseconds per timed decode
+    step and of their per-step difference and ratio."""
+    engine = _prefilled(cfg, batch, row)
+    native = _prefilled(cfg, batch, NATIVE)
+    stats = engine.kv.step_stats
+    host_us, native_us, evicted, moves, freed = [], [], 0, 0, 0
+    split = dict.fromkeys(SPLIT, 0.0)
+    was_enabled = gc.isenabled()
+    gc.disable()  # as timeit: a collection landing in a timed step times the collector
+    try:
+        for i in range(cfg.warmup + cfg.steps):
+            before = (dict(stats.seconds), stats.tokens_evicted, stats.moves, stats.blocks_freed)
+            if i % 2 == 0:
+                native_step = _timed_step(native)
+                row_step = _timed_step(engine)
+            else:
+                row_step = _timed_step(engine)
+                native_step = _timed_step(native)
+            if i < cfg.warmup:
+                continue
+            host_us.append(row_step)
+            native_us.append(native_step)
+            for name in SPLIT:
+                split[name] += 1e6 * (stats.seconds[name] - before[0][name]) / cfg.steps
+            evicted += stats.tokens_evicted - before[1]
+            moves += stats.moves - before[2]
+            freed += stats.blocks_freed - before[3]
+    finally:
+        if was_enabled:
+            gc.enable()
+    for e in (engine, native):
+        if len(e.running) != batch or e.stats.preemptions:
+            raise RuntimeError("a request finished or was preempted inside the timed steps")
+    mine, theirs = np.array(host_us), np.array(native_us)
+    return {**row, "batch": batch, "mass": cfg.mass, "host_us_p50": float(np.median(mine)),
+            "native_us_p50": float(np.median(theirs)), "added_us_p50": float(np.median(mine - theirs)),
+            "added_pct": float(100.0 * (np.median(mine / theirs) - 1.0)),
+            "host_us_steps_min": float(np.min(mine)), "split_us": split,
+            "step_us": sum(split.values()),  # the step's own time, timed inside it (not the glue around it)
+            "evicted_per_step": evicted / cfg.steps, "moves_per_step": moves / cfg.steps,
+            "blocks_freed_per_step": freed / cfg.steps,
+            "metadata_bytes_per_token": engine.kv.step.metadata_bytes_per_token() if engine.kv.step else 0.0}
+
+
+
+def _prefilled(cfg: StepBenchConfig, batch: int, row: dict[str, Any]):
+    """An engine for the row with ``batch`` requests admitted and prefilled (not timed)."""
     from trtllm_vtoken.runtime.engine import Engine
     from trtllm_vtoken.runtime.sampling import SamplingParams
     from trtllm_vtoken.runtime.simulated import MODEL_SHAPES, SimulatedModel, SyntheticAttention
@@ -146,36 +206,17 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
     engine.step()  # admission and prefill of every request
     if len(engine.running) != batch:
         raise RuntimeError(f"only {len(engine.running)} of {batch} requests were admitted")
+    return engine
+
+
+def _timed_step(engine) -> float:
+    """Host microseconds of one ``engine.step()``, the simulated attention's own time subtracted."""
     stats = engine.kv.step_stats
-    host_us, evicted, moves, freed = [], 0, 0, 0
-    split = dict.fromkeys(SPLIT, 0.0)
-    was_enabled = gc.isenabled()
-    gc.disable()  # as timeit: a collection landing in a timed step times the collector
-    try:
-        for i in range(cfg.warmup + cfg.steps):
-            before = (stats.mass_seconds, dict(stats.seconds), stats.tokens_evicted, stats.moves, stats.blocks_freed)
-            start = time.perf_counter()
-            engine.step()
-            wall = time.perf_counter() - start
-            if i < cfg.warmup:
-                continue
-            host_us.append(1e6 * (wall - (stats.mass_seconds - before[0])))
-            for name in SPLIT:
-                split[name] += 1e6 * (stats.seconds[name] - before[1][name]) / cfg.steps
-            evicted += stats.tokens_evicted - before[2]
-            moves += stats.moves - before[3]
-            freed += stats.blocks_freed - before[4]
-    finally:
-        if was_enabled:
-            gc.enable()
-    if len(engine.running) != batch or engine.stats.preemptions:
-        raise RuntimeError("a request finished or was preempted inside the timed steps")
-    return {**row, "batch": batch, "mass": cfg.mass, "host_us_p50": float(np.median(host_us)),
-            "host_us_steps_min": float(np.min(host_us)), "split_us": split,
-            "step_us": sum(split.values()),  # the step's own time, timed inside it (not the glue around it)
-            "evicted_per_step": evicted / cfg.steps, "moves_per_step": moves / cfg.steps,
-            "blocks_freed_per_step": freed / cfg.steps,
-            "metadata_bytes_per_token": engine.kv.step.metadata_bytes_per_token() if engine.kv.step else 0.0}
+    mass_before = stats.mass_seconds
+    start = time.perf_counter()
+    engine.step()
+    wall = time.perf_counter() - start
+    return 1e6 * (wall - (stats.mass_seconds - mass_before))
 
 
 def fixed_mass(seed: int):
@@ -195,8 +236,8 @@ def fixed_mass(seed: int):
 
 
 def plot_step(result: dict[str, Any], path) -> None:
-    """Added host microseconds per decode step over native, per row and batch (log scale;
-    whiskers: range of the runs), with the targets."""
+    """Added host microseconds per decode step over the paired native, per row and batch (log
+    scale; whiskers: range of the runs), with the targets and native-against-native's range."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,24 +250,24 @@ def plot_step(result: dict[str, Any], path) -> None:
         mine = [r for r in rows if r["batch"] == batch]
         native = next(r for r in result["rows"] if r["variant"] == "native" and r["batch"] == batch)
         labels = [r["label"] for r in mine]
-        added = [max(r["added_us_p50"], 1.0) for r in mine]
-        low = [max(r["host_us_p50_min"] - native["host_us_p50"], 1.0) for r in mine]
-        high = [max(r["host_us_p50_max"] - native["host_us_p50"], 1.0) for r in mine]
+        added = np.array([max(r["added_us_p50"], 1.0) for r in mine])
+        low = np.array([max(r["added_us_p50_min"], 1.0) for r in mine])
+        high = np.array([max(r["added_us_p50_max"], 1.0) for r in mine])
         colors = [{"cpp": "tab:blue", "cpp-general": "tab:green"}.get(r["impl"], "tab:orange") for r in mine]
-        ax.barh(labels, added, color=colors, xerr=[np.maximum(np.subtract(added, low), 0),
-                                                  np.maximum(np.subtract(high, added), 0)], capsize=3)
+        ax.barh(labels, added, color=colors, xerr=[np.maximum(added - low, 0), np.maximum(high - added, 0)],
+                capsize=3)
         target = 300 if batch <= 64 else 1000
         ax.axvline(target, color="grey", linestyle="--", linewidth=0.8)
         ax.annotate(f"dense h2o target {target} us", (target, len(mine) - 0.5), fontsize=8, color="grey")
-        spread = native["host_us_p50_max"] - native["host_us_p50_min"]
-        ax.axvline(max(spread, 1.0), color="tab:red", linestyle=":", linewidth=0.8)
-        ax.annotate("native's own spread", (max(spread, 1.0), -0.5), fontsize=8, color="tab:red")
+        floor = max(abs(native["added_us_p50_min"]), abs(native["added_us_p50_max"]), 1.0)
+        ax.axvline(floor, color="tab:red", linestyle=":", linewidth=0.8)
+        ax.annotate("native vs native", (floor, -0.5), fontsize=8, color="tab:red")
         ax.set_xscale("log")
         ax.invert_yaxis()
-        ax.set(xlabel="host us per decode step added over native (median run)",
-               title=f"batch {batch}: native {native['host_us_p50']:,.0f} us/step")
+        ax.set(xlabel="host us per decode step added over the paired native (median run)",
+               title=f"batch {batch}: native {native['native_us_p50']:,.0f} us/step")
     c = result["config"]
-    fig.suptitle(f"vtoken bench step (simulated attention, not counted): {c['context']} tokens of context, "
+    fig.suptitle(f"vtoken bench step ({c['mass']} mass): {c['context']} tokens of context, "
                  f"tokens_per_block {c['tokens_per_block']}, one eviction per request per step "
                  "(blue: C++ core, green: C++ general path only, orange: Python)")
     fig.tight_layout()

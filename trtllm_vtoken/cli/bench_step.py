@@ -23,16 +23,17 @@ def register(bench) -> None:
     step.add_argument("--tokens-per-block", type=int, default=32, help="default 32")
     step.add_argument("--steps", type=int, default=20, help="timed decode steps per run (default 20)")
     step.add_argument("--repeats", type=int, default=3,
-                      help="runs per row in alternating order; the median run is reported (default 3)")
+                      help="runs per row in alternating order, each paired step by step with a native engine of "
+                           "its own; the median run (by added time) is reported with the runs' range (default 3)")
     step.add_argument("--impl", default="both",
                       help="comma-separated cores among cpp, python, cpp-general (the C++ core without its fused "
                            "decode call: the general path for every batch), or both (= cpp,python; the default; "
                            "cpp is skipped where it is not built)")
-    step.add_argument("--mass", choices=["synthetic", "fixed"], default="synthetic",
-                      help="the attention mass: the simulated attention (its per-request numpy work runs on these "
-                           "cores, not counted, and leaves their caches cold for the step after it) or one fixed "
-                           "random array per layout shape (the host only receives a buffer, as from a GPU); "
-                           "default synthetic")
+    step.add_argument("--mass", choices=["fixed", "synthetic"], default="fixed",
+                      help="the attention mass: one fixed random array per layout shape (the host only receives a "
+                           "buffer, as from a GPU; the default) or the simulated attention (its per-request numpy "
+                           "work runs on these cores, not counted, and leaves their caches cold for what runs "
+                           "after it, the paired native step included)")
     add_output_options(step, "5 timed steps, one run per row", run_step)
 
 
@@ -64,22 +65,27 @@ def run_step(args: argparse.Namespace) -> int:
     with tqdm(total=total, desc="bench step", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_step_bench(cfg, progress=bar)
     source = "simulated attention" if cfg.mass == "synthetic" else "a fixed mass array"
-    print(f"vtoken bench step: engine + {source} (not counted), {cfg.context} tokens of context, "
+    source = "simulated attention (not counted)" if cfg.mass == "synthetic" else "a fixed mass array"
+    print(f"vtoken bench step: engine + {source}, {cfg.context} tokens of context, "
           f"tokens_per_block {cfg.tokens_per_block}, one eviction per request per step; {cfg.steps} timed "
-          f"steps per run, the median of {cfg.repeats} alternating runs per row")
-    headers = ["batch", "row", "impl", "host us/step", "runs min-max", "added us", "added %", "step us",
-               "step runs min-max", "table us", "policy us", "core us", "copy us", "evicted/step", "moves/step",
-               "freed/step"]
-    rows = [[r["batch"], r["label"].removesuffix(f" {r['impl']}"), r["impl"], r["host_us_p50"],
-             f"{r['host_us_p50_min']:,.0f}-{r['host_us_p50_max']:,.0f}", r["added_us_p50"], r["added_pct"],
+          f"steps per run, each paired step by step with a native engine; the median of {cfg.repeats} "
+          "alternating runs per row")
+    headers = ["batch", "row", "impl", "host us/step", "native us/step", "added us", "added runs min-max",
+               "added %", "added % runs", "step us", "step runs min-max", "table us", "policy us", "core us",
+               "copy us", "evicted/step", "moves/step", "freed/step"]
+    rows = [[r["batch"], r["label"].removesuffix(f" {r['impl']}"), r["impl"], r["host_us_p50"], r["native_us_p50"],
+             r["added_us_p50"], f"{r['added_us_p50_min']:,.0f} to {r['added_us_p50_max']:,.0f}", r["added_pct"],
+             f"{r['added_pct_min']:.1f} to {r['added_pct_max']:.1f}",
              r["step_us"], f"{r['step_us_min']:,.0f}-{r['step_us_max']:,.0f}",
              *(r["split_us"][k] for k in ("table", "policy", "core", "copy")), r["evicted_per_step"],
              r["moves_per_step"], r["blocks_freed_per_step"]] for r in result["rows"]]
     print(format_table(headers, rows))
-    print("step: the step's own time per decode step, timed inside it (the sum of the split; the engine's glue "
-          "around it is not in it); table: the step's batch layout; policy: mass, observe, select (vectorised); "
-          "core: the one token-table call (append, evict, plan, commit; a fused step's one native call); copy: the "
-          "one copy of all moves (metadata only here)")
+    print("native us/step: the paired native engine's step in the same run; added: the median over the steps of "
+          "(row step - native step), added %: of (row / native - 1); the native row is native paired with "
+          "native (what identical code differs by here). step: the step's own time per decode step, timed "
+          "inside it (the sum of the split; the engine's glue around it is not in it); table: the step's batch "
+          "layout; policy: mass, observe, select (vectorised); core: the one token-table call (append, evict, "
+          "plan, commit; a fused step's one native call); copy: the one copy of all moves (metadata only here)")
     where = machine()
     listed = [dict(r, context=cfg.context, tokens_per_block=cfg.tokens_per_block, steps=cfg.steps,
                    repeats=cfg.repeats, machine=where) for r in result["rows"]]
