@@ -129,16 +129,18 @@ class BatchDecision:
                     None if mass_rows is None else mass_rows if whole else mass_rows[group], bool(len(shared)))
             else:
                 group_blocks = blocks[group]
+                # H2O's observe added slot by slot, row after row, as the native pass adds it: a slot
+                # several rows hold (a shared block) gets each one's mass, in batch order.
+                adds_mass = policy_index in observing and isinstance(policy, ScorePolicy) and policy.observe_adds_mass
+                added = policy.score_stat if adds_mass else None
+                stats = {name: slots.gather(slots.stats[name], group_blocks) for name in policy.slot_stats
+                         if name != added}
+                if added is not None:
+                    stats[added] = self.add_mass(slots.stats[added], group_blocks, slots.kv_len[rows[group]],
+                                                 mass_rows[group])
                 view = BatchView(req_ids[group], slots.num_tokens[rows[group]], slots.num_live[rows[group]],
-                                 tokens()[group], None if protected is None else protected[group],
-                                 {name: slots.gather(slots.stats[name], group_blocks) for name in policy.slot_stats})
-                if policy_index in observing and isinstance(policy, ScorePolicy) and policy.observe_adds_mass:
-                    # Added slot by slot, row after row, as the native pass adds it: a slot several
-                    # rows hold (a shared block) gets each one's mass, in batch order.
-                    name = policy.score_stat
-                    self.add_mass(slots.stats[name], group_blocks, slots.kv_len[rows[group]], mass_rows[group])
-                    view.stats[name] = slots.gather(slots.stats[name], group_blocks)
-                elif policy_index in observing:
+                                 tokens()[group], None if protected is None else protected[group], stats)
+                if policy_index in observing and not adds_mass:
                     policy.observe_batch(view, mass_rows[group])
                     for name, values in view.stats.items():
                         slots.scatter(slots.stats[name], group_blocks, values)
@@ -203,15 +205,31 @@ class BatchDecision:
         bounds = policy.candidate_bounds(slots.num_tokens[rows], slots.num_live[rows], kept)
         return tuple(np.ascontiguousarray(b, dtype=np.int64) for b in bounds)
 
-    def add_mass(self, stat: np.ndarray, blocks: np.ndarray, lengths: np.ndarray, mass: np.ndarray) -> None:
+    def add_mass(self, stat: np.ndarray, blocks: np.ndarray, lengths: np.ndarray, mass: np.ndarray) -> np.ndarray:
         """``stat[slot] += mass`` at each row's positions [0, length), row after row (the order the
-        native pass adds in, so a slot two rows hold sums alike: ``cpp/core/select.h``)."""
-        tpb = self.tokens_per_block
+        native pass adds in, so a slot two rows hold sums alike: ``cpp/core/select.h``). Returns
+        the statistic in the batch layout after the addition (``SlotMap.gather``'s [B, width]).
+
+        Gathered and written back block by block; the slots of blocks several rows hold (shared)
+        are then added again from their value before, holder after holder (``np.add.at`` adds
+        repeated indices in order, but runs far slower per element than the block-wise add)."""
+        slots, tpb = self.slots, self.tokens_per_block
         width = blocks.shape[1] * tpb
-        offset = np.arange(width)
-        flat = blocks.astype(np.int64).repeat(tpb, axis=1) * tpb + offset % tpb  # [B, width] slots
-        held = offset < lengths[:, None]
-        np.add.at(stat, flat[held], mass[:, :width][held].astype(np.float64))
+        held = np.arange(width) < lengths[:, None]  # [B, width]
+        values = slots.gather(stat, blocks)
+        ids, holders = np.unique(blocks[held[:, ::tpb]], return_counts=True)  # the blocks each row holds
+        repeated = ids[holders > 1]
+        if len(repeated):
+            in_repeated = held & np.isin(blocks, repeated).repeat(tpb, axis=1)
+            before = values[in_repeated]
+        np.add(values, mass[:, :width], out=values, where=held)
+        slots.scatter(stat, blocks, values)
+        if not len(repeated):
+            return values
+        flat = (blocks.astype(np.int64).repeat(tpb, axis=1) * tpb + np.arange(width) % tpb)[in_repeated]
+        stat[flat] = before
+        np.add.at(stat, flat, mass[:, :width][in_repeated].astype(np.float64))
+        return slots.gather(stat, blocks)
 
     def native_selector(self, policy: EvictionPolicy) -> int:
         """The fused call's selector for a policy: 1 (lowest live ids), 2 (lowest statistic), or
