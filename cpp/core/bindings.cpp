@@ -123,8 +123,9 @@ NB_MODULE(_core, m) {
          Ids rows, Ids kv_len, Ids lo, Ids hi, Ids excess,
          std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
          std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass,
-         const TokenTable* shared_of) {
+         const TokenTable* shared_of, int64_t threads) {
         const auto batch = static_cast<int64_t>(rows.shape(0));
+        if (threads < 1) throw std::invalid_argument("select_lowest: threads must be >= 1");
         for (const Ids* a : {&kv_len, &lo, &hi, &excess}) {
           if (a->shape(0) != static_cast<size_t>(batch)) {
             throw std::invalid_argument("select_lowest: rows, kv_len, lo, hi and excess need one entry per request");
@@ -162,20 +163,21 @@ NB_MODULE(_core, m) {
           double* accumulated = stat ? stat->data() : nullptr;
           if (single) {
             r = vtoken::select_lowest(layout, rows.data(), batch, kv_len.data(), lo.data(), hi.data(), excess.data(),
-                                      accumulated, static_cast<const float*>(mass->data()), stride, shared_of);
+                                      accumulated, static_cast<const float*>(mass->data()), stride, shared_of,
+                                      threads);
           } else {
             r = vtoken::select_lowest(layout, rows.data(), batch, kv_len.data(), lo.data(), hi.data(), excess.data(),
                                       accumulated, mass ? static_cast<const double*>(mass->data()) : nullptr, stride,
-                                      shared_of);
+                                      shared_of, threads);
           }
         }
         return nb::make_tuple(to_numpy(std::move(r.rows)), to_numpy(std::move(r.positions)));
       },
       "tokens"_a, "block_table"_a, "tokens_per_block"_a, "rows"_a, "kv_len"_a, "lo"_a, "hi"_a, "excess"_a,
-      "stat"_a = nb::none(), "mass"_a = nb::none(), "shared_of"_a = nb::none(),
+      "stat"_a = nb::none(), "mass"_a = nb::none(), "shared_of"_a = nb::none(), "threads"_a = 1,
       "A score policy's decision for a batch over the step's slot layout (cpp/core/select.h): "
       "(batch rows, positions) of the victims; shared_of: the table whose shared blocks' tokens are no "
-      "candidates.");
+      "candidates; threads: the pass may split the rows over that many threads (the same victims).");
 
   m.def(
       "lowest_live_ids",

@@ -20,10 +20,10 @@ Selection decide(const SlotArrays& a, const TokenTable& table, const int64_t* re
   for (int64_t i = 0; i < batch; ++i) kv_len[i] = a.kv_len[rows[i]];
   if (d.mass64 != nullptr) {
     return select_lowest(layout, rows, batch, kv_len.data(), d.lo, d.hi, d.excess, d.stat, d.mass64, d.mass_stride,
-                         shared_of);
+                         shared_of, d.threads);
   }
   return select_lowest(layout, rows, batch, kv_len.data(), d.lo, d.hi, d.excess, d.stat, d.mass32, d.mass_stride,
-                       shared_of);
+                       shared_of, d.threads);
 }
 
 }  // namespace

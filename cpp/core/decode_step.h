@@ -38,6 +38,7 @@ struct Decision {
   const double* mass64 = nullptr;
   int64_t mass_stride = 0;
   bool skip_shared = false;  // tokens in shared blocks are no candidates (select.h)
+  int64_t threads = 1;       // kLowestStat: threads its pass may split the rows over (select.h)
 };
 
 struct DecodeResult {

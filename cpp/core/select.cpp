@@ -2,9 +2,11 @@
 #include "select.h"
 
 #include <algorithm>
+#include <exception>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 namespace vtoken {
 
@@ -101,33 +103,26 @@ int64_t scan(bool single, const SlotLayout& layout, const int32_t* blocks, int64
                                                  pool);
 }
 
-}  // namespace
-
+// Batch rows [begin, end) of select_lowest, their blocks checked already.
 template <typename Mass>
-Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t batch, const int64_t* kv_len,
-                        const int64_t* lo, const int64_t* hi, const int64_t* excess, double* stat,
-                        const Mass* mass, int64_t mass_stride, const TokenTable* shared_of) {
+Selection select_rows(const SlotLayout& layout, const int64_t* rows, int64_t begin, int64_t end,
+                      const int64_t* kv_len, const int64_t* lo, const int64_t* hi, const int64_t* excess,
+                      double* stat, const Mass* mass, int64_t mass_stride, const TokenTable* shared_of) {
   Selection out;
   const int64_t tpb = layout.tokens_per_block;
   std::vector<Candidate> pool;
-  for (int64_t i = 0; i < batch; ++i) {
+  for (int64_t i = begin; i < end; ++i) {
     const int32_t* blocks = layout.block_table + rows[i] * layout.block_stride;
     const int64_t length = kv_len[i], want = excess[i];
-    for (int64_t block = 0; block * tpb < length; ++block) {
-      if (blocks[block] < 0 || blocks[block] >= layout.num_blocks) {
-        throw std::invalid_argument("select_lowest: block " + std::to_string(blocks[block]) + " of row " +
-                                    std::to_string(rows[i]) + " is outside the slot layout");
-      }
-    }
     const Mass* row_mass = mass != nullptr ? mass + i * mass_stride : nullptr;
     if (want <= 0) {  // nothing to evict: only the observation
       if (row_mass == nullptr) continue;
       for (int64_t start = 0; start < length; start += tpb) {
         double* values = stat + static_cast<int64_t>(blocks[start / tpb]) * tpb;
         const Mass* m = row_mass + start;
-        const int64_t end = std::min(tpb, length - start);
+        const int64_t width = std::min(tpb, length - start);
 #pragma omp simd
-        for (int64_t o = 0; o < end; ++o) values[o] += static_cast<double>(m[o]);
+        for (int64_t o = 0; o < width; ++o) values[o] += static_cast<double>(m[o]);
       }
       continue;
     }
@@ -166,6 +161,64 @@ Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t b
   return out;
 }
 
+// Fewer slots than this per thread: one thread (starting one costs tens of microseconds).
+constexpr int64_t kSlotsPerThread = int64_t{1} << 16;
+
+}  // namespace
+
+template <typename Mass>
+Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t batch, const int64_t* kv_len,
+                        const int64_t* lo, const int64_t* hi, const int64_t* excess, double* stat,
+                        const Mass* mass, int64_t mass_stride, const TokenTable* shared_of, int64_t threads) {
+  const int64_t tpb = layout.tokens_per_block;
+  int64_t total = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int32_t* blocks = layout.block_table + rows[i] * layout.block_stride;
+    for (int64_t block = 0; block * tpb < kv_len[i]; ++block) {
+      if (blocks[block] < 0 || blocks[block] >= layout.num_blocks) {
+        throw std::invalid_argument("select_lowest: block " + std::to_string(blocks[block]) + " of row " +
+                                    std::to_string(rows[i]) + " is outside the slot layout");
+      }
+    }
+    total += kv_len[i];
+  }
+  // Rows in `parts` contiguous ranges of about equal slots, one thread each (the last on this one);
+  // rows share no slot without shared blocks, so no two threads write one statistic, and the
+  // ranges' victims concatenate in row order: the same result as one pass.
+  const int64_t parts = shared_of != nullptr ? 1 : std::max<int64_t>(1, std::min(threads, total / kSlotsPerThread));
+  if (parts == 1) {
+    return select_rows(layout, rows, 0, batch, kv_len, lo, hi, excess, stat, mass, mass_stride, shared_of);
+  }
+  std::vector<int64_t> bounds{0};
+  for (int64_t i = 0, seen = 0; i < batch && static_cast<int64_t>(bounds.size()) < parts; ++i) {
+    seen += kv_len[i];
+    if (seen * parts >= total * static_cast<int64_t>(bounds.size())) bounds.push_back(i + 1);
+  }
+  bounds.push_back(batch);
+  const auto n = static_cast<int64_t>(bounds.size()) - 1;
+  std::vector<Selection> picked(n);
+  std::vector<std::exception_ptr> failed(n);
+  auto run = [&](int64_t part) {
+    try {
+      picked[part] = select_rows(layout, rows, bounds[part], bounds[part + 1], kv_len, lo, hi, excess, stat, mass,
+                                 mass_stride, shared_of);
+    } catch (...) {
+      failed[part] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> workers;
+  for (int64_t part = 0; part + 1 < n; ++part) workers.emplace_back(run, part);
+  run(n - 1);
+  for (std::thread& w : workers) w.join();
+  Selection out;
+  for (int64_t part = 0; part < n; ++part) {
+    if (failed[part]) std::rethrow_exception(failed[part]);
+    out.rows.insert(out.rows.end(), picked[part].rows.begin(), picked[part].rows.end());
+    out.positions.insert(out.positions.end(), picked[part].positions.begin(), picked[part].positions.end());
+  }
+  return out;
+}
+
 Selection lowest_live_ids(const TokenTable& table, const int64_t* req_ids, int64_t batch, const int64_t* lo,
                           const int64_t* hi, const int64_t* excess, const RowsOf* shared_in) {
   Selection out;
@@ -200,9 +253,9 @@ Selection lowest_live_ids(const TokenTable& table, const int64_t* req_ids, int64
 
 template Selection select_lowest<float>(const SlotLayout&, const int64_t*, int64_t, const int64_t*, const int64_t*,
                                         const int64_t*, const int64_t*, double*, const float*, int64_t,
-                                        const TokenTable*);
+                                        const TokenTable*, int64_t);
 template Selection select_lowest<double>(const SlotLayout&, const int64_t*, int64_t, const int64_t*, const int64_t*,
                                          const int64_t*, const int64_t*, double*, const double*, int64_t,
-                                         const TokenTable*);
+                                         const TokenTable*, int64_t);
 
 }  // namespace vtoken

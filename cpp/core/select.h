@@ -35,10 +35,14 @@ struct Selection {
 // after row (a slot several rows hold, in a shared block, gets each one's mass in batch order).
 // shared_of (optional): tokens in blocks that table holds as shared are observed but no
 // candidates (prefix caching protects them; the caller's bounds keep them on top of the budget).
+// threads > 1: the rows split into up to that many ranges of about equal slots (at least 64Ki
+// each), each scanned on its own thread; the same result as one thread (rows hold disjoint slots
+// without shared blocks; with shared_of, one thread, so a shared slot sums in row order).
 template <typename Mass>
 Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t batch, const int64_t* kv_len,
                         const int64_t* lo, const int64_t* hi, const int64_t* excess, double* stat,
-                        const Mass* mass, int64_t mass_stride, const TokenTable* shared_of = nullptr);
+                        const Mass* mass, int64_t mass_stride, const TokenTable* shared_of = nullptr,
+                        int64_t threads = 1);
 
 // The id-scored decision (StreamingLLM, sliding window: the key is the logical id) from the token
 // table's own liveness instead of the slot layout: for request req_ids[i], the excess[i] lowest

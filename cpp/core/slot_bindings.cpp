@@ -139,7 +139,7 @@ void bind_slots(nb::module_& m) {
          int64_t compaction, int64_t fragmentation_threshold, bool pressure,
          std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
          std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass,
-         std::optional<nb::callable> on_victims, bool skip_shared) {
+         std::optional<nb::callable> on_victims, bool skip_shared, int64_t threads) {
         vtoken::SlotArrays a = arrays(tokens, block_table, tpb, num_blocks_of, kv_len, num_tokens, num_live, stats);
         const size_t batch = rows.shape(0);
         check_batch(rows, block_table.shape(0), batch, "rows");
@@ -152,8 +152,10 @@ void bind_slots(nb::module_& m) {
           throw std::invalid_argument("slots_decide_step: selector must be 0-2 and compaction 0-2 (dense, lazy, "
                                       "dead-blocks; a deferred plan takes the general path)");
         }
+        if (threads < 1) throw std::invalid_argument("slots_decide_step: threads must be >= 1");
         vtoken::Decision d{static_cast<vtoken::Selector>(selector), lo.data(), hi.data(), excess.data()};
         d.skip_shared = skip_shared;
+        d.threads = threads;
         if (d.selector == vtoken::Selector::kLowestStat) {
           if (!stat || stat->shape(0) != tokens.shape(0)) {
             throw std::invalid_argument("slots_decide_step: the statistic selector needs one entry per slot");
@@ -204,8 +206,10 @@ void bind_slots(nb::module_& m) {
       "num_live"_a, "stats"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
       "lo"_a, "hi"_a, "excess"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a,
       "stat"_a = nb::none(), "mass"_a = nb::none(), "on_victims"_a = nb::none(), "skip_shared"_a = false,
+      "threads"_a = 1,
       "After slots_register: the batch's decision, the token table's step and the layout's update in one call "
       "(cpp/core/decode_step.h); on_victims(victim_offsets, victim_ids) runs between the decision and the "
-      "table's step when there are victims; skip_shared: the id selector passes over tokens in shared blocks. Returns (victim_offsets, victim_ids, the table's step as step_batch returns it, "
+      "table's step when there are victims; skip_shared: the id selector passes over tokens in shared blocks; threads: the statistic's pass "
+      "may split its rows over that many threads (select.h). Returns (victim_offsets, victim_ids, the table's step as step_batch returns it, "
       "lost, num_tokens, changed, number changed).");
 }

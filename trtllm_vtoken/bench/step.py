@@ -82,6 +82,8 @@ class StepBenchConfig:
     mass: str = "fixed"
     """Where the attention mass comes from: "fixed" (one array per shape) or "synthetic" (the
     simulated attention)."""
+    threads: int = 0
+    """The step's native H2O pass threads (``EngineConfig.step_threads``; 0: automatic)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -96,6 +98,8 @@ class StepBenchConfig:
             raise ValueError(f"impls must be among {', '.join(IMPLS)}, got {self.impls}")
         if self.mass not in MASSES:
             raise ValueError(f"mass must be one of {MASSES}, got {self.mass!r}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: automatic), got {self.threads}")
 
     def rows(self) -> list[tuple[str, dict[str, Any]]]:
         """(label, the row's settings) for one batch size, in run order."""
@@ -126,7 +130,7 @@ class StepBenchConfig:
             variant="native" if row["variant"] == "native" else "vtoken")
         if row["variant"] != "native":
             values.update(mode=row["mode"], policy=row["policy"], step_impl=row["impl"].removesuffix("-general"),
-                          step_fused=row["impl"] != "cpp-general",
+                          step_fused=row["impl"] != "cpp-general", step_threads=self.threads,
                           budget="1.0" if row["variant"] == "indirection-only" else self.budget(row))
         return EngineConfig(**values)
 

@@ -34,6 +34,9 @@ def register(bench) -> None:
                            "buffer, as from a GPU; the default) or the simulated attention (its per-request numpy "
                            "work runs on these cores, not counted, and leaves their caches cold for what runs "
                            "after it, the paired native step included)")
+    step.add_argument("--threads", type=int, default=0,
+                      help="threads the C++ core's H2O pass may split a batch over (0: automatic, the process's "
+                           "cores up to 4; default 0)")
     add_output_options(step, "5 timed steps, one run per row", run_step)
 
 
@@ -60,7 +63,8 @@ def run_step(args: argparse.Namespace) -> int:
         print("note: the C++ core is not built; timing the Python core only", file=sys.stderr)
     cfg = StepBenchConfig(batches=batches, context=args.context, tokens_per_block=args.tokens_per_block,
                           steps=5 if args.quick else args.steps, warmup=2 if args.quick else 3,
-                          repeats=1 if args.quick else args.repeats, impls=tuple(impls), mass=args.mass)
+                          repeats=1 if args.quick else args.repeats, impls=tuple(impls), mass=args.mass,
+                          threads=args.threads)
     total = len(cfg.batches) * len(cfg.rows()) * cfg.repeats
     with tqdm(total=total, desc="bench step", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_step_bench(cfg, progress=bar)
@@ -69,7 +73,7 @@ def run_step(args: argparse.Namespace) -> int:
     print(f"vtoken bench step: engine + {source}, {cfg.context} tokens of context, "
           f"tokens_per_block {cfg.tokens_per_block}, one eviction per request per step; {cfg.steps} timed "
           f"steps per run, each paired step by step with a native engine; the median of {cfg.repeats} "
-          "alternating runs per row")
+          f"alternating runs per row; H2O pass threads: {cfg.threads or 'automatic'}")
     headers = ["batch", "row", "impl", "host us/step", "native us/step", "added us", "added runs min-max",
                "added %", "added % runs", "step us", "step runs min-max", "table us", "policy us", "core us",
                "copy us", "evicted/step", "moves/step", "freed/step"]

@@ -69,6 +69,9 @@ class EngineConfig:
     step_fused: bool = True
     """C++ core: batches one natively decided policy serves take the fused native call
     (``StepConfig.fused``); False: the general path (for comparing both)."""
+    step_threads: int = 0
+    """C++ core: threads H2O's pass over the slots may split a batch over (``StepConfig.threads``;
+    0: automatic, the process's cores up to 4; 1: one thread)."""
     synchronous_copies: bool = False
     """On CUDA: wait on the host for every relocation instead of ordering the compute stream
     after its event (the ablation of the asynchronous side-stream copy)."""
@@ -96,6 +99,8 @@ class EngineConfig:
             raise ValueError(f"relocation_kernel must be 'auto', 'cuda' or 'torch', got {self.relocation_kernel!r}")
         if self.step_impl not in ("auto", "cpp", "python"):
             raise ValueError(f"step_impl must be 'auto', 'cpp' or 'python', got {self.step_impl!r}")
+        if self.step_threads < 0:
+            raise ValueError(f"step_threads must be >= 0 (0: automatic), got {self.step_threads}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         require_positive(self, "tokens_per_block", "num_blocks", "max_batch_size",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from trtllm_vtoken.reclaim.step_batch import COMPACTIONS
@@ -29,6 +30,11 @@ class StepConfig:
     """C++ core: a batch that one natively decided policy (or none) serves takes the decision, the
     table's step and the layout's update in one native call (``step/fused.py`` says which
     batches). False: every batch takes the general path (for comparing both)."""
+    threads: int = 0
+    """C++ core: threads H2O's pass over the slots (adding the mass, finding the victims) may split
+    a batch's rows over (``cpp/core/select.h``; the same victims; one thread while blocks are
+    shared or the batch holds under 64Ki tokens per thread). 0: the cores this process may run
+    on, at most ``MAX_AUTO_THREADS``."""
 
     def __post_init__(self) -> None:
         if self.compaction not in COMPACTIONS or self.compaction == "lazy-deferred":
@@ -39,6 +45,19 @@ class StepConfig:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
         if self.background and self.compaction != "lazy":
             raise ValueError("background compaction is lazy compaction's: dense fills holes before the next forward")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: automatic), got {self.threads}")
+
+    def pass_threads(self) -> int:
+        """``threads`` resolved: 0 becomes the cores this process may run on, at most
+        ``MAX_AUTO_THREADS`` (the host's other work, e.g. other ranks' processes, keeps the rest)."""
+        if self.threads:
+            return self.threads
+        return max(1, min(MAX_AUTO_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                          else os.cpu_count() or 1))
+
+
+MAX_AUTO_THREADS = 4
 
 
 @dataclass

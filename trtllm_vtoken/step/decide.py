@@ -48,6 +48,8 @@ class NativeDecision(NamedTuple):
     """[B, >= each row's length] float32 or float64, C order; None: nothing observed."""
     skip_shared: bool = False
     """Tokens in shared blocks are no candidates (the bounds keep them on top of the budget)."""
+    threads: int = 1
+    """Selector 2: threads the pass may split the rows over (``cpp/core/select.h``)."""
 
     @classmethod
     def none(cls, batch: int) -> NativeDecision:
@@ -70,11 +72,12 @@ class BatchDecision:
         reduce_mass: Applied to the batch's mass before any policy sees it (tensor / pipeline
             parallelism sums it over the ranks).
         stats: Where the time spent in a mass function (simulated attention) is counted apart.
+        threads: The native statistic pass's threads (``StepConfig.pass_threads``).
     """
 
     def __init__(self, slots: SlotMap, policies: list[EvictionPolicy], tokens_per_block: int, native_table: Any,
-                 reduce_mass: Callable[[np.ndarray], np.ndarray] | None, stats: StepStats) -> None:
-        self.slots, self.policies, self.tokens_per_block = slots, policies, tokens_per_block
+                 reduce_mass: Callable[[np.ndarray], np.ndarray] | None, stats: StepStats, threads: int = 1) -> None:
+        self.slots, self.policies, self.tokens_per_block, self.threads = slots, policies, tokens_per_block, threads
         self.native_table = native_table
         self.native, self.reduce_mass, self.stats = native_table is not None, reduce_mass, stats
         self._selectors: dict[int, int] = {}  # policy index -> native_selector's answer
@@ -194,7 +197,8 @@ class BatchDecision:
         batch_mass = None
         if observes:
             batch_mass = self.batch_mass(mass, rows, None, lambda: slots.gather(slots.tokens, slots.block_rows(rows)))
-        return NativeDecision(2, lo, hi, excess, slots.stats[policy.score_stat], batch_mass, bool(len(shared)))
+        return NativeDecision(2, lo, hi, excess, slots.stats[policy.score_stat], batch_mass, bool(len(shared)),
+                              self.threads)
 
     def native_bounds(self, policy: ScorePolicy, rows: np.ndarray, shared: bool) -> tuple[np.ndarray, ...]:
         """(excess, lo, hi) of a native pass over these rows, int64 (``candidate_bounds``); with
@@ -262,7 +266,7 @@ class BatchDecision:
         stat = slots.stats[policy.score_stat] if policy.score_stat else None
         add = mass if policy.observe_adds_mass else None
         return native.select_lowest(slots.tokens, slots.block_table, self.tokens_per_block, rows, slots.kv_len[rows],
-                                    lo, hi, excess, stat, add, self.native_table if shared else None)
+                                    lo, hi, excess, stat, add, self.native_table if shared else None, self.threads)
 
     def batch_mass(self, mass: Any, rows: np.ndarray, width: int | None,
                    tokens: Callable[[], np.ndarray]) -> np.ndarray:

@@ -92,7 +92,8 @@ class DecodeStep(TableQueries):
         self._policies: list[EvictionPolicy] = []
         self.input_checks = InputChecks(self.slots, self._policies, self.is_shared, self.impl == "python")
         self.decision = BatchDecision(self.slots, self._policies, tokens_per_block,
-                                      self.core.table if self.impl == "cpp" else None, reduce_mass, self.stats)
+                                      self.core.table if self.impl == "cpp" else None, reduce_mass, self.stats,
+                                      config.pass_threads())
         self._policy_of: dict[int, int] = {}  # request -> index into _policies (absent: never evicts)
         self._following: dict[int, int] = {}  # policy index (-1: none) -> requests that follow it
         self._pushed_shared: frozenset[int] = frozenset()
