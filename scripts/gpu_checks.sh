@@ -11,7 +11,8 @@
 #      through the one batched step: vtoken info says which core serves it)
 #   5. vtoken bench step: the step's host time per decode step against native, C++ (its fused
 #      decode call), C++ on the general path only and Python, on this machine's quieter cores
-#      (the C++ core is built in place when nanobind is there)
+#      (the C++ core is built in place when nanobind is there); again with H2O's pass over up to
+#      4 threads
 #   6. where tensorrt_llm imports and the package is installed (the gpu Docker image) and
 #      $VTOKEN_TRTLLM_MODEL names a model folder: examples/trtllm/run_llm.py --check
 # Uses the machine's python3 and its torch; the repository is put on PYTHONPATH, nothing is
@@ -72,8 +73,11 @@ banner vtoken bench gpu
 timeout 420 $py -m trtllm_vtoken.cli bench gpu --out "$out" 2>&1 | tee "$out/bench_gpu.txt" || status=1
 
 banner vtoken bench step
-timeout 300 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --impl cpp,cpp-general,python --out "$out" 2>&1 \
+timeout 240 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --impl cpp,cpp-general,python --out "$out" 2>&1 \
   | tee "$out/bench_step.txt" || status=1
+# H2O's native pass over the cores (--threads 0: up to 4), against the one-thread rows above
+timeout 120 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --impl cpp --threads 0 --out "$out/step_threads" \
+  2>&1 | tee "$out/bench_step_threads.txt" || status=1
 
 banner "TensorRT-LLM check"
 if $py -c "import tensorrt_llm" >/dev/null 2>&1 && [ -n "${VTOKEN_TRTLLM_MODEL:-}" ]; then

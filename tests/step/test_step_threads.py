@@ -77,7 +77,7 @@ def test_threads_must_be_positive():
         StepConfig(threads=-1)
     with pytest.raises(ValueError, match="step_threads must be >= 0"):
         EngineConfig(step_threads=-1)
-    assert StepConfig(threads=3).pass_threads() == 3 and 1 <= StepConfig().pass_threads() <= 4
+    assert StepConfig().pass_threads() == 1 and 1 <= StepConfig(threads=0).pass_threads() <= 4
 
 
 def h2o_step(host: Host, threads: int, fused: bool) -> DecodeStep:

@@ -82,7 +82,7 @@ class StepBenchConfig:
     mass: str = "fixed"
     """Where the attention mass comes from: "fixed" (one array per shape) or "synthetic" (the
     simulated attention)."""
-    threads: int = 0
+    threads: int = 1
     """The step's native H2O pass threads (``EngineConfig.step_threads``; 0: automatic)."""
     seed: int = 0
 

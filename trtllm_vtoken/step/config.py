@@ -30,11 +30,12 @@ class StepConfig:
     """C++ core: a batch that one natively decided policy (or none) serves takes the decision, the
     table's step and the layout's update in one native call (``step/fused.py`` says which
     batches). False: every batch takes the general path (for comparing both)."""
-    threads: int = 0
+    threads: int = 1
     """C++ core: threads H2O's pass over the slots (adding the mass, finding the victims) may split
     a batch's rows over (``cpp/core/select.h``; the same victims; one thread while blocks are
     shared or the batch holds under 64Ki tokens per thread). 0: the cores this process may run
-    on, at most ``MAX_AUTO_THREADS``."""
+    on, at most ``MAX_AUTO_THREADS``. One by default: on the project's 2-core VM two threads
+    showed no difference in the engine's step beyond the runs' spread (``benchmarks/RESULTS.md``)."""
 
     def __post_init__(self) -> None:
         if self.compaction not in COMPACTIONS or self.compaction == "lazy-deferred":
