@@ -82,6 +82,11 @@ def test_bench_step_times_the_fused_call_against_the_general_path(tmp_path, caps
         for name in ("evicted_per_step", "moves_per_step", "blocks_freed_per_step"):
             assert fused[name] == general[name], name
         assert 0 < fused["step_us_min"] <= fused["step_us"] <= fused["step_us_max"]
+    # H2O's native pass alone at the batch's shape, on one and two threads, caches warm and flushed
+    passes = json.loads((tmp_path / "step_pass.json").read_text())
+    assert sorted((r["threads"], r["caches"]) for r in passes) == [(1, "flushed"), (1, "warm"), (2, "flushed"),
+                                                                   (2, "warm")]
+    assert all(r["batch"] == 4 and 0 < r["pass_us_min"] <= r["pass_us_p50"] for r in passes)
 
 
 def test_bench_step_refuses_an_unknown_core(capsys):

@@ -94,4 +94,21 @@ def run_step(args: argparse.Namespace) -> int:
     listed = [dict(r, context=cfg.context, tokens_per_block=cfg.tokens_per_block, steps=cfg.steps,
                    repeats=cfg.repeats, machine=where) for r in result["rows"]]
     publish(args.out, "step", listed, lambda rows, path: plot_step({"config": result["config"], "rows": rows}, path))
+    if native:
+        print_pass_alone(args, cfg, where)
     return 0
+
+
+def print_pass_alone(args: argparse.Namespace, cfg, where: dict) -> None:
+    """H2O's native pass alone at each batch's shape: the floor of host-side H2O (step_pass.json)."""
+    from trtllm_vtoken.bench.h2o_pass import time_pass
+    from trtllm_vtoken.report import format_table
+
+    rows = [r for batch in cfg.batches
+            for r in time_pass(batch, cfg.context, cfg.tokens_per_block, repeats=3 if args.quick else 15)]
+    print(f"H2O's native pass alone (no engine): {cfg.context} live tokens per request, blocks scattered over the "
+          "pool, one victim per request; median of the calls, caches warm or flushed (64 MB written before "
+          "each call)")
+    print(format_table(["batch", "threads", "caches", "pass us", "min us"],
+                       [[r["batch"], r["threads"], r["caches"], r["pass_us_p50"], r["pass_us_min"]] for r in rows]))
+    publish(args.out, "step_pass", [dict(r, machine=where) for r in rows])
