@@ -84,8 +84,8 @@ def test_bench_step_times_the_fused_call_against_the_general_path(tmp_path, caps
         assert 0 < fused["step_us_min"] <= fused["step_us"] <= fused["step_us_max"]
     # H2O's native pass alone at the batch's shape, on one and two threads, caches warm and flushed
     passes = json.loads((tmp_path / "step_pass.json").read_text())
-    assert sorted((r["threads"], r["caches"]) for r in passes) == [(1, "flushed"), (1, "warm"), (2, "flushed"),
-                                                                   (2, "warm")]
+    assert sorted((r["placement"], r["caches"], r["threads"]) for r in passes) == [
+        (p, c, t) for p in ("contiguous", "scattered") for c in ("flushed", "warm") for t in (1, 2)]
     assert all(r["batch"] == 4 and 0 < r["pass_us_min"] <= r["pass_us_p50"] for r in passes)
 
 

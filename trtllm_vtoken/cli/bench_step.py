@@ -106,9 +106,10 @@ def print_pass_alone(args: argparse.Namespace, cfg, where: dict) -> None:
 
     rows = [r for batch in cfg.batches
             for r in time_pass(batch, cfg.context, cfg.tokens_per_block, repeats=3 if args.quick else 15)]
-    print(f"H2O's native pass alone (no engine): {cfg.context} live tokens per request, blocks scattered over the "
-          "pool, one victim per request; median of the calls, caches warm or flushed (64 MB written before "
-          "each call)")
-    print(format_table(["batch", "threads", "caches", "pass us", "min us"],
-                       [[r["batch"], r["threads"], r["caches"], r["pass_us_p50"], r["pass_us_min"]] for r in rows]))
+    print(f"H2O's native pass alone (no engine): {cfg.context} live tokens per request, each request's blocks "
+          "contiguous (a fresh pool, as in the engine above) or scattered over the pool, one victim per request; "
+          "median of the calls, caches warm or flushed (64 MB written before each call)")
+    print(format_table(["batch", "blocks", "caches", "threads", "pass us", "min us"],
+                       [[r["batch"], r["placement"], r["caches"], r["threads"], r["pass_us_p50"], r["pass_us_min"]]
+                        for r in rows]))
     publish(args.out, "step_pass", [dict(r, machine=where) for r in rows])

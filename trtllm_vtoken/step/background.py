@@ -22,7 +22,6 @@ caching) before it commits: ``DecodeStep.relocating_blocks`` names them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -75,16 +74,15 @@ class BackgroundCompaction:
     def finish(self, req_ids: np.ndarray, rows: np.ndarray) -> StepBatchResult:
         """Commits the batch's plans whose copies have finished (planned at an earlier step), in
         the table and the slot layout. Returns what they did, row by row (kv_lens: the lengths
-        after them)."""
+        after them). Only the batch's requests with a plan in flight are visited one by one."""
         step, slots = self.step, self.step.slots
-        moves: list[list[tuple[int, int, int]]] = []
-        freed: list[list[int]] = []
-        for req_id in req_ids.tolist():
-            flight = self.in_flight.get(req_id)
+        committed: dict[int, tuple[list[tuple[int, int, int]], list[int]]] = {}  # batch index -> (moves, freed)
+        flying = self.in_flight
+        for i, req_id in enumerate(req_ids.tolist()) if flying else ():
+            flight = flying.get(req_id)
             if flight is None or (flight.handle is not None and not flight.handle.done()):
-                moves.append([]), freed.append([])
                 continue
-            del self.in_flight[req_id]
+            del flying[req_id]
             try:
                 released = step.core.commit_lazy(req_id, flight.tokens, flight.src, flight.dst, flight.blocks)
             except (KeyError, ValueError) as exc:  # its copy moved KV the table no longer expects there
@@ -92,13 +90,15 @@ class BackgroundCompaction:
             slots.move(np.asarray(flight.src, dtype=np.int64), np.asarray(flight.dst, dtype=np.int64))
             if flight.before is not None:  # I1 across the whole flight (counted with the step's checks)
                 check_conservation(req_id, flight.before, self._snapshot(req_id))
-            moves.append(list(zip(flight.tokens, flight.src, flight.dst))), freed.append(released)
-        counts = np.array([len(f) for f in freed], dtype=np.int64)
-        lengths = np.fromiter((step.core.kv_len(r) if c else slots.kv_len[row]
-                               for r, row, c in zip(req_ids.tolist(), rows.tolist(), counts.tolist())),
-                              dtype=np.int64, count=len(rows))
+            committed[i] = (list(zip(flight.tokens, flight.src, flight.dst)), released)
+        lengths = slots.kv_len[rows]  # a copy: unchanged where nothing committed
+        counts = np.zeros(len(rows), dtype=np.int64)
+        for i, (_, released) in committed.items():
+            counts[i] = len(released)
+            if released:
+                lengths[i] = step.core.kv_len(int(req_ids[i]))
         slots.set_rows(rows, lengths, lambda i: step.core.block_ids(int(req_ids[i])), counts, tail_only=False)
-        return _as_result(moves, freed, lengths)
+        return _as_result(len(rows), committed, lengths)
 
     def blocks(self, tokens_per_block: int) -> set[int]:
         """Blocks the plans in flight read, write or will release."""
@@ -117,10 +117,17 @@ class BackgroundCompaction:
         return snapshot_slots(core.num_tokens(req_id), ids, slots, list(getattr(self.step.executor, "pools", ()) or ()))
 
 
-def _as_result(moves: list[list[tuple[int, int, int]]], freed: list[list[int]], kv_lens: np.ndarray) -> StepBatchResult:
-    flat = [m for row in moves for m in row]
-    as_array: Callable[[list], np.ndarray] = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
-    return StepBatchResult(as_array(np.cumsum([0] + [len(r) for r in moves])), as_array([m[0] for m in flat]),
-                           as_array([m[1] for m in flat]), as_array([m[2] for m in flat]),
-                           as_array(np.cumsum([0] + [len(f) for f in freed])), as_array([b for f in freed for b in f]),
-                           kv_lens.astype(np.int64))
+def _as_result(batch: int, committed: dict[int, tuple[list[tuple[int, int, int]], list[int]]],
+               kv_lens: np.ndarray) -> StepBatchResult:
+    """The committed plans (by ascending batch index) as the table's step reports a batch."""
+    move_counts, freed_counts = np.zeros(batch, dtype=np.int64), np.zeros(batch, dtype=np.int64)
+    flat: list[tuple[int, int, int]] = []
+    freed: list[int] = []
+    for i, (moves, released) in committed.items():
+        move_counts[i], freed_counts[i] = len(moves), len(released)
+        flat += moves
+        freed += released
+    moved = np.array(flat, dtype=np.int64).reshape(-1, 3)
+    offsets = lambda counts: np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # noqa: E731
+    return StepBatchResult(offsets(move_counts), moved[:, 0].copy(), moved[:, 1].copy(), moved[:, 2].copy(),
+                           offsets(freed_counts), np.array(freed, dtype=np.int64), kv_lens.astype(np.int64))
