@@ -31,7 +31,8 @@ Selection decide(const SlotArrays& a, const TokenTable& table, const int64_t* re
 DecodeResult decide_and_step(SlotArrays& a, TokenTable& table, const int64_t* req_ids, const int64_t* rows,
                              int64_t batch, const int64_t* num_new, const int64_t* new_block_offsets,
                              const int64_t* new_blocks, const Decision& decision, Compaction mode,
-                             int64_t fragmentation_threshold, bool pressure, const VictimsHook& on_victims) {
+                             int64_t fragmentation_threshold, bool pressure, const uint8_t* may_plan,
+                             const VictimsHook& on_victims) {
   const Selection picked = decide(a, table, req_ids, rows, batch, decision);
   const int64_t tpb = a.tokens_per_block, num_victims = static_cast<int64_t>(picked.rows.size());
   DecodeResult out;
@@ -53,11 +54,19 @@ DecodeResult decide_and_step(SlotArrays& a, TokenTable& table, const int64_t* re
   std::vector<int64_t> length(batch);  // after the new tokens, before the step
   for (int64_t i = 0; i < batch; ++i) length[i] = a.kv_len[rows[i]];
   out.table = step_batch(table, req_ids, batch, num_new, new_block_offsets, new_blocks, out.victim_offsets.data(),
-                         out.victim_ids.data(), mode, fragmentation_threshold, pressure);
+                         out.victim_ids.data(), mode, fragmentation_threshold, pressure, may_plan);
   const StepResult& r = out.table;
-  apply_step(a, victim_rows.data(), victim_slots.data(), num_victims, r.move_src.data(), r.move_dst.data(),
-             static_cast<int64_t>(r.move_src.size()), rows, req_ids, batch, r.kv_lens.data(), r.freed_offsets.data(),
-             mode == Compaction::kDense, table);
+  if (mode == Compaction::kLazyDeferred) {
+    // The plans commit later (the caller's background compaction): the layout loses the victims
+    // and takes the lengths now, its moves and released blocks when a plan commits.
+    const std::vector<int64_t> nothing_released(batch + 1, 0);
+    apply_step(a, victim_rows.data(), victim_slots.data(), num_victims, nullptr, nullptr, 0, rows, req_ids, batch,
+               r.kv_lens.data(), nothing_released.data(), false, table);
+  } else {
+    apply_step(a, victim_rows.data(), victim_slots.data(), num_victims, r.move_src.data(), r.move_dst.data(),
+               static_cast<int64_t>(r.move_src.size()), rows, req_ids, batch, r.kv_lens.data(),
+               r.freed_offsets.data(), mode == Compaction::kDense, table);
+  }
   out.lost.resize(batch);
   out.num_tokens.resize(batch);
   out.changed.resize(batch);

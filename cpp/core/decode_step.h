@@ -59,9 +59,14 @@ using VictimsHook = std::function<void(const std::vector<int64_t>&, const std::v
 // call (register_new) wrote into the layout; the table has not seen them yet. Throws what the
 // calls it makes throw (the hook's throw before the table changed); a throw from the table's step
 // leaves the step half done (the caller then refuses further steps, as for the general path).
+// kLazyDeferred (background compaction): the table plans the requests may_plan allows (nullptr:
+// all) and commits nothing; the layout takes the evictions and lengths only, and the result's
+// moves and released blocks are the plans, which the caller copies and commits later
+// (step/background.py); lost, changed and num_changed then describe the plans, not a commit.
 DecodeResult decide_and_step(SlotArrays& a, TokenTable& table, const int64_t* req_ids, const int64_t* rows,
                              int64_t batch, const int64_t* num_new, const int64_t* new_block_offsets,
                              const int64_t* new_blocks, const Decision& decision, Compaction mode,
-                             int64_t fragmentation_threshold, bool pressure, const VictimsHook& on_victims = {});
+                             int64_t fragmentation_threshold, bool pressure, const uint8_t* may_plan = nullptr,
+                             const VictimsHook& on_victims = {});
 
 }  // namespace vtoken

@@ -139,7 +139,8 @@ void bind_slots(nb::module_& m) {
          int64_t compaction, int64_t fragmentation_threshold, bool pressure,
          std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
          std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass,
-         std::optional<nb::callable> on_victims, bool skip_shared, int64_t threads) {
+         std::optional<nb::callable> on_victims, bool skip_shared, int64_t threads,
+         std::optional<nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>> may_plan) {
         vtoken::SlotArrays a = arrays(tokens, block_table, tpb, num_blocks_of, kv_len, num_tokens, num_live, stats);
         const size_t batch = rows.shape(0);
         check_batch(rows, block_table.shape(0), batch, "rows");
@@ -148,9 +149,12 @@ void bind_slots(nb::module_& m) {
           throw std::invalid_argument("slots_decide_step: req_ids, num_new, lo, hi and excess need one entry per row, "
                                       "offsets one more");
         }
-        if (selector < 0 || selector > 2 || compaction < 0 || compaction > 2) {
-          throw std::invalid_argument("slots_decide_step: selector must be 0-2 and compaction 0-2 (dense, lazy, "
-                                      "dead-blocks; a deferred plan takes the general path)");
+        if (selector < 0 || selector > 2 || compaction < 0 || compaction > 3) {
+          throw std::invalid_argument("slots_decide_step: selector must be 0-2 and compaction 0-3 (dense, lazy, "
+                                      "dead-blocks, lazy-deferred)");
+        }
+        if (may_plan && (may_plan->shape(0) != batch || compaction != 3)) {
+          throw std::invalid_argument("slots_decide_step: may_plan needs one entry per row and lazy-deferred");
         }
         if (threads < 1) throw std::invalid_argument("slots_decide_step: threads must be >= 1");
         vtoken::Decision d{static_cast<vtoken::Selector>(selector), lo.data(), hi.data(), excess.data()};
@@ -190,7 +194,8 @@ void bind_slots(nb::module_& m) {
         }
         vtoken::DecodeResult r = vtoken::decide_and_step(
             a, table, req_ids.data(), rows.data(), static_cast<int64_t>(batch), num_new.data(), offsets.data(),
-            blocks.data(), d, static_cast<vtoken::Compaction>(compaction), fragmentation_threshold, pressure, hook);
+            blocks.data(), d, static_cast<vtoken::Compaction>(compaction), fragmentation_threshold, pressure,
+            may_plan ? may_plan->data() : nullptr, hook);
         using vtoken::to_numpy;
         vtoken::StepResult& t = r.table;
         return nb::make_tuple(
@@ -206,10 +211,11 @@ void bind_slots(nb::module_& m) {
       "num_live"_a, "stats"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
       "lo"_a, "hi"_a, "excess"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a,
       "stat"_a = nb::none(), "mass"_a = nb::none(), "on_victims"_a = nb::none(), "skip_shared"_a = false,
-      "threads"_a = 1,
+      "threads"_a = 1, "may_plan"_a = nb::none(),
       "After slots_register: the batch's decision, the token table's step and the layout's update in one call "
       "(cpp/core/decode_step.h); on_victims(victim_offsets, victim_ids) runs between the decision and the "
       "table's step when there are victims; skip_shared: the id selector passes over tokens in shared blocks; threads: the statistic's pass "
-      "may split its rows over that many threads (select.h). Returns (victim_offsets, victim_ids, the table's step as step_batch returns it, "
+      "may split its rows over that many threads (select.h); lazy-deferred plans only the rows may_plan allows "
+      "and commits nothing (decode_step.h). Returns (victim_offsets, victim_ids, the table's step as step_batch returns it, "
       "lost, num_tokens, changed, number changed).");
 }

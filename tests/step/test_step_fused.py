@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The C++ core's fused decode step (``step/fused.py``: decision, table step and layout update in
 one native call) equals the general path and the Python core: the same random batches under one
-policy at a time (each of the five, and none), blocks becoming shared, give the same victims,
+policy at a time (each of the five, and none), each compaction (background lazy compaction
+included: the call plans, the step commits later), blocks becoming shared, give the same victims,
 moves, freed blocks, lengths, tables, layouts and KV, with I1/I2 checked around every step;
 batches it cannot serve (several policies, a policy the C++ core does not decide) take the
 general path."""
@@ -37,7 +38,7 @@ def three_steps(tpb: int, compaction: str, threshold: int, spec):
 
 
 @settings(max_examples=30, deadline=None)
-@given(compaction=st.sampled_from(["dense", "lazy", "dead-blocks"]), tpb=st.sampled_from([2, 4, 8]),
+@given(compaction=st.sampled_from(["dense", "lazy", "dead-blocks", "lazy-background"]), tpb=st.sampled_from([2, 4, 8]),
        spec=st.sampled_from(POLICY_SPECS + [None]), steps=st.integers(1, 20), threshold=st.integers(1, 3),
        seed=st.integers(0, 2**31))
 def test_fused_step_equals_general_path_and_python(compaction, tpb, spec, steps, threshold, seed):

@@ -11,9 +11,11 @@ numpy work between them:
     SlotMap.apply_step     -> slots_apply_step     apply_step
     lost, num_tokens, "changed" (numpy)            the same, per request
 
-A batch fuses when the C++ core serves the step (``StepConfig.fused``), one natively decided
-policy or none serves all its requests and no background compaction runs (``DecodeStep`` checks
-that; ``BatchDecision.native_decision`` the rest). Tokens in shared blocks are kept on top of the
+A batch fuses when the C++ core serves the step (``StepConfig.fused``) and one natively decided
+policy or none serves all its requests (``DecodeStep`` checks that; ``BatchDecision.native_decision``
+the rest). With background compaction the call plans without committing ("lazy-deferred"), and
+the step then commits the plans whose copies finished and starts the new ones' copies, as on the
+general path (``step/background.py``). Tokens in shared blocks are kept on top of the
 budget and passed over, as the Python path's protected mask does. The victims hook
 (prefix caching's cut) runs inside the call, between the decision and the table's step, as on
 the general path. Otherwise, and for the Python core, the general path runs; the parity test
@@ -46,15 +48,19 @@ class FusedResult(NamedTuple):
 def decide_and_step(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray,
                     offsets: np.ndarray, blocks: np.ndarray, decision: NativeDecision, compaction: str,
                     fragmentation_threshold: int, pressure: bool,
-                    on_victims: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None) -> FusedResult:
+                    on_victims: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
+                    may_plan: np.ndarray | None = None) -> FusedResult:
     """The decision, the table's step and the layout's update of a registered batch (``table``:
-    the C++ token table; ``compaction``: "dense", "lazy" or "dead-blocks"). ``on_victims(req_ids,
+    the C++ token table; ``compaction``: one of ``COMPACTIONS``). ``on_victims(req_ids,
     victim_offsets, victim_ids)`` runs between the decision and the table's step when there are
-    victims (``DecodeStep.on_victims``). ValueError/KeyError from the table's step may leave it
-    half done: the caller stops the step then."""
+    victims (``DecodeStep.on_victims``). "lazy-deferred" (background compaction) plans the rows
+    ``may_plan`` ([B] uint8; None: all) allows and commits nothing: the result's table step holds
+    the plans, the layout only lost the victims and took the lengths (``cpp/core/decode_step.h``).
+    ValueError/KeyError from the table's step may leave it half done: the caller stops the step
+    then."""
     hook = None if on_victims is None else (lambda offsets, ids: on_victims(req_ids, offsets, ids))
     victim_offsets, victim_ids, step, lost, num_tokens, changed, num_changed = slots.native.slots_decide_step(
         *slots.native_arrays(), table, req_ids, rows, num_new, offsets, blocks, decision.selector, decision.lo,
         decision.hi, decision.excess, COMPACTIONS.index(compaction), fragmentation_threshold, pressure,
-        decision.stat, decision.mass, hook, decision.skip_shared, decision.threads)
+        decision.stat, decision.mass, hook, decision.skip_shared, decision.threads, may_plan)
     return FusedResult(victim_offsets, victim_ids, StepBatchResult(*step), lost, num_tokens, changed, num_changed)

@@ -169,37 +169,40 @@ class DecodeStep(TableQueries):
         except BadMass as exc:  # the new tokens are registered already: the step cannot go on
             self._broken = str(exc)
             raise
+        length = self.slots.kv_len[rows]  # after the new tokens
         if native is None:
-            length = self.slots.kv_len[rows]  # after the new tokens
             victim_rows, victim_slots, victim_offsets, victim_ids = self._victims(req_ids, rows, victim_index,
                                                                                   victim_pos)
         t2 = clock()
         before = self.checks.before(req_ids, new_slots, num_new) if self.checks else None
         t3 = clock()
-        compaction = "lazy-deferred" if self.background else self.config.compaction
+        background = self.background
+        compaction = "lazy-deferred" if background else self.config.compaction
+        may_plan = background.may_plan(req_ids) if background else None
         try:
             if native is not None:
                 fused = decide_and_step(self.slots, self.core.table, req_ids, rows, num_new, block_offsets,
                                         new_blocks, native, compaction, self.config.fragmentation_threshold,
-                                        inp.pressure, self._on_victims if self.on_victims else None)
+                                        inp.pressure, self._on_victims if self.on_victims else None, may_plan)
                 victim_offsets, victim_ids, result, lost, num_tokens, changed, num_changed = fused
                 stats.fused_steps += 1
-                t4 = t5 = clock()
             else:
                 result = self.core.step(req_ids, num_new, block_offsets, new_blocks, victim_offsets, victim_ids,
-                                        compaction, self.config.fragmentation_threshold, inp.pressure,
-                                        self.background.may_plan(req_ids) if self.background else None)
+                                        compaction, self.config.fragmentation_threshold, inp.pressure, may_plan)
         except (KeyError, ValueError) as exc:
             if self._broken:  # the victims hook failed inside the fused call: its own error
                 raise
             self._broken = f"the token table refused a step: {exc}"
             raise RuntimeError(self._broken) from exc
         copied = len(result.move_src)
-        if native is None:
-            t4 = clock()
-            planned, result = result, self._update_layout(req_ids, rows, victim_rows, victim_slots, result)
+        t4 = clock()
+        if native is None or background:
+            # The layout follows the table (with background compaction: the plans whose copies
+            # finished commit now; the fused call already dropped the victims and set the lengths).
+            planned, result = result, self._update_layout(req_ids, rows, None if native else victim_rows,
+                                                          None if native else victim_slots, result)
             t5 = clock()
-            handle = (self.background.start(req_ids, planned, self.checks is not None) if self.background
+            handle = (background.start(req_ids, planned, self.checks is not None) if background
                       else self._submit_copy(result, inp.stream))
             t6 = clock()
             lost = length - result.kv_lens
@@ -208,6 +211,7 @@ class DecodeStep(TableQueries):
             changed = np.diff(result.move_offsets) + np.diff(result.freed_offsets) + lost > 0
             num_changed = int(np.count_nonzero(changed))
         else:
+            t5 = t4
             handle = self._submit_copy(result, inp.stream)
             t6 = clock()
         out = StepOutput(req_ids, victim_offsets, victim_ids, result, lost, num_tokens, handle)
@@ -245,8 +249,8 @@ class DecodeStep(TableQueries):
         return len(self._policies) - 1
 
     def _fuses(self) -> bool:
-        """May a batch take the fused native call (``step/fused.py``)? Not with background plans."""
-        return self.impl == "cpp" and self.config.fused and self.background is None
+        """May a batch take the fused native call (``step/fused.py``)?"""
+        return self.impl == "cpp" and self.config.fused
 
     def _sole_policy(self) -> int | None:
         """The policy index (-1: none) every request of the step follows, None if they differ."""
@@ -276,19 +280,21 @@ class DecodeStep(TableQueries):
             self._broken = f"the victims hook failed: {exc}"
             raise
 
-    def _update_layout(self, req_ids: np.ndarray, rows: np.ndarray, victim_rows: np.ndarray,
-                       victim_slots: np.ndarray, result: StepBatchResult) -> StepBatchResult:
-        """The general path after the table's step: the layout follows it. Returns what this step
-        committed: the table's step, or with background compaction the plans whose copies
-        finished, committed now (after this iteration's mass was credited to the layout the
-        forward read; the new plans' copies start next, to commit at a later step)."""
+    def _update_layout(self, req_ids: np.ndarray, rows: np.ndarray, victim_rows: np.ndarray | None,
+                       victim_slots: np.ndarray | None, result: StepBatchResult) -> StepBatchResult:
+        """After the table's step the layout follows it. Returns what this step committed: the
+        table's step, or with background compaction the plans whose copies finished, committed now
+        (after this iteration's mass was credited to the layout the forward read; the new plans'
+        copies start next, to commit at a later step). ``victim_rows`` None: the fused call has
+        dropped the victims and set the lengths already (background compaction only)."""
         if self.background is None:
             self.slots.apply_step(victim_rows, victim_slots, result.move_src, result.move_dst, rows, req_ids,
                                   result.kv_lens, result.freed_offsets, self.config.compaction == "dense",
                                   self.core.table)
             return result
-        self.slots.evict(victim_rows, victim_slots)
-        self.slots.kv_len[rows] = result.kv_lens
+        if victim_rows is not None:
+            self.slots.evict(victim_rows, victim_slots)
+            self.slots.kv_len[rows] = result.kv_lens
         return self.background.finish(req_ids, rows)
 
     def _submit_copy(self, result: StepBatchResult, stream: Any) -> Any:
