@@ -14,7 +14,7 @@ test drives both with the same batches (``tests/step/test_step_parity.py``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import numpy as np
@@ -72,6 +72,9 @@ class TableCore(ABC):
 
     def set_shared(self, block_id: int, shared: bool) -> None:
         """Tells the table whether a block is shared (prefix caching). Default: it asks itself."""
+
+    def sync_shared(self, shared: Collection[int]) -> None:
+        """Before a step: the blocks shared now (prefix caching). Default: the table asks itself."""
 
     # ---- the table's own calls -------------------------------------------------------------------
     def add_request(self, req_id: int) -> None:
@@ -149,6 +152,7 @@ class NativeCore(TableCore):
         if core is None:
             raise RuntimeError("the C++ core is not built (install the package with its cpp/ build)")
         self.table = core.TokenTable(tokens_per_block)
+        self._shared: frozenset[int] = frozenset()  # what the table was told is shared
 
     def step(self, req_ids, num_new, new_block_offsets, new_blocks, evict_offsets, evict_ids, compaction,
              fragmentation_threshold, pressure, may_plan=None) -> StepBatchResult:
@@ -163,6 +167,17 @@ class NativeCore(TableCore):
 
     def set_shared(self, block_id: int, shared: bool) -> None:
         self.table.set_shared(block_id, shared)
+
+    def sync_shared(self, shared: Collection[int]) -> None:
+        """The C++ table keeps its own set of shared blocks: it is sent what changed."""
+        now, known = frozenset(shared), self._shared
+        if now == known:
+            return
+        for block_id in now - known:
+            self.table.set_shared(block_id, True)
+        for block_id in known - now:
+            self.table.set_shared(block_id, False)
+        self._shared = now
 
     def sequence(self, req_id: int) -> Sequence:
         blocks, kv_len, num_tokens, num_live, version, slot_of, live, token_at, live_per_block, pending = \

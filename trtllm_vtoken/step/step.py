@@ -96,7 +96,6 @@ class DecodeStep(TableQueries):
                                       config.pass_threads())
         self._policy_of: dict[int, int] = {}  # request -> index into _policies (absent: never evicts)
         self._following: dict[int, int] = {}  # policy index (-1: none) -> requests that follow it
-        self._pushed_shared: frozenset[int] = frozenset()
         self._broken: str | None = None
         if policy is not None:
             self._policy_index(policy)
@@ -157,10 +156,10 @@ class DecodeStep(TableQueries):
         clock, seconds, stats = time.perf_counter, self.stats.seconds, self.stats
         t0 = clock()
         req_ids, rows, num_new, block_offsets, new_blocks = self.input_checks.validated(inp)
-        self._push_shared()
+        shared = self.shared_blocks()
+        self.core.sync_shared(shared)
         new_slots = self.slots.add_tokens(rows, block_offsets, new_blocks, num_new, req_ids, self.core.table)
         t1, mass_seconds = clock(), stats.mass_seconds
-        shared = self.shared_blocks()
         try:
             native = (self.decision.native_decision(rows, inp.mass, shared, self._sole_policy())
                       if self._fuses() else None)
@@ -307,15 +306,3 @@ class DecodeStep(TableQueries):
         else:
             handle.synchronize()
         return handle
-
-    def _push_shared(self) -> None:
-        """The C++ table keeps its own set of shared blocks: send it what changed."""
-        if self.impl != "cpp":
-            return
-        shared = frozenset(self.shared_blocks())
-        if shared != self._pushed_shared:
-            for block_id in shared - self._pushed_shared:
-                self.core.set_shared(block_id, True)
-            for block_id in self._pushed_shared - shared:
-                self.core.set_shared(block_id, False)
-            self._pushed_shared = shared
