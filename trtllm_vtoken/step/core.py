@@ -70,9 +70,6 @@ class TableCore(ABC):
     def sequence(self, req_id: int) -> Sequence:
         """The request's arrays (a copy for the C++ table): checks and tests read them."""
 
-    def set_shared(self, block_id: int, shared: bool) -> None:
-        """Tells the table whether a block is shared (prefix caching). Default: it asks itself."""
-
     def sync_shared(self, shared: Collection[int]) -> None:
         """Before a step: the blocks shared now (prefix caching). Default: the table asks itself."""
 
@@ -164,9 +161,6 @@ class NativeCore(TableCore):
 
     def commit_lazy(self, req_id, token_ids, src_slots, dst_slots, blocks_to_free) -> list[int]:
         return list(self.table.commit_lazy(req_id, token_ids, src_slots, dst_slots, blocks_to_free))
-
-    def set_shared(self, block_id: int, shared: bool) -> None:
-        self.table.set_shared(block_id, shared)
 
     def sync_shared(self, shared: Collection[int]) -> None:
         """The C++ table keeps its own set of shared blocks: it is sent what changed."""

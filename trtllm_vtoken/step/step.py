@@ -168,14 +168,14 @@ class DecodeStep(TableQueries):
         except BadMass as exc:  # the new tokens are registered already: the step cannot go on
             self._broken = str(exc)
             raise
-        length = self.slots.kv_len[rows]  # after the new tokens
+        background = self.background
+        length = self.slots.kv_len[rows] if native is None or background else None  # after the new tokens
         if native is None:
             victim_rows, victim_slots, victim_offsets, victim_ids = self._victims(req_ids, rows, victim_index,
                                                                                   victim_pos)
         t2 = clock()
         before = self.checks.before(req_ids, new_slots, num_new) if self.checks else None
         t3 = clock()
-        background = self.background
         compaction = "lazy-deferred" if background else self.config.compaction
         may_plan = background.may_plan(req_ids) if background else None
         try:
