@@ -8,9 +8,21 @@
 #include <string>
 #include <thread>
 
+#include "spans.h"
+
 namespace vtoken {
 
 namespace {
+
+using namespace spans;
+
+// A span whose candidates' minimum key reached the row's running minimum (kSingle's exact scan).
+struct Span {
+  double minimum;
+  int64_t base;   // its first slot
+  int64_t start;  // its first position in the row
+  int64_t n;      // slots
+};
 
 struct Candidate {
   double key;
@@ -19,76 +31,75 @@ struct Candidate {
   bool operator<(const Candidate& o) const { return key != o.key ? key < o.key : id < o.id; }
 };
 
-constexpr int64_t kAhead = 4;  // blocks prefetched ahead: a row's blocks lie anywhere in the pool
-constexpr int64_t kLine = 64;  // bytes per cache line
-
 // One row: accumulate the mass (kMass), then find the victims among [low, high). kStat: the key is
 // the statistic, else the id. kSingle: one victim (the decode step); else every candidate is
 // collected for an exact partial sort. Specialised so the loops carry no branch on what is constant
 // for the row.
 //
-// A row's positions lie block by block anywhere in the pool, tokens_per_block contiguous slots each:
+// A row's positions lie block by block anywhere in the pool, tokens_per_block contiguous slots
+// each; blocks whose ids follow one another form a span of contiguous slots (a fresh pool hands a
+// request its blocks in order), up to kSpanBlocks blocks, one block alone where blocks may be
+// shared (each one's protection is its own):
 //
-//   block  [ add: stat += mass   (vectorised)                 ]
-//          [ min: key of each candidate, +inf elsewhere        ]  -> block minimum (vectorised)
-//          [ only if that minimum can beat the best so far: the exact (key, id) scan of the block ]
+//   span   [ stat += mass, and the minimum key of its candidates  (one vectorised loop) ]
+//          -> kept if that minimum reaches the row's running minimum
+//   row    the exact scan of the kept spans whose minimum is the row's: the lowest id of that key
 //
-// The exact scan is what decides; the block minimum only skips blocks that cannot hold a better
-// candidate, so ties (equal keys, lowest id first) resolve exactly as in the one-pass form.
+// The exact scan is what decides; the span minima only skip spans that cannot hold the victim, so
+// ties (equal keys, lowest id first) resolve exactly as in the one-pass form. kSingle only; else
+// every candidate joins `pool`.
 template <bool kStat, bool kMass, bool kSingle, typename Mass>
 int64_t scan_row(const SlotLayout& layout, const int32_t* blocks, int64_t length, int64_t low, int64_t high,
                  double* stat, const Mass* row_mass, const TokenTable* shared_of, Candidate& best,
-                 std::vector<Candidate>& pool) {
+                 std::vector<Candidate>& pool, std::vector<Span>& spans) {
   const int64_t tpb = layout.tokens_per_block;
   const int64_t num_blocks = (length + tpb - 1) / tpb;
-  const auto width = static_cast<uint32_t>(high - low);
+  spans.clear();
+    const auto width = static_cast<uint32_t>(high - low);
   const auto low32 = static_cast<int32_t>(low);
-  constexpr double kNone = std::numeric_limits<double>::infinity();
-  int64_t count = 0;
-  for (int64_t block = 0; block < num_blocks; ++block) {
-    if (block + kAhead < num_blocks) {  // every cache line of the block kAhead blocks on
-      const int64_t ahead = static_cast<int64_t>(blocks[block + kAhead]) * tpb;
-      for (int64_t o = 0; o < tpb; o += kLine / sizeof(int32_t)) __builtin_prefetch(layout.tokens + ahead + o);
-      if (kStat) {
-        for (int64_t o = 0; o < tpb; o += kLine / sizeof(double)) __builtin_prefetch(stat + ahead + o, 1);
-      }
-    }
+  int64_t count = 0, prefetched = 0;
+  for (int64_t block = 0, next; block < num_blocks; block = next) {
+    next = span_end(blocks, block, num_blocks, kSpanBlocks, shared_of);
+    prefetched = prefetch_jumps(layout, blocks, std::max(prefetched, block + kAhead),
+                                std::min(next + kAhead, num_blocks), kStat ? stat : nullptr);
     const int64_t base = static_cast<int64_t>(blocks[block]) * tpb;
-    const int64_t start = block * tpb, end = std::min(tpb, length - start);
+    const int64_t start = block * tpb, n = std::min(next * tpb, length) - start;
     const int32_t* tokens = layout.tokens + base;
     double* values = kStat ? stat + base : nullptr;
-    if (kMass) {
-      const Mass* m = row_mass + start;
-#pragma omp simd
-      for (int64_t o = 0; o < end; ++o) values[o] += static_cast<double>(m[o]);
+    const Mass* m = kMass ? row_mass + start : nullptr;
+    if (shared_of != nullptr && shared_of->is_shared(blocks[block])) {  // protected: observed only
+      if (kMass) add_mass(values, m, n);
+      continue;
     }
-    if (shared_of != nullptr && shared_of->is_shared(blocks[block])) continue;  // protected: observed only
     if (kSingle) {
-      // Candidates: t - low in [0, width) as unsigned (a -1 or an id below low wraps past it).
-      double block_min = kNone;
       int64_t candidates = 0;
-#pragma omp simd reduction(min : block_min) reduction(+ : candidates)
-      for (int64_t o = 0; o < end; ++o) {
-        const bool candidate = static_cast<uint32_t>(tokens[o] - low32) < width;
-        const double key = kStat ? values[o] : static_cast<double>(tokens[o]);
-        block_min = std::min(block_min, candidate ? key : kNone);
-        candidates += candidate;
-      }
+      const double minimum = span_minimum<kStat, kMass, Mass>(values, m, tokens, low32, width, n, &candidates);
       count += candidates;
-      if (candidates == 0 || block_min > best.key) continue;
-      for (int64_t o = 0; o < end; ++o) {
-        const int64_t t = tokens[o];
-        if (static_cast<uint32_t>(tokens[o] - low32) >= width) continue;
-        const double key = kStat ? values[o] : static_cast<double>(t);
-        if (key < best.key || (key == best.key && t < best.id)) best = Candidate{key, t, start + o};
-      }
+      if (candidates == 0 || minimum > best.key) continue;
+      best.key = minimum;
+      spans.push_back(Span{minimum, base, start, n});
     } else {
-      for (int64_t o = 0; o < end; ++o) {
+      if (kMass) add_mass(values, m, n);
+      for (int64_t o = 0; o < n; ++o) {
         const int64_t t = tokens[o];
         if (static_cast<uint32_t>(tokens[o] - low32) >= width) continue;
         ++count;
         pool.push_back(Candidate{kStat ? values[o] : static_cast<double>(t), t, start + o});
       }
+    }
+  }
+  // kSingle: the victim is the candidate of the lowest id among those whose key is the row's
+  // minimum (best.key); only spans that reached it (once or more, as the running minimum fell)
+  // hold one.
+  const double minimum = best.key;
+  best.id = std::numeric_limits<int64_t>::max();
+  for (const Span& span : spans) {
+    if (span.minimum != minimum) continue;
+    const int32_t* tokens = layout.tokens + span.base;
+    for (int64_t o = 0; o < span.n; ++o) {
+      const int64_t t = tokens[o];
+      if (static_cast<uint32_t>(tokens[o] - low32) >= width || t >= best.id) continue;
+      if ((kStat ? stat[span.base + o] : static_cast<double>(t)) == minimum) best = Candidate{minimum, t, span.start + o};
     }
   }
   return count;
@@ -97,10 +108,9 @@ int64_t scan_row(const SlotLayout& layout, const int32_t* blocks, int64_t length
 template <bool kStat, bool kMass, typename Mass>
 int64_t scan(bool single, const SlotLayout& layout, const int32_t* blocks, int64_t length, int64_t low,
              int64_t high, double* stat, const Mass* row_mass, const TokenTable* shared_of, Candidate& best,
-             std::vector<Candidate>& pool) {
-  return single ? scan_row<kStat, kMass, true>(layout, blocks, length, low, high, stat, row_mass, shared_of, best, pool)
-                : scan_row<kStat, kMass, false>(layout, blocks, length, low, high, stat, row_mass, shared_of, best,
-                                                 pool);
+             std::vector<Candidate>& pool, std::vector<Span>& spans) {
+  auto row = single ? scan_row<kStat, kMass, true, Mass> : scan_row<kStat, kMass, false, Mass>;
+  return row(layout, blocks, length, low, high, stat, row_mass, shared_of, best, pool, spans);
 }
 
 // Batch rows [begin, end) of select_lowest, their blocks checked already.
@@ -111,18 +121,19 @@ Selection select_rows(const SlotLayout& layout, const int64_t* rows, int64_t beg
   Selection out;
   const int64_t tpb = layout.tokens_per_block;
   std::vector<Candidate> pool;
+  std::vector<Span> spans;
   for (int64_t i = begin; i < end; ++i) {
     const int32_t* blocks = layout.block_table + rows[i] * layout.block_stride;
     const int64_t length = kv_len[i], want = excess[i];
     const Mass* row_mass = mass != nullptr ? mass + i * mass_stride : nullptr;
     if (want <= 0) {  // nothing to evict: only the observation
       if (row_mass == nullptr) continue;
-      for (int64_t start = 0; start < length; start += tpb) {
-        double* values = stat + static_cast<int64_t>(blocks[start / tpb]) * tpb;
-        const Mass* m = row_mass + start;
-        const int64_t width = std::min(tpb, length - start);
-#pragma omp simd
-        for (int64_t o = 0; o < width; ++o) values[o] += static_cast<double>(m[o]);
+      const int64_t num_blocks = (length + tpb - 1) / tpb;
+      for (int64_t block = 0, next; block < num_blocks; block = next) {
+        next = span_end(blocks, block, num_blocks, num_blocks, nullptr);
+        const int64_t start = block * tpb;
+        add_mass(stat + static_cast<int64_t>(blocks[block]) * tpb, row_mass + start,
+                 std::min(next * tpb, length) - start);
       }
       continue;
     }
@@ -134,13 +145,13 @@ Selection select_rows(const SlotLayout& layout, const int64_t* rows, int64_t beg
     int64_t count;
     if (stat == nullptr) {
       count = scan<false, false, Mass>(single, layout, blocks, length, low, high, stat, row_mass, shared_of, best,
-                                       pool);
+                                       pool, spans);
     } else if (row_mass == nullptr) {
       count = scan<true, false, Mass>(single, layout, blocks, length, low, high, stat, row_mass, shared_of, best,
-                                      pool);
+                                      pool, spans);
     } else {
       count = scan<true, true, Mass>(single, layout, blocks, length, low, high, stat, row_mass, shared_of, best,
-                                     pool);
+                                     pool, spans);
     }
     if (count == 0) continue;
     if (single) {
