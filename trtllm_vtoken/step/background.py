@@ -36,12 +36,17 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Flight:
-    tokens: list[int]
-    src: list[int]
-    dst: list[int]
-    blocks: list[int]
+    """One request's plan in flight: int64 views into the planning step's result arrays."""
+
+    tokens: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    blocks: np.ndarray
     handle: Any
     before: LiveSnapshot | None
+
+
+NO_VICTIMS = np.zeros(0, dtype=np.int64)
 
 
 class BackgroundCompaction:
@@ -63,47 +68,50 @@ class BackgroundCompaction:
             return None
         executor = self.step.executor
         handle = executor.submit_slots(plans.move_src, plans.move_dst) if executor is not None else None
+        moves, freed = plans.move_offsets.tolist(), plans.freed_offsets.tolist()
         for i in planned.tolist():
             req_id = int(req_ids[i])
-            moves = plans.moves_of(i)
-            self.in_flight[req_id] = _Flight([t for t, _, _ in moves], [s for _, s, _ in moves],
-                                             [d for _, _, d in moves], plans.freed_of(i), handle,
+            lo, hi = moves[i], moves[i + 1]
+            self.in_flight[req_id] = _Flight(plans.move_tokens[lo:hi], plans.move_src[lo:hi], plans.move_dst[lo:hi],
+                                             plans.freed[freed[i] : freed[i + 1]], handle,
                                              self._snapshot(req_id) if snapshot else None)
         return handle
 
     def finish(self, req_ids: np.ndarray, rows: np.ndarray) -> StepBatchResult:
         """Commits the batch's plans whose copies have finished (planned at an earlier step), in
-        the table and the slot layout. Returns what they did, row by row (kv_lens: the lengths
-        after them). Only the batch's requests with a plan in flight are visited one by one."""
-        step, slots = self.step, self.step.slots
-        committed: dict[int, tuple[list[tuple[int, int, int]], list[int]]] = {}  # batch index -> (moves, freed)
-        flying = self.in_flight
+        the table and then, all at once, in the slot layout. Returns what they did, row by row
+        (kv_lens: the lengths after them). Only the batch's requests with a plan in flight are
+        visited one by one. RuntimeError if a plan no longer applies (the step is then unusable)."""
+        step, slots, flying = self.step, self.step.slots, self.in_flight
+        ready = []  # (batch index, request, flight), ascending
         for i, req_id in enumerate(req_ids.tolist()) if flying else ():
             flight = flying.get(req_id)
-            if flight is None or (flight.handle is not None and not flight.handle.done()):
-                continue
+            if flight is not None and (flight.handle is None or flight.handle.done()):
+                ready.append((i, req_id, flight))
+        lengths = slots.kv_len[rows]  # a copy: unchanged where nothing commits
+        for i, req_id, flight in ready:
             del flying[req_id]
             try:
-                released = step.core.commit_lazy(req_id, flight.tokens, flight.src, flight.dst, flight.blocks)
+                step.core.commit_lazy(req_id, flight.tokens.tolist(), flight.src.tolist(), flight.dst.tolist(),
+                                      flight.blocks.tolist())
             except (KeyError, ValueError) as exc:  # its copy moved KV the table no longer expects there
                 raise RuntimeError(f"request {req_id}: a background compaction could not commit: {exc}") from exc
-            slots.move(np.asarray(flight.src, dtype=np.int64), np.asarray(flight.dst, dtype=np.int64))
+            lengths[i] = step.core.kv_len(req_id)
             if flight.before is not None:  # I1 across the whole flight (counted with the step's checks)
                 check_conservation(req_id, flight.before, self._snapshot(req_id))
-            committed[i] = (list(zip(flight.tokens, flight.src, flight.dst)), released)
-        lengths = slots.kv_len[rows]  # a copy: unchanged where nothing committed
-        counts = np.zeros(len(rows), dtype=np.int64)
-        for i, (_, released) in committed.items():
-            counts[i] = len(released)
-            if released:
-                lengths[i] = step.core.kv_len(int(req_ids[i]))
-        slots.set_rows(rows, lengths, lambda i: step.core.block_ids(int(req_ids[i])), counts, tail_only=False)
-        return _as_result(len(rows), committed, lengths)
+        committed = _as_result(len(rows), ready, lengths)
+        if ready:
+            slots.apply_step(NO_VICTIMS, NO_VICTIMS, committed.move_src, committed.move_dst, rows, req_ids, lengths,
+                             committed.freed_offsets, False, step.core.table)
+        return committed
 
     def blocks(self, tokens_per_block: int) -> set[int]:
         """Blocks the plans in flight read, write or will release."""
-        return {s // tokens_per_block for f in self.in_flight.values() for s in f.src + f.dst} | \
-            {b for f in self.in_flight.values() for b in f.blocks}
+        out: set[int] = set()
+        for f in self.in_flight.values():
+            out.update((np.concatenate([f.src, f.dst]) // tokens_per_block).tolist())
+            out.update(f.blocks.tolist())
+        return out
 
     def drop(self, req_id: int) -> None:
         """The request leaves: its copy must finish before its blocks go back to the pool."""
@@ -117,17 +125,21 @@ class BackgroundCompaction:
         return snapshot_slots(core.num_tokens(req_id), ids, slots, list(getattr(self.step.executor, "pools", ()) or ()))
 
 
-def _as_result(batch: int, committed: dict[int, tuple[list[tuple[int, int, int]], list[int]]],
-               kv_lens: np.ndarray) -> StepBatchResult:
-    """The committed plans (by ascending batch index) as the table's step reports a batch."""
+def _as_result(batch: int, ready: list[tuple[int, int, _Flight]], kv_lens: np.ndarray) -> StepBatchResult:
+    """The committed plans (ascending batch index) as the table's step reports a batch."""
+    index = np.array([i for i, _, _ in ready], dtype=np.int64)
+    flights = [f for _, _, f in ready]
     move_counts, freed_counts = np.zeros(batch, dtype=np.int64), np.zeros(batch, dtype=np.int64)
-    flat: list[tuple[int, int, int]] = []
-    freed: list[int] = []
-    for i, (moves, released) in committed.items():
-        move_counts[i], freed_counts[i] = len(moves), len(released)
-        flat += moves
-        freed += released
-    moved = np.array(flat, dtype=np.int64).reshape(-1, 3)
-    offsets = lambda counts: np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # noqa: E731
-    return StepBatchResult(offsets(move_counts), moved[:, 0].copy(), moved[:, 1].copy(), moved[:, 2].copy(),
-                           offsets(freed_counts), np.array(freed, dtype=np.int64), kv_lens.astype(np.int64))
+    move_counts[index] = [len(f.src) for f in flights]
+    freed_counts[index] = [len(f.blocks) for f in flights]
+
+    def joined(name: str) -> np.ndarray:
+        return np.concatenate([getattr(f, name) for f in flights]) if flights else NO_VICTIMS.copy()
+
+    def offsets(counts: np.ndarray) -> np.ndarray:
+        out = np.zeros(batch + 1, dtype=np.int64)
+        np.cumsum(counts, out=out[1:])
+        return out
+
+    return StepBatchResult(offsets(move_counts), joined("tokens"), joined("src"), joined("dst"), offsets(freed_counts),
+                           joined("blocks"), kv_lens.astype(np.int64))

@@ -198,8 +198,12 @@ class DecodeStep(TableQueries):
         if native is None or background:
             # The layout follows the table (with background compaction: the plans whose copies
             # finished commit now; the fused call already dropped the victims and set the lengths).
-            planned, result = result, self._update_layout(req_ids, rows, None if native else victim_rows,
-                                                          None if native else victim_slots, result)
+            try:
+                planned, result = result, self._update_layout(req_ids, rows, None if native else victim_rows,
+                                                              None if native else victim_slots, result)
+            except RuntimeError as exc:  # a background plan could not commit: the tables disagree now
+                self._broken = str(exc)
+                raise
             t5 = clock()
             handle = (background.start(req_ids, planned, self.checks is not None) if background
                       else self._submit_copy(result, inp.stream))
