@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -270,8 +271,7 @@ class KVCacheManager:
             fresh, n = self._take_staged(req_id)
             num_new.append(n), counts.append(len(fresh))
             new_blocks += fresh
-        offsets = np.zeros(len(req_ids) + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
+        offsets = np.fromiter(accumulate(counts, initial=0), dtype=np.int64, count=len(counts) + 1)
         on_cuda = self.cache is not None and self.cache.pool.is_cuda and not self.config.synchronous_copies
         # Memory pressure: the pool could not give every running request a block for its next token.
         pressure = self.pool.num_free < len(req_ids) + self.config.evacuation_headroom

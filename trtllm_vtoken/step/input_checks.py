@@ -79,7 +79,8 @@ class InputChecks:
         """The mass a batch needs, checked before anything changes (a function's result is
         checked when it comes)."""
         if mass is None:
-            if any(self.policies[i].observes_attention() for i in set(self.slots.policy[rows].tolist()) - {-1}):
+            observing = [i for i, p in enumerate(self.policies) if p.observes_attention()]
+            if observing and np.isin(self.slots.policy[rows], observing).any():
                 raise ValueError("a policy of this batch observes attention: pass the mass per position")
             return
         if callable(mass) or not len(rows):
