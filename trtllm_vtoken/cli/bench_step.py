@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vtoken bench step``: vToken's one step, on the engine with the simulated backend, against
-native; prints a table and writes ``<out>/step.json`` (a list of rows) and ``step.png``."""
+native; prints a table and writes ``<out>/step.json`` (a list of rows) and ``step.png``; then the step
+alone, caches warm and flushed (``step_alone.json``), and H2O's native pass alone (``step_pass.json``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def register(bench) -> None:
                     "block lists), indirection-only (the step, nothing evicted), vtoken dense and lazy for H2O "
                     "and StreamingLLM (one eviction per request per step, the budget mid-block), each with the C++ "
                     "and the Python core, and dense H2O with the budget at a block boundary (every request "
-                    "allocates and releases a block per step). The simulated attention is not counted.")
+                    "allocates and releases a block per step). The simulated attention is not counted. After the "
+                    "table: the step alone (no engine), caches warm and flushed, and H2O's native pass alone.")
     step.add_argument("--batches", default="64,256", help="comma-separated batch sizes (default 64,256)")
     step.add_argument("--context", type=int, default=4096, help="tokens of context per request (default 4096)")
     step.add_argument("--tokens-per-block", type=int, default=32, help="default 32")
@@ -68,7 +70,6 @@ def run_step(args: argparse.Namespace) -> int:
     total = len(cfg.batches) * len(cfg.rows()) * cfg.repeats
     with tqdm(total=total, desc="bench step", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_step_bench(cfg, progress=bar)
-    source = "simulated attention" if cfg.mass == "synthetic" else "a fixed mass array"
     source = "simulated attention (not counted)" if cfg.mass == "synthetic" else "a fixed mass array"
     print(f"vtoken bench step: engine + {source}, {cfg.context} tokens of context, "
           f"tokens_per_block {cfg.tokens_per_block}, one eviction per request per step; {cfg.steps} timed "
@@ -94,9 +95,29 @@ def run_step(args: argparse.Namespace) -> int:
     listed = [dict(r, context=cfg.context, tokens_per_block=cfg.tokens_per_block, steps=cfg.steps,
                    repeats=cfg.repeats, machine=where) for r in result["rows"]]
     publish(args.out, "step", listed, lambda rows, path: plot_step({"config": result["config"], "rows": rows}, path))
+    print_step_alone(cfg, where, args.out)
     if native:
         print_pass_alone(args, cfg, where)
     return 0
+
+
+def print_step_alone(cfg, where: dict, out) -> None:
+    """The step alone (no engine), caches warm and flushed, at each batch (step_alone.json)."""
+    from trtllm_vtoken.bench.step_alone import time_step_alone
+    from trtllm_vtoken.report import format_table
+
+    impls = [i for i in cfg.impls if i != "cpp-general"]
+    rows = [r for batch in cfg.batches for impl in impls for r in time_step_alone(cfg, batch, impl)]
+    print(f"vToken's step alone (no engine): DecodeStep.run at the rows' settings, one token per request per "
+          f"step; median of {cfg.steps} steps, caches as the last step left them (warm) or after 64 MB were "
+          "written (flushed, as the engine's own work leaves them)")
+    print(format_table(["batch", "row", "impl", "caches", "step us", "min us", "table us", "policy us", "core us",
+                        "copy us", "evicted/step"],
+                       [[r["batch"], r["label"], r["impl"], r["caches"], r["step_us_p50"], r["step_us_min"],
+                         *(r["split_us"][k] for k in ("table", "policy", "core", "copy")), r["evicted_per_step"]]
+                        for r in rows]))
+    publish(out, "step_alone", [dict(r, context=cfg.context, tokens_per_block=cfg.tokens_per_block, machine=where)
+                                for r in rows])
 
 
 def print_pass_alone(args: argparse.Namespace, cfg, where: dict) -> None:
