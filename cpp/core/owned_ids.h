@@ -11,12 +11,15 @@
 
 namespace vtoken {
 
-using OwnedIds = nanobind::ndarray<nanobind::numpy, int64_t, nanobind::ndim<1>>;
+template <typename T>
+using Owned = nanobind::ndarray<nanobind::numpy, T, nanobind::ndim<1>>;
+using OwnedIds = Owned<int64_t>;
 
-inline OwnedIds to_numpy(std::vector<int64_t>&& values) {
-  auto* owner = new std::vector<int64_t>(std::move(values));
-  nanobind::capsule free_when_done(owner, [](void* p) noexcept { delete static_cast<std::vector<int64_t>*>(p); });
-  return OwnedIds(owner->data(), {owner->size()}, free_when_done);
+template <typename T>
+Owned<T> to_numpy(std::vector<T>&& values) {
+  auto* owner = new std::vector<T>(std::move(values));
+  nanobind::capsule free_when_done(owner, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return Owned<T>(owner->data(), {owner->size()}, free_when_done);
 }
 
 }  // namespace vtoken

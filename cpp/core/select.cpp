@@ -99,7 +99,8 @@ int64_t scan_row(const SlotLayout& layout, const int32_t* blocks, int64_t length
     for (int64_t o = 0; o < span.n; ++o) {
       const int64_t t = tokens[o];
       if (static_cast<uint32_t>(tokens[o] - low32) >= width || t >= best.id) continue;
-      if ((kStat ? stat[span.base + o] : static_cast<double>(t)) == minimum) best = Candidate{minimum, t, span.start + o};
+      const double key = kStat ? stat[span.base + o] : static_cast<double>(t);
+      if (key == minimum) best = Candidate{minimum, t, span.start + o};
     }
   }
   return count;

@@ -10,49 +10,13 @@
 
 #include "decode_step.h"
 #include "owned_ids.h"
+#include "slot_args.h"
 #include "slots.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
+using namespace vtoken::slot_args;
 
-namespace {
-
-using Ids = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using Counters = nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using Tokens = nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using BlockTable = nb::ndarray<int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-using Stat = nb::ndarray<nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-
-// The layout's arrays, checked against each other once per call.
-vtoken::SlotArrays arrays(Tokens tokens, BlockTable block_table, int64_t tokens_per_block, Counters num_blocks_of,
-                          Counters kv_len, Counters num_tokens, Counters num_live, const std::vector<Stat>& stats) {
-  const size_t rows = block_table.shape(0);
-  for (const Counters* c : {&num_blocks_of, &kv_len, &num_tokens, &num_live}) {
-    if (c->shape(0) != rows) throw std::invalid_argument("slots: every counter needs one entry per block-table row");
-  }
-  if (tokens_per_block <= 0 || tokens.shape(0) % tokens_per_block != 0) {
-    throw std::invalid_argument("slots: tokens must hold whole blocks of tokens_per_block slots");
-  }
-  vtoken::SlotArrays a{tokens.data(), block_table.data(), static_cast<int64_t>(block_table.shape(1)), tokens_per_block,
-                       static_cast<int32_t>(tokens.shape(0) / tokens_per_block - 1), num_blocks_of.data(), kv_len.data(),
-                       num_tokens.data(), num_live.data(), {}};
-  for (const Stat& s : stats) {
-    if (s.shape(0) != tokens.shape(0)) throw std::invalid_argument("slots: a statistic needs one entry per slot");
-    a.stats.push_back({static_cast<uint8_t*>(s.data()), static_cast<int64_t>(s.itemsize())});
-  }
-  return a;
-}
-
-void check_batch(const Ids& rows, size_t rows_in_table, size_t batch, const char* what) {
-  if (rows.shape(0) != batch) throw std::invalid_argument(std::string("slots: ") + what + " needs one entry per request");
-  for (size_t i = 0; i < batch; ++i) {
-    if (rows.data()[i] < 0 || static_cast<size_t>(rows.data()[i]) >= rows_in_table) {
-      throw std::invalid_argument("slots: row " + std::to_string(rows.data()[i]) + " is outside the block table");
-    }
-  }
-}
-
-}  // namespace
 
 void bind_slots(nb::module_& m) {
   m.def(

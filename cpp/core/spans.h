@@ -75,7 +75,8 @@ inline int64_t span_end(const int32_t* blocks, int64_t block, int64_t num_blocks
 
 // Prefetches blocks [from, to) of a row that do not follow their predecessor in the pool (the
 // hardware prefetcher follows the rest); returns `to`.
-inline int64_t prefetch_jumps(const SlotLayout& layout, const int32_t* blocks, int64_t from, int64_t to, const double* stat) {
+inline int64_t prefetch_jumps(const SlotLayout& layout, const int32_t* blocks, int64_t from, int64_t to,
+                              const double* stat) {
   const int64_t tpb = layout.tokens_per_block;
   for (int64_t j = from; j < to; ++j) {
     if (j > 0 && blocks[j] == blocks[j - 1] + 1) continue;

@@ -322,16 +322,18 @@ void TokenTable::release_blocks(int64_t req_id, const std::vector<int64_t>& bloc
   std::sort(drop.begin(), drop.end());
   std::vector<bool> keep(num_blocks, true);
   for (int64_t i : drop) keep[i] = false;
-  std::vector<int32_t> live_per_block;
-  std::vector<int64_t> kept_ids;
+  // Blocks before the first released one keep their place; the kept ones after it shift down in
+  // place (a row only ever moves to a lower index), their positions with them.
   int64_t covered = 0;
-  int64_t write = 0;  // kept rows shift down in place: a row only ever moves to a lower index
-  for (int64_t i = 0; i < num_blocks; ++i) {
+  int64_t write = drop.front();
+  for (int64_t i = drop.front(); i < num_blocks; ++i) {
     if (keep[i]) {
-      for (int64_t k = 0; k < tpb_; ++k) s.token_at[write * tpb_ + k] = s.token_at[i * tpb_ + k];
+      if (write != i) {
+        for (int64_t k = 0; k < tpb_; ++k) s.token_at[write * tpb_ + k] = s.token_at[i * tpb_ + k];
+        s.live_per_block[write] = s.live_per_block[i];
+        s.block_ids[write] = s.block_ids[i];
+      }
       ++write;
-      live_per_block.push_back(s.live_per_block[i]);
-      kept_ids.push_back(s.block_ids[i]);
       continue;
     }
     for (int64_t p = i * tpb_; p < (i + 1) * tpb_; ++p) {
@@ -340,10 +342,10 @@ void TokenTable::release_blocks(int64_t req_id, const std::vector<int64_t>& bloc
     covered += std::clamp<int64_t>(s.kv_len - i * tpb_, 0, tpb_);
   }
   s.token_at.resize(write * tpb_);
-  s.live_per_block = std::move(live_per_block);
-  s.block_ids = std::move(kept_ids);
-  s.block_index.clear();
-  for (size_t i = 0; i < s.block_ids.size(); ++i) s.block_index.insert(s.block_ids[i], static_cast<int64_t>(i));
+  s.live_per_block.resize(write);
+  for (int64_t b : block_ids) s.block_index.erase(b);
+  s.block_ids.resize(write);
+  for (int64_t i = drop.front(); i < write; ++i) s.block_index.insert(s.block_ids[i], i);
   s.kv_len -= covered;
   std::vector<int64_t> pending;
   for (int64_t p : s.pending_dead) {

@@ -44,12 +44,12 @@ def test_background_commits_a_step_later_with_the_same_decisions(impl):
     for salt in range(30):
         now, later = (decode(step, host, salt, [0, 1]) for step, host in zip(steps, hosts))
         assert now.victims.tolist() == later.victims.tolist()  # decisions never depend on the layout
-        flying = steps[1].background.in_flight
+        flying = set(steps[1].background.requests())
         for i, req in enumerate((0, 1)):
             if req in pending:  # planned last step: committed now, as the synchronous step did then
                 assert later.table.moves_of(i) or later.table.freed_of(i)
             if req in flying:  # planned now: the table still points at the sources
-                src = flying[req].src
+                src = steps[1].background.flight(req).src.tolist()
                 ids, slots = steps[1].core.live_slots(req)
                 assert set(src) <= set(slots.tolist())
         pending = set(flying)
@@ -68,9 +68,9 @@ def test_a_request_leaving_with_a_plan_in_flight_waits_for_its_copy():
     step.add_request(0, make_policy("streaming_llm", 6, n_sink=1))
     blocks = host.allocate(5)
     step.run(StepInput([0], [20], [0, 5], blocks))
-    assert 0 in step.background.in_flight and step.relocating_blocks()
+    assert 0 in step.background.requests() and step.relocating_blocks()
     host.release(step.remove_request(0))
-    assert not step.background.in_flight and not step.relocating_blocks()
+    assert not step.background.requests() and not step.relocating_blocks()
 
 
 @pytest.mark.cuda
@@ -90,13 +90,13 @@ def test_the_forward_does_not_wait_for_a_background_copy():
     step.add_request(0)
     stream = torch.cuda.current_stream()
     out = step.run(StepInput([0], [20], [0, 5], pool.allocate(5), stream=stream))
-    assert 0 in step.background.in_flight and out.copy is not None
+    assert 0 in step.background.requests() and out.copy is not None
     after = torch.cuda.Event()
     after.record(stream)  # the next forward's work would be queued here
     after.synchronize()
     assert not out.copy.done()  # the compute stream ran ahead of the copy
     step.run(StepInput([0], [1], [0, 1], pool.allocate(1), stream=stream))
-    assert 0 in step.background.in_flight  # its copy is still running: no commit
+    assert 0 in step.background.requests()  # its copy is still running: no commit
     out.copy.synchronize()
     later = step.run(StepInput([0], [0], [0, 0], [], stream=stream))
-    assert later.table.freed_of(0) and 0 not in step.background.in_flight
+    assert later.table.freed_of(0) and 0 not in step.background.requests()

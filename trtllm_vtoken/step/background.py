@@ -119,10 +119,104 @@ class BackgroundCompaction:
         if flight is not None and flight.handle is not None:
             flight.handle.synchronize()
 
+    def requests(self) -> list[int]:
+        """The requests with a plan in flight, ascending."""
+        return sorted(self.in_flight)
+
+    def flight(self, req_id: int) -> _Flight | None:
+        """The request's plan in flight (tokens, src, dst, blocks), or None."""
+        return self.in_flight.get(req_id)
+
     def _snapshot(self, req_id: int) -> LiveSnapshot:
-        core = self.step.core
-        ids, slots = core.live_slots(req_id)
-        return snapshot_slots(core.num_tokens(req_id), ids, slots, list(getattr(self.step.executor, "pools", ()) or ()))
+        return live_snapshot(self.step, req_id)
+
+
+class NativeBackgroundCompaction:
+    """``BackgroundCompaction`` with its plans kept by the C++ core (``cpp/core/flights.h``): a
+    step records its new plans, and commits the finished ones in the table and the layout, in one
+    native call each. The same effects (the step's parity and fused tests run both); the copies'
+    handles and, with the step's checks, each plan's live KV before its flight stay here."""
+
+    def __init__(self, step: DecodeStep) -> None:
+        self.step = step
+        self.flights = step.slots.native.LazyFlights()
+        self._handles: dict[int, Any] = {}  # submission -> its copy (None: no executor)
+        self._before: dict[int, LiveSnapshot] = {}  # with the step's checks: request -> live KV at its plan
+        self._submissions = 0
+
+    def may_plan(self, req_ids: np.ndarray) -> np.ndarray:
+        """[B] uint8: 1 where the request has no plan in flight."""
+        return self.flights.may_plan(req_ids)
+
+    def start(self, req_ids: np.ndarray, plans: StepBatchResult, snapshot: bool) -> Any:
+        """Submits ONE copy of the table call's new plans; records them. Returns the copy (or None)."""
+        if not len(plans.move_src) and not len(plans.freed):
+            return None
+        executor = self.step.executor
+        handle = executor.submit_slots(plans.move_src, plans.move_dst) if executor is not None else None
+        submission, self._submissions = self._submissions, self._submissions + 1
+        planned = self.flights.record(req_ids, plans.move_offsets, plans.move_tokens, plans.move_src, plans.move_dst,
+                                      plans.freed_offsets, plans.freed, submission)
+        self._handles[submission] = handle
+        if snapshot:
+            for i in planned.tolist():
+                self._before[int(req_ids[i])] = live_snapshot(self.step, int(req_ids[i]))
+        return handle
+
+    def finish(self, req_ids: np.ndarray, rows: np.ndarray) -> StepBatchResult:
+        """``BackgroundCompaction.finish`` in one native call: the batch's plans whose copies have
+        finished commit in the table, then in the layout; what they did, row by row."""
+        step, slots = self.step, self.step.slots
+        ready = [s for s, handle in self._handles.items() if handle is None or handle.done()]
+        committed, result = self.flights.commit_ready(step.core.table, *slots.native_arrays(), req_ids, rows, ready)
+        if ready:
+            self._forget_finished()
+        for i in committed.tolist() if self._before else ():  # I1 across the whole flight
+            req_id = int(req_ids[i])
+            check_conservation(req_id, self._before.pop(req_id), live_snapshot(step, req_id))
+        return StepBatchResult(*result)
+
+    def blocks(self, tokens_per_block: int) -> set[int]:
+        """Blocks the plans in flight read, write or will release."""
+        out: set[int] = set()
+        for req_id in self.flights.requests():
+            _, src, dst, blocks, _ = self.flights.flight(req_id)
+            out.update((np.concatenate([src, dst]) // tokens_per_block).tolist())
+            out.update(blocks.tolist())
+        return out
+
+    def drop(self, req_id: int) -> None:
+        """The request leaves: its copy must finish before its blocks go back to the pool."""
+        submission = self.flights.drop(req_id)
+        self._before.pop(req_id, None)
+        handle = self._handles.get(submission)
+        if handle is not None:
+            handle.synchronize()
+        self._forget_finished()
+
+    def requests(self) -> list[int]:
+        """The requests with a plan in flight, ascending."""
+        return self.flights.requests()
+
+    def flight(self, req_id: int) -> _Flight | None:
+        """The request's plan in flight (tokens, src, dst, blocks), or None."""
+        found = self.flights.flight(req_id)
+        if found is None:
+            return None
+        tokens, src, dst, blocks, submission = found
+        return _Flight(tokens, src, dst, blocks, self._handles.get(submission), self._before.get(req_id))
+
+    def _forget_finished(self) -> None:
+        """Drops the handles no plan in flight belongs to any more."""
+        live = set(self.flights.submissions())
+        self._handles = {s: h for s, h in self._handles.items() if s in live}
+
+
+def live_snapshot(step: DecodeStep, req_id: int) -> LiveSnapshot:
+    """The request's live tokens and their KV in the step's pools (I1's before and after)."""
+    core = step.core
+    ids, slots = core.live_slots(req_id)
+    return snapshot_slots(core.num_tokens(req_id), ids, slots, list(getattr(step.executor, "pools", ()) or ()))
 
 
 def _as_result(batch: int, ready: list[tuple[int, int, _Flight]], kv_lens: np.ndarray) -> StepBatchResult:
