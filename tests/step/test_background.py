@@ -100,3 +100,21 @@ def test_the_forward_does_not_wait_for_a_background_copy():
     out.copy.synchronize()
     later = step.run(StepInput([0], [0], [0, 0], [], stream=stream))
     assert later.table.freed_of(0) and 0 not in step.background.requests()
+
+
+@pytest.mark.parametrize("impl", ["python", "auto"])
+def test_a_plan_that_no_longer_applies_leaves_the_step_unusable(impl):
+    """A plan in flight whose tokens left their sources (here: committed behind the step's back)
+    cannot commit: RuntimeError naming the request, in both cores' words; the step then refuses
+    every later batch."""
+    host = Host(64, 4)
+    step = make_step(host, impl, "lazy-background")
+    step.add_request(0, make_policy("streaming_llm", 6, n_sink=1))
+    step.run(StepInput([0], [20], [0, 5], host.allocate(5)))
+    flight = step.background.flight(0)
+    assert flight is not None and len(flight.src) and step.background.requests() == [0]
+    step.core.commit_lazy(0, flight.tokens.tolist(), flight.src.tolist(), flight.dst.tolist(), flight.blocks.tolist())
+    with pytest.raises(RuntimeError, match="request 0: a background compaction could not commit: "):
+        step.run(StepInput([0], [0], [0, 0], []))
+    with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
+        step.run(StepInput([0], [0], [0, 0], []))
