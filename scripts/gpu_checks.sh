@@ -11,8 +11,8 @@
 #      through the one batched step: vtoken info says which core serves it)
 #   5. vtoken bench step: the step's host time per decode step against native, C++ (its fused
 #      decode call), C++ on the general path only and Python, on this machine's quieter cores
-#      (the C++ core is built in place when nanobind is there); again with H2O's pass over up to
-#      4 threads
+#      (the C++ core is built in place when nanobind is there), then the step alone with caches
+#      warm and flushed and H2O's pass alone; again with H2O's pass over up to 4 threads
 #   6. where tensorrt_llm imports and the package is installed (the gpu Docker image) and
 #      $VTOKEN_TRTLLM_MODEL names a model folder: examples/trtllm/run_llm.py --check
 # Uses the machine's python3 and its torch; the repository is put on PYTHONPATH, nothing is
