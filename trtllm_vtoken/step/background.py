@@ -15,6 +15,8 @@ copy has finished:
                lazy plan after evictions and appends made meanwhile); the request may be planned
                again from the next step
 
+The Python class below is the specification and serves the Python core; where the C++ core
+serves the step, it keeps the plans itself (``NativeBackgroundCompaction``, ``cpp/core/flights.h``).
 A request has one plan in flight at most. On a CPU the copy is synchronous: a plan commits at the
 next step of its request. A block a plan in flight reads or writes must not become shared (prefix
 caching) before it commits: ``DecodeStep.relocating_blocks`` names them.
@@ -35,8 +37,9 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class _Flight:
-    """One request's plan in flight: int64 views into the planning step's result arrays."""
+class Flight:
+    """One request's plan in flight: its moves (token, source and destination slots) and the
+    blocks it releases, int64 arrays; its copy's handle; with the step's checks, its live KV before."""
 
     tokens: np.ndarray
     src: np.ndarray
@@ -54,7 +57,7 @@ class BackgroundCompaction:
 
     def __init__(self, step: DecodeStep) -> None:
         self.step = step
-        self.in_flight: dict[int, _Flight] = {}
+        self.in_flight: dict[int, Flight] = {}
 
     def may_plan(self, req_ids: np.ndarray) -> np.ndarray:
         """[B] uint8: 1 where the request has no plan in flight."""
@@ -72,7 +75,7 @@ class BackgroundCompaction:
         for i in planned.tolist():
             req_id = int(req_ids[i])
             lo, hi = moves[i], moves[i + 1]
-            self.in_flight[req_id] = _Flight(plans.move_tokens[lo:hi], plans.move_src[lo:hi], plans.move_dst[lo:hi],
+            self.in_flight[req_id] = Flight(plans.move_tokens[lo:hi], plans.move_src[lo:hi], plans.move_dst[lo:hi],
                                              plans.freed[freed[i] : freed[i + 1]], handle,
                                              self._snapshot(req_id) if snapshot else None)
         return handle
@@ -123,7 +126,7 @@ class BackgroundCompaction:
         """The requests with a plan in flight, ascending."""
         return sorted(self.in_flight)
 
-    def flight(self, req_id: int) -> _Flight | None:
+    def flight(self, req_id: int) -> Flight | None:
         """The request's plan in flight (tokens, src, dst, blocks), or None."""
         return self.in_flight.get(req_id)
 
@@ -198,18 +201,23 @@ class NativeBackgroundCompaction:
         """The requests with a plan in flight, ascending."""
         return self.flights.requests()
 
-    def flight(self, req_id: int) -> _Flight | None:
+    def flight(self, req_id: int) -> Flight | None:
         """The request's plan in flight (tokens, src, dst, blocks), or None."""
         found = self.flights.flight(req_id)
         if found is None:
             return None
         tokens, src, dst, blocks, submission = found
-        return _Flight(tokens, src, dst, blocks, self._handles.get(submission), self._before.get(req_id))
+        return Flight(tokens, src, dst, blocks, self._handles.get(submission), self._before.get(req_id))
 
     def _forget_finished(self) -> None:
         """Drops the handles no plan in flight belongs to any more."""
         live = set(self.flights.submissions())
         self._handles = {s: h for s, h in self._handles.items() if s in live}
+
+
+def background_for(step: DecodeStep) -> BackgroundCompaction | NativeBackgroundCompaction:
+    """The step's background compaction: kept by the C++ core where it serves the step."""
+    return NativeBackgroundCompaction(step) if step.impl == "cpp" else BackgroundCompaction(step)
 
 
 def live_snapshot(step: DecodeStep, req_id: int) -> LiveSnapshot:
@@ -219,7 +227,7 @@ def live_snapshot(step: DecodeStep, req_id: int) -> LiveSnapshot:
     return snapshot_slots(core.num_tokens(req_id), ids, slots, list(getattr(step.executor, "pools", ()) or ()))
 
 
-def _as_result(batch: int, ready: list[tuple[int, int, _Flight]], kv_lens: np.ndarray) -> StepBatchResult:
+def _as_result(batch: int, ready: list[tuple[int, int, Flight]], kv_lens: np.ndarray) -> StepBatchResult:
     """The committed plans (ascending batch index) as the table's step reports a batch."""
     index = np.array([i for i, _, _ in ready], dtype=np.int64)
     flights = [f for _, _, f in ready]

@@ -36,7 +36,7 @@ from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.reclaim.copy import CopyExecutor
 from trtllm_vtoken.reclaim.rerotate import KeyRerotation
 from trtllm_vtoken.reclaim.step_batch import StepBatchResult
-from trtllm_vtoken.step.background import BackgroundCompaction, NativeBackgroundCompaction
+from trtllm_vtoken.step.background import background_for
 from trtllm_vtoken.step.checks import StepChecks
 from trtllm_vtoken.step.config import StepConfig, StepStats
 from trtllm_vtoken.step.core import TableCore, make_core
@@ -88,9 +88,7 @@ class DecodeStep(TableQueries):
         self.policy = policy
         self.stats = StepStats()
         self.checks = StepChecks(self) if config.check_invariants else None
-        self.background = None
-        if config.background:
-            self.background = NativeBackgroundCompaction(self) if self.impl == "cpp" else BackgroundCompaction(self)
+        self.background = background_for(self) if config.background else None
         self._policies: list[EvictionPolicy] = []
         self.input_checks = InputChecks(self.slots, self._policies, self.is_shared, self.impl == "python")
         self.decision = BatchDecision(self.slots, self._policies, tokens_per_block,
