@@ -50,7 +50,7 @@ StepResult LazyFlights::commit_ready(TokenTable& table, SlotArrays& a, const int
   for (int64_t i = 0; i < batch; ++i) {
     auto it = flights_.empty() ? flights_.end() : flights_.find(req_ids[i]);
     if (it != flights_.end() && done.count(it->second.submission)) {
-      const Flight flight = std::move(it->second);
+      Flight flight = std::move(it->second);
       flights_.erase(it);
       const Sequence& s = table.seq(req_ids[i]);
       Plan plan;
@@ -58,10 +58,10 @@ StepResult LazyFlights::commit_ready(TokenTable& table, SlotArrays& a, const int
       plan.dense = false;
       plan.version = s.version;
       plan.blocks_before = static_cast<int64_t>(s.block_ids.size());
-      plan.token_ids = flight.tokens;
-      plan.src_slots = flight.src;
-      plan.dst_slots = flight.dst;
-      plan.blocks_to_free = flight.blocks;
+      plan.token_ids = std::move(flight.tokens);
+      plan.src_slots = std::move(flight.src);
+      plan.dst_slots = std::move(flight.dst);
+      plan.blocks_to_free = std::move(flight.blocks);
       try {  // its copy moved KV the table no longer expects there
         table.commit_in_place(plan);
       } catch (const std::invalid_argument& e) {
@@ -69,10 +69,10 @@ StepResult LazyFlights::commit_ready(TokenTable& table, SlotArrays& a, const int
                                  ": a background compaction could not commit: " + e.what());
       }
       committed.push_back(i);
-      out.move_tokens.insert(out.move_tokens.end(), flight.tokens.begin(), flight.tokens.end());
-      out.move_src.insert(out.move_src.end(), flight.src.begin(), flight.src.end());
-      out.move_dst.insert(out.move_dst.end(), flight.dst.begin(), flight.dst.end());
-      out.freed.insert(out.freed.end(), flight.blocks.begin(), flight.blocks.end());
+      out.move_tokens.insert(out.move_tokens.end(), plan.token_ids.begin(), plan.token_ids.end());
+      out.move_src.insert(out.move_src.end(), plan.src_slots.begin(), plan.src_slots.end());
+      out.move_dst.insert(out.move_dst.end(), plan.dst_slots.begin(), plan.dst_slots.end());
+      out.freed.insert(out.freed.end(), plan.blocks_to_free.begin(), plan.blocks_to_free.end());
       out.kv_lens.push_back(table.seq(req_ids[i]).kv_len);
     } else {
       out.kv_lens.push_back(a.kv_len[rows[i]]);

@@ -38,8 +38,8 @@ struct Candidate {
 //
 // A row's positions lie block by block anywhere in the pool, tokens_per_block contiguous slots
 // each; blocks whose ids follow one another form a span of contiguous slots (a fresh pool hands a
-// request its blocks in order), up to kSpanBlocks blocks, one block alone where blocks may be
-// shared (each one's protection is its own):
+// request its blocks in order), up to kSpanBlocks blocks, a shared block a span alone (its
+// protection is its own; spans.h span_end):
 //
 //   span   [ stat += mass, and the minimum key of its candidates  (one vectorised loop) ]
 //          -> kept if that minimum reaches the row's running minimum
@@ -55,7 +55,7 @@ int64_t scan_row(const SlotLayout& layout, const int32_t* blocks, int64_t length
   const int64_t tpb = layout.tokens_per_block;
   const int64_t num_blocks = (length + tpb - 1) / tpb;
   spans.clear();
-    const auto width = static_cast<uint32_t>(high - low);
+  const auto width = static_cast<uint32_t>(high - low);
   const auto low32 = static_cast<int32_t>(low);
   int64_t count = 0, prefetched = 0;
   for (int64_t block = 0, next; block < num_blocks; block = next) {

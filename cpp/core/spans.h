@@ -40,7 +40,7 @@ VTOKEN_SIMD_CLONES inline void add_mass(double* values, const Mass* mass, int64_
 // and counts them. The key: values[o] (kStat), else the id.
 template <bool kStat, bool kMass, typename Mass>
 VTOKEN_SIMD_CLONES inline double span_minimum(double* values, const Mass* mass, const int32_t* tokens, int32_t low,
-                                       uint32_t width, int64_t n, int64_t* candidates) {
+                                              uint32_t width, int64_t n, int64_t* candidates) {
   constexpr double kNone = std::numeric_limits<double>::infinity();
   double minimum = kNone;
   int64_t count = 0;
@@ -62,8 +62,8 @@ VTOKEN_SIMD_CLONES inline double span_minimum(double* values, const Mass* mass, 
 }
 
 // The end of the span that starts at blocks[block]: the blocks after it whose ids follow on (their
-// slots continue the span's), at most `limit` blocks in all.
-// A block that shared_of (optional) holds as shared is a span alone.
+// slots continue the span's), at most `limit` blocks in all; a block that shared_of (optional)
+// holds as shared is a span alone.
 inline int64_t span_end(const int32_t* blocks, int64_t block, int64_t num_blocks, int64_t limit,
                         const TokenTable* shared_of) {
   auto shared = [&](int64_t j) { return shared_of != nullptr && shared_of->is_shared(blocks[j]); };

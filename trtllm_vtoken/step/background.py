@@ -24,6 +24,7 @@ caching) before it commits: ``DecodeStep.relocating_blocks`` names them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +50,7 @@ class Flight:
     before: LiveSnapshot | None
 
 
-NO_VICTIMS = np.zeros(0, dtype=np.int64)
+EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class BackgroundCompaction:
@@ -104,17 +105,13 @@ class BackgroundCompaction:
                 check_conservation(req_id, flight.before, self._snapshot(req_id))
         committed = _as_result(len(rows), ready, lengths)
         if ready:
-            slots.apply_step(NO_VICTIMS, NO_VICTIMS, committed.move_src, committed.move_dst, rows, req_ids, lengths,
+            slots.apply_step(EMPTY, EMPTY, committed.move_src, committed.move_dst, rows, req_ids, lengths,
                              committed.freed_offsets, False, step.core.table)
         return committed
 
     def blocks(self, tokens_per_block: int) -> set[int]:
         """Blocks the plans in flight read, write or will release."""
-        out: set[int] = set()
-        for f in self.in_flight.values():
-            out.update((np.concatenate([f.src, f.dst]) // tokens_per_block).tolist())
-            out.update(f.blocks.tolist())
-        return out
+        return blocks_of(self.in_flight.values(), tokens_per_block)
 
     def drop(self, req_id: int) -> None:
         """The request leaves: its copy must finish before its blocks go back to the pool."""
@@ -181,12 +178,7 @@ class NativeBackgroundCompaction:
 
     def blocks(self, tokens_per_block: int) -> set[int]:
         """Blocks the plans in flight read, write or will release."""
-        out: set[int] = set()
-        for req_id in self.flights.requests():
-            _, src, dst, blocks, _ = self.flights.flight(req_id)
-            out.update((np.concatenate([src, dst]) // tokens_per_block).tolist())
-            out.update(blocks.tolist())
-        return out
+        return blocks_of((self.flight(r) for r in self.requests()), tokens_per_block)
 
     def drop(self, req_id: int) -> None:
         """The request leaves: its copy must finish before its blocks go back to the pool."""
@@ -220,6 +212,15 @@ def background_for(step: DecodeStep) -> BackgroundCompaction | NativeBackgroundC
     return NativeBackgroundCompaction(step) if step.impl == "cpp" else BackgroundCompaction(step)
 
 
+def blocks_of(flights: Iterable[Flight], tokens_per_block: int) -> set[int]:
+    """Blocks these plans read (sources), write (destinations) or release."""
+    out: set[int] = set()
+    for f in flights:
+        out.update((np.concatenate([f.src, f.dst]) // tokens_per_block).tolist())
+        out.update(f.blocks.tolist())
+    return out
+
+
 def live_snapshot(step: DecodeStep, req_id: int) -> LiveSnapshot:
     """The request's live tokens and their KV in the step's pools (I1's before and after)."""
     core = step.core
@@ -236,7 +237,7 @@ def _as_result(batch: int, ready: list[tuple[int, int, Flight]], kv_lens: np.nda
     freed_counts[index] = [len(f.blocks) for f in flights]
 
     def joined(name: str) -> np.ndarray:
-        return np.concatenate([getattr(f, name) for f in flights]) if flights else NO_VICTIMS.copy()
+        return np.concatenate([getattr(f, name) for f in flights]) if flights else EMPTY.copy()
 
     def offsets(counts: np.ndarray) -> np.ndarray:
         out = np.zeros(batch + 1, dtype=np.int64)

@@ -42,7 +42,7 @@ class InputChecks:
         if len(num_new) != batch or len(offsets) != batch + 1:
             raise ValueError(f"step: {batch} requests need {batch} num_new and {batch + 1} block offsets, "
                              f"got {len(num_new)} and {len(offsets)}")
-        rows = self.slots.rows(inp.req_ids if type(inp.req_ids) is list else req_ids.tolist())
+        rows = self.slots.rows(req_ids.tolist())
         self.check_mass(inp.mass, rows, num_new)
         if self.checks_new:
             self.check_new(req_ids, rows, num_new, offsets, blocks)

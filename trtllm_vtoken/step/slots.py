@@ -42,7 +42,6 @@ class SlotMap:
         self.stats: dict[str, np.ndarray] = {}
         self.row_of: dict[int, int] = {}
         self._free_rows: list[int] = []
-        self._last_rows: tuple[list[int], np.ndarray] | None = None  # rows' last answer (ids, rows)
         self.block_table = np.full((8, 8), self.scratch, dtype=np.int32)
         self.num_blocks_of = np.zeros(8, dtype=np.int64)
         self.kv_len = np.zeros(8, dtype=np.int64)
@@ -71,7 +70,6 @@ class SlotMap:
             if row >= len(self.kv_len):
                 self._grow_rows(2 * len(self.kv_len))
         self.row_of[req_id] = row
-        self._last_rows = None
         self.num_blocks_of[row] = self.kv_len[row] = self.num_tokens[row] = self.num_live[row] = 0
         self.policy[row] = -1
         self.block_table[row] = self.scratch
@@ -80,7 +78,6 @@ class SlotMap:
     def remove_request(self, req_id: int, block_ids: Sequence[int], is_shared: Callable[[int], bool]) -> None:
         """Frees the request's row; its blocks' slots are emptied unless another request shares them."""
         row = self.row_of.pop(req_id)
-        self._last_rows = None
         own = [b for b in block_ids if not is_shared(b)]
         if own:
             self.tokens.reshape(-1, self.tokens_per_block)[own] = NO_TOKEN
@@ -88,20 +85,11 @@ class SlotMap:
         self._free_rows.append(row)
 
     def rows(self, req_ids: Iterable[int]) -> np.ndarray:
-        """[B] int64 rows of the requests, read-only. KeyError names an unknown request. The last
-        answer for a list is kept until a request joins or leaves: a host steps the same requests
-        batch after batch, and asks again for their counters."""
-        last = self._last_rows
-        if last is not None and type(req_ids) is list and req_ids == last[0]:
-            return last[1]
+        """[B] int64 rows of the requests. KeyError names an unknown request."""
         try:
-            rows = np.fromiter(map(self.row_of.__getitem__, req_ids), dtype=np.int64)
+            return np.fromiter(map(self.row_of.__getitem__, req_ids), dtype=np.int64)
         except KeyError as err:
             raise KeyError(f"unknown request {err.args[0]}") from None
-        rows.flags.writeable = False
-        if type(req_ids) is list:
-            self._last_rows = (list(req_ids), rows)
-        return rows
 
     # ---- the step's updates -----------------------------------------------------------------------
     def add_tokens(self, rows: np.ndarray, offsets: np.ndarray, blocks: np.ndarray, num_new: np.ndarray,
