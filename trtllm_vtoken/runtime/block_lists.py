@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 
 class BlockLists:
     """Block list and length per request. Logical length = physical length (nothing is evicted)."""
@@ -27,13 +29,30 @@ class BlockLists:
         return self._blocks.pop(req_id)
 
     def append(self, req_id: int, new_blocks: Sequence[int], num_new: int) -> None:
-        """The forward wrote ``num_new`` tokens, into ``new_blocks`` where the list was full."""
-        blocks = self._blocks[req_id]
-        blocks.extend(new_blocks)
-        length = self._lengths[req_id] + num_new
-        if length > len(blocks) * self.tokens_per_block:
-            raise ValueError(f"request {req_id}: {length} tokens do not fit {len(blocks)} blocks")
-        self._lengths[req_id] = length
+        """The forward wrote ``num_new`` tokens, into ``new_blocks`` where the list was full.
+        ValueError if they do not fit."""
+        self.append_batch((req_id,), (new_blocks,), (num_new,))
+
+    def append_batch(self, req_ids: Sequence[int], new_blocks: Sequence[Sequence[int]],
+                     num_new: Sequence[int]) -> None:
+        """``append`` for each request in order (a request that does not fit raises; the ones
+        before it stay appended)."""
+        blocks_of, lengths, tpb = self._blocks, self._lengths, self.tokens_per_block
+        for req_id, fresh, n in zip(req_ids, new_blocks, num_new):
+            blocks = blocks_of[req_id]
+            if fresh:
+                blocks.extend(fresh)
+            length = lengths[req_id] + n
+            if length > len(blocks) * tpb:
+                raise ValueError(f"request {req_id}: {length} tokens do not fit {len(blocks)} blocks")
+            lengths[req_id] = length
+
+    def held(self, req_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks held, KV length) of the requests, int64 arrays."""
+        blocks_of, lengths = self._blocks, self._lengths
+        count = len(req_ids)
+        return (np.fromiter((len(blocks_of[r]) for r in req_ids), dtype=np.int64, count=count),
+                np.fromiter(map(lengths.__getitem__, req_ids), dtype=np.int64, count=count))
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._blocks

@@ -203,18 +203,26 @@ class Engine:
         return reported
 
     def _schedule_decode(self) -> list[int]:
+        """Reserves the decode rows' slots. Usually the free blocks cover every row: one batch
+        reservation. Otherwise one by one in admission order, the newest request preempted while
+        the pool is dry (a preempted request leaves the batch; older ones keep their slots)."""
+        running = list(self.running)
+        if self.kv.reserve_decode(running):
+            return running
         scheduled: list[int] = []
-        for req_id in list(self.running):
-            if req_id not in self.running:  # preempted below to make room for an older request
+        preempted: set[int] = set()
+        for req_id in running:
+            if req_id in preempted:  # preempted below to make room for an older request
                 continue
             while not self.kv.reserve(req_id, 1):
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted.add(victim)
                 if victim == req_id:
                     break
             else:
                 scheduled.append(req_id)
-        return [r for r in scheduled if r in self.running]
+        return [r for r in scheduled if r not in preempted]
 
     def _admit(self) -> list[int]:
         joined: list[int] = []

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from itertools import accumulate
+from itertools import accumulate, chain, repeat
 
 import numpy as np
 import torch
@@ -52,6 +52,8 @@ from trtllm_vtoken.step import DecodeStep, StepInput, StepOutput, StepStats
 
 NOTHING_PENDING: tuple[list[int], int] = ([], 0)
 """No cached prefix waiting to join a request's layout (read only: never extended in place)."""
+NOTHING_RESERVED: tuple[list[int], int] = ([], 1)
+"""A decode row's reservation that needs no new block (read only, as ``NOTHING_PENDING``)."""
 
 
 class KVCacheManager:
@@ -197,6 +199,30 @@ class KVCacheManager:
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_blocks - self.num_available)
         return True
 
+    def reserve_decode(self, req_ids: list[int]) -> bool:
+        """``reserve(req, 1)`` for every request, in order, when the free list alone covers them
+        all (a decode step's usual case): the same blocks to the same requests, at once. False,
+        changing nothing, otherwise (the caller then reserves one by one, preempting as it must)."""
+        if not req_ids:
+            return True
+        if self._pending and any(r in self._pending for r in req_ids):
+            return False  # a cached prefix not yet joined: ``reserve`` counts it
+        held, written = self.layout.held(req_ids)
+        missing = np.maximum(written // self.config.tokens_per_block + 1 - held, 0)  # ceil((written + 1) / tpb)
+        total = int(missing.sum())
+        if total > self.pool.num_free:
+            return False
+        staged = self._staged
+        staged.update(zip(req_ids, repeat(NOTHING_RESERVED)))
+        if total:  # split in request order, as one ``allocate`` per request would take them
+            fresh = self.prefix.allocate(total) if self.prefix else self.pool.allocate(total)
+            takers = np.flatnonzero(missing)
+            ends = np.cumsum(missing[takers]).tolist()
+            for i, start, end in zip(takers.tolist(), [0, *ends], ends):
+                staged[req_ids[i]] = (fresh[start:end], 1)
+        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_blocks - self.num_available)
+        return True
+
     def staged_blocks(self, req_id: int) -> tuple[list[int], int]:
         """The request's block list with the blocks ``reserve`` added, and its length after the write."""
         fresh, num_new = self._staged[req_id]
@@ -258,20 +284,20 @@ class KVCacheManager:
             mass: attention per physical position [B, >= L] (or the step's ``Mass`` function),
                 when the policy observes it.
         """
-        if self.step is None:
-            start = time.perf_counter()
-            for req_id in req_ids:
-                self.lists.append(req_id, *self._take_staged(req_id))
-            self.stats.lists_seconds += time.perf_counter() - start
-            return None
         if not req_ids:
             return None
-        num_new, counts, new_blocks = [], [], []  # the batch in CSR form
-        for req_id in req_ids:
-            fresh, n = self._take_staged(req_id)
-            num_new.append(n), counts.append(len(fresh))
-            new_blocks += fresh
-        offsets = np.fromiter(accumulate(counts, initial=0), dtype=np.int64, count=len(counts) + 1)
+        if self._pending:  # a cached prefix joins with the request's first step
+            fresh_lists, num_new = zip(*map(self._take_staged, req_ids))
+        else:
+            fresh_lists, num_new = zip(*map(self._staged.pop, req_ids))
+        if self.step is None:
+            start = time.perf_counter()
+            self.lists.append_batch(req_ids, fresh_lists, num_new)
+            self.stats.lists_seconds += time.perf_counter() - start
+            return None
+        # The batch in CSR form: request i's new blocks are new_blocks[offsets[i]:offsets[i + 1]].
+        offsets = np.fromiter(accumulate(map(len, fresh_lists), initial=0), dtype=np.int64, count=len(req_ids) + 1)
+        new_blocks = list(chain.from_iterable(fresh_lists))
         on_cuda = self.cache is not None and self.cache.pool.is_cuda and not self.config.synchronous_copies
         # Memory pressure: the pool could not give every running request a block for its next token.
         pressure = self.pool.num_free < len(req_ids) + self.config.evacuation_headroom

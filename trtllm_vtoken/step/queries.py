@@ -39,6 +39,11 @@ class TableQueries:
         slots = self.slots
         return slots.num_tokens[rows].tolist(), slots.num_live[rows].tolist(), slots.num_blocks_of[rows].tolist()
 
+    def held(self, req_ids: Collection[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks held, KV length) of the requests, int64 arrays read at once."""
+        rows = self.slots.rows(req_ids)
+        return self.slots.num_blocks_of[rows], self.slots.kv_len[rows]
+
     def block_ids(self, req_id: int) -> list[int]:
         row = self.slots.row_of[req_id]
         return self.slots.block_table[row, : self.slots.num_blocks_of[row]].tolist()
