@@ -76,20 +76,17 @@ void bind_flights(nb::module_& m) {
           "batch indices.")
       .def(
           "commit_ready",
-          [](vtoken::LazyFlights& f, vtoken::TokenTable& table, Tokens tokens, BlockTable block_table, int64_t tpb,
-             Counters num_blocks_of, Counters kv_len, Counters num_tokens, Counters num_live,
-             const std::vector<Stat>& stats, Ids req_ids, Ids rows, const std::vector<int64_t>& ready) {
-            vtoken::SlotArrays a = arrays(tokens, block_table, tpb, num_blocks_of, kv_len, num_tokens, num_live, stats);
+          [](vtoken::LazyFlights& f, vtoken::TokenTable& table, BoundLayout& layout, Ids req_ids, Ids rows, const std::vector<int64_t>& ready) {
+            vtoken::SlotArrays& a = layout.arrays();
             const size_t batch = rows.shape(0);
-            check_batch(rows, block_table.shape(0), batch, "rows");
+            check_batch(rows, layout.rows(), batch, "rows");
             if (req_ids.shape(0) != batch) throw std::invalid_argument("LazyFlights.commit_ready: one row per request");
             std::vector<int64_t> committed;
             vtoken::StepResult r = f.commit_ready(table, a, req_ids.data(), rows.data(), static_cast<int64_t>(batch),
                                                   ready, committed);
             return nb::make_tuple(vtoken::to_numpy(std::move(committed)), as_step(std::move(r)));
           },
-          "table"_a, "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a,
-          "num_tokens"_a, "num_live"_a, "stats"_a, "req_ids"_a, "rows"_a, "ready"_a,
+          "table"_a, "layout"_a, "req_ids"_a, "rows"_a, "ready"_a,
           "Commits the batch's plans of the ready submissions in the table, then in the layout at once; returns "
           "(the committed batch indices, what they did as step_batch returns a step). RuntimeError naming the "
           "request if a plan no longer applies.")

@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// The layout arguments the slot bindings take (slot_bindings.cpp, flight_bindings.cpp): the
-// SlotMap's own numpy buffers (trtllm_vtoken/step/slots.py native_arrays), checked against each
-// other once per call.
+// The layout argument the slot bindings take (slot_bindings.cpp, flight_bindings.cpp): the
+// SlotMap's own numpy buffers (trtllm_vtoken/step/slots.py native_layout), bound once.
 #pragma once
 
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -23,10 +24,10 @@ using Tokens = nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using BlockTable = nb::ndarray<int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Stat = nb::ndarray<nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
-// The layout's arrays, checked against each other once per call.
-inline vtoken::SlotArrays arrays(Tokens tokens, BlockTable block_table, int64_t tokens_per_block,
-                                 Counters num_blocks_of, Counters kv_len, Counters num_tokens, Counters num_live,
-                                 const std::vector<Stat>& stats) {
+// The layout's arrays, checked against each other.
+inline vtoken::SlotArrays layout_arrays(Tokens tokens, BlockTable block_table, int64_t tokens_per_block,
+                                        Counters num_blocks_of, Counters kv_len, Counters num_tokens,
+                                        Counters num_live, const std::vector<Stat>& stats) {
   const size_t rows = block_table.shape(0);
   for (const Counters* c : {&num_blocks_of, &kv_len, &num_tokens, &num_live}) {
     if (c->shape(0) != rows) throw std::invalid_argument("slots: every counter needs one entry per block-table row");
@@ -43,6 +44,31 @@ inline vtoken::SlotArrays arrays(Tokens tokens, BlockTable block_table, int64_t 
   }
   return a;
 }
+
+// The SlotMap's buffers, bound once (SlotMap.native_layout) instead of converted on every call: a
+// decode step makes two or three layout calls, and converting its eight buffers each time cost
+// about as much as the step's own work at small batches. Holds a reference to each buffer (they
+// live as long as the binding); the SlotMap binds again when it replaces one (it grew).
+class BoundLayout {
+ public:
+  BoundLayout(Tokens tokens, BlockTable block_table, int64_t tokens_per_block, Counters num_blocks_of,
+              Counters kv_len, Counters num_tokens, Counters num_live, std::vector<Stat> stats)
+      : arrays_(layout_arrays(tokens, block_table, tokens_per_block, num_blocks_of, kv_len, num_tokens, num_live, stats)),
+        rows_(block_table.shape(0)),
+        slots_(tokens.shape(0)),
+        held_{tokens, block_table, num_blocks_of, kv_len, num_tokens, num_live},
+        stats_(std::move(stats)) {}
+
+  vtoken::SlotArrays& arrays() { return arrays_; }
+  size_t rows() const { return rows_; }    // block-table rows
+  size_t slots() const { return slots_; }  // slots of the pool and the scratch block
+
+ private:
+  vtoken::SlotArrays arrays_;
+  size_t rows_, slots_;
+  std::tuple<Tokens, BlockTable, Counters, Counters, Counters, Counters> held_;  // keeps the buffers alive
+  std::vector<Stat> stats_;
+};
 
 inline void check_batch(const Ids& rows, size_t rows_in_table, size_t batch, const char* what) {
   if (rows.shape(0) != batch) throw std::invalid_argument(std::string("slots: ") + what + " needs one entry per request");

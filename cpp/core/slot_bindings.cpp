@@ -19,14 +19,19 @@ using namespace vtoken::slot_args;
 
 
 void bind_slots(nb::module_& m) {
+  nb::class_<BoundLayout>(m, "BoundLayout",
+                          "A SlotMap's buffers bound once for the slot calls (slot_args.h); bound again when "
+                          "one is replaced.")
+      .def(nb::init<Tokens, BlockTable, int64_t, Counters, Counters, Counters, Counters, std::vector<Stat>>(),
+           "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a, "num_tokens"_a,
+           "num_live"_a, "stats"_a);
   m.def(
       "slots_register",
-      [](Tokens tokens, BlockTable block_table, int64_t tpb, Counters num_blocks_of, Counters kv_len,
-         Counters num_tokens, Counters num_live, const std::vector<Stat>& stats, Ids req_ids, Ids rows, Ids offsets,
+      [](BoundLayout& layout, Ids req_ids, Ids rows, Ids offsets,
          Ids blocks, Ids num_new, int64_t num_blocks, const vtoken::TokenTable& table) {
-        vtoken::SlotArrays a = arrays(tokens, block_table, tpb, num_blocks_of, kv_len, num_tokens, num_live, stats);
+        vtoken::SlotArrays& a = layout.arrays();
         const size_t batch = rows.shape(0);
-        check_batch(rows, block_table.shape(0), batch, "rows");
+        check_batch(rows, layout.rows(), batch, "rows");
         if (req_ids.shape(0) != batch || offsets.shape(0) != batch + 1 || num_new.shape(0) != batch) {
           throw std::invalid_argument("slots_register: req_ids and num_new need one entry per row, offsets one more");
         }
@@ -34,33 +39,31 @@ void bind_slots(nb::module_& m) {
           throw std::invalid_argument("slots_register: num_blocks must lie in [1, the layout's blocks]");
         }
         const std::string wrong = vtoken::check_new(a, req_ids.data(), rows.data(), static_cast<int64_t>(batch),
-                                                    static_cast<int64_t>(block_table.shape(0)), offsets.data(),
+                                                    static_cast<int64_t>(layout.rows()), offsets.data(),
                                                     blocks.data(), static_cast<int64_t>(blocks.shape(0)),
                                                     num_new.data(), num_blocks, table);
         if (!wrong.empty()) throw std::invalid_argument(wrong);
         int64_t needed = 0;  // block-table columns the rows need with their new blocks
         for (size_t i = 0; i < batch; ++i) {
-          needed = std::max(needed, num_blocks_of.data()[rows.data()[i]] + offsets.data()[i + 1] - offsets.data()[i]);
+          needed = std::max(needed, a.num_blocks_of[rows.data()[i]] + offsets.data()[i + 1] - offsets.data()[i]);
         }
         if (needed > a.block_stride) return nb::make_tuple(needed, nb::none());  // nothing written
         return nb::make_tuple(0, vtoken::to_numpy(vtoken::register_new(a, rows.data(), static_cast<int64_t>(batch),
                                                                        offsets.data(), blocks.data(), num_new.data())));
       },
-      "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a, "num_tokens"_a,
-      "num_live"_a, "stats"_a, "req_ids"_a, "rows"_a, "offsets"_a, "blocks"_a, "num_new"_a, "num_blocks"_a, "table"_a,
+      "layout"_a, "req_ids"_a, "rows"_a, "offsets"_a, "blocks"_a, "num_new"_a, "num_blocks"_a, "table"_a,
       "The step's checks of the new blocks and tokens (ValueError, nothing changed), then SlotMap.append_blocks + "
       "register in one call (cpp/core/slots.h). Returns (0, the new tokens' slots), or (the block-table columns "
       "needed, None) with nothing written when the table must grow first.");
   m.def(
       "slots_apply_step",
-      [](Tokens tokens, BlockTable block_table, int64_t tpb, Counters num_blocks_of, Counters kv_len,
-         Counters num_tokens, Counters num_live, const std::vector<Stat>& stats, Ids victim_rows, Ids victim_slots,
+      [](BoundLayout& layout, Ids victim_rows, Ids victim_slots,
          Ids move_src, Ids move_dst, Ids rows, Ids req_ids, Ids kv_lens, Ids freed_offsets, bool tail_only,
          const vtoken::TokenTable& table) {
-        vtoken::SlotArrays a = arrays(tokens, block_table, tpb, num_blocks_of, kv_len, num_tokens, num_live, stats);
-        const size_t batch = rows.shape(0), slots = tokens.shape(0);
-        check_batch(rows, block_table.shape(0), batch, "rows");
-        check_batch(victim_rows, block_table.shape(0), victim_slots.shape(0), "victim_rows");
+        vtoken::SlotArrays& a = layout.arrays();
+        const size_t batch = rows.shape(0), slots = layout.slots();
+        check_batch(rows, layout.rows(), batch, "rows");
+        check_batch(victim_rows, layout.rows(), victim_slots.shape(0), "victim_rows");
         if (req_ids.shape(0) != batch || kv_lens.shape(0) != batch || freed_offsets.shape(0) != batch + 1 ||
             move_src.shape(0) != move_dst.shape(0)) {
           throw std::invalid_argument("slots_apply_step: req_ids and kv_lens need one entry per row, freed_offsets "
@@ -78,36 +81,32 @@ void bind_slots(nb::module_& m) {
                            req_ids.data(), static_cast<int64_t>(batch), kv_lens.data(), freed_offsets.data(), tail_only,
                            table);
       },
-      "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a, "num_tokens"_a,
-      "num_live"_a, "stats"_a, "victim_rows"_a, "victim_slots"_a, "move_src"_a, "move_dst"_a, "rows"_a, "req_ids"_a,
+      "layout"_a, "victim_rows"_a, "victim_slots"_a, "move_src"_a, "move_dst"_a, "rows"_a, "req_ids"_a,
       "kv_lens"_a, "freed_offsets"_a, "tail_only"_a, "table"_a,
       "SlotMap.evict + move + set_rows after the table's step, in one call (cpp/core/slots.h).");
 
   m.def(
       "slots_protected_live",
-      [](Tokens tokens, BlockTable block_table, int64_t tpb, Counters num_blocks_of, Counters kv_len,
-         Counters num_tokens, Counters num_live, const std::vector<Stat>& stats, Ids rows,
+      [](BoundLayout& layout, Ids rows,
          const vtoken::TokenTable& table) {
-        const vtoken::SlotArrays a = arrays(tokens, block_table, tpb, num_blocks_of, kv_len, num_tokens, num_live, stats);
-        check_batch(rows, block_table.shape(0), rows.shape(0), "rows");
+        const vtoken::SlotArrays& a = layout.arrays();
+        check_batch(rows, layout.rows(), rows.shape(0), "rows");
         return vtoken::to_numpy(vtoken::protected_live(a, rows.data(), static_cast<int64_t>(rows.shape(0)), table));
       },
-      "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a, "num_tokens"_a,
-      "num_live"_a, "stats"_a, "rows"_a, "table"_a,
+      "layout"_a, "rows"_a, "table"_a,
       "Per row, its live tokens in blocks the table holds as shared, read from the layout (cpp/core/slots.h).");
   m.def(
       "slots_decide_step",
-      [](Tokens tokens, BlockTable block_table, int64_t tpb, Counters num_blocks_of, Counters kv_len,
-         Counters num_tokens, Counters num_live, const std::vector<Stat>& stats, vtoken::TokenTable& table,
+      [](BoundLayout& layout, vtoken::TokenTable& table,
          Ids req_ids, Ids rows, Ids num_new, Ids offsets, Ids blocks, int64_t selector, Ids lo, Ids hi, Ids excess,
          int64_t compaction, int64_t fragmentation_threshold, bool pressure,
          std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
          std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass,
          std::optional<nb::callable> on_victims, bool skip_shared, int64_t threads,
          std::optional<nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>> may_plan) {
-        vtoken::SlotArrays a = arrays(tokens, block_table, tpb, num_blocks_of, kv_len, num_tokens, num_live, stats);
+        vtoken::SlotArrays& a = layout.arrays();
         const size_t batch = rows.shape(0);
-        check_batch(rows, block_table.shape(0), batch, "rows");
+        check_batch(rows, layout.rows(), batch, "rows");
         if (req_ids.shape(0) != batch || num_new.shape(0) != batch || offsets.shape(0) != batch + 1 ||
             lo.shape(0) != batch || hi.shape(0) != batch || excess.shape(0) != batch) {
           throw std::invalid_argument("slots_decide_step: req_ids, num_new, lo, hi and excess need one entry per row, "
@@ -125,7 +124,7 @@ void bind_slots(nb::module_& m) {
         d.skip_shared = skip_shared;
         d.threads = threads;
         if (d.selector == vtoken::Selector::kLowestStat) {
-          if (!stat || stat->shape(0) != tokens.shape(0)) {
+          if (!stat || stat->shape(0) != layout.slots()) {
             throw std::invalid_argument("slots_decide_step: the statistic selector needs one entry per slot");
           }
           d.stat = stat->data();
@@ -135,7 +134,7 @@ void bind_slots(nb::module_& m) {
             throw std::invalid_argument("slots_decide_step: mass needs the statistic selector and one row per request");
           }
           for (size_t i = 0; i < batch; ++i) {
-            if (kv_len.data()[rows.data()[i]] > static_cast<int64_t>(mass->shape(1))) {
+            if (a.kv_len[rows.data()[i]] > static_cast<int64_t>(mass->shape(1))) {
               throw std::invalid_argument("slots_decide_step: the mass is narrower than request " +
                                           std::to_string(req_ids.data()[i]) + "'s length");
             }
@@ -171,8 +170,7 @@ void bind_slots(nb::module_& m) {
             to_numpy(std::move(r.lost)), to_numpy(std::move(r.num_tokens)), to_numpy(std::move(r.changed)),
             r.num_changed);
       },
-      "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a, "num_tokens"_a,
-      "num_live"_a, "stats"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
+      "layout"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
       "lo"_a, "hi"_a, "excess"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a,
       "stat"_a = nb::none(), "mass"_a = nb::none(), "on_victims"_a = nb::none(), "skip_shared"_a = false,
       "threads"_a = 1, "may_plan"_a = nb::none(),

@@ -168,7 +168,7 @@ class NativeBackgroundCompaction:
         finished commit in the table, then in the layout; what they did, row by row."""
         step, slots = self.step, self.step.slots
         ready = [s for s, handle in self._handles.items() if handle is None or handle.done()]
-        committed, result = self.flights.commit_ready(step.core.table, *slots.native_arrays(), req_ids, rows, ready)
+        committed, result = self.flights.commit_ready(step.core.table, slots.native_layout(), req_ids, rows, ready)
         if ready:
             self._forget_finished()
         for i in committed.tolist() if self._before else ():  # I1 across the whole flight

@@ -205,7 +205,7 @@ class BatchDecision:
         shared blocks, the live tokens in them (counted from the layout, this step's new tokens
         included) kept on top of the budget, as the Python path's protected mask keeps them."""
         slots = self.slots
-        kept = slots.native.slots_protected_live(*slots.native_arrays(), rows, self.native_table) if shared else 0
+        kept = slots.native.slots_protected_live(slots.native_layout(), rows, self.native_table) if shared else 0
         bounds = policy.candidate_bounds(slots.num_tokens[rows], slots.num_live[rows], kept)
         return tuple(np.ascontiguousarray(b, dtype=np.int64) for b in bounds)
 

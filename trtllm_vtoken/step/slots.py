@@ -37,6 +37,7 @@ class SlotMap:
             raise ValueError(f"num_blocks ({num_blocks}) and tokens_per_block ({tokens_per_block}) must be positive")
         self.num_blocks, self.tokens_per_block = num_blocks, tokens_per_block
         self.native = native
+        self._bound: Any = None  # native_layout's binding of the buffers below
         self.scratch = num_blocks
         self.tokens = np.full((num_blocks + 1) * tokens_per_block, NO_TOKEN, dtype=np.int32)
         self.stats: dict[str, np.ndarray] = {}
@@ -58,6 +59,7 @@ class SlotMap:
                 raise ValueError(f"slot statistic {name!r} is {self.stats[name].dtype}, asked again as {dtype}")
             return
         self.stats[name] = np.zeros(len(self.tokens), dtype=dtype)
+        self._bound = None
 
     def add_request(self, req_id: int) -> int:
         """A row for a new request (no blocks, no tokens); returns it."""
@@ -102,11 +104,11 @@ class SlotMap:
         if self.native is None:
             self.append_blocks(rows, offsets, blocks)
             return self.register(rows, num_new)
-        needed, slots = self.native.slots_register(*self.native_arrays(), req_ids, rows, offsets, blocks, num_new,
+        needed, slots = self.native.slots_register(self.native_layout(), req_ids, rows, offsets, blocks, num_new,
                                                    self.num_blocks, table)
         if needed:  # the rows' lists outgrow the block table: widen it, then register
             self._grow_columns(needed)
-            needed, slots = self.native.slots_register(*self.native_arrays(), req_ids, rows, offsets, blocks, num_new,
+            needed, slots = self.native.slots_register(self.native_layout(), req_ids, rows, offsets, blocks, num_new,
                                                        self.num_blocks, table)
         return slots
 
@@ -121,7 +123,7 @@ class SlotMap:
             self.set_rows(rows, kv_lens, lambda i: table.block_ids(int(req_ids[i])), np.diff(freed_offsets),
                           tail_only)
             return
-        self.native.slots_apply_step(*self.native_arrays(), victim_rows, victim_slots, move_src, move_dst, rows,
+        self.native.slots_apply_step(self.native_layout(), victim_rows, victim_slots, move_src, move_dst, rows,
                                      req_ids, kv_lens, freed_offsets, tail_only, table)
 
     def append_blocks(self, rows: np.ndarray, offsets: np.ndarray, blocks: np.ndarray) -> None:
@@ -202,11 +204,16 @@ class SlotMap:
             self.block_table[row, : len(listed)] = listed
             self.num_blocks_of[row] = len(listed)
 
-    def native_arrays(self) -> tuple:
-        """The layout's arrays as the C++ core's calls take them (``cpp/core/slots.h`` SlotArrays):
-        tokens, block table, tokens_per_block, the four counters, the statistics."""
-        return (self.tokens, self.block_table, self.tokens_per_block, self.num_blocks_of, self.kv_len,
-                self.num_tokens, self.num_live, list(self.stats.values()))
+    def native_layout(self) -> Any:
+        """The layout's arrays as the C++ core's calls take them (``cpp/core/slot_args.h``
+        BoundLayout: tokens, block table, tokens_per_block, the four counters, the statistics),
+        bound once and again after a buffer was replaced (``_grow_rows``, ``_grow_columns``,
+        ``add_stat``)."""
+        if self._bound is None:
+            self._bound = self.native.BoundLayout(self.tokens, self.block_table, self.tokens_per_block,
+                                                  self.num_blocks_of, self.kv_len, self.num_tokens, self.num_live,
+                                                  list(self.stats.values()))
+        return self._bound
 
     # ---- batch views ---------------------------------------------------------------------------
     def block_rows(self, rows: np.ndarray) -> np.ndarray:
@@ -232,6 +239,7 @@ class SlotMap:
         for name in ("num_blocks_of", "kv_len", "num_tokens", "num_live"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, dtype=np.int64)]))
         self.policy = np.concatenate([self.policy, np.full(extra, -1, dtype=np.int64)])
+        self._bound = None
 
     def _fit_columns(self, rows: np.ndarray, counts: np.ndarray) -> None:
         """Widens the block table if the rows' lists, ``counts`` blocks longer, would not fit."""
@@ -248,3 +256,4 @@ class SlotMap:
         grown = np.full((self.block_table.shape[0], width), self.scratch, dtype=np.int32)
         grown[:, : self.block_table.shape[1]] = self.block_table
         self.block_table = grown
+        self._bound = None
