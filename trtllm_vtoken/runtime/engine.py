@@ -3,8 +3,9 @@
 
 One ``step()``:
 
-    1. decode rows   every running request reserves a slot for its pending token; if the pool is
-                     dry, the newest running request is preempted (blocks freed, re-queued first)
+    1. decode rows   every running request reserves a slot for its pending token, in one batch
+                     when the free blocks cover them all; if the pool is dry, the newest running
+                     request is preempted (blocks freed, re-queued first)
     2. admission     waiting requests join in arrival order while admission allows and the batch
                      has room; each reserves blocks for its prompt (plus output, if resumed)
     3. forward       one batched decode forward; one prefill forward per joining request

@@ -7,6 +7,8 @@ Per iteration the engine calls:
 
     admit(req, ids, ...)       admission (with prefix caching: the cached prefix's blocks are
                                taken; ``store_prompt`` keys the prompt's full blocks after reserve)
+    reserve_decode(rows)       a block for each decode row's next token that needs one, at once, when
+                               the free list covers them all (False, nothing changed: reserve one by one)
     reserve(req, n)            blocks for n new tokens (False: the pool is dry -> preempt someone)
     set_batch(rows)            rewrite block_offsets / kv_lens in place (+ the validity mask)
     ... forward writes K/V into the reserved slots ...

@@ -1,0 +1,122 @@
+"""One measurement before and after a change, alternating: each round runs it in a fresh process
+of the tree before, then of the tree after, each tree with its own C++ core built in it (its
+``trtllm_vtoken/_native/_core*.so``), so both meet the machine at about the same moment.
+
+    python ab.py pass  BEFORE_TREE AFTER_TREE ROUNDS > ab.jsonl   H2O's native pass alone
+                                                                  (``bench/h2o_pass.py``, one thread)
+    python ab.py alone BEFORE_TREE AFTER_TREE ROUNDS > ab.jsonl   the step alone, C++ core
+                                                                  (``bench/step_alone.py``, 40 steps)
+    python ab.py engine BEFORE_TREE AFTER_TREE ROUNDS > ab.jsonl  ``vtoken bench step``'s paired engine
+                                                                  runs (20 steps): native, indirection-
+                                                                  only, dense StreamingLLM
+    python ab.py schedule BEFORE_TREE AFTER_TREE ROUNDS > ab.jsonl  a native engine's step and the
+                                                                  decode rows' reservation in it
+    python ab.py --table ab.jsonl                                 the medians of the rounds
+"""
+
+import json
+import subprocess
+import sys
+
+IMPORT = """
+import json, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+for name in [m for m in sys.modules if m.startswith("trtllm_vtoken")]:  # the start-up hook's import
+    del sys.modules[name]
+sys.path.insert(0, sys.argv[1])
+import trtllm_vtoken
+assert trtllm_vtoken.__file__.startswith(sys.argv[1]), trtllm_vtoken.__file__
+"""
+MEASURE = {
+    "pass": """
+from trtllm_vtoken.bench.h2o_pass import time_pass
+for batch in (64, 256):
+    for row in time_pass(batch, 4096, 32, threads=(1,)):
+        print(json.dumps(row))
+""",
+    "alone": """
+from trtllm_vtoken.bench.step import StepBenchConfig
+from trtllm_vtoken.bench.step_alone import time_step_alone
+for batch in (1, 64, 256):
+    for row in time_step_alone(StepBenchConfig(steps=40, impls=("cpp",)), batch, "cpp"):
+        row.pop("split_us")
+        print(json.dumps(row))
+""",
+    "engine": """
+from trtllm_vtoken.bench.step import NATIVE, StepBenchConfig, _run
+cfg = StepBenchConfig(steps=20, impls=("cpp",))
+rows = [("native", NATIVE), ("indirection-only", dict(variant="indirection-only", mode="dense", policy="streaming_llm",
+                                                       impl="cpp")),
+        ("vtoken dense streaming_llm", dict(variant="vtoken", mode="dense", policy="streaming_llm", impl="cpp"))]
+for batch in (64, 256):
+    for label, row in rows:
+        out = _run(cfg, batch, row)
+        print(json.dumps({"batch": batch, "label": label, **{k: out[k] for k in (
+            "native_us_p50", "host_us_p50", "added_us_p50", "added_pct", "step_us")}}))
+""",
+    "schedule": """
+import gc, time
+import numpy as np
+from trtllm_vtoken.bench.step import NATIVE, StepBenchConfig, _prefilled, _timed_step
+for batch in (64, 256):
+    engine, spent = _prefilled(StepBenchConfig(steps=40), batch, NATIVE), []
+    schedule = engine._schedule_decode
+    def timed():
+        start = time.perf_counter()
+        rows = schedule()
+        spent.append(1e6 * (time.perf_counter() - start))
+        return rows
+    engine._schedule_decode = timed
+    gc.disable()
+    steps = [_timed_step(engine) for _ in range(40)]
+    gc.enable()
+    print(json.dumps({"batch": batch, "label": "native", "host_us_p50": float(np.median(steps)),
+                      "schedule_us_p50": float(np.median(spent))}))
+""",
+}
+CELL = {"pass": (("batch", "placement", "caches"), "pass_us_p50", "blocks"),
+        "alone": (("batch", "label", "caches"), "step_us_p50", "row"),
+        "engine": (("batch", "label"), ("native_us_p50", "added_us_p50", "added_pct"), "row"),
+        "schedule": (("batch", "label"), ("host_us_p50", "schedule_us_p50"), "row")}
+"""What a row of each measurement is keyed by, its value, and the table's name for the middle key."""
+
+
+def table(path: str) -> None:
+    rows = [json.loads(line) for line in open(path)]
+    what = next(w for w, key in (("pass", "pass_us_p50"), ("alone", "step_us_p50"), ("schedule", "schedule_us_p50"),
+                                 ("engine", "added_us_p50")) if key in rows[0])
+    keys, values, middle = CELL[what]
+    values = (values,) if isinstance(values, str) else values
+    cells: dict[tuple, dict[tuple, list[float]]] = {}
+    for r in rows:
+        for value in values:
+            cells.setdefault(tuple(r[k] for k in keys), {}).setdefault((value, r["tree"]), []).append(r[value])
+    unit = {"added_pct": "%"}
+    header = " | ".join(f"{v.removesuffix('_p50')} before (median of rounds, min-max) | after | after / before"
+                        for v in values) if len(values) > 1 else \
+        "before us (median of rounds, min-max) | after us | after / before"
+    print(f"| batch | {middle} | {'caches | ' if len(keys) == 3 else ''}{header} |")
+    print("|---:|---|" + ("---|" if len(keys) == 3 else "") + "---:|---:|---:|" * len(values))
+    for key, by in sorted(cells.items()):
+        parts = []
+        for value in values:
+            b, a = sorted(by[(value, "before")]), sorted(by[(value, "after")])
+            mb, ma = b[len(b) // 2], a[len(a) // 2]
+            digits = 1 if value in unit else 0
+            parts.append(f"{mb:,.{digits}f} ({b[0]:,.{digits}f}-{b[-1]:,.{digits}f}) | "
+                         f"{ma:,.{digits}f} ({a[0]:,.{digits}f}-{a[-1]:,.{digits}f}) | "
+                         + (f"{ma / mb:.2f}" if value not in unit and mb > 0 else "-"))
+        print("| " + " | ".join(str(k) for k in key) + " | " + " | ".join(parts) + " |")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--table":
+        table(sys.argv[2])
+        sys.exit(0)
+    what, before, after, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    for i in range(rounds):
+        for name, tree in (("before", before), ("after", after)):
+            out = subprocess.run([sys.executable, "-c", IMPORT + MEASURE[what], tree], capture_output=True, text=True,
+                                 check=True)
+            for line in out.stdout.splitlines():
+                print(json.dumps({**json.loads(line), "tree": name, "round": i}), flush=True)
