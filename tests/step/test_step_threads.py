@@ -77,7 +77,8 @@ def test_threads_must_be_positive():
         StepConfig(threads=-1)
     with pytest.raises(ValueError, match="step_threads must be >= 0"):
         EngineConfig(step_threads=-1)
-    assert StepConfig().pass_threads() == 1 and 1 <= StepConfig(threads=0).pass_threads() <= 4
+    assert StepConfig(threads=1).pass_threads() == 1 and 1 <= StepConfig().pass_threads() <= 4
+    assert EngineConfig().step_threads == StepConfig().threads == 0  # automatic by default
 
 
 def h2o_step(host: Host, threads: int, fused: bool) -> DecodeStep:

@@ -82,8 +82,8 @@ class StepBenchConfig:
     mass: str = "fixed"
     """Where the attention mass comes from: "fixed" (one array per shape) or "synthetic" (the
     simulated attention)."""
-    threads: int = 1
-    """The step's native H2O pass threads (``EngineConfig.step_threads``; 0: automatic)."""
+    threads: int = 0
+    """The step's native H2O pass threads (``EngineConfig.step_threads``; 0: automatic, the default)."""
     seed: int = 0
 
     def __post_init__(self) -> None:

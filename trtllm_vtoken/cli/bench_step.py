@@ -36,9 +36,9 @@ def register(bench) -> None:
                            "buffer, as from a GPU; the default) or the simulated attention (its per-request numpy "
                            "work runs on these cores, not counted, and leaves their caches cold for what runs "
                            "after it, the paired native step included)")
-    step.add_argument("--threads", type=int, default=1,
+    step.add_argument("--threads", type=int, default=0,
                       help="threads the C++ core's H2O pass may split a batch over (EngineConfig.step_threads; 0: "
-                           "automatic, the process's cores up to 4; default 1)")
+                           "automatic, the process's cores up to 4, the default)")
     add_output_options(step, "5 timed steps, one run per row", run_step)
 
 

@@ -69,9 +69,9 @@ class EngineConfig:
     step_fused: bool = True
     """C++ core: batches one natively decided policy serves take the fused native call
     (``StepConfig.fused``); False: the general path (for comparing both)."""
-    step_threads: int = 1
+    step_threads: int = 0
     """C++ core: threads H2O's pass over the slots may split a batch over (``StepConfig.threads``;
-    0: automatic, the process's cores up to 4)."""
+    0, the default: automatic, the process's cores up to 4)."""
     synchronous_copies: bool = False
     """On CUDA: wait on the host for every relocation instead of ordering the compute stream
     after its event (the ablation of the asynchronous side-stream copy)."""

@@ -30,12 +30,13 @@ class StepConfig:
     """C++ core: a batch that one natively decided policy (or none) serves takes the decision, the
     table's step and the layout's update in one native call (``step/fused.py`` says which
     batches). False: every batch takes the general path (for comparing both)."""
-    threads: int = 1
+    threads: int = 0
     """C++ core: threads H2O's pass over the slots (adding the mass, finding the victims) may split
     a batch's rows over (``cpp/core/select.h``; the same victims; one thread while blocks are
-    shared or the batch holds under 64Ki tokens per thread). 0: the cores this process may run
-    on, at most ``MAX_AUTO_THREADS``. One by default: on the project's 2-core VM two threads
-    showed no difference in the engine's step beyond the runs' spread (``benchmarks/RESULTS.md``)."""
+    shared or the batch holds under 64Ki tokens per thread). 0 (the default): the cores this
+    process may run on, at most ``MAX_AUTO_THREADS``. On the project's 2-core VM two threads took
+    700-1,000 us (a quarter) off dense H2O's added time per step at batch 256 and made no
+    difference at 64 (``benchmarks/RESULTS.md``)."""
 
     def __post_init__(self) -> None:
         if self.compaction not in COMPACTIONS or self.compaction == "lazy-deferred":
