@@ -76,7 +76,8 @@ void bind_flights(nb::module_& m) {
           "batch indices.")
       .def(
           "commit_ready",
-          [](vtoken::LazyFlights& f, vtoken::TokenTable& table, BoundLayout& layout, Ids req_ids, Ids rows, const std::vector<int64_t>& ready) {
+          [](vtoken::LazyFlights& f, vtoken::TokenTable& table, BoundLayout& layout, Ids req_ids, Ids rows,
+             const std::vector<int64_t>& ready) {
             vtoken::SlotArrays& a = layout.arrays();
             const size_t batch = rows.shape(0);
             check_batch(rows, layout.rows(), batch, "rows");

@@ -46,14 +46,15 @@ inline vtoken::SlotArrays layout_arrays(Tokens tokens, BlockTable block_table, i
 }
 
 // The SlotMap's buffers, bound once (SlotMap.native_layout) instead of converted on every call: a
-// decode step makes two or three layout calls, and converting its eight buffers each time cost
-// about as much as the step's own work at small batches. Holds a reference to each buffer (they
-// live as long as the binding); the SlotMap binds again when it replaces one (it grew).
+// decode step makes two or three layout calls, and converting eight buffers each time was a fifth
+// of a one-request step (60 us before, 48 after, warm; benchmarks/RESULTS.md). Holds a reference
+// to each buffer (they live as long as the binding); the SlotMap binds again when it replaces one.
 class BoundLayout {
  public:
   BoundLayout(Tokens tokens, BlockTable block_table, int64_t tokens_per_block, Counters num_blocks_of,
               Counters kv_len, Counters num_tokens, Counters num_live, std::vector<Stat> stats)
-      : arrays_(layout_arrays(tokens, block_table, tokens_per_block, num_blocks_of, kv_len, num_tokens, num_live, stats)),
+      : arrays_(layout_arrays(tokens, block_table, tokens_per_block, num_blocks_of, kv_len, num_tokens, num_live,
+                              stats)),
         rows_(block_table.shape(0)),
         slots_(tokens.shape(0)),
         held_{tokens, block_table, num_blocks_of, kv_len, num_tokens, num_live},

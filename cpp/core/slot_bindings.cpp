@@ -27,8 +27,8 @@ void bind_slots(nb::module_& m) {
            "num_live"_a, "stats"_a);
   m.def(
       "slots_register",
-      [](BoundLayout& layout, Ids req_ids, Ids rows, Ids offsets,
-         Ids blocks, Ids num_new, int64_t num_blocks, const vtoken::TokenTable& table) {
+      [](BoundLayout& layout, Ids req_ids, Ids rows, Ids offsets, Ids blocks, Ids num_new, int64_t num_blocks,
+         const vtoken::TokenTable& table) {
         vtoken::SlotArrays& a = layout.arrays();
         const size_t batch = rows.shape(0);
         check_batch(rows, layout.rows(), batch, "rows");
@@ -57,9 +57,8 @@ void bind_slots(nb::module_& m) {
       "needed, None) with nothing written when the table must grow first.");
   m.def(
       "slots_apply_step",
-      [](BoundLayout& layout, Ids victim_rows, Ids victim_slots,
-         Ids move_src, Ids move_dst, Ids rows, Ids req_ids, Ids kv_lens, Ids freed_offsets, bool tail_only,
-         const vtoken::TokenTable& table) {
+      [](BoundLayout& layout, Ids victim_rows, Ids victim_slots, Ids move_src, Ids move_dst, Ids rows, Ids req_ids,
+         Ids kv_lens, Ids freed_offsets, bool tail_only, const vtoken::TokenTable& table) {
         vtoken::SlotArrays& a = layout.arrays();
         const size_t batch = rows.shape(0), slots = layout.slots();
         check_batch(rows, layout.rows(), batch, "rows");
@@ -87,8 +86,7 @@ void bind_slots(nb::module_& m) {
 
   m.def(
       "slots_protected_live",
-      [](BoundLayout& layout, Ids rows,
-         const vtoken::TokenTable& table) {
+      [](BoundLayout& layout, Ids rows, const vtoken::TokenTable& table) {
         const vtoken::SlotArrays& a = layout.arrays();
         check_batch(rows, layout.rows(), rows.shape(0), "rows");
         return vtoken::to_numpy(vtoken::protected_live(a, rows.data(), static_cast<int64_t>(rows.shape(0)), table));
@@ -97,8 +95,8 @@ void bind_slots(nb::module_& m) {
       "Per row, its live tokens in blocks the table holds as shared, read from the layout (cpp/core/slots.h).");
   m.def(
       "slots_decide_step",
-      [](BoundLayout& layout, vtoken::TokenTable& table,
-         Ids req_ids, Ids rows, Ids num_new, Ids offsets, Ids blocks, int64_t selector, Ids lo, Ids hi, Ids excess,
+      [](BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new, Ids offsets, Ids blocks,
+         int64_t selector, Ids lo, Ids hi, Ids excess,
          int64_t compaction, int64_t fragmentation_threshold, bool pressure,
          std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
          std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass,
