@@ -35,8 +35,8 @@ class StepConfig:
     a batch's rows over (``cpp/core/select.h``; the same victims; one thread while blocks are
     shared or the batch holds under 64Ki tokens per thread). 0 (the default): the cores this
     process may run on, at most ``MAX_AUTO_THREADS``. On the project's 2-core VM two threads took
-    700-1,000 us (a quarter) off dense H2O's added time per step at batch 256 and made no
-    difference at 64 (``benchmarks/RESULTS.md``)."""
+    660-1,000 us (a fifth to a third) off the H2O rows' added time per step at batch 256 and made
+    no difference at 64 (``benchmarks/RESULTS.md``)."""
 
     def __post_init__(self) -> None:
         if self.compaction not in COMPACTIONS or self.compaction == "lazy-deferred":
