@@ -43,6 +43,7 @@ for batch in (1, 64, 256):
         print(json.dumps(row))
 """,
     "engine": """
+# The bench's own helpers, private there: the only names the trees before and after share.
 from trtllm_vtoken.bench.step import NATIVE, StepBenchConfig, _run
 cfg = StepBenchConfig(steps=20, impls=("cpp",))
 rows = [("native", NATIVE), ("indirection-only", dict(variant="indirection-only", mode="dense", policy="streaming_llm",

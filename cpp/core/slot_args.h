@@ -55,18 +55,15 @@ class BoundLayout {
               Counters kv_len, Counters num_tokens, Counters num_live, std::vector<Stat> stats)
       : arrays_(layout_arrays(tokens, block_table, tokens_per_block, num_blocks_of, kv_len, num_tokens, num_live,
                               stats)),
-        rows_(block_table.shape(0)),
-        slots_(tokens.shape(0)),
         held_{tokens, block_table, num_blocks_of, kv_len, num_tokens, num_live},
         stats_(std::move(stats)) {}
 
   vtoken::SlotArrays& arrays() { return arrays_; }
-  size_t rows() const { return rows_; }    // block-table rows
-  size_t slots() const { return slots_; }  // slots of the pool and the scratch block
+  size_t rows() const { return std::get<1>(held_).shape(0); }   // block-table rows
+  size_t slots() const { return std::get<0>(held_).shape(0); }  // slots of the pool and the scratch block
 
  private:
   vtoken::SlotArrays arrays_;
-  size_t rows_, slots_;
   std::tuple<Tokens, BlockTable, Counters, Counters, Counters, Counters> held_;  // keeps the buffers alive
   std::vector<Stat> stats_;
 };

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The decode rows' batch reservation (``KVCacheManager.reserve_decode``) against one ``reserve``
-per request, on both kinds of host bookkeeping (native's block lists and vToken's step): the same
-blocks to the same requests in the same order, the pool and the peak alike; a pool too short for
-the whole batch, or a cached prefix not yet joined, refuses it and changes nothing."""
+"""The decode rows' batch reservation (``KVCacheManager.reserve_decode``, ``PendingWrites``) against
+one ``reserve`` per request, on both kinds of host bookkeeping (native's block lists and vToken's
+step): the same blocks to the same requests in the same order, the pool and the peak alike; a pool
+too short for the whole batch, or a cached prefix not yet joined, refuses it and changes nothing."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def prefilled(variant: str, num_blocks: int, prefix_caching: bool = False) -> En
 
 def state(engine: Engine) -> tuple:
     kv = engine.kv
-    return dict(kv._staged), list(kv.pool.free_ids), list(kv.pool.ref_counts), kv.stats.peak_blocks_used
+    return dict(kv.writes.staged), list(kv.pool.free_ids), list(kv.pool.ref_counts), kv.stats.peak_blocks_used
 
 
 @pytest.mark.parametrize("variant", ["native", "vtoken"])
@@ -77,8 +77,11 @@ def test_the_engine_preempts_as_before_when_the_pool_runs_dry():
 
 def test_a_cached_prefix_not_yet_joined_takes_the_one_by_one_path():
     engine = prefilled("vtoken", 64, prefix_caching=True)
-    kv = engine.kv
-    kv._pending[engine.running[0]] = ([], 0)  # as admission leaves a cached prefix before its first step
+    kv, rows = engine.kv, list(engine.running)
+    joining = 100  # admitted with the running requests' prompt blocks cached: its prefix joins at its first step
+    cached = kv.admit(joining, [1] * 20, 4, kv.spec)
+    assert cached >= TPB and kv.writes.cached_tokens(joining) == cached
     before = state(engine)
-    assert not kv.reserve_decode(list(engine.running))
+    assert not kv.reserve_decode(rows + [joining])
     assert state(engine) == before
+    assert kv.reserve_decode(rows)  # without it the batch goes at once

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
@@ -48,14 +48,11 @@ from trtllm_vtoken.runtime.engine_step import make_step
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
 from trtllm_vtoken.runtime.kv_stats import EvictionCounter, KVStats, KVUsage
 from trtllm_vtoken.runtime.model import LlamaConfig
+from trtllm_vtoken.runtime.pending_writes import PendingWrites
 from trtllm_vtoken.runtime.prefix_caching import PrefixCaching
 from trtllm_vtoken.step import DecodeStep, StepInput, StepOutput, StepStats
 
 
-NOTHING_PENDING: tuple[list[int], int] = ([], 0)
-"""No cached prefix waiting to join a request's layout (read only: never extended in place)."""
-NOTHING_RESERVED: tuple[list[int], int] = ([], 1)
-"""A decode row's reservation that needs no new block (read only, as ``NOTHING_PENDING``)."""
 
 
 class KVCacheManager:
@@ -104,10 +101,9 @@ class KVCacheManager:
             reclaimable=(lambda: self.prefix.cache.num_reclaimable) if self.prefix else None)
         self.stats = KVStats()
         self.evictions = EvictionCounter(self.stats)
-        self._staged: dict[int, tuple[list[int], int]] = {}  # req -> (new blocks, new tokens)
-        self._pending: dict[int, tuple[list[int], int]] = {}
-        """req -> (blocks, tokens) of its cached prefix, taken at admission; they join the layout
-        with its first step, as written tokens."""
+        self.writes = PendingWrites(tpb, self.layout, self.prefix.allocate if self.prefix else self.pool.allocate,
+                                    lambda: self.pool.num_free)
+        """Cached prefixes and this iteration's reservations, not yet in the layout."""
 
     @property
     def policy(self) -> EvictionPolicy | None:
@@ -182,76 +178,29 @@ class KVCacheManager:
         if self.prefix is None:
             return 0
         blocks = self.prefix.begin(req_id, token_ids, relocating)
-        self._pending[req_id] = (blocks, len(blocks) * cfg.tokens_per_block)
+        self.writes.add_prefix(req_id, blocks)
         return self.prefix.cached_tokens(req_id)
 
     # ---- one iteration -------------------------------------------------------------------------
     def reserve(self, req_id: int, num_new: int) -> bool:
         """Room for ``num_new`` tokens after the request's KV, allocating blocks as needed
         (``staged_slots`` names the slots). False, changing nothing, if the pool lacks the blocks."""
-        tpb, (held, start) = self.config.tokens_per_block, self._written_counts(req_id)
-        missing = -(-(start + num_new) // tpb) - held
-        fresh: list[int] = []
-        if missing > 0:
-            fresh = self.prefix.allocate(missing) if self.prefix else self.pool.allocate(missing)
-            if fresh is None:
-                return False
-        self._staged[req_id] = (fresh, num_new)
-        # Blocks requests hold (cached blocks no request holds are free-able, not counted).
-        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_blocks - self.num_available)
-        return True
+        return self._reserved(self.writes.reserve(req_id, num_new))
 
     def reserve_decode(self, req_ids: list[int]) -> bool:
-        """``reserve(req, 1)`` for every request, in order, when the free list alone covers them
-        all (a decode step's usual case): the same blocks to the same requests, at once. False,
-        changing nothing, otherwise (the caller then reserves one by one, preempting as it must)."""
-        if not req_ids:
-            return True
-        if self._pending and any(r in self._pending for r in req_ids):
-            return False  # a cached prefix not yet joined: ``reserve`` counts it
-        held, written = self.layout.held(req_ids)
-        missing = np.maximum(written // self.config.tokens_per_block + 1 - held, 0)  # ceil((written + 1) / tpb)
-        total = int(missing.sum())
-        if total > self.pool.num_free:
-            return False
-        staged = self._staged
-        staged.update(zip(req_ids, repeat(NOTHING_RESERVED)))
-        if total:  # split in request order, as one ``allocate`` per request would take them
-            fresh = self.prefix.allocate(total) if self.prefix else self.pool.allocate(total)
-            takers = np.flatnonzero(missing)
-            ends = np.cumsum(missing[takers]).tolist()
-            for i, start, end in zip(takers.tolist(), [0, *ends], ends):
-                staged[req_ids[i]] = (fresh[start:end], 1)
-        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_blocks - self.num_available)
-        return True
-
-    def staged_blocks(self, req_id: int) -> tuple[list[int], int]:
-        """The request's block list with the blocks ``reserve`` added, and its length after the write."""
-        fresh, num_new = self._staged[req_id]
-        blocks, start = self._written(req_id)
-        return blocks + fresh, start + num_new
+        """``reserve(req, 1)`` for every request at once when the free list covers them all (the
+        same blocks to the same requests); False, changing nothing, otherwise
+        (``PendingWrites.reserve_decode``)."""
+        return self._reserved(self.writes.reserve_decode(req_ids))
 
     def staged_slots(self, req_id: int) -> list[int]:
         """The flat slots ``reserve`` handed out for the request's pending write."""
-        blocks, total = self.staged_blocks(req_id)
-        tpb, start = self.config.tokens_per_block, self._written(req_id)[1]
-        return [blocks[p // tpb] * tpb + p % tpb for p in range(start, total)]
+        return self.writes.staged_slots(req_id)
 
-    def _written(self, req_id: int) -> tuple[list[int], int]:
-        """The request's blocks and the length of its KV written so far: the layout's, plus a
-        cached prefix that has not joined it yet."""
-        cached_blocks, cached = self._pending.get(req_id, NOTHING_PENDING)
-        return self.layout.block_ids(req_id) + cached_blocks, self.layout.kv_len(req_id) + cached
-
-    def _written_counts(self, req_id: int) -> tuple[int, int]:
-        """``_written`` as counts: (blocks held, length written), without copying a block list."""
-        cached_blocks, cached = self._pending.get(req_id, NOTHING_PENDING)
-        return self.layout.num_blocks(req_id) + len(cached_blocks), self.layout.kv_len(req_id) + cached
-
-    def unreserve(self, req_id: int) -> None:
-        """Gives back blocks ``reserve`` allocated that were never committed."""
-        fresh, _ = self._staged.pop(req_id)
-        self.pool.free(fresh)
+    def _reserved(self, done: bool) -> bool:
+        if done:  # blocks requests hold (cached blocks no request holds are free-able, not counted)
+            self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.pool.num_blocks - self.num_available)
+        return done
 
     def set_batch(self, req_ids: list[int]) -> torch.Tensor | None:
         """Writes the rows' block lists and lengths (with their reserved tokens) into the cache's
@@ -259,7 +208,7 @@ class KVCacheManager:
         sit below kv_len (naive-evict, lazy mode), else None."""
         if self.cache is None:
             return None
-        rows = [self.staged_blocks(r) for r in req_ids]
+        rows = [self.writes.staged_blocks(r) for r in req_ids]
         self.cache.set_batch([blocks for blocks, _ in rows], [length for _, length in rows])
         if not self.masks_positions:
             return None
@@ -288,10 +237,7 @@ class KVCacheManager:
         """
         if not req_ids:
             return None
-        if self._pending:  # a cached prefix joins with the request's first step
-            fresh_lists, num_new = zip(*map(self._take_staged, req_ids))
-        else:
-            fresh_lists, num_new = zip(*map(self._staged.pop, req_ids))
+        fresh_lists, num_new = self.writes.take(req_ids)
         if self.step is None:
             start = time.perf_counter()
             self.lists.append_batch(req_ids, fresh_lists, num_new)
@@ -310,13 +256,6 @@ class KVCacheManager:
         self.evictions.count(out.req_ids, out.victim_offsets)
         return out
 
-    def _take_staged(self, req_id: int) -> tuple[list[int], int]:
-        """The request's blocks and tokens that join its layout this step: what ``reserve``
-        staged, after its cached prefix the first time (it joins as written tokens)."""
-        fresh, num_new = self._staged.pop(req_id)
-        cached_blocks, cached = self._pending.pop(req_id, NOTHING_PENDING)
-        return cached_blocks + fresh, cached + num_new
-
     def store_written(self, req_ids: list[int], token_ids: Callable[[int], list[int]]) -> None:
         """Prefix caching, after ``step_batch``: keys the blocks the step's tokens filled (up to
         each request's cut). ``token_ids(req)``: the request's tokens, its written ones first
@@ -332,7 +271,7 @@ class KVCacheManager:
         """After ``reserve`` for the prefill: keys the prompt's full blocks (written by this
         iteration's prefill forward, which runs before any later request's forward reads them)."""
         if self.prefix is not None:
-            self.prefix.store_prompt(req_id, self.staged_blocks(req_id)[0], token_ids)
+            self.prefix.store_prompt(req_id, self.writes.staged_blocks(req_id)[0], token_ids)
 
     def mass_cuts(self, req_id: int) -> list[int]:
         """Query counts at which the request's prefill forward cuts its attention mass."""
@@ -343,7 +282,7 @@ class KVCacheManager:
         plus its cached prefix's."""
         if self.prefix is None:
             return mass
-        return self.prefix.prefill_mass(req_id, self.staged_blocks(req_id)[0], mass, cut_mass)
+        return self.prefix.prefill_mass(req_id, self.writes.staged_blocks(req_id)[0], mass, cut_mass)
 
     def update(self, req_ids: list[int], remaining: list[int]) -> None:
         """Admission learns what each request now holds, and how many tokens it may still write."""
@@ -359,7 +298,7 @@ class KVCacheManager:
     def next_position(self, req_id: int) -> int:
         """RoPE position of the request's next token: its logical position in "keep" mode, its
         physical one (kv_len) in "shift" mode, where the step re-rotates the cached keys."""
-        cached = self._pending.get(req_id, NOTHING_PENDING)[1]
+        cached = self.writes.cached_tokens(req_id)
         if self.config.positions == "shift":
             return self.layout.kv_len(req_id) + cached
         return self.layout.num_tokens(req_id) + cached
@@ -367,8 +306,7 @@ class KVCacheManager:
     def release(self, req_id: int) -> None:
         """Returns every block of the request to the pool (keyed ones stay cached) and drops its
         state everywhere."""
-        fresh = self._staged.pop(req_id, ([], 0))[0]
-        blocks = self.layout.remove_request(req_id) + self._pending.pop(req_id, NOTHING_PENDING)[0] + fresh
+        blocks = self.layout.remove_request(req_id) + self.writes.drop(req_id)
         if self.prefix is not None:
             self.prefix.end(req_id, blocks)
         else:
@@ -408,8 +346,8 @@ class KVCacheManager:
         self.pool.check_integrity()
         layout = self.layout
         held = sum(layout.num_blocks(r) for r in layout.request_ids())
-        held += sum(len(blocks) for blocks, _ in self._pending.values())
-        staged = sum(len(fresh) for fresh, _ in self._staged.values())
+        prefixes, staged = self.writes.num_blocks()
+        held += prefixes
         if self.prefix is not None:
             self.prefix.cache.check_integrity()
             held += len(self.prefix.cache.key_of)  # the cache's own reference on each keyed block

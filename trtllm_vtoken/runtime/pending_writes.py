@@ -1,0 +1,137 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What each request has written, or will write this iteration, beyond its layout (the step's
+tables or native's block lists), until the iteration's step takes it in:
+
+    prefix   a cached prefix taken at admission: its blocks and tokens, written already (their KV
+             is reused), joining the layout with the request's first step
+    staged   the blocks and token count reserved for this iteration's forward
+
+    request's KV   = layout (blocks, kv_len) + prefix (if any) + staged (this forward's tokens)
+
+The KV manager (``runtime/kv_manager.py``) reserves through it, names the forward's slots from it,
+hands ``take``'s batch to the step and frees whatever a leaving request still had here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import repeat
+from typing import Any
+
+import numpy as np
+
+NOTHING: tuple[list[int], int] = ([], 0)
+"""No cached prefix waiting to join a request's layout (read only: never extended in place)."""
+ONE_TOKEN: tuple[list[int], int] = ([], 1)
+"""A decode row's reservation that needs no new block (read only, as ``NOTHING``)."""
+
+
+class PendingWrites:
+    """Cached prefixes and reservations not yet in the layout, per request.
+
+    Args:
+        layout: The step or native's block lists (``kv_len``, ``num_blocks``, ``block_ids``,
+            ``held``).
+        allocate: Takes n blocks (None, changing nothing, if they are not there): the pool's, or
+            the prefix cache's, which may reclaim unheld cached blocks.
+        num_free: Blocks the pool's free list holds now.
+    """
+
+    def __init__(self, tokens_per_block: int, layout: Any, allocate: Callable[[int], list[int] | None],
+                 num_free: Callable[[], int]) -> None:
+        self.tokens_per_block, self.layout, self.allocate, self.num_free = tokens_per_block, layout, allocate, num_free
+        self.staged: dict[int, tuple[list[int], int]] = {}  # req -> (new blocks, new tokens)
+        self.prefix: dict[int, tuple[list[int], int]] = {}  # req -> (cached blocks, cached tokens)
+
+    def add_prefix(self, req_id: int, blocks: list[int]) -> None:
+        """A cached prefix of whole blocks, taken at admission."""
+        self.prefix[req_id] = (blocks, len(blocks) * self.tokens_per_block)
+
+    def cached_tokens(self, req_id: int) -> int:
+        """Tokens of a cached prefix not yet in the layout (0: none)."""
+        return self.prefix.get(req_id, NOTHING)[1]
+
+    # ---- reservations --------------------------------------------------------------------------
+    def reserve(self, req_id: int, num_new: int) -> bool:
+        """Room for ``num_new`` tokens after the request's KV, allocating blocks as needed. False,
+        changing nothing, if there are not enough blocks."""
+        tpb, (held, start) = self.tokens_per_block, self.written_counts(req_id)
+        missing = -(-(start + num_new) // tpb) - held
+        fresh: list[int] = []
+        if missing > 0:
+            fresh = self.allocate(missing)
+            if fresh is None:
+                return False
+        self.staged[req_id] = (fresh, num_new)
+        return True
+
+    def reserve_decode(self, req_ids: list[int]) -> bool:
+        """``reserve(req, 1)`` for every request, in order, when the free list alone covers them
+        all (a decode step's usual case): the same blocks to the same requests, at once. False,
+        changing nothing, otherwise (the caller then reserves one by one, preempting as it must)."""
+        if not req_ids:
+            return True
+        if self.prefix and any(r in self.prefix for r in req_ids):
+            return False  # a cached prefix not yet joined: ``reserve`` counts it
+        held, written = self.layout.held(req_ids)
+        missing = np.maximum(written // self.tokens_per_block + 1 - held, 0)  # ceil((written + 1) / tpb) - held
+        total = int(missing.sum())
+        if total > self.num_free():
+            return False
+        staged = self.staged
+        staged.update(zip(req_ids, repeat(ONE_TOKEN)))
+        if total:  # split in request order, as one ``allocate`` per request would take them
+            fresh = self.allocate(total)
+            takers = np.flatnonzero(missing)
+            ends = np.cumsum(missing[takers]).tolist()
+            for i, start, end in zip(takers.tolist(), [0, *ends], ends):
+                staged[req_ids[i]] = (fresh[start:end], 1)
+        return True
+
+    # ---- what a forward writes -----------------------------------------------------------------
+    def written(self, req_id: int) -> tuple[list[int], int]:
+        """The request's blocks and the length of its KV written so far: the layout's, plus a
+        cached prefix that has not joined it yet."""
+        cached_blocks, cached = self.prefix.get(req_id, NOTHING)
+        return self.layout.block_ids(req_id) + cached_blocks, self.layout.kv_len(req_id) + cached
+
+    def written_counts(self, req_id: int) -> tuple[int, int]:
+        """``written`` as counts: (blocks held, length written), without copying a block list."""
+        cached_blocks, cached = self.prefix.get(req_id, NOTHING)
+        return self.layout.num_blocks(req_id) + len(cached_blocks), self.layout.kv_len(req_id) + cached
+
+    def staged_blocks(self, req_id: int) -> tuple[list[int], int]:
+        """The request's block list with the blocks ``reserve`` added, and its length after the write."""
+        fresh, num_new = self.staged[req_id]
+        blocks, start = self.written(req_id)
+        return blocks + fresh, start + num_new
+
+    def staged_slots(self, req_id: int) -> list[int]:
+        """The flat slots ``reserve`` handed out for the request's pending write."""
+        blocks, total = self.staged_blocks(req_id)
+        tpb, start = self.tokens_per_block, self.written(req_id)[1]
+        return [blocks[p // tpb] * tpb + p % tpb for p in range(start, total)]
+
+    # ---- leaving -------------------------------------------------------------------------------
+    def take(self, req_ids: list[int]) -> tuple[tuple[list[int], ...], tuple[int, ...]]:
+        """The batch's blocks and tokens that join the layouts this step (request i: ``blocks[i]``,
+        ``num_new[i]``): what ``reserve`` staged, after a cached prefix the first time (it joins
+        as written tokens). Forgets them here."""
+        if not self.prefix:
+            return tuple(zip(*map(self.staged.pop, req_ids)))  # type: ignore[return-value]
+        return tuple(zip(*map(self._take_one, req_ids)))  # type: ignore[return-value]
+
+    def drop(self, req_id: int) -> list[int]:
+        """Forgets the request; returns the blocks it still had here (prefix, then reserved)."""
+        fresh = self.staged.pop(req_id, NOTHING)[0]
+        return self.prefix.pop(req_id, NOTHING)[0] + fresh
+
+    def num_blocks(self) -> tuple[int, int]:
+        """(blocks of cached prefixes, blocks reserved) held here, for the pool's reference count."""
+        return (sum(len(blocks) for blocks, _ in self.prefix.values()),
+                sum(len(fresh) for fresh, _ in self.staged.values()))
+
+    def _take_one(self, req_id: int) -> tuple[list[int], int]:
+        fresh, num_new = self.staged.pop(req_id)
+        cached_blocks, cached = self.prefix.pop(req_id, NOTHING)
+        return cached_blocks + fresh, cached + num_new
