@@ -9,6 +9,7 @@ of the tree before, then of the tree after, each tree with its own C++ core buil
     python ab.py engine BEFORE_TREE AFTER_TREE ROUNDS > ab.jsonl  ``vtoken bench step``'s paired engine
                                                                   runs (20 steps): native, indirection-
                                                                   only, dense StreamingLLM
+    python ab.py engine-h2o BEFORE_TREE AFTER_TREE ROUNDS > ab.jsonl  the same for dense and lazy H2O
     python ab.py schedule BEFORE_TREE AFTER_TREE ROUNDS > ab.jsonl  a native engine's step and the
                                                                   decode rows' reservation in it
     python ab.py --table ab.jsonl                                 the medians of the rounds
@@ -27,6 +28,18 @@ sys.path.insert(0, sys.argv[1])
 import trtllm_vtoken
 assert trtllm_vtoken.__file__.startswith(sys.argv[1]), trtllm_vtoken.__file__
 """
+ENGINE = """
+# The bench's own helpers, private there: the only names the trees before and after share.
+from trtllm_vtoken.bench.step import NATIVE, StepBenchConfig, _run
+cfg = StepBenchConfig(steps=20, impls=("cpp",))
+rows = %(rows)s
+for batch in (64, 256):
+    for label, row in rows:
+        out = _run(cfg, batch, row)
+        print(json.dumps({"batch": batch, "label": label, **{k: out[k] for k in (
+            "native_us_p50", "host_us_p50", "added_us_p50", "added_pct", "step_us")}}))
+"""
+"""``vtoken bench step``'s paired engine runs (20 steps) of the rows given."""
 MEASURE = {
     "pass": """
 from trtllm_vtoken.bench.h2o_pass import time_pass
@@ -42,19 +55,12 @@ for batch in (1, 64, 256):
         row.pop("split_us")
         print(json.dumps(row))
 """,
-    "engine": """
-# The bench's own helpers, private there: the only names the trees before and after share.
-from trtllm_vtoken.bench.step import NATIVE, StepBenchConfig, _run
-cfg = StepBenchConfig(steps=20, impls=("cpp",))
-rows = [("native", NATIVE), ("indirection-only", dict(variant="indirection-only", mode="dense", policy="streaming_llm",
-                                                       impl="cpp")),
-        ("vtoken dense streaming_llm", dict(variant="vtoken", mode="dense", policy="streaming_llm", impl="cpp"))]
-for batch in (64, 256):
-    for label, row in rows:
-        out = _run(cfg, batch, row)
-        print(json.dumps({"batch": batch, "label": label, **{k: out[k] for k in (
-            "native_us_p50", "host_us_p50", "added_us_p50", "added_pct", "step_us")}}))
-""",
+    "engine": ENGINE % dict(rows="""[("native", NATIVE),
+        ("indirection-only", dict(variant="indirection-only", mode="dense", policy="streaming_llm", impl="cpp")),
+        ("vtoken dense streaming_llm", dict(variant="vtoken", mode="dense", policy="streaming_llm", impl="cpp"))]"""),
+    "engine-h2o": ENGINE % dict(rows="""[
+        ("vtoken dense h2o", dict(variant="vtoken", mode="dense", policy="h2o", impl="cpp")),
+        ("vtoken lazy h2o", dict(variant="vtoken", mode="lazy", policy="h2o", impl="cpp"))]"""),
     "schedule": """
 import gc, time
 import numpy as np
@@ -78,6 +84,7 @@ for batch in (64, 256):
 CELL = {"pass": (("batch", "placement", "caches"), "pass_us_p50", "blocks"),
         "alone": (("batch", "label", "caches"), "step_us_p50", "row"),
         "engine": (("batch", "label"), ("native_us_p50", "added_us_p50", "added_pct"), "row"),
+        "engine-h2o": (("batch", "label"), ("native_us_p50", "added_us_p50", "added_pct"), "row"),
         "schedule": (("batch", "label"), ("host_us_p50", "schedule_us_p50"), "row")}
 """What a row of each measurement is keyed by, its value, and the table's name for the middle key."""
 

@@ -123,7 +123,7 @@ NB_MODULE(_core, m) {
       [](nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> tokens,
          nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> block_table, int64_t tokens_per_block,
          Ids rows, Ids kv_len, Ids lo, Ids hi, Ids excess,
-         std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
+         std::optional<nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
          std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass,
          const TokenTable* shared_of, int64_t threads) {
         const auto batch = static_cast<int64_t>(rows.shape(0));
@@ -162,7 +162,7 @@ NB_MODULE(_core, m) {
         {
           nb::gil_scoped_release release;
           const int64_t stride = mass ? static_cast<int64_t>(mass->shape(1)) : 0;
-          double* accumulated = stat ? stat->data() : nullptr;
+          float* accumulated = stat ? stat->data() : nullptr;
           if (single) {
             r = vtoken::select_lowest(layout, rows.data(), batch, kv_len.data(), lo.data(), hi.data(), excess.data(),
                                       accumulated, static_cast<const float*>(mass->data()), stride, shared_of,
@@ -176,9 +176,10 @@ NB_MODULE(_core, m) {
         return nb::make_tuple(to_numpy(std::move(r.rows)), to_numpy(std::move(r.positions)));
       },
       "tokens"_a, "block_table"_a, "tokens_per_block"_a, "rows"_a, "kv_len"_a, "lo"_a, "hi"_a, "excess"_a,
-      "stat"_a = nb::none(), "mass"_a = nb::none(), "shared_of"_a = nb::none(), "threads"_a = 1,
+      "stat"_a.noconvert() = nb::none(), "mass"_a = nb::none(), "shared_of"_a = nb::none(), "threads"_a = 1,
       "A score policy's decision for a batch over the step's slot layout (cpp/core/select.h): "
-      "(batch rows, positions) of the victims; shared_of: the table whose shared blocks' tokens are no "
+      "(batch rows, positions) of the victims; stat: float32, one per slot, accumulated in place (never "
+      "converted); shared_of: the table whose shared blocks' tokens are no "
       "candidates; threads: the pass may split the rows over that many threads (the same victims).");
 
   m.def(

@@ -33,7 +33,7 @@ struct Decision {
   const int64_t* lo = nullptr;      // [batch] lowest candidate id
   const int64_t* hi = nullptr;      // [batch] one past the highest
   const int64_t* excess = nullptr;  // [batch] tokens to evict (<= 0: none)
-  double* stat = nullptr;           // kLowestStat: the score per slot
+  float* stat = nullptr;            // kLowestStat: the score per slot (float32)
   const float* mass32 = nullptr;    // optional, one of the two: [batch, mass_stride] added to stat first
   const double* mass64 = nullptr;
   int64_t mass_stride = 0;

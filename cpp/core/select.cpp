@@ -50,7 +50,7 @@ struct Candidate {
 // every candidate joins `pool`.
 template <bool kStat, bool kMass, bool kSingle, typename Mass>
 int64_t scan_row(const SlotLayout& layout, const int32_t* blocks, int64_t length, int64_t low, int64_t high,
-                 double* stat, const Mass* row_mass, const TokenTable* shared_of, Candidate& best,
+                 float* stat, const Mass* row_mass, const TokenTable* shared_of, Candidate& best,
                  std::vector<Candidate>& pool, std::vector<Span>& spans) {
   const int64_t tpb = layout.tokens_per_block;
   const int64_t num_blocks = (length + tpb - 1) / tpb;
@@ -65,7 +65,7 @@ int64_t scan_row(const SlotLayout& layout, const int32_t* blocks, int64_t length
     const int64_t base = static_cast<int64_t>(blocks[block]) * tpb;
     const int64_t start = block * tpb, n = std::min(next * tpb, length) - start;
     const int32_t* tokens = layout.tokens + base;
-    double* values = kStat ? stat + base : nullptr;
+    float* values = kStat ? stat + base : nullptr;
     const Mass* m = kMass ? row_mass + start : nullptr;
     if (shared_of != nullptr && shared_of->is_shared(blocks[block])) {  // protected: observed only
       if (kMass) add_mass(values, m, n);
@@ -108,7 +108,7 @@ int64_t scan_row(const SlotLayout& layout, const int32_t* blocks, int64_t length
 
 template <bool kStat, bool kMass, typename Mass>
 int64_t scan(bool single, const SlotLayout& layout, const int32_t* blocks, int64_t length, int64_t low,
-             int64_t high, double* stat, const Mass* row_mass, const TokenTable* shared_of, Candidate& best,
+             int64_t high, float* stat, const Mass* row_mass, const TokenTable* shared_of, Candidate& best,
              std::vector<Candidate>& pool, std::vector<Span>& spans) {
   auto row = single ? scan_row<kStat, kMass, true, Mass> : scan_row<kStat, kMass, false, Mass>;
   return row(layout, blocks, length, low, high, stat, row_mass, shared_of, best, pool, spans);
@@ -118,7 +118,7 @@ int64_t scan(bool single, const SlotLayout& layout, const int32_t* blocks, int64
 template <typename Mass>
 Selection select_rows(const SlotLayout& layout, const int64_t* rows, int64_t begin, int64_t end,
                       const int64_t* kv_len, const int64_t* lo, const int64_t* hi, const int64_t* excess,
-                      double* stat, const Mass* mass, int64_t mass_stride, const TokenTable* shared_of) {
+                      float* stat, const Mass* mass, int64_t mass_stride, const TokenTable* shared_of) {
   Selection out;
   const int64_t tpb = layout.tokens_per_block;
   std::vector<Candidate> pool;
@@ -180,7 +180,7 @@ constexpr int64_t kSlotsPerThread = int64_t{1} << 16;
 
 template <typename Mass>
 Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t batch, const int64_t* kv_len,
-                        const int64_t* lo, const int64_t* hi, const int64_t* excess, double* stat,
+                        const int64_t* lo, const int64_t* hi, const int64_t* excess, float* stat,
                         const Mass* mass, int64_t mass_stride, const TokenTable* shared_of, int64_t threads) {
   const int64_t tpb = layout.tokens_per_block;
   int64_t total = 0;
@@ -264,10 +264,10 @@ Selection lowest_live_ids(const TokenTable& table, const int64_t* req_ids, int64
 }
 
 template Selection select_lowest<float>(const SlotLayout&, const int64_t*, int64_t, const int64_t*, const int64_t*,
-                                        const int64_t*, const int64_t*, double*, const float*, int64_t,
+                                        const int64_t*, const int64_t*, float*, const float*, int64_t,
                                         const TokenTable*, int64_t);
 template Selection select_lowest<double>(const SlotLayout&, const int64_t*, int64_t, const int64_t*, const int64_t*,
-                                         const int64_t*, const int64_t*, double*, const double*, int64_t,
+                                         const int64_t*, const int64_t*, float*, const double*, int64_t,
                                          const TokenTable*, int64_t);
 
 }  // namespace vtoken

@@ -31,8 +31,9 @@ struct Selection {
 //   excess[i] > 0: candidates are live ids in [lo[i], hi[i]); victims: the excess[i] candidates
 //                  with the lowest (key, id), key = the id (stat == null) or stat[slot]; all of
 //                  them when there are no more than excess[i]
-// Mass is float (what attention kernels return) or double; stat is accumulated in double, row
-// after row (a slot several rows hold, in a shared block, gets each one's mass in batch order).
+// Mass is float (what attention kernels return) or double; stat is float32, each addition rounded
+// once to float (spans.h accumulate), row after row (a slot several rows hold, in a shared block,
+// gets each one's mass in batch order).
 // shared_of (optional): tokens in blocks that table holds as shared are observed but no
 // candidates (prefix caching protects them; the caller's bounds keep them on top of the budget).
 // threads > 1: the rows split into up to that many ranges of about equal slots (at least 64Ki
@@ -40,7 +41,7 @@ struct Selection {
 // without shared blocks; with shared_of, one thread, so a shared slot sums in row order).
 template <typename Mass>
 Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t batch, const int64_t* kv_len,
-                        const int64_t* lo, const int64_t* hi, const int64_t* excess, double* stat,
+                        const int64_t* lo, const int64_t* hi, const int64_t* excess, float* stat,
                         const Mass* mass, int64_t mass_stride, const TokenTable* shared_of = nullptr,
                         int64_t threads = 1);
 

@@ -23,8 +23,9 @@ void bind_slots(nb::module_& m) {
                           "A SlotMap's buffers bound once for the slot calls (slot_args.h); bound again when "
                           "one is replaced.")
       .def(nb::init<Tokens, BlockTable, int64_t, Counters, Counters, Counters, Counters, std::vector<Stat>>(),
-           "tokens"_a, "block_table"_a, "tokens_per_block"_a, "num_blocks_of"_a, "kv_len"_a, "num_tokens"_a,
-           "num_live"_a, "stats"_a);
+           // Written in place: a buffer of another dtype is refused, never converted into a copy.
+           "tokens"_a.noconvert(), "block_table"_a.noconvert(), "tokens_per_block"_a, "num_blocks_of"_a.noconvert(),
+           "kv_len"_a.noconvert(), "num_tokens"_a.noconvert(), "num_live"_a.noconvert(), "stats"_a);
   m.def(
       "slots_register",
       [](BoundLayout& layout, Ids req_ids, Ids rows, Ids offsets, Ids blocks, Ids num_new, int64_t num_blocks,
@@ -98,7 +99,7 @@ void bind_slots(nb::module_& m) {
       [](BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new, Ids offsets, Ids blocks,
          int64_t selector, Ids lo, Ids hi, Ids excess,
          int64_t compaction, int64_t fragmentation_threshold, bool pressure,
-         std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
+         std::optional<nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
          std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass,
          std::optional<nb::callable> on_victims, bool skip_shared, int64_t threads,
          std::optional<nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>> may_plan) {
@@ -170,7 +171,7 @@ void bind_slots(nb::module_& m) {
       },
       "layout"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
       "lo"_a, "hi"_a, "excess"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a,
-      "stat"_a = nb::none(), "mass"_a = nb::none(), "on_victims"_a = nb::none(), "skip_shared"_a = false,
+      "stat"_a.noconvert() = nb::none(), "mass"_a = nb::none(), "on_victims"_a = nb::none(), "skip_shared"_a = false,
       "threads"_a = 1, "may_plan"_a = nb::none(),
       "After slots_register: the batch's decision, the token table's step and the layout's update in one call "
       "(cpp/core/decode_step.h); on_victims(victim_offsets, victim_ids) runs between the decision and the "

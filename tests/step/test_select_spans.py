@@ -91,7 +91,7 @@ def test_the_pass_over_spans_equals_its_statement(seed, dtype, ties, with_shared
     hi[0] = lo[0]  # an empty window: no candidate
     excess = rng.choice([0, 1, 1, 1, 4], size=batch).astype(np.int64)
     excess[1] = 10_000  # more than its candidates: all of them
-    start = np.zeros(len(tokens)) if ties else rng.random(len(tokens))
+    start = (np.zeros(len(tokens)) if ties else rng.random(len(tokens))).astype(np.float32)  # H2O's float32
     ours, theirs = start.copy(), start.copy()
     for _ in range(3):  # the statistic accumulates over steps
         values = rng.choice([0.0, 0.5, 1.0], size=(batch, longest + 3)) if ties else rng.random((batch, longest + 3))
@@ -102,3 +102,24 @@ def test_the_pass_over_spans_equals_its_statement(seed, dtype, ties, with_shared
         np.testing.assert_array_equal(got[1], want[1])
         assert ours.tobytes() == theirs.tobytes()
     assert len(got[0]) > batch // 2
+
+
+def test_the_statistic_is_float32_and_never_converted():
+    """The pass adds to the statistic in place: an array of another dtype would be converted into
+    a copy and the additions lost, so it is refused (TypeError), as is a layout buffer of another
+    dtype (the step's slot calls write them in place)."""
+    native = load()
+    rng = np.random.default_rng(0)
+    tokens, block_table, kv_len = run_layout(rng, 2, 40)
+    rows = np.arange(2, dtype=np.int64)
+    bounds = (np.zeros(2, dtype=np.int64), kv_len.astype(np.int64), np.ones(2, dtype=np.int64))
+    mass = np.ones((2, 40), dtype=np.float32)
+    stat = np.zeros(len(tokens), dtype=np.float32)
+    native.select_lowest(tokens, block_table, TPB, rows, kv_len, *bounds, stat, mass, None, 1)
+    assert stat.sum() == kv_len.sum()  # every live position's mass landed in this very array
+    with pytest.raises(TypeError):
+        native.select_lowest(tokens, block_table, TPB, rows, kv_len, *bounds, stat.astype(np.float64), mass, None, 1)
+    counters = [np.zeros(2, dtype=np.int64) for _ in range(4)]
+    native.BoundLayout(tokens, block_table, TPB, *counters, [stat])
+    with pytest.raises(TypeError):
+        native.BoundLayout(tokens, block_table, TPB, counters[0].astype(np.int32), *counters[1:], [stat])

@@ -50,7 +50,7 @@ def test_the_pass_over_threads_picks_what_one_thread_picks(dtype, ties):
     excess = rng.choice([0, 1, 1, 1, 3], size=batch).astype(np.int64)
     shape = (batch, longest + 5)
     mass = (rng.choice([0.0, 0.25, 1.0], size=shape) if ties else rng.random(shape)).astype(dtype)
-    start = rng.random(len(tokens)) if not ties else np.zeros(len(tokens))
+    start = (rng.random(len(tokens)) if not ties else np.zeros(len(tokens))).astype(np.float32)
     results = {}
     for threads in (1, 2, 3, 8):
         stat = start.copy()

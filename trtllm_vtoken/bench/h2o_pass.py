@@ -44,7 +44,7 @@ def pass_layout(batch: int, context: int, tokens_per_block: int, placement: str,
     kv_len = np.full(batch, context, dtype=np.int64)
     return dict(tokens=tokens, block_table=block_table, rows=np.arange(batch, dtype=np.int64), kv_len=kv_len,
                 lo=np.full(batch, 4, dtype=np.int64), hi=kv_len - 64, excess=np.ones(batch, dtype=np.int64),
-                stat=np.zeros(len(tokens)), mass=rng.random((batch, context), dtype=np.float32))
+                stat=np.zeros(len(tokens), dtype=np.float32), mass=rng.random((batch, context), dtype=np.float32))
 
 
 def time_pass(batch: int, context: int, tokens_per_block: int, threads: tuple[int, ...] = (1, 2),

@@ -7,20 +7,26 @@ import numpy as np
 
 
 class PerTokenAccumulator:
-    """A float per logical id per request, growing with the request: O(L) per request."""
+    """A float per logical id per request, growing with the request: O(L) per request.
 
-    def __init__(self) -> None:
+    ``dtype``: the values' type. float32 accumulates as the step's per-slot statistic does (each
+    addition rounded once to float32: a float32 amount added in float32, a float64 one in float64,
+    then rounded), so a policy's per-request and batched decisions agree bit for bit."""
+
+    def __init__(self, dtype: type = np.float64) -> None:
+        self.dtype = np.dtype(dtype)
         self._values: dict[int, np.ndarray] = {}
 
     def add(self, req_id: int, token_ids: np.ndarray, amounts: np.ndarray) -> None:
         token_ids = np.asarray(token_ids, dtype=np.int64)
-        values = self._values.get(req_id, np.zeros(0))
+        values = self._values.get(req_id, np.zeros(0, dtype=self.dtype))
         needed = int(token_ids.max()) + 1 if len(token_ids) else 0
         if needed > len(values):
-            grown = np.zeros(max(needed, 2 * len(values)))
+            grown = np.zeros(max(needed, 2 * len(values)), dtype=self.dtype)
             grown[: len(values)] = values
             values = self._values[req_id] = grown
-        np.add.at(values, token_ids, np.asarray(amounts, dtype=np.float64))
+        amounts = np.asarray(amounts)
+        np.add.at(values, token_ids, amounts if amounts.dtype == np.float32 else amounts.astype(np.float64))
 
     def get(self, req_id: int, token_ids: np.ndarray) -> np.ndarray:
         """Values of ``token_ids`` (0 for ids never observed). Shape: token_ids.shape."""

@@ -43,7 +43,7 @@ class NativeDecision(NamedTuple):
     excess: np.ndarray
     """[B] int64 each: the candidates' id range and the tokens to evict (<= 0: none)."""
     stat: np.ndarray | None
-    """Selector 2: the per-slot score statistic (float64), which ``mass`` is added to first."""
+    """Selector 2: the per-slot score statistic (float32), which ``mass`` is added to first."""
     mass: np.ndarray | None
     """[B, >= each row's length] float32 or float64, C order; None: nothing observed."""
     skip_shared: bool = False
@@ -232,7 +232,7 @@ class BatchDecision:
             return values
         flat = (blocks.astype(np.int64).repeat(tpb, axis=1) * tpb + np.arange(width) % tpb)[in_repeated]
         stat[flat] = before
-        np.add.at(stat, flat, mass[:, :width][in_repeated].astype(np.float64))
+        np.add.at(stat, flat, mass[:, :width][in_repeated])
         return slots.gather(stat, blocks)
 
     def native_selector(self, policy: EvictionPolicy) -> int:
@@ -272,7 +272,8 @@ class BatchDecision:
                    tokens: Callable[[], np.ndarray]) -> np.ndarray:
         """The batch's mass as float32 or float64 [B, width] (C order), reduced across ranks if
         asked; ``width`` None: as wide as it came (at least every row's length; no copy of a C-order
-        array). float32 stays float32: it is added to float64 statistics either way."""
+        array). float32 stays float32, float64 float64: each addition to the float32 statistic is
+        rounded once, as the native pass rounds it (``cpp/core/spans.h`` accumulate)."""
         if callable(mass):  # the simulated attention: a function of the token layout, not timed as ours
             start = time.perf_counter()
             mass = mass(tokens())
