@@ -16,6 +16,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "batch.h"
+#include "budget.h"
 #include "owned_ids.h"
 #include "select.h"
 #include "token_table.h"
@@ -182,6 +183,28 @@ NB_MODULE(_core, m) {
       "converted); shared_of: the table whose shared blocks' tokens are no "
       "candidates; threads: the pass may split the rows over that many threads (the same victims).");
 
+  m.def(
+      "candidate_bounds",
+      [](std::tuple<int64_t, double, int64_t, int64_t, double> rule, Ids num_tokens, Ids num_live, Ids protected_live) {
+        vtoken::BoundsRule r;
+        std::tie(r.tokens, r.ratio, r.n_sink, r.recent_window, r.recent_ratio) = rule;
+        const size_t n = num_tokens.shape(0);
+        if (num_live.shape(0) != n || protected_live.shape(0) != n) {
+          throw std::invalid_argument("candidate_bounds: one num_live and protected_live per num_tokens");
+        }
+        std::vector<int64_t> excess(n), lo(n), hi(n), target(n);
+        for (size_t i = 0; i < n; ++i) {
+          const vtoken::Bounds b =
+              vtoken::candidate_bounds(r, num_tokens.data()[i], num_live.data()[i], protected_live.data()[i]);
+          excess[i] = b.excess, lo[i] = b.lo, hi[i] = b.hi;
+          target[i] = vtoken::budget_target(r, num_tokens.data()[i]);
+        }
+        return nb::make_tuple(to_numpy(std::move(excess)), to_numpy(std::move(lo)), to_numpy(std::move(hi)),
+                              to_numpy(std::move(target)));
+      },
+      "rule"_a, "num_tokens"_a, "num_live"_a, "protected_live"_a,
+      "The fused decode call's bounds rule (budget.h) per request: (excess, lo, hi) as "
+      "ScorePolicy.candidate_bounds gives them, and the budget's target of num_tokens (Budget.targets).");
   m.def(
       "lowest_live_ids",
       [](const TokenTable& table, Ids req_ids, Ids lo, Ids hi, Ids excess,

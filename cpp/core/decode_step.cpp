@@ -26,6 +26,20 @@ Selection decide(const SlotArrays& a, const TokenTable& table, const int64_t* re
                        shared_of, d.threads);
 }
 
+// The rule's bounds of every request (Decision::rule), into the three arrays.
+void rule_bounds(const SlotArrays& a, const TokenTable& table, const int64_t* rows, int64_t batch, const Decision& d,
+                 std::vector<int64_t>& excess, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {
+  const std::vector<int64_t> kept = d.skip_shared ? protected_live(a, rows, batch, table) : std::vector<int64_t>();
+  const bool learns = d.mass32 != nullptr || d.mass64 != nullptr;
+  excess.resize(batch), lo.resize(batch), hi.resize(batch);
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t num_tokens = a.num_tokens[rows[i]], num_live = a.num_live[rows[i]];
+    const Bounds b = candidate_bounds(*d.rule, num_tokens, num_live, kept.empty() ? 0 : kept[i]);
+    const bool over = learns || num_live > budget_target(*d.rule, num_tokens);
+    excess[i] = over ? b.excess : 0, lo[i] = b.lo, hi[i] = b.hi;
+  }
+}
+
 }  // namespace
 
 DecodeResult decide_and_step(SlotArrays& a, TokenTable& table, const int64_t* req_ids, const int64_t* rows,
@@ -33,7 +47,13 @@ DecodeResult decide_and_step(SlotArrays& a, TokenTable& table, const int64_t* re
                              const int64_t* new_blocks, const Decision& decision, Compaction mode,
                              int64_t fragmentation_threshold, bool pressure, const uint8_t* may_plan,
                              const VictimsHook& on_victims) {
-  const Selection picked = decide(a, table, req_ids, rows, batch, decision);
+  Decision bounded = decision;
+  std::vector<int64_t> excess, lo, hi;
+  if (decision.rule != nullptr) {
+    rule_bounds(a, table, rows, batch, decision, excess, lo, hi);
+    bounded.excess = excess.data(), bounded.lo = lo.data(), bounded.hi = hi.data();
+  }
+  const Selection picked = decide(a, table, req_ids, rows, batch, bounded);
   const int64_t tpb = a.tokens_per_block, num_victims = static_cast<int64_t>(picked.rows.size());
   DecodeResult out;
   // Victims as the table takes them (logical ids, CSR by request) and as the layout drops them

@@ -22,7 +22,7 @@ from typing import ClassVar
 import numpy as np
 
 from trtllm_vtoken.policies.batch import BatchView, BatchVictims
-from trtllm_vtoken.policies.budget import Budget
+from trtllm_vtoken.policies.budget import BoundsRule, Budget
 from trtllm_vtoken.registry import Registry
 
 POLICIES: Registry[type["EvictionPolicy"]] = Registry("eviction policy")
@@ -149,6 +149,20 @@ class ScorePolicy(EvictionPolicy):
     def recent_tokens_batch(self, targets: np.ndarray) -> np.ndarray:
         """``recent_tokens`` for an array of targets."""
         return np.full(len(targets), self.recent_window, dtype=np.int64)
+
+    def recent_share(self) -> float | None:
+        """``recent_tokens_batch`` as max(recent_window, int(target * share)): the share, or None
+        where a subclass sizes its window another way. Here: 0 (the window alone)."""
+        return 0.0 if type(self).recent_tokens_batch is ScorePolicy.recent_tokens_batch else None
+
+    def bounds_rule(self) -> BoundsRule | None:
+        """``candidate_bounds`` and ``wants_to_evict`` as numbers, for a native step that applies
+        them itself; None where a subclass computes either its own way."""
+        cls, share = type(self), self.recent_share()
+        if share is None or cls.candidate_bounds is not ScorePolicy.candidate_bounds or \
+                cls.wants_to_evict is not ScorePolicy.wants_to_evict:
+            return None
+        return BoundsRule.of(self.budget, self.n_sink, self.recent_window, share)
 
     def wants_to_evict(self, num_tokens: np.ndarray, num_live: np.ndarray) -> np.ndarray:
         # select evicts only above the budget. With p protected tokens it keeps p + target(n - p)

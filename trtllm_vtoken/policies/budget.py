@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -57,3 +58,25 @@ class Budget:
 
     def __str__(self) -> str:
         return f"{self.tokens} tokens" if self.tokens is not None else f"{self.ratio:g} of length"
+
+
+class BoundsRule(NamedTuple):
+    """A score policy's budget and candidate bounds as numbers (``ScorePolicy.bounds_rule``), for a
+    native step that applies them to its own counters (``cpp/core/budget.h``, the same arithmetic):
+
+        room = target(num_tokens - protected); n_sink = min(n_sink, room)
+        recent = min(max(recent_window, int(room * recent_ratio)), room - n_sink)
+        excess = num_live - protected - room; candidates: live ids in [n_sink, num_tokens - recent)
+    """
+
+    tokens: int
+    """The count budget, or -1 where the budget is ``ratio``."""
+    ratio: float
+    n_sink: int
+    recent_window: int
+    recent_ratio: float
+
+    @classmethod
+    def of(cls, budget: Budget, n_sink: int, recent_window: int, recent_ratio: float = 0.0) -> BoundsRule:
+        tokens = -1 if budget.tokens is None else budget.tokens
+        return cls(tokens, 1.0 if budget.ratio is None else budget.ratio, n_sink, recent_window, recent_ratio)

@@ -41,6 +41,9 @@ class H2OPolicy(ScorePolicy):
     def recent_tokens_batch(self, targets: np.ndarray) -> np.ndarray:
         return np.maximum(self.recent_window, (targets * self.recent_ratio).astype(np.int64))
 
+    def recent_share(self) -> float | None:
+        return self.recent_ratio if type(self).recent_tokens_batch is H2OPolicy.recent_tokens_batch else None
+
     def observe(self, req_id: int, token_ids: np.ndarray, attention: np.ndarray) -> None:
         self._mass.add(req_id, token_ids, attention)
 

@@ -29,6 +29,7 @@ import numpy as np
 from trtllm_vtoken.core.native import load as load_native
 from trtllm_vtoken.policies import EvictionPolicy, ScorePolicy
 from trtllm_vtoken.policies.batch import BatchView
+from trtllm_vtoken.policies.budget import BoundsRule
 from trtllm_vtoken.step.config import StepStats
 from trtllm_vtoken.step.slots import SlotMap
 
@@ -38,10 +39,10 @@ class NativeDecision(NamedTuple):
 
     selector: int
     """0: no victims; 1: the lowest live ids in [lo, hi); 2: the lowest ``stat`` in [lo, hi)."""
-    lo: np.ndarray
-    hi: np.ndarray
-    excess: np.ndarray
-    """[B] int64 each: the candidates' id range and the tokens to evict (<= 0: none)."""
+    lo: np.ndarray | None
+    hi: np.ndarray | None
+    excess: np.ndarray | None
+    """[B] int64 each: the candidates' id range and the tokens to evict (<= 0: none); None with ``rule``."""
     stat: np.ndarray | None
     """Selector 2: the per-slot score statistic (float32), which ``mass`` is added to first."""
     mass: np.ndarray | None
@@ -50,6 +51,9 @@ class NativeDecision(NamedTuple):
     """Tokens in shared blocks are no candidates (the bounds keep them on top of the budget)."""
     threads: int = 1
     """Selector 2: threads the pass may split the rows over (``cpp/core/select.h``)."""
+    rule: BoundsRule | None = None
+    """Instead of the bounds: the policy's ``bounds_rule``, which the native call applies to the
+    layout's counters itself (``cpp/core/budget.h``): no numpy over the batch's rows here."""
 
     @classmethod
     def none(cls, batch: int) -> NativeDecision:
@@ -184,21 +188,29 @@ class BatchDecision:
         if not selector:
             return None
         policy, slots = self.policies[first], self.slots
-        num_tokens, num_live = slots.num_tokens[rows], slots.num_live[rows]
         observes = selector == 2 and policy.observes_attention()
+        skip_shared = bool(len(shared))
+        rule = policy.bounds_rule()  # each step: a policy's budget may change between steps
+        if rule is not None:  # the native call sizes each request's candidates itself
+            batch_mass = self._observed_mass(mass, rows) if observes else None
+            return NativeDecision(selector, None, None, None, slots.stats[policy.score_stat] if selector == 2 else None,
+                                  batch_mass, skip_shared, self.threads, rule)
+        num_tokens, num_live = slots.num_tokens[rows], slots.num_live[rows]
         wants = None if observes else policy.wants_to_evict(num_tokens, num_live)
         if wants is not None and not np.count_nonzero(wants):  # nothing over budget, nothing to learn
             return NativeDecision.none(len(rows))
-        excess, lo, hi = self.native_bounds(policy, rows, bool(len(shared)))
+        excess, lo, hi = self.native_bounds(policy, rows, skip_shared)
         if wants is not None:
             excess[~wants] = 0
         if selector == 1:
-            return NativeDecision(1, lo, hi, excess, None, None, bool(len(shared)))
-        batch_mass = None
-        if observes:
-            batch_mass = self.batch_mass(mass, rows, None, lambda: slots.gather(slots.tokens, slots.block_rows(rows)))
-        return NativeDecision(2, lo, hi, excess, slots.stats[policy.score_stat], batch_mass, bool(len(shared)),
-                              self.threads)
+            return NativeDecision(1, lo, hi, excess, None, None, skip_shared)
+        batch_mass = self._observed_mass(mass, rows) if observes else None
+        return NativeDecision(2, lo, hi, excess, slots.stats[policy.score_stat], batch_mass, skip_shared, self.threads)
+
+    def _observed_mass(self, mass: Any, rows: np.ndarray) -> np.ndarray:
+        """``batch_mass`` as the native pass takes it: as wide as it came."""
+        slots = self.slots
+        return self.batch_mass(mass, rows, None, lambda: slots.gather(slots.tokens, slots.block_rows(rows)))
 
     def native_bounds(self, policy: ScorePolicy, rows: np.ndarray, shared: bool) -> tuple[np.ndarray, ...]:
         """(excess, lo, hi) of a native pass over these rows, int64 (``candidate_bounds``); with
