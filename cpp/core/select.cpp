@@ -236,9 +236,10 @@ Selection lowest_live_ids(const TokenTable& table, const int64_t* req_ids, int64
   Selection out;
   const int64_t tpb = table.tokens_per_block();
   for (int64_t i = 0; i < batch; ++i) {
+    int64_t want = excess[i];
+    if (want <= 0) continue;  // within its budget: its table entry is not even looked at
     const Sequence& s = table.seq(req_ids[i]);
     const int64_t low = std::max<int64_t>(lo[i], 0), high = hi[i];
-    int64_t want = excess[i];
     for (int64_t id = low; id < std::min(high, s.num_tokens) && want > 0; ++id) {
       if (!s.live[id]) continue;
       const int64_t slot = s.slot_of[id];

@@ -56,7 +56,8 @@ Selection select_lowest(const SlotLayout& layout, const int64_t* rows, int64_t b
 // tokens in blocks the table holds as shared are then no candidates (prefix caching protects
 // them, the caller's bounds keep them on top of the budget: slots.h protected_live), the new
 // tokens' blocks read from the layout (a cached prefix joins as new tokens in shared blocks).
-// Throws UnknownRequest for an unknown request.
+// Throws UnknownRequest for an unknown request with tokens to evict (excess > 0; a request within
+// its budget is passed over without a look at its table entry).
 struct RowsOf {
   const SlotLayout* layout;
   const int64_t* rows;
