@@ -124,7 +124,8 @@ void bind_slots(nb::module_& m) {
           std::tie(bounds_rule.tokens, bounds_rule.ratio, bounds_rule.n_sink, bounds_rule.recent_window,
                    bounds_rule.recent_ratio) = *rule;
           const bool ratio_ok = bounds_rule.ratio > 0.0 && bounds_rule.ratio <= 1.0;
-          if ((bounds_rule.tokens < 0 && !ratio_ok) || bounds_rule.n_sink < 0 || bounds_rule.recent_window < 0 ||
+          if (bounds_rule.tokens < -1 || (bounds_rule.tokens == -1 && !ratio_ok) || bounds_rule.n_sink < 0 ||
+              bounds_rule.recent_window < 0 ||
               !(bounds_rule.recent_ratio >= 0.0 && bounds_rule.recent_ratio <= 1.0)) {
             throw std::invalid_argument("slots_decide_step: a bounds rule is (tokens >= 0 or -1, ratio in (0, 1], "
                                         "n_sink >= 0, recent_window >= 0, recent_ratio in [0, 1])");

@@ -57,3 +57,30 @@ def test_a_policy_that_sizes_its_window_its_own_way_has_no_rule():
 
     assert Wider(budget=Budget(ratio=0.5)).bounds_rule() is None
     assert H2OPolicy(budget=Budget(ratio=0.5), recent_ratio=0.25).bounds_rule() == (-1, 0.5, 0, 0, 0.25)
+
+
+def test_the_fused_call_takes_bounds_or_a_rule_and_checks_the_rule():
+    """Either lo, hi and excess or a rule; a rule out of range is refused before anything changes."""
+    from trtllm_vtoken.step.slots import SlotMap
+
+    native = load()
+    slots = SlotMap(4, 8, native)
+    table = native.TokenTable(8)
+    empty = np.zeros(0, dtype=np.int64)
+    call = dict(layout=slots.native_layout(), table=table, req_ids=empty, rows=empty, num_new=empty,
+                offsets=np.zeros(1, dtype=np.int64), blocks=empty, selector=1, compaction=0,
+                fragmentation_threshold=1, pressure=False)
+    given = dict(lo=empty, hi=empty, excess=empty)
+    none = dict(lo=None, hi=None, excess=None)
+    native.slots_decide_step(**call, **none, rule=(-1, 0.5, 4, 0, 0.0))  # an empty batch, by its rule
+    native.slots_decide_step(**call, **given)  # or by its bounds
+    with pytest.raises(ValueError, match="either"):
+        native.slots_decide_step(**call, **given, rule=(-1, 0.5, 4, 0, 0.0))
+    with pytest.raises(ValueError, match="either"):
+        native.slots_decide_step(**call, **none)
+    with pytest.raises(ValueError, match="either"):
+        native.slots_decide_step(**call, **dict(none, lo=empty), rule=(-1, 0.5, 4, 0, 0.0))
+    for bad in [(-2, 0.5, 0, 0, 0.0), (-1, 0.0, 0, 0, 0.0), (-1, 1.5, 0, 0, 0.0), (8, 1.0, -1, 0, 0.0),
+                (8, 1.0, 0, -1, 0.0), (8, 1.0, 0, 0, 1.5)]:
+        with pytest.raises(ValueError, match="bounds rule"):
+            native.slots_decide_step(**call, **none, rule=bad)
