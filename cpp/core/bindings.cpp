@@ -188,6 +188,7 @@ NB_MODULE(_core, m) {
       [](std::tuple<int64_t, double, int64_t, int64_t, double> rule, Ids num_tokens, Ids num_live, Ids protected_live) {
         vtoken::BoundsRule r;
         std::tie(r.tokens, r.ratio, r.n_sink, r.recent_window, r.recent_ratio) = rule;
+        if (!vtoken::valid(r)) throw std::invalid_argument("candidate_bounds: the rule is out of range (budget.h)");
         const size_t n = num_tokens.shape(0);
         if (num_live.shape(0) != n || protected_live.shape(0) != n) {
           throw std::invalid_argument("candidate_bounds: one num_live and protected_live per num_tokens");

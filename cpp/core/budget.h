@@ -26,6 +26,13 @@ struct BoundsRule {
   double recent_ratio = 0.0;  // H2O: the newest int(room * recent_ratio) ids at least (0: none)
 };
 
+// The Python Budget and policy checks, in one: tokens >= 0 (or -1 and a ratio in (0, 1]), n_sink and
+// recent_window >= 0, recent_ratio in [0, 1].
+inline bool valid(const BoundsRule& r) {
+  return r.tokens >= -1 && (r.tokens >= 0 || (r.ratio > 0.0 && r.ratio <= 1.0)) && r.n_sink >= 0 &&
+         r.recent_window >= 0 && r.recent_ratio >= 0.0 && r.recent_ratio <= 1.0;
+}
+
 // Budget.target: live tokens allowed for a request of num_tokens logical tokens.
 inline int64_t budget_target(const BoundsRule& rule, int64_t num_tokens) {
   if (rule.tokens >= 0) return std::min(rule.tokens, num_tokens);

@@ -7,37 +7,45 @@ namespace vtoken {
 
 namespace {
 
+// Per request: the tokens to evict (<= 0: none) and the candidates' id range [lo, hi), from the
+// rule (Decision::rule).
+struct RowBounds {
+  std::vector<int64_t> excess, lo, hi;
+};
+
+RowBounds rule_bounds(const SlotArrays& a, const TokenTable& table, const int64_t* rows, int64_t batch,
+                      const Decision& d) {
+  const std::vector<int64_t> kept = d.skip_shared ? protected_live(a, rows, batch, table) : std::vector<int64_t>();
+  const bool learns = d.mass32 != nullptr || d.mass64 != nullptr;
+  RowBounds out{std::vector<int64_t>(batch), std::vector<int64_t>(batch), std::vector<int64_t>(batch)};
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t num_tokens = a.num_tokens[rows[i]], num_live = a.num_live[rows[i]];
+    const Bounds b = candidate_bounds(d.rule, num_tokens, num_live, kept.empty() ? 0 : kept[i]);
+    const bool over = learns || num_live > budget_target(d.rule, num_tokens);
+    out.excess[i] = over ? b.excess : 0, out.lo[i] = b.lo, out.hi[i] = b.hi;
+  }
+  return out;
+}
+
 Selection decide(const SlotArrays& a, const TokenTable& table, const int64_t* req_ids, const int64_t* rows,
                  int64_t batch, const Decision& d) {
+  if (d.selector == Selector::kNone) return {};
+  const RowBounds bounds = rule_bounds(a, table, rows, batch, d);
+  const int64_t *lo = bounds.lo.data(), *hi = bounds.hi.data(), *excess = bounds.excess.data();
   const SlotLayout layout{a.tokens, a.block_table, a.block_stride, a.tokens_per_block, a.scratch + 1};
   if (d.selector == Selector::kLowestIds) {
     const RowsOf shared_in{&layout, rows};
-    return lowest_live_ids(table, req_ids, batch, d.lo, d.hi, d.excess, d.skip_shared ? &shared_in : nullptr);
+    return lowest_live_ids(table, req_ids, batch, lo, hi, excess, d.skip_shared ? &shared_in : nullptr);
   }
-  if (d.selector == Selector::kNone) return {};
   const TokenTable* shared_of = d.skip_shared ? &table : nullptr;
   std::vector<int64_t> kv_len(static_cast<size_t>(batch));
   for (int64_t i = 0; i < batch; ++i) kv_len[i] = a.kv_len[rows[i]];
   if (d.mass64 != nullptr) {
-    return select_lowest(layout, rows, batch, kv_len.data(), d.lo, d.hi, d.excess, d.stat, d.mass64, d.mass_stride,
+    return select_lowest(layout, rows, batch, kv_len.data(), lo, hi, excess, d.stat, d.mass64, d.mass_stride,
                          shared_of, d.threads);
   }
-  return select_lowest(layout, rows, batch, kv_len.data(), d.lo, d.hi, d.excess, d.stat, d.mass32, d.mass_stride,
+  return select_lowest(layout, rows, batch, kv_len.data(), lo, hi, excess, d.stat, d.mass32, d.mass_stride,
                        shared_of, d.threads);
-}
-
-// The rule's bounds of every request (Decision::rule), into the three arrays.
-void rule_bounds(const SlotArrays& a, const TokenTable& table, const int64_t* rows, int64_t batch, const Decision& d,
-                 std::vector<int64_t>& excess, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {
-  const std::vector<int64_t> kept = d.skip_shared ? protected_live(a, rows, batch, table) : std::vector<int64_t>();
-  const bool learns = d.mass32 != nullptr || d.mass64 != nullptr;
-  excess.resize(batch), lo.resize(batch), hi.resize(batch);
-  for (int64_t i = 0; i < batch; ++i) {
-    const int64_t num_tokens = a.num_tokens[rows[i]], num_live = a.num_live[rows[i]];
-    const Bounds b = candidate_bounds(*d.rule, num_tokens, num_live, kept.empty() ? 0 : kept[i]);
-    const bool over = learns || num_live > budget_target(*d.rule, num_tokens);
-    excess[i] = over ? b.excess : 0, lo[i] = b.lo, hi[i] = b.hi;
-  }
 }
 
 }  // namespace
@@ -47,13 +55,7 @@ DecodeResult decide_and_step(SlotArrays& a, TokenTable& table, const int64_t* re
                              const int64_t* new_blocks, const Decision& decision, Compaction mode,
                              int64_t fragmentation_threshold, bool pressure, const uint8_t* may_plan,
                              const VictimsHook& on_victims) {
-  Decision bounded = decision;
-  std::vector<int64_t> excess, lo, hi;
-  if (decision.rule != nullptr) {
-    rule_bounds(a, table, rows, batch, decision, excess, lo, hi);
-    bounded.excess = excess.data(), bounded.lo = lo.data(), bounded.hi = hi.data();
-  }
-  const Selection picked = decide(a, table, req_ids, rows, batch, bounded);
+  const Selection picked = decide(a, table, req_ids, rows, batch, decision);
   const int64_t tpb = a.tokens_per_block, num_victims = static_cast<int64_t>(picked.rows.size());
   DecodeResult out;
   // Victims as the table takes them (logical ids, CSR by request) and as the layout drops them

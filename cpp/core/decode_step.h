@@ -31,14 +31,11 @@ enum class Selector : int64_t {
 
 struct Decision {
   Selector selector = Selector::kNone;
-  const int64_t* lo = nullptr;      // [batch] lowest candidate id
-  const int64_t* hi = nullptr;      // [batch] one past the highest
-  const int64_t* excess = nullptr;  // [batch] tokens to evict (<= 0: none)
-  // Instead of lo / hi / excess: the policy's bounds rule, applied here to the layout's counters
-  // after the registration (budget.h), the live tokens in shared blocks counted when skip_shared.
-  // Without mass (a policy that learns nothing this step) a request is a candidate only over its
-  // budget, num_live > target(num_tokens), as ScorePolicy.wants_to_evict filters it.
-  const BoundsRule* rule = nullptr;
+  // The policy's bounds rule (budget.h), applied here to the layout's counters after the
+  // registration, the live tokens in shared blocks counted when skip_shared. Without mass (a
+  // policy that learns nothing this step) a request is a candidate only over its budget,
+  // num_live > target(num_tokens), as ScorePolicy.wants_to_evict filters it.
+  BoundsRule rule;
   float* stat = nullptr;            // kLowestStat: the score per slot (float32)
   const float* mass32 = nullptr;    // optional, one of the two: [batch, mass_stride] added to stat first
   const double* mass64 = nullptr;

@@ -99,37 +99,24 @@ void bind_slots(nb::module_& m) {
   m.def(
       "slots_decide_step",
       [](BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new, Ids offsets, Ids blocks,
-         int64_t selector, std::optional<Ids> lo, std::optional<Ids> hi, std::optional<Ids> excess,
-         int64_t compaction, int64_t fragmentation_threshold, bool pressure,
+         int64_t selector, std::tuple<int64_t, double, int64_t, int64_t, double> rule, int64_t compaction,
+         int64_t fragmentation_threshold, bool pressure,
          std::optional<nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>> stat,
          std::optional<nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>> mass,
          std::optional<nb::callable> on_victims, bool skip_shared, int64_t threads,
-         std::optional<nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>> may_plan,
-         std::optional<std::tuple<int64_t, double, int64_t, int64_t, double>> rule) {
+         std::optional<nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>> may_plan) {
         vtoken::SlotArrays& a = layout.arrays();
         const size_t batch = rows.shape(0);
         check_batch(rows, layout.rows(), batch, "rows");
         if (req_ids.shape(0) != batch || num_new.shape(0) != batch || offsets.shape(0) != batch + 1) {
           throw std::invalid_argument("slots_decide_step: req_ids and num_new need one entry per row, offsets one more");
         }
-        const bool bounds_given = lo && hi && excess;
-        if (bounds_given == rule.has_value() || (!bounds_given && (lo || hi || excess))) {
-          throw std::invalid_argument("slots_decide_step: give either lo, hi and excess or a bounds rule");
-        }
-        if (bounds_given && (lo->shape(0) != batch || hi->shape(0) != batch || excess->shape(0) != batch)) {
-          throw std::invalid_argument("slots_decide_step: lo, hi and excess need one entry per row");
-        }
-        vtoken::BoundsRule bounds_rule;
-        if (rule) {
-          std::tie(bounds_rule.tokens, bounds_rule.ratio, bounds_rule.n_sink, bounds_rule.recent_window,
-                   bounds_rule.recent_ratio) = *rule;
-          const bool ratio_ok = bounds_rule.ratio > 0.0 && bounds_rule.ratio <= 1.0;
-          if (bounds_rule.tokens < -1 || (bounds_rule.tokens == -1 && !ratio_ok) || bounds_rule.n_sink < 0 ||
-              bounds_rule.recent_window < 0 ||
-              !(bounds_rule.recent_ratio >= 0.0 && bounds_rule.recent_ratio <= 1.0)) {
-            throw std::invalid_argument("slots_decide_step: a bounds rule is (tokens >= 0 or -1, ratio in (0, 1], "
-                                        "n_sink >= 0, recent_window >= 0, recent_ratio in [0, 1])");
-          }
+        vtoken::Decision d{static_cast<vtoken::Selector>(selector)};
+        vtoken::BoundsRule& bounds = d.rule;
+        std::tie(bounds.tokens, bounds.ratio, bounds.n_sink, bounds.recent_window, bounds.recent_ratio) = rule;
+        if (!vtoken::valid(bounds)) {
+          throw std::invalid_argument("slots_decide_step: a bounds rule is (tokens >= 0 or -1, ratio in (0, 1], "
+                                      "n_sink >= 0, recent_window >= 0, recent_ratio in [0, 1])");
         }
         if (selector < 0 || selector > 2 || compaction < 0 || compaction > 3) {
           throw std::invalid_argument("slots_decide_step: selector must be 0-2 and compaction 0-3 (dense, lazy, "
@@ -139,12 +126,6 @@ void bind_slots(nb::module_& m) {
           throw std::invalid_argument("slots_decide_step: may_plan needs one entry per row and lazy-deferred");
         }
         if (threads < 1) throw std::invalid_argument("slots_decide_step: threads must be >= 1");
-        vtoken::Decision d{static_cast<vtoken::Selector>(selector)};
-        if (bounds_given) {
-          d.lo = lo->data(), d.hi = hi->data(), d.excess = excess->data();
-        } else {
-          d.rule = &bounds_rule;
-        }
         d.skip_shared = skip_shared;
         d.threads = threads;
         if (d.selector == vtoken::Selector::kLowestStat) {
@@ -195,15 +176,15 @@ void bind_slots(nb::module_& m) {
             r.num_changed);
       },
       "layout"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
-      "lo"_a.none(), "hi"_a.none(), "excess"_a.none(), "compaction"_a, "fragmentation_threshold"_a, "pressure"_a,
+      "rule"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a,
       "stat"_a.noconvert() = nb::none(), "mass"_a = nb::none(), "on_victims"_a = nb::none(), "skip_shared"_a = false,
-      "threads"_a = 1, "may_plan"_a = nb::none(), "rule"_a = nb::none(),
+      "threads"_a = 1, "may_plan"_a = nb::none(),
       "After slots_register: the batch's decision, the token table's step and the layout's update in one call "
       "(cpp/core/decode_step.h); on_victims(victim_offsets, victim_ids) runs between the decision and the "
-      "table's step when there are victims; lo, hi and excess: each request's candidate bounds, or None with rule "
-      "(tokens or -1, ratio, n_sink, recent_window, recent_ratio): the policy's bounds applied to the layout's "
-      "counters here (budget.h); skip_shared: the id selector passes over tokens in shared blocks; threads: the statistic's pass "
-      "may split its rows over that many threads (select.h); lazy-deferred plans only the rows may_plan allows "
-      "and commits nothing (decode_step.h). Returns (victim_offsets, victim_ids, the table's step as step_batch returns it, "
-      "lost, num_tokens, changed, number changed).");
+      "table's step when there are victims; rule: the policy's bounds, (tokens or -1, ratio, n_sink, "
+      "recent_window, recent_ratio), applied to the layout's counters here (budget.h); skip_shared: the id "
+      "selector passes over tokens in shared blocks; threads: the statistic's pass may split its rows over that "
+      "many threads (select.h); lazy-deferred plans only the rows may_plan allows and commits nothing "
+      "(decode_step.h). Returns (victim_offsets, victim_ids, the table's step as step_batch returns it, lost, "
+      "num_tokens, changed, number changed).");
 }

@@ -50,17 +50,32 @@ def test_the_rule_gives_the_policys_bounds(name, budget):
         np.testing.assert_array_equal(num_live > target, policy.wants_to_evict(num_tokens, num_live))
 
 
-def test_a_policy_that_sizes_its_window_its_own_way_has_no_rule():
+def test_a_policy_that_sizes_its_window_its_own_way_has_no_rule_and_takes_the_general_path():
+    """No rule, no fused call: the step decides by the policy's own bounds (the general path), and
+    keeps the window the subclass asked for."""
+    from trtllm_vtoken.core import BlockPool
+    from trtllm_vtoken.step import DecodeStep, StepConfig, StepInput
+
     class Wider(H2OPolicy):
         def recent_tokens_batch(self, targets):
             return super().recent_tokens_batch(targets) + 1
 
     assert Wider(budget=Budget(ratio=0.5)).bounds_rule() is None
     assert H2OPolicy(budget=Budget(ratio=0.5), recent_ratio=0.25).bounds_rule() == (-1, 0.5, 0, 0, 0.25)
+    for policy, fused in ((H2OPolicy(budget=Budget(tokens=6)), 1), (Wider(budget=Budget(tokens=6)), 0)):
+        pool = BlockPool(num_blocks=16, tokens_per_block=4)
+        step = DecodeStep(StepConfig(compaction="dense"), pool.num_blocks, 4, policy)
+        step.add_request(0)
+        mass = np.arange(8, dtype=np.float32)[::-1].copy()[None, :]  # the oldest tokens weigh most
+        out = step.run(StepInput([0], num_new=[8], new_block_offsets=[0, 2], new_blocks=pool.allocate(2), mass=mass))
+        assert step.stats.fused_steps == fused
+        # Budget 6 keeps 6 of 8; H2O's window (half the budget, 3) protects ids 5-7, Wider's 4 ids 4-7:
+        # the two lightest candidates go (ids 3 and 4, or 2 and 3).
+        assert list(out.victims_of(0)) == ([3, 4] if fused else [2, 3])
 
 
-def test_the_fused_call_takes_bounds_or_a_rule_and_checks_the_rule():
-    """Either lo, hi and excess or a rule; a rule out of range is refused before anything changes."""
+def test_the_fused_call_checks_its_rule():
+    """A rule out of range is refused before anything changes; the rule is required."""
     from trtllm_vtoken.step.slots import SlotMap
 
     native = load()
@@ -70,17 +85,12 @@ def test_the_fused_call_takes_bounds_or_a_rule_and_checks_the_rule():
     call = dict(layout=slots.native_layout(), table=table, req_ids=empty, rows=empty, num_new=empty,
                 offsets=np.zeros(1, dtype=np.int64), blocks=empty, selector=1, compaction=0,
                 fragmentation_threshold=1, pressure=False)
-    given = dict(lo=empty, hi=empty, excess=empty)
-    none = dict(lo=None, hi=None, excess=None)
-    native.slots_decide_step(**call, **none, rule=(-1, 0.5, 4, 0, 0.0))  # an empty batch, by its rule
-    native.slots_decide_step(**call, **given)  # or by its bounds
-    with pytest.raises(ValueError, match="either"):
-        native.slots_decide_step(**call, **given, rule=(-1, 0.5, 4, 0, 0.0))
-    with pytest.raises(ValueError, match="either"):
-        native.slots_decide_step(**call, **none)
-    with pytest.raises(ValueError, match="either"):
-        native.slots_decide_step(**call, **dict(none, lo=empty), rule=(-1, 0.5, 4, 0, 0.0))
+    native.slots_decide_step(**call, rule=(-1, 0.5, 4, 0, 0.0))  # an empty batch
+    with pytest.raises(TypeError):
+        native.slots_decide_step(**call)
     for bad in [(-2, 0.5, 0, 0, 0.0), (-1, 0.0, 0, 0, 0.0), (-1, 1.5, 0, 0, 0.0), (8, 1.0, -1, 0, 0.0),
                 (8, 1.0, 0, -1, 0.0), (8, 1.0, 0, 0, 1.5)]:
         with pytest.raises(ValueError, match="bounds rule"):
-            native.slots_decide_step(**call, **none, rule=bad)
+            native.slots_decide_step(**call, rule=bad)
+        with pytest.raises(ValueError, match="out of range"):
+            native.candidate_bounds(bad, empty, empty, empty)

@@ -29,7 +29,7 @@ import numpy as np
 from trtllm_vtoken.core.native import load as load_native
 from trtllm_vtoken.policies import EvictionPolicy, ScorePolicy
 from trtllm_vtoken.policies.batch import BatchView
-from trtllm_vtoken.policies.budget import BoundsRule
+from trtllm_vtoken.policies.budget import BoundsRule, Budget
 from trtllm_vtoken.step.config import StepStats
 from trtllm_vtoken.step.slots import SlotMap
 
@@ -38,11 +38,10 @@ class NativeDecision(NamedTuple):
     """A batch's decision as the fused native call takes it (``cpp/core/decode_step.h``)."""
 
     selector: int
-    """0: no victims; 1: the lowest live ids in [lo, hi); 2: the lowest ``stat`` in [lo, hi)."""
-    lo: np.ndarray | None
-    hi: np.ndarray | None
-    excess: np.ndarray | None
-    """[B] int64 each: the candidates' id range and the tokens to evict (<= 0: none); None with ``rule``."""
+    """0: no victims; 1: the lowest live ids among the candidates; 2: the lowest ``stat``."""
+    rule: BoundsRule
+    """The policy's ``bounds_rule``: the native call sizes each request's candidates from the
+    layout's counters itself (``cpp/core/budget.h``), no numpy over the batch's rows here."""
     stat: np.ndarray | None
     """Selector 2: the per-slot score statistic (float32), which ``mass`` is added to first."""
     mass: np.ndarray | None
@@ -51,15 +50,10 @@ class NativeDecision(NamedTuple):
     """Tokens in shared blocks are no candidates (the bounds keep them on top of the budget)."""
     threads: int = 1
     """Selector 2: threads the pass may split the rows over (``cpp/core/select.h``)."""
-    rule: BoundsRule | None = None
-    """Instead of the bounds: the policy's ``bounds_rule``, which the native call applies to the
-    layout's counters itself (``cpp/core/budget.h``): no numpy over the batch's rows here."""
 
-    @classmethod
-    def none(cls, batch: int) -> NativeDecision:
-        """No victims and nothing to observe."""
-        zeros = np.zeros(batch, dtype=np.int64)
-        return cls(0, zeros, zeros, zeros, None, None)
+
+NO_DECISION = NativeDecision(0, BoundsRule.of(Budget(ratio=1.0), 0, 0), None, None)
+"""No victims and nothing to observe (a batch no request of which evicts)."""
 
 
 class BadMass(RuntimeError):
@@ -165,11 +159,11 @@ class BatchDecision:
     def native_decision(self, rows: np.ndarray, mass: Any, shared: Collection[int],
                         sole_policy: int | None = None) -> NativeDecision | None:
         """The batch's decision for the fused native call, or None where it takes ``victims``: the
-        Python core, several policies in the batch, a policy the C++ core cannot decide. The same
-        victims as ``victims``: the bounds are the policy's own
-        (``candidate_bounds``, zero excess where ``wants_to_evict`` says no; with shared blocks,
-        their live tokens kept on top of the budget and never candidates, as the Python path's
-        protected mask), the mass is this step's as ``batch_mass`` gives it. ``sole_policy``: the
+        Python core, several policies in the batch, a policy the C++ core cannot decide or whose
+        bounds have no ``bounds_rule``. The same victims as ``victims``: the call applies the
+        policy's rule (``candidate_bounds``, zero excess where ``wants_to_evict`` says no; with
+        shared blocks, their live tokens kept on top of the budget and never candidates, as the
+        Python path's protected mask), the mass is this step's as ``batch_mass`` gives it. ``sole_policy``: the
         policy index (-1: none) every request of the step follows, when the step knows (the rows
         need no look). Raises ``BadMass`` as ``victims`` does."""
         if not self.native:
@@ -181,36 +175,19 @@ class BatchDecision:
             if np.count_nonzero(index != first):
                 return None
         if first < 0:  # no request of the batch evicts (or no request at all)
-            return NativeDecision.none(len(rows))
+            return NO_DECISION
         selector = self._selectors.get(first)
         if selector is None:  # once per policy: which native pass decides for it, if any
             selector = self._selectors[first] = self.native_selector(self.policies[first])
-        if not selector:
+        policy = self.policies[first]
+        rule = policy.bounds_rule() if selector else None  # each step: a budget may change between steps
+        if rule is None:  # a policy whose bounds only its own code knows takes the general path
             return None
-        policy, slots = self.policies[first], self.slots
-        observes = selector == 2 and policy.observes_attention()
-        skip_shared = bool(len(shared))
-        rule = policy.bounds_rule()  # each step: a policy's budget may change between steps
-        if rule is not None:  # the native call sizes each request's candidates itself
-            batch_mass = self._observed_mass(mass, rows) if observes else None
-            return NativeDecision(selector, None, None, None, slots.stats[policy.score_stat] if selector == 2 else None,
-                                  batch_mass, skip_shared, self.threads, rule)
-        num_tokens, num_live = slots.num_tokens[rows], slots.num_live[rows]
-        wants = None if observes else policy.wants_to_evict(num_tokens, num_live)
-        if wants is not None and not np.count_nonzero(wants):  # nothing over budget, nothing to learn
-            return NativeDecision.none(len(rows))
-        excess, lo, hi = self.native_bounds(policy, rows, skip_shared)
-        if wants is not None:
-            excess[~wants] = 0
-        if selector == 1:
-            return NativeDecision(1, lo, hi, excess, None, None, skip_shared)
-        batch_mass = self._observed_mass(mass, rows) if observes else None
-        return NativeDecision(2, lo, hi, excess, slots.stats[policy.score_stat], batch_mass, skip_shared, self.threads)
-
-    def _observed_mass(self, mass: Any, rows: np.ndarray) -> np.ndarray:
-        """``batch_mass`` as the native pass takes it: as wide as it came."""
-        slots = self.slots
-        return self.batch_mass(mass, rows, None, lambda: slots.gather(slots.tokens, slots.block_rows(rows)))
+        slots, batch_mass = self.slots, None
+        if selector == 2 and policy.observes_attention():  # as wide as it came
+            batch_mass = self.batch_mass(mass, rows, None, lambda: slots.gather(slots.tokens, slots.block_rows(rows)))
+        stat = slots.stats[policy.score_stat] if selector == 2 else None
+        return NativeDecision(selector, rule, stat, batch_mass, bool(len(shared)), self.threads)
 
     def native_bounds(self, policy: ScorePolicy, rows: np.ndarray, shared: bool) -> tuple[np.ndarray, ...]:
         """(excess, lo, hi) of a native pass over these rows, int64 (``candidate_bounds``); with

@@ -60,7 +60,7 @@ def decide_and_step(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.nd
     then."""
     hook = None if on_victims is None else (lambda offsets, ids: on_victims(req_ids, offsets, ids))
     victim_offsets, victim_ids, step, lost, num_tokens, changed, num_changed = slots.native.slots_decide_step(
-        slots.native_layout(), table, req_ids, rows, num_new, offsets, blocks, decision.selector, decision.lo,
-        decision.hi, decision.excess, COMPACTIONS.index(compaction), fragmentation_threshold, pressure,
-        decision.stat, decision.mass, hook, decision.skip_shared, decision.threads, may_plan, decision.rule)
+        slots.native_layout(), table, req_ids, rows, num_new, offsets, blocks, decision.selector, tuple(decision.rule),
+        COMPACTIONS.index(compaction), fragmentation_threshold, pressure, decision.stat, decision.mass, hook,
+        decision.skip_shared, decision.threads, may_plan)
     return FusedResult(victim_offsets, victim_ids, StepBatchResult(*step), lost, num_tokens, changed, num_changed)
