@@ -106,6 +106,7 @@ nb::tuple step_batch_on(TokenTable& t, const int64_t* req_ids, size_t batch, con
 
 void bind_slots(nb::module_& m);    // slot_bindings.cpp
 void bind_flights(nb::module_& m);  // flight_bindings.cpp
+void bind_decode(nb::module_& m);   // decode_bindings.cpp
 
 NB_MODULE(_core, m) {
   m.doc() = "C++ token table and relocation planners (mirror of the Python specification)";
@@ -119,6 +120,7 @@ NB_MODULE(_core, m) {
 
   bind_slots(m);
   bind_flights(m);
+  bind_decode(m);
   m.def(
       "select_lowest",
       [](nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> tokens,

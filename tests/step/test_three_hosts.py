@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The three hosts run the one step: the reference engine (tiny real model), the simulated backend
 and the TensorRT-LLM manager (over the 1.2.1 doubles) serve the same batch (three prompts, then
-decode steps, StreamingLLM at budget 8) and call ``DecodeStep.run`` once per iteration with the
-same input; they get identical victims, moves, freed blocks and lengths, and identical tables."""
+decode steps, StreamingLLM at budget 8) and step it once per iteration with the same input (the
+engines ``DecodeStep.start`` + ``finish``, the manager ``run``, which makes both); they get
+identical victims, moves, freed blocks and lengths, and identical tables."""
 
 from __future__ import annotations
 
@@ -26,17 +27,23 @@ POLICY = dict(policy="streaming_llm", budget=8, policy_options={"n_sink": 2})
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Every ``DecodeStep.run``: (the step, its input in plain lists, its output in plain lists)."""
-    calls = []
-    run = DecodeStep.run
+    """Every step (``start`` to ``finish``): (the step, its input in plain lists, its output in
+    plain lists)."""
+    calls, started = [], {}
+    start, finish = DecodeStep.start, DecodeStep.finish
 
-    def spy(step, inp):
-        out = run(step, inp)
-        calls.append((step, (list(inp.req_ids), list(inp.num_new), list(inp.new_blocks)),
+    def spy_start(step, inp, overlap=False):
+        started[step] = (list(inp.req_ids), list(inp.num_new), list(inp.new_blocks))
+        start(step, inp, overlap)
+
+    def spy_finish(step):
+        out = finish(step)
+        calls.append((step, started.pop(step),
                       (out.victims.tolist(), [a.tolist() for a in out.table], out.lost.tolist())))
         return out
 
-    monkeypatch.setattr(DecodeStep, "run", spy)
+    monkeypatch.setattr(DecodeStep, "start", spy_start)
+    monkeypatch.setattr(DecodeStep, "finish", spy_finish)
     return calls
 
 

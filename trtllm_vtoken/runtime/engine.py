@@ -182,19 +182,23 @@ class Engine:
             results += self._forward([req_id], [ids], prefill=True)
             self.stats.prefill_tokens += len(ids)
             self.stats.cached_prompt_tokens += cached
-        continuing, masses, queries = [], [], []
-        for request, logits, mass, num_queries in results:
+        # One step for every row the forwards ran, begun before sampling: its new tokens join the
+        # table, the policy decides for the whole batch (a request's cached chain is cut before
+        # its KV can move), one copy relocates every request's KV. Its native call runs beside the
+        # sampling where it can (``EngineConfig.step_overlap``); a request that finishes now leaves
+        # after it. Then admission learns what each request going on holds, and the prefix cache
+        # keys the blocks that filled.
+        rows = [request.req_id for request, *_ in results]
+        self.kv.start_step(rows, self._batch_mass(rows, [r[2] for r in results], [r[3] for r in results]),
+                           overlap=self.config.step_overlap)
+        for request, logits, _, _ in results:
             reported.append(self._advance(request, logits))
-            if request.status is Status.RUNNING:
-                continuing.append(request.req_id), masses.append(mass), queries.append(num_queries)
-        # One step for every request that goes on: its new tokens join the table, the policy
-        # decides for the whole batch (a request's cached chain is cut before its KV can move),
-        # one copy relocates every request's KV; then admission learns what each now holds, and
-        # the prefix cache keys the blocks that filled.
-        out = self.kv.step_batch(continuing, self._batch_mass(continuing, masses, queries))
+        out = self.kv.finish_step()
+        continuing = [r for r in rows if self.requests[r].status is Status.RUNNING]
         if self.record_trace:
-            for i, req_id in enumerate(continuing):
-                self.requests[req_id].evictions.append(tuple(out.victims_of(i)) if out is not None else ())
+            for i, req_id in enumerate(rows):
+                if self.requests[req_id].status is Status.RUNNING:
+                    self.requests[req_id].evictions.append(tuple(out.victims_of(i)) if out is not None else ())
         self.kv.update(continuing, [self.requests[r].remaining for r in continuing])
         self.kv.store_written(continuing, lambda r: self.requests[r].prefill_ids())
         if self.config.check_invariants:  # every rank: same table, same free blocks, same tokens

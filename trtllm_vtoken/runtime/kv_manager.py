@@ -104,6 +104,8 @@ class KVCacheManager:
         self.writes = PendingWrites(tpb, self.layout, self.prefix.allocate if self.prefix else self.pool.allocate,
                                     lambda: self.pool.num_free)
         """Cached prefixes and this iteration's reservations, not yet in the layout."""
+        self._stepping = False  # start_step began a step that finish_step has not completed
+        self._finished: StepOutput | None = None  # completed early (a release waited for it)
 
     @property
     def policy(self) -> EvictionPolicy | None:
@@ -228,33 +230,55 @@ class KVCacheManager:
         return self.step is not None and self.step.config.compaction != "dense"
 
     def step_batch(self, req_ids: list[int], mass=None) -> StepOutput | None:
-        """The iteration's end for the requests that go on: their written tokens join (native:
-        the block lists); the step evicts and compacts (one copy for all); admission is updated.
+        """The iteration's end for these requests at once: ``start_step`` then ``finish_step``."""
+        self.start_step(req_ids, mass)
+        return self.finish_step()
+
+    def start_step(self, req_ids: list[int], mass=None, overlap: bool = False) -> None:
+        """The iteration's end for the requests the forward ran: their written tokens join
+        (native: the block lists); the step evicts and compacts (one copy for all). ``overlap``:
+        the step's native call may run beside the engine's next work (``DecodeStep.start``)
+        until ``finish_step``, which frees the released blocks; a release in between waits for it.
 
         Args:
             mass: attention per physical position [B, >= L] (or the step's ``Mass`` function),
                 when the policy observes it.
         """
+        self.finish_step()  # a step begun before and not finished
         if not req_ids:
-            return None
+            return
         fresh_lists, num_new = self.writes.take(req_ids)
         if self.step is None:
             start = time.perf_counter()
             self.lists.append_batch(req_ids, fresh_lists, num_new)
             self.stats.lists_seconds += time.perf_counter() - start
-            return None
+            return
         # The batch in CSR form: request i's new blocks are new_blocks[offsets[i]:offsets[i + 1]].
         offsets = np.fromiter(accumulate(map(len, fresh_lists), initial=0), dtype=np.int64, count=len(req_ids) + 1)
         new_blocks = list(chain.from_iterable(fresh_lists))
         on_cuda = self.cache is not None and self.cache.pool.is_cuda and not self.config.synchronous_copies
         # Memory pressure: the pool could not give every running request a block for its next token.
         pressure = self.pool.num_free < len(req_ids) + self.config.evacuation_headroom
-        out = self.step.run(StepInput(req_ids, num_new, offsets, new_blocks,
-                                      mass=mass if self.needs_attention else None, pressure=pressure,
-                                      stream=torch.cuda.current_stream() if on_cuda else None))
-        self._free(out.table.freed.tolist())
-        self.evictions.count(out.req_ids, out.victim_offsets)
+        self.step.start(StepInput(req_ids, num_new, offsets, new_blocks, mass=mass if self.needs_attention else None,
+                                  pressure=pressure, stream=torch.cuda.current_stream() if on_cuda else None),
+                        overlap=overlap)
+        self._stepping = True
+
+    def finish_step(self) -> StepOutput | None:
+        """Completes the step ``start_step`` began (waits for its native call), frees the blocks
+        it released; returns its output (None: no step, or native)."""
+        self._land()
+        out, self._finished = self._finished, None
         return out
+
+    def _land(self) -> None:
+        """The step in flight, if any, completed; its output kept for ``finish_step``."""
+        if self._stepping:
+            self._stepping = False
+            out = self.step.finish()
+            self._free(out.table.freed.tolist())
+            self.evictions.count(out.req_ids, out.victim_offsets)
+            self._finished = out
 
     def store_written(self, req_ids: list[int], token_ids: Callable[[int], list[int]]) -> None:
         """Prefix caching, after ``step_batch``: keys the blocks the step's tokens filled (up to
@@ -306,6 +330,7 @@ class KVCacheManager:
     def release(self, req_id: int) -> None:
         """Returns every block of the request to the pool (keyed ones stay cached) and drops its
         state everywhere."""
+        self._land()  # a step in flight completes first (it may hold the request)
         blocks = self.layout.remove_request(req_id) + self.writes.drop(req_id)
         if self.prefix is not None:
             self.prefix.end(req_id, blocks)

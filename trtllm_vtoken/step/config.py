@@ -50,13 +50,15 @@ class StepConfig:
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0: automatic), got {self.threads}")
 
-    def pass_threads(self) -> int:
+    def pass_threads(self, beside_host: bool = False) -> int:
         """``threads`` resolved: 0 becomes the cores this process may run on, at most
-        ``MAX_AUTO_THREADS`` (the host's other work, e.g. other ranks' processes, keeps the rest)."""
+        ``MAX_AUTO_THREADS`` (the host's other work, e.g. other ranks' processes, keeps the rest);
+        ``beside_host``: one core fewer (the step runs on its worker thread while the host's
+        thread keeps a core busy, ``DecodeStep.start``)."""
         if self.threads:
             return self.threads
-        return max(1, min(MAX_AUTO_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                          else os.cpu_count() or 1))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(MAX_AUTO_THREADS, cores - beside_host))
 
 
 MAX_AUTO_THREADS = 4
@@ -75,6 +77,10 @@ class StepStats:
     invariant_checks: int = 0
     fused_steps: int = 0
     """Steps that took the fused native call (``step/fused.py``)."""
+    overlapped_steps: int = 0
+    """Fused steps whose native call ran on the worker thread beside the host (``DecodeStep.start``)."""
+    waited_seconds: float = 0.0
+    """Time the host's thread waited for those calls (their own time is counted as "core")."""
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("table", "policy", "core", "copy", "checks"), 0.0))
     """Host time: "table" the batch layout's upkeep (slots, block rows, counters); "policy" mass

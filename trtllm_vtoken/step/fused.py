@@ -44,6 +44,12 @@ class FusedResult(NamedTuple):
     """[B] int64, 1 where the request moved tokens, released blocks or got shorter."""
     num_changed: int
 
+    @classmethod
+    def of(cls, native: tuple) -> FusedResult:
+        """From what the native call returns (its table step a tuple of arrays)."""
+        victim_offsets, victim_ids, step, lost, num_tokens, changed, num_changed = native
+        return cls(victim_offsets, victim_ids, StepBatchResult(*step), lost, num_tokens, changed, num_changed)
+
 
 def decide_and_step(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray,
                     offsets: np.ndarray, blocks: np.ndarray, decision: NativeDecision, compaction: str,
@@ -59,8 +65,27 @@ def decide_and_step(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.nd
     ValueError/KeyError from the table's step may leave it half done: the caller stops the step
     then."""
     hook = None if on_victims is None else (lambda offsets, ids: on_victims(req_ids, offsets, ids))
-    victim_offsets, victim_ids, step, lost, num_tokens, changed, num_changed = slots.native.slots_decide_step(
-        slots.native_layout(), table, req_ids, rows, num_new, offsets, blocks, decision.selector, tuple(decision.rule),
-        COMPACTIONS.index(compaction), fragmentation_threshold, pressure, decision.stat, decision.mass, hook,
-        decision.skip_shared, decision.threads, may_plan)
-    return FusedResult(victim_offsets, victim_ids, StepBatchResult(*step), lost, num_tokens, changed, num_changed)
+    return FusedResult.of(slots.native.slots_decide_step(
+        *fused_arguments(slots, table, req_ids, rows, num_new, offsets, blocks, decision, compaction,
+                         fragmentation_threshold, pressure), hook, decision.skip_shared, decision.threads, may_plan))
+
+
+def start_decide_and_step(worker: Any, slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray,
+                          num_new: np.ndarray, offsets: np.ndarray, blocks: np.ndarray, decision: NativeDecision,
+                          compaction: str, fragmentation_threshold: int, pressure: bool,
+                          may_plan: np.ndarray | None = None) -> None:
+    """``decide_and_step`` (no victims hook) started on ``worker`` (the C++ core's
+    ``DecodeWorker``), which checks the arguments at once (ValueError, nothing started); its
+    ``wait()`` returns (what ``FusedResult.of`` takes, the call's seconds on the worker). Until
+    then nothing may touch the layout, the table or these arrays."""
+    worker.start(*fused_arguments(slots, table, req_ids, rows, num_new, offsets, blocks, decision, compaction,
+                                  fragmentation_threshold, pressure), decision.skip_shared, decision.threads, may_plan)
+
+
+def fused_arguments(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray,
+                    offsets: np.ndarray, blocks: np.ndarray, decision: NativeDecision, compaction: str,
+                    fragmentation_threshold: int, pressure: bool) -> tuple:
+    """The native call's leading arguments, as both of its forms take them (layout ... mass)."""
+    return (slots.native_layout(), table, req_ids, rows, num_new, offsets, blocks, decision.selector,
+            tuple(decision.rule), COMPACTIONS.index(compaction), fragmentation_threshold, pressure, decision.stat,
+            decision.mass)

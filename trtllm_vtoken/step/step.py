@@ -40,12 +40,25 @@ from trtllm_vtoken.step.background import background_for
 from trtllm_vtoken.step.checks import StepChecks
 from trtllm_vtoken.step.config import StepConfig, StepStats
 from trtllm_vtoken.step.core import TableCore, make_core
-from trtllm_vtoken.step.decide import BadMass, BatchDecision
-from trtllm_vtoken.step.fused import decide_and_step
+from trtllm_vtoken.step.decide import BadMass, BatchDecision, NativeDecision
+from trtllm_vtoken.step.fused import FusedResult, decide_and_step, start_decide_and_step
 from trtllm_vtoken.step.input_checks import InputChecks
 from trtllm_vtoken.step.io import StepInput, StepOutput
 from trtllm_vtoken.step.queries import TableQueries
 from trtllm_vtoken.step.slots import SlotMap
+
+class _Iteration:
+    """A step between its start and its end: the checked batch and what the decision left."""
+
+    def __init__(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray,
+                 blocks: np.ndarray, stream: Any) -> None:
+        self.req_ids, self.rows, self.num_new, self.offsets, self.blocks = req_ids, rows, num_new, offsets, blocks
+        self.stream = stream
+        self.native: NativeDecision | None = None
+        self.length: np.ndarray | None = None  # [B] kv_len after the new tokens (general path, background)
+        self.victims: tuple[np.ndarray, ...] | None = None  # general path: rows, slots, CSR offsets, ids
+        self.before: Any = None  # the invariant checks' state before the table's step
+
 
 DEFAULT = object()
 """``add_request``'s policy argument: the step's default policy."""
@@ -97,12 +110,16 @@ class DecodeStep(TableQueries):
         self._policy_of: dict[int, int] = {}  # request -> index into _policies (absent: never evicts)
         self._following: dict[int, int] = {}  # policy index (-1: none) -> requests that follow it
         self._broken: str | None = None
+        self._flight: _Iteration | None = None  # started on the worker thread, not yet waited for
+        self._landed: StepOutput | None = None  # completed, not yet handed over by finish()
+        self._native_worker = None
         if policy is not None:
             self._policy_index(policy)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, req_id: int, policy: Any = DEFAULT) -> None:
         """A new request, with no tokens yet (its first ``run`` registers its prompt)."""
+        self.settle()
         chosen = self.policy if policy is DEFAULT else policy
         self.core.add_request(req_id)
         row = self.slots.add_request(req_id)
@@ -113,6 +130,7 @@ class DecodeStep(TableQueries):
 
     def remove_request(self, req_id: int) -> list[int]:
         """Forgets the request; returns its block list, which the host frees in its pool."""
+        self.settle()
         if self.background is not None:
             self.background.drop(req_id)
         blocks = self.core.remove_request(req_id)
@@ -130,11 +148,13 @@ class DecodeStep(TableQueries):
         return req_id in self.slots.row_of
 
     def request_ids(self) -> list[int]:
+        self.settle()
         return self.core.request_ids()
 
     def relocating_blocks(self) -> set[int]:
         """Blocks that background compactions in flight read, write or will release: a prefix
         cache must not share them until they commit."""
+        self.settle()
         return self.background.blocks(self.tokens_per_block) if self.background is not None else set()
 
     def policy_of(self, req_id: int) -> EvictionPolicy | None:
@@ -149,96 +169,177 @@ class DecodeStep(TableQueries):
 
     # ---- the step ------------------------------------------------------------------------------
     def run(self, inp: StepInput) -> StepOutput:
-        """One iteration of the batch. Raises ValueError/KeyError for bad input (nothing changed);
-        RuntimeError if the token table refused the step midway (the step is then unusable)."""
+        """One iteration of the batch (``start`` then ``finish``). Raises ValueError/KeyError for
+        bad input (nothing changed); RuntimeError if the token table refused the step midway (the
+        step is then unusable)."""
+        self.start(inp)
+        return self.finish()
+
+    def start(self, inp: StepInput, overlap: bool = False) -> None:
+        """Begins an iteration: checks the input (errors as ``run``), registers the new tokens and
+        prepares the decision. ``overlap``: where the fused native call serves the batch (and no
+        victims hook has to run inside it), the call runs on the step's worker thread and this returns at once; the host goes on with work that does
+        not touch the step (sampling the batch) and then calls ``finish``:
+
+            host     start ── sampling, outputs ──────────── finish ── copy, output
+            worker        └── decide, table step, layout ──┘
+
+        Any other use of the step in between (a query, a request added or removed) waits for the
+        call first. Otherwise the whole step runs here. RuntimeError if a step started before
+        has not been finished."""
+        if self._flight is not None or self._landed is not None:
+            raise RuntimeError("the step started last has not been finished")
         if self._broken:
             raise RuntimeError(f"the step is unusable after an earlier failure: {self._broken}")
-        clock, seconds, stats = time.perf_counter, self.stats.seconds, self.stats
+        it = self._begin(inp)
+        if it.native is not None and overlap and self._overlaps():
+            native = it.native._replace(threads=self.config.pass_threads(beside_host=True))
+            compaction, may_plan = self._call_settings(it.req_ids)
+            try:
+                start_decide_and_step(self._worker(), self.slots, self.core.table, it.req_ids, it.rows, it.num_new,
+                                      it.offsets, it.blocks, native, compaction, self.config.fragmentation_threshold,
+                                      inp.pressure, may_plan)
+            except (KeyError, ValueError) as exc:  # the new tokens are registered already
+                self._broken = f"the token table refused a step: {exc}"
+                raise RuntimeError(self._broken) from exc
+            self._flight = it
+            return
+        self._landed = self._end(it, self._table_step(it, inp.pressure))
+
+    def finish(self) -> StepOutput:
+        """The iteration ``start`` began, completed: what ``run`` returns. RuntimeError if none
+        was started, or what the call on the worker raised (the step is then unusable)."""
+        self.settle()
+        out, self._landed = self._landed, None
+        if out is None:
+            raise RuntimeError("no step was started")
+        return out
+
+    def settle(self) -> None:
+        """Waits for a step's call on the worker thread (``start`` with overlap) and completes
+        the step; ``finish`` hands its output over. Every query and request change calls it."""
+        it = self._flight
+        if it is None:
+            return
+        self._flight = None
+        waited = time.perf_counter()
+        try:
+            fused, seconds = self._native_worker.wait()
+        except (KeyError, ValueError) as exc:
+            self._broken = f"the token table refused a step: {exc}"
+            raise RuntimeError(self._broken) from exc
+        self.stats.waited_seconds += time.perf_counter() - waited
+        self.stats.overlapped_steps += 1
+        self._landed = self._end(it, (FusedResult.of(fused), seconds))
+
+    def _begin(self, inp: StepInput) -> _Iteration:
+        """Checks, registration, the decision (the general path: its victims too)."""
+        clock, stats = time.perf_counter, self.stats
         t0 = clock()
         req_ids, rows, num_new, block_offsets, new_blocks = self.input_checks.validated(inp)
         shared = self.shared_blocks()
         self.core.sync_shared(shared)
         new_slots = self.slots.add_tokens(rows, block_offsets, new_blocks, num_new, req_ids, self.core.table)
         t1, mass_seconds = clock(), stats.mass_seconds
+        it = _Iteration(req_ids, rows, num_new, block_offsets, new_blocks, inp.stream)
         try:
-            native = (self.decision.native_decision(rows, inp.mass, shared, self._sole_policy())
-                      if self._fuses() else None)
-            if native is None:
+            it.native = (self.decision.native_decision(rows, inp.mass, shared, self._sole_policy())
+                         if self._fuses() else None)
+            if it.native is None:
                 victim_index, victim_pos = self.decision.victims(req_ids, rows, inp.mass, shared)
         except BadMass as exc:  # the new tokens are registered already: the step cannot go on
             self._broken = str(exc)
             raise
-        background = self.background
-        length = self.slots.kv_len[rows] if native is None or background else None  # after the new tokens
-        if native is None:
-            victim_rows, victim_slots, victim_offsets, victim_ids = self._victims(req_ids, rows, victim_index,
-                                                                                  victim_pos)
+        if it.native is None or self.background:
+            it.length = self.slots.kv_len[rows]  # after the new tokens
+        if it.native is None:
+            it.victims = self._victims(req_ids, rows, victim_index, victim_pos)
         t2 = clock()
-        before = self.checks.before(req_ids, new_slots, num_new) if self.checks else None
-        t3 = clock()
-        compaction = "lazy-deferred" if background else self.config.compaction
-        may_plan = background.may_plan(req_ids) if background else None
+        it.before = self.checks.before(req_ids, new_slots, num_new) if self.checks else None
+        stats.seconds["table"] += t1 - t0
+        stats.seconds["policy"] += t2 - t1 - (stats.mass_seconds - mass_seconds)  # not the simulated attention
+        stats.seconds["checks"] += clock() - t2
+        return it
+
+    def _table_step(self, it: _Iteration, pressure: bool) -> tuple[Any, float]:
+        """The token table's step here: the fused call (a ``FusedResult``) or the general path's
+        (a ``StepBatchResult``), and its seconds."""
+        start = time.perf_counter()
+        compaction, may_plan = self._call_settings(it.req_ids)
         try:
-            if native is not None:
-                fused = decide_and_step(self.slots, self.core.table, req_ids, rows, num_new, block_offsets,
-                                        new_blocks, native, compaction, self.config.fragmentation_threshold,
-                                        inp.pressure, self._on_victims if self.on_victims else None, may_plan)
-                victim_offsets, victim_ids, result, lost, num_tokens, changed, num_changed = fused
-                stats.fused_steps += 1
+            if it.native is not None:
+                result = decide_and_step(self.slots, self.core.table, it.req_ids, it.rows, it.num_new, it.offsets,
+                                         it.blocks, it.native, compaction, self.config.fragmentation_threshold,
+                                         pressure, self._on_victims if self.on_victims else None, may_plan)
             else:
-                result = self.core.step(req_ids, num_new, block_offsets, new_blocks, victim_offsets, victim_ids,
-                                        compaction, self.config.fragmentation_threshold, inp.pressure, may_plan)
+                victim_offsets, victim_ids = it.victims[2:]
+                result = self.core.step(it.req_ids, it.num_new, it.offsets, it.blocks, victim_offsets, victim_ids,
+                                        compaction, self.config.fragmentation_threshold, pressure, may_plan)
         except (KeyError, ValueError) as exc:
             if self._broken:  # the victims hook failed inside the fused call: its own error
                 raise
             self._broken = f"the token table refused a step: {exc}"
             raise RuntimeError(self._broken) from exc
-        copied = len(result.move_src)
+        return result, time.perf_counter() - start
+
+    def _end(self, it: _Iteration, stepped: tuple[Any, float]) -> StepOutput:
+        """After the table's step: the layout follows (general path, background), the copy, the
+        re-rotation, the output and the counters."""
+        clock, stats, seconds = time.perf_counter, self.stats, self.stats.seconds
+        result, seconds["core"] = stepped[0], seconds["core"] + stepped[1]
+        req_ids, rows, background, stream = it.req_ids, it.rows, self.background, it.stream
         t4 = clock()
-        if native is None or background:
+        if isinstance(result, FusedResult):
+            victim_offsets, victim_ids, table = result.victim_offsets, result.victim_ids, result.table
+            lost, num_tokens, changed, num_changed = result.lost, result.num_tokens, result.changed, result.num_changed
+            stats.fused_steps += 1
+        else:
+            victim_offsets, victim_ids, table = it.victims[2], it.victims[3], result
+        copied = len(table.move_src)
+        if not isinstance(result, FusedResult) or background:
             # The layout follows the table (with background compaction: the plans whose copies
             # finished commit now; the fused call already dropped the victims and set the lengths).
+            fused = isinstance(result, FusedResult)
             try:
-                planned, result = result, self._update_layout(req_ids, rows, None if native else victim_rows,
-                                                              None if native else victim_slots, result)
+                planned, table = table, self._update_layout(req_ids, rows, None if fused else it.victims[0],
+                                                            None if fused else it.victims[1], table)
             except RuntimeError as exc:  # a background plan could not commit: the tables disagree now
                 self._broken = str(exc)
                 raise
             t5 = clock()
             handle = (background.start(req_ids, planned, self.checks is not None) if background
-                      else self._submit_copy(result, inp.stream))
+                      else self._submit_copy(table, stream))
             t6 = clock()
-            lost = length - result.kv_lens
+            lost = it.length - table.kv_lens
             num_tokens = self.slots.num_tokens[rows].copy()
             # A request's layout changed where it moved tokens, released blocks or got shorter (each >= 0).
-            changed = np.diff(result.move_offsets) + np.diff(result.freed_offsets) + lost > 0
+            changed = np.diff(table.move_offsets) + np.diff(table.freed_offsets) + lost > 0
             num_changed = int(np.count_nonzero(changed))
         else:
             t5 = t4
-            handle = self._submit_copy(result, inp.stream)
+            handle = self._submit_copy(table, stream)
             t6 = clock()
-        out = StepOutput(req_ids, victim_offsets, victim_ids, result, lost, num_tokens, handle)
+        out = StepOutput(req_ids, victim_offsets, victim_ids, table, lost, num_tokens, handle)
         if self.checks:
-            self.checks.after(out, before, changed.astype(bool))  # I1 on the relocated keys, before they turn
+            self.checks.after(out, it.before, changed.astype(bool))  # I1 on the relocated keys, before they turn
         if self.rerotation is not None and lost.any():
-            self.rerotation.shift_requests(self.core, dict(zip(req_ids.tolist(), lost.tolist())), inp.stream)
+            self.rerotation.shift_requests(self.core, dict(zip(req_ids.tolist(), lost.tolist())), stream)
         t7 = clock()
         stats.steps += 1
         stats.tokens_evicted += len(victim_ids)
         stats.compactions += num_changed
-        stats.moves += len(result.move_src)
-        stats.blocks_freed += len(result.freed)
+        stats.moves += len(table.move_src)
+        stats.blocks_freed += len(table.freed)
         if self.executor is not None:
             stats.bytes_copied += copied * self.executor.bytes_per_move()
-        seconds["table"] += (t1 - t0) + (t5 - t4)
-        seconds["policy"] += t2 - t1 - (stats.mass_seconds - mass_seconds)  # not the simulated attention
-        seconds["core"] += t4 - t3
+        seconds["table"] += t5 - t4
         seconds["copy"] += t6 - t5
-        seconds["checks"] += (t3 - t2) + (t7 - t6)
+        seconds["checks"] += t7 - t6
         return out
 
     def check_integrity(self) -> None:
         """I2 over every request, and the batch layout against the table. RuntimeError if broken."""
+        self.settle()
         StepChecks(self).layout(self.request_ids())
 
     # ---- private -------------------------------------------------------------------------------
@@ -254,6 +355,23 @@ class DecodeStep(TableQueries):
     def _fuses(self) -> bool:
         """May a batch take the fused native call (``step/fused.py``)?"""
         return self.impl == "cpp" and self.config.fused
+
+    def _overlaps(self) -> bool:
+        """May the fused call run on the worker thread? Not with the victims hook: Python, run
+        inside the call (everything else the step does runs before or after it)."""
+        return self.on_victims is None
+
+    def _call_settings(self, req_ids: np.ndarray) -> tuple[str, np.ndarray | None]:
+        """The table step's compaction and, with background compaction, the requests it may plan."""
+        background = self.background
+        if background is None:
+            return self.config.compaction, None
+        return "lazy-deferred", background.may_plan(req_ids)
+
+    def _worker(self):
+        if self._native_worker is None:
+            self._native_worker = self.slots.native.DecodeWorker()
+        return self._native_worker
 
     def _sole_policy(self) -> int | None:
         """The policy index (-1: none) every request of the step follows, None if they differ."""

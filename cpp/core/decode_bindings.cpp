@@ -1,0 +1,219 @@
+// SPDX-License-Identifier: Apache-2.0
+// Python bindings of the fused decode call (decode_step.h): made at once (slots_decide_step), or
+// on the step's worker thread while the host goes on (DecodeWorker, step_worker.h). Both check
+// their arguments alike, before anything runs, and return the same results.
+#include <chrono>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/tuple.h>
+
+#include "decode_step.h"
+#include "owned_ids.h"
+#include "slot_args.h"
+#include "step_worker.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace vtoken::slot_args;
+
+namespace {
+
+using Stat32 = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Mass = nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Mask = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Rule = std::tuple<int64_t, double, int64_t, int64_t, double>;
+
+// One decode call's arguments, checked. It holds a reference to every buffer it reads or writes
+// (the layout's through its BoundLayout), so they outlive a call on the worker thread; it is
+// built and destroyed on the host's thread, with the GIL.
+struct DecodeCall {
+  nb::object layout_ref, table_ref;
+  vtoken::SlotArrays* arrays = nullptr;
+  vtoken::TokenTable* table = nullptr;
+  Ids req_ids, rows, num_new, offsets, blocks;
+  std::optional<Stat32> stat;
+  std::optional<Mass> mass;
+  std::optional<Mask> may_plan;
+  vtoken::Decision decision;
+  vtoken::Compaction mode = vtoken::Compaction::kDense;
+  int64_t fragmentation_threshold = 1;
+  bool pressure = false;
+
+  vtoken::DecodeResult run(const vtoken::VictimsHook& on_victims = {}) const {
+    return vtoken::decide_and_step(*arrays, *table, req_ids.data(), rows.data(), static_cast<int64_t>(rows.shape(0)),
+                                   num_new.data(), offsets.data(), blocks.data(), decision, mode,
+                                   fragmentation_threshold, pressure, may_plan ? may_plan->data() : nullptr,
+                                   on_victims);
+  }
+};
+
+DecodeCall checked_call(BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new,
+                        Ids offsets, Ids blocks, int64_t selector, Rule rule, int64_t compaction,
+                        int64_t fragmentation_threshold, bool pressure, std::optional<Stat32> stat,
+                        std::optional<Mass> mass, bool skip_shared, int64_t threads, std::optional<Mask> may_plan) {
+  vtoken::SlotArrays& a = layout.arrays();
+  const size_t batch = rows.shape(0);
+  check_batch(rows, layout.rows(), batch, "rows");
+  if (req_ids.shape(0) != batch || num_new.shape(0) != batch || offsets.shape(0) != batch + 1) {
+    throw std::invalid_argument("slots_decide_step: req_ids and num_new need one entry per row, offsets one more");
+  }
+  vtoken::Decision d{static_cast<vtoken::Selector>(selector)};
+  vtoken::BoundsRule& bounds = d.rule;
+  std::tie(bounds.tokens, bounds.ratio, bounds.n_sink, bounds.recent_window, bounds.recent_ratio) = rule;
+  if (!vtoken::valid(bounds)) {
+    throw std::invalid_argument("slots_decide_step: a bounds rule is (tokens >= 0 or -1, ratio in (0, 1], "
+                                "n_sink >= 0, recent_window >= 0, recent_ratio in [0, 1])");
+  }
+  if (selector < 0 || selector > 2 || compaction < 0 || compaction > 3) {
+    throw std::invalid_argument("slots_decide_step: selector must be 0-2 and compaction 0-3 (dense, lazy, "
+                                "dead-blocks, lazy-deferred)");
+  }
+  if (may_plan && (may_plan->shape(0) != batch || compaction != 3)) {
+    throw std::invalid_argument("slots_decide_step: may_plan needs one entry per row and lazy-deferred");
+  }
+  if (threads < 1) throw std::invalid_argument("slots_decide_step: threads must be >= 1");
+  d.skip_shared = skip_shared;
+  d.threads = threads;
+  if (d.selector == vtoken::Selector::kLowestStat) {
+    if (!stat || stat->shape(0) != layout.slots()) {
+      throw std::invalid_argument("slots_decide_step: the statistic selector needs one entry per slot");
+    }
+    d.stat = stat->data();
+  }
+  if (mass) {
+    if (d.selector != vtoken::Selector::kLowestStat || mass->shape(0) != batch) {
+      throw std::invalid_argument("slots_decide_step: mass needs the statistic selector and one row per request");
+    }
+    for (size_t i = 0; i < batch; ++i) {
+      if (a.kv_len[rows.data()[i]] > static_cast<int64_t>(mass->shape(1))) {
+        throw std::invalid_argument("slots_decide_step: the mass is narrower than request " +
+                                    std::to_string(req_ids.data()[i]) + "'s length");
+      }
+    }
+    d.mass_stride = static_cast<int64_t>(mass->shape(1));
+    if (mass->dtype() == nb::dtype<float>()) {
+      d.mass32 = static_cast<const float*>(mass->data());
+    } else if (mass->dtype() == nb::dtype<double>()) {
+      d.mass64 = static_cast<const double*>(mass->data());
+    } else {
+      throw std::invalid_argument("slots_decide_step: mass must be float32 or float64");
+    }
+  }
+  return DecodeCall{nb::find(&layout), nb::find(&table), &a, &table, req_ids, rows, num_new, offsets, blocks,
+                    stat, mass, may_plan, d, static_cast<vtoken::Compaction>(compaction), fragmentation_threshold,
+                    pressure};
+}
+
+nb::tuple result_tuple(vtoken::DecodeResult&& r) {
+  using vtoken::to_numpy;
+  vtoken::StepResult& t = r.table;
+  return nb::make_tuple(
+      to_numpy(std::move(r.victim_offsets)), to_numpy(std::move(r.victim_ids)),
+      nb::make_tuple(to_numpy(std::move(t.move_offsets)), to_numpy(std::move(t.move_tokens)),
+                     to_numpy(std::move(t.move_src)), to_numpy(std::move(t.move_dst)),
+                     to_numpy(std::move(t.freed_offsets)), to_numpy(std::move(t.freed)), to_numpy(std::move(t.kv_lens))),
+      to_numpy(std::move(r.lost)), to_numpy(std::move(r.num_tokens)), to_numpy(std::move(r.changed)), r.num_changed);
+}
+
+// The fused call on the step's worker thread: start() checks and submits, wait() joins and hands
+// back what slots_decide_step returns, with the seconds the call ran on the worker.
+class DecodeWorker {
+ public:
+  void start(DecodeCall call) {
+    if (call_) throw std::logic_error("DecodeWorker: a step is in flight; wait() for it first");
+    call_.emplace(std::move(call));
+    worker_.submit([this] {
+      const auto begin = std::chrono::steady_clock::now();
+      result_ = call_->run();
+      seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    });
+  }
+
+  nb::tuple wait() {
+    if (!call_) throw std::logic_error("DecodeWorker: no step in flight");
+    std::exception_ptr error;
+    {
+      nb::gil_scoped_release release;  // the host's other threads run while it waits
+      try {
+        worker_.wait();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    call_.reset();  // the buffers' references, dropped with the GIL
+    if (error) std::rethrow_exception(error);
+    return nb::make_tuple(result_tuple(std::exchange(result_, {})), seconds_);
+  }
+
+  bool busy() const { return call_.has_value(); }
+
+ private:
+  std::optional<DecodeCall> call_;
+  vtoken::DecodeResult result_;
+  double seconds_ = 0.0;
+  vtoken::StepWorker worker_;  // last: destroyed (its thread joined) before what its job uses
+};
+
+}  // namespace
+
+void bind_decode(nb::module_& m) {
+  m.def(
+      "slots_decide_step",
+      [](BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new, Ids offsets, Ids blocks,
+         int64_t selector, Rule rule, int64_t compaction, int64_t fragmentation_threshold, bool pressure,
+         std::optional<Stat32> stat, std::optional<Mass> mass, std::optional<nb::callable> on_victims,
+         bool skip_shared, int64_t threads, std::optional<Mask> may_plan) {
+        const DecodeCall call = checked_call(layout, table, req_ids, rows, num_new, offsets, blocks, selector, rule,
+                                             compaction, fragmentation_threshold, pressure, stat, mass, skip_shared,
+                                             threads, may_plan);
+        vtoken::VictimsHook hook;
+        if (on_victims) {  // with numpy copies of the victims, as the general path hands them over
+          hook = [&](const std::vector<int64_t>& victim_offsets, const std::vector<int64_t>& victim_ids) {
+            (*on_victims)(vtoken::to_numpy(std::vector<int64_t>(victim_offsets)),
+                          vtoken::to_numpy(std::vector<int64_t>(victim_ids)));
+          };
+        }
+        return result_tuple(call.run(hook));
+      },
+      "layout"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
+      "rule"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a,
+      "stat"_a.noconvert() = nb::none(), "mass"_a = nb::none(), "on_victims"_a = nb::none(), "skip_shared"_a = false,
+      "threads"_a = 1, "may_plan"_a = nb::none(),
+      "After slots_register: the batch's decision, the token table's step and the layout's update in one call "
+      "(cpp/core/decode_step.h); on_victims(victim_offsets, victim_ids) runs between the decision and the "
+      "table's step when there are victims; rule: the policy's bounds, (tokens or -1, ratio, n_sink, "
+      "recent_window, recent_ratio), applied to the layout's counters here (budget.h); skip_shared: the id "
+      "selector passes over tokens in shared blocks; threads: the statistic's pass may split its rows over that "
+      "many threads (select.h); lazy-deferred plans only the rows may_plan allows and commits nothing "
+      "(decode_step.h). Returns (victim_offsets, victim_ids, the table's step as step_batch returns it, lost, "
+      "num_tokens, changed, number changed).");
+
+  nb::class_<DecodeWorker>(m, "DecodeWorker",
+                           "slots_decide_step on a worker thread of its own (cpp/core/step_worker.h): start() "
+                           "checks the arguments (ValueError, nothing submitted) and returns at once; until wait() "
+                           "the caller must not touch the layout, the table or the buffers it passed.")
+      .def(nb::init<>())
+      .def(
+          "start",
+          [](DecodeWorker& w, BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new,
+             Ids offsets, Ids blocks, int64_t selector, Rule rule, int64_t compaction, int64_t fragmentation_threshold,
+             bool pressure, std::optional<Stat32> stat, std::optional<Mass> mass, bool skip_shared, int64_t threads,
+             std::optional<Mask> may_plan) {
+            w.start(checked_call(layout, table, req_ids, rows, num_new, offsets, blocks, selector, rule, compaction,
+                                 fragmentation_threshold, pressure, stat, mass, skip_shared, threads, may_plan));
+          },
+          "layout"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
+          "rule"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a, "stat"_a.noconvert() = nb::none(),
+          "mass"_a = nb::none(), "skip_shared"_a = false, "threads"_a = 1, "may_plan"_a = nb::none(),
+          "slots_decide_step's arguments, less the victims hook (the worker runs no Python).")
+      .def("wait", &DecodeWorker::wait,
+           "Waits (the GIL released) for the call started last; returns (what slots_decide_step returns, the "
+           "seconds it ran on the worker), or raises what it raised.")
+      .def_prop_ro("busy", &DecodeWorker::busy, "A call started and not yet waited for.");
+}

@@ -1,0 +1,158 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fused call on the step's worker thread (``DecodeStep.start`` with overlap, then
+``finish``) equals the call made at once (``run``): the same random batches under each natively
+decided policy and each compaction give the same victims, moves, freed blocks, lengths, tables,
+layouts and KV, with I1/I2 checked around every step, whether the host waits in ``finish`` or a
+query or a request leaving waits for it first. Misuse and a failing call raise as ``run`` does; an
+engine overlapping its sampling with the step produces what it produces without."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.step.drive import POLICY_SPECS, Host, make_step, same_batches, share_a_block
+from tests.step.test_step_parity import outputs_equal, tables_equal
+from trtllm_vtoken.core.native import load
+from trtllm_vtoken.policies import make_policy
+from trtllm_vtoken.step import DecodeStep, StepConfig, StepInput
+
+pytestmark = pytest.mark.skipif(load() is None, reason="the C++ core is not built")
+
+NATIVE_SPECS = [spec for spec in POLICY_SPECS if spec[0] in ("h2o", "streaming_llm", "sliding_window")] + [None]
+
+
+@settings(max_examples=30, deadline=None)
+@given(compaction=st.sampled_from(["dense", "lazy", "dead-blocks", "lazy-background"]), tpb=st.sampled_from([2, 4, 8]),
+       spec=st.sampled_from(NATIVE_SPECS), steps=st.integers(1, 16), seed=st.integers(0, 2**31))
+def test_the_call_on_the_worker_equals_the_call_at_once(compaction, tpb, spec, steps, seed):
+    rng = np.random.default_rng(seed)
+    hosts = [Host(256, tpb, 1) for _ in range(2)]
+    policies = [None if spec is None else make_policy(spec[0], spec[1], **spec[2]) for _ in hosts]
+    at_once, beside = (make_step(h, "cpp", compaction, 2, p) for h, p in zip(hosts, policies))
+    both, next_req = (at_once, beside), 0
+    for _ in range(steps):
+        joining = list(range(next_req, next_req + int(rng.integers(0, 3))))
+        next_req += len(joining)
+        for step in both:
+            for req in joining:
+                step.add_request(req)
+        if not at_once.request_ids():
+            continue
+        share_a_block(rng, list(both), hosts, 0.15)
+        inputs = same_batches(rng, list(both), hosts, joining)
+        expected = at_once.run(inputs[0])
+        beside.start(inputs[1], overlap=True)
+        leaving = [r for r in inputs[1].req_ids if rng.random() < 0.08]
+        if rng.random() < 0.3:  # a query while the call is in flight waits for it
+            assert beside.counters(inputs[1].req_ids) == at_once.counters(inputs[0].req_ids)
+        for req in leaving:  # a request of the batch leaves while the call is in flight
+            for step, host in zip(both, hosts):
+                host.release(b for b in step.remove_request(req) if b not in host.shared)
+        got = beside.finish()
+        outputs_equal(expected, got)
+        for host, out in zip(hosts, (expected, got)):
+            host.release(out.table.freed)
+        tables_equal(at_once, beside)
+        assert torch.equal(hosts[0].kv, hosts[1].kv)
+        assert beside.stats.compactions == at_once.stats.compactions
+    assert beside.stats.overlapped_steps == beside.stats.fused_steps == at_once.stats.fused_steps
+    assert at_once.stats.overlapped_steps == 0
+
+
+def test_misuse_and_a_failing_call_raise_as_run_does():
+    host = Host(16, 4)
+    step = make_step(host, "cpp", "dense", policy=make_policy("h2o", 6))
+    step.add_request(0)
+    with pytest.raises(RuntimeError, match="no step was started"):
+        step.finish()
+    step.start(StepInput([0], [5], [0, 2], host.allocate(2), mass=np.ones((1, 8))), overlap=True)
+    with pytest.raises(RuntimeError, match="has not been finished"):
+        step.start(StepInput.decode([0], mass=np.ones((1, 8))), overlap=True)
+    assert step.finish().lost.tolist() == [0] and step.stats.overlapped_steps == 1
+    messages = []
+    for overlap in (False, True):  # the token table refuses the step on either thread alike
+        host = Host(16, 4)
+        step = DecodeStep(StepConfig("dense", impl="cpp"), 16, 4, make_policy("h2o", 6))  # no checks: the call fails
+        step.add_request(0)
+        step.core.table.remove_request(0)  # behind the step's back: the table no longer knows it
+        with pytest.raises(RuntimeError, match="refused a step") as caught:  # at once, or where it waits
+            step.start(StepInput([0], [5], [0, 2], host.allocate(2), mass=np.ones((1, 8))), overlap=overlap)
+            assert overlap
+            step.finish()
+        with pytest.raises(RuntimeError, match="unusable"):
+            step.run(StepInput.decode([0], mass=np.ones((1, 8))))
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1]
+
+
+def test_the_worker_binding_checks_at_start_and_raises_at_wait():
+    """``DecodeWorker``: bad arguments are refused at start (nothing in flight); an error inside
+    the call comes back from wait (KeyError for an unknown request) and leaves it idle."""
+    host = Host(16, 4)
+    step = make_step(host, "cpp", "dense", policy=make_policy("streaming_llm", 6, n_sink=2))
+    step.add_request(0)
+    step.run(StepInput([0], [5], [0, 2], host.allocate(2)))
+    native, worker = step.slots.native, step.slots.native.DecodeWorker()
+    ids = np.array([0], dtype=np.int64)
+    args = (step.slots.native_layout(), step.core.table, ids, np.array([0], dtype=np.int64), np.ones(1, np.int64),
+            np.zeros(2, np.int64), np.zeros(0, np.int64), 1, (6, 1.0, 2, 0, 0.0), 0, 1, False)
+    with pytest.raises(ValueError, match="selector must be 0-2"):
+        worker.start(*args[:7], 7, *args[8:])
+    assert not worker.busy
+    with pytest.raises(RuntimeError, match="no step in flight"):
+        worker.wait()
+    step.core.table.remove_request(0)
+    worker.start(*args)
+    assert worker.busy
+    with pytest.raises(KeyError):
+        worker.wait()
+    assert not worker.busy
+    assert native is not None
+
+
+def test_the_pass_leaves_a_core_to_the_host_beside_it():
+    config = StepConfig(threads=0)
+    assert config.pass_threads(beside_host=True) == max(1, config.pass_threads() - 1)
+    assert StepConfig(threads=3).pass_threads(beside_host=True) == 3  # as the host set it
+
+
+@pytest.mark.parametrize("policy,mode", [("h2o", "dense"), ("streaming_llm", "lazy"), ("h2o", "lazy")])
+def test_an_engine_sampling_beside_the_step_produces_the_same(policy, mode):
+    """The simulated backend's engine, requests finishing at different steps (a request that
+    finishes leaves after the step, which waits for the call first): the same tokens, evictions,
+    step counters and tables with the call on the worker as without; only there is it overlapped.
+    With prefix caching the cut runs inside the call: nothing overlaps, the same results."""
+    from trtllm_vtoken.runtime.config import EngineConfig
+    from trtllm_vtoken.runtime.engine import Engine
+    from trtllm_vtoken.runtime.sampling import SamplingParams
+    from trtllm_vtoken.runtime.simulated import MODEL_SHAPES, SimulatedModel
+
+    def run(overlap: bool, prefix_caching: bool):
+        config = EngineConfig(tokens_per_block=4, num_blocks=128, max_batch_size=4, max_seq_len=96, policy=policy,
+                              mode=mode, budget=12, step_impl="cpp", step_overlap=overlap,
+                              prefix_caching=prefix_caching)
+        engine = Engine(SimulatedModel(MODEL_SHAPES["smollm2-135m"], mass_dtype=np.float32), config,
+                        record_trace=True)
+        ids = [engine.add_request([1, 0] * (5 + i), SamplingParams(max_tokens=10 + 7 * i, ignore_eos=True))
+               for i in range(6)]
+        free = engine.kv.num_available
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.kv.num_available == free  # every block back (or cached, free-able)
+        stats = engine.kv.step_stats
+        return ([(engine.requests[r].output_ids, engine.requests[r].evictions) for r in ids],
+                (stats.steps, stats.tokens_evicted, stats.moves, stats.blocks_freed, stats.fused_steps),
+                stats.overlapped_steps, engine.kv.num_available)
+
+    for prefix_caching in (False, True):
+        without, beside = run(False, prefix_caching), run(True, prefix_caching)
+        assert beside[:2] == without[:2] and beside[3] == without[3]  # every block back
+        assert without[1][1] > 0 and without[2] == 0
+        if prefix_caching:
+            assert beside[2] == 0
+        else:
+            assert beside[2] == beside[1][4] > 0  # every fused step overlapped
