@@ -156,3 +156,23 @@ def test_an_engine_sampling_beside_the_step_produces_the_same(policy, mode):
             assert beside[2] == 0
         else:
             assert beside[2] == beside[1][4] > 0  # every fused step overlapped
+
+
+def test_a_decode_loop_passing_the_same_lists_is_checked_as_any():
+    """The step reuses the arrays of the last batch's lists when the host passes equal ones (a
+    decode loop) and no request joined or left: the same outputs; a request that left is still
+    unknown, a changed list is read anew."""
+    host = Host(32, 4)
+    step = make_step(host, "cpp", "dense", policy=make_policy("streaming_llm", 6, n_sink=2))
+    for req in (0, 1):
+        step.add_request(req)
+    step.run(StepInput([0, 1], [4, 4], [0, 1, 2], host.allocate(2)))
+    req_ids, num_new = [0, 1], [1, 1]
+    first = step.run(StepInput(req_ids, num_new, [0, 1, 2], host.allocate(2)))
+    again = step.run(StepInput(req_ids, num_new, [0, 0, 0], []))
+    assert again.req_ids is first.req_ids and not again.req_ids.flags.writeable  # reused, read-only
+    assert again.num_tokens.tolist() == [6, 6]
+    host.release(step.remove_request(1))
+    with pytest.raises(KeyError, match="unknown request 1"):
+        step.run(StepInput(req_ids, num_new, [0, 0, 0], []))
+    assert step.run(StepInput([0], [2], [0, 0], [])).num_tokens.tolist() == [8]

@@ -47,6 +47,16 @@ the caches cold for what runs after it, the paired native step included, so it n
 difference in vToken's favour. Each row runs with the C++ core and with the Python core
 (``step_impl``); "cpp-general" rows run the C++ core with its fused decode call off
 (``step_fused``), for comparing the two paths.
+
+The engine begins its step before sampling the batch and finishes it after: with the C++ core a
+fused call runs on the step's worker thread meanwhile (``EngineConfig.step_overlap``), on the
+core sampling leaves free, so the host waits only for what outlasts the sampling. "cpp-at-once"
+rows run it on the engine's thread instead, before sampling: the same work, nothing beside it.
+"step us" counts the step's own work wherever it ran (the worker's call as "core"); "waited us"
+is the part of it the engine's thread waited for.
+
+    engine thread   forward | start: checks, registration | sampling ........ | finish: wait, copy, output
+    worker                                               | decide, table step, layout |
 """
 
 from __future__ import annotations
@@ -62,8 +72,10 @@ from trtllm_vtoken.config_base import require_positive
 from trtllm_vtoken.runtime.config import EngineConfig
 
 SPLIT = ("table", "policy", "core", "copy")
-IMPLS = ("cpp", "python", "cpp-general")
-"""The step's core: C++ (its fused call where a batch allows), Python, C++ on the general path only."""
+IMPLS = ("cpp", "python", "cpp-general", "cpp-at-once")
+"""The step's core: C++ (its fused call where a batch allows, on the step's worker thread beside
+the engine's sampling), Python, C++ on the general path only, C++ with the fused call on the
+engine's thread before sampling (``EngineConfig.step_overlap`` off)."""
 MASSES = ("fixed", "synthetic")
 NATIVE = dict(variant="native", mode="-", policy="-", impl="-")
 """The baseline row: plain block lists, no token table (also every run's paired partner)."""
@@ -129,8 +141,9 @@ class StepBenchConfig:
             prefix_caching=False,  # identical placeholder prompts must not share blocks
             variant="native" if row["variant"] == "native" else "vtoken")
         if row["variant"] != "native":
-            values.update(mode=row["mode"], policy=row["policy"], step_impl=row["impl"].removesuffix("-general"),
-                          step_fused=row["impl"] != "cpp-general", step_threads=self.threads,
+            values.update(mode=row["mode"], policy=row["policy"], step_impl=row["impl"].split("-")[0],
+                          step_fused=row["impl"] != "cpp-general", step_overlap=row["impl"] != "cpp-at-once",
+                          step_threads=self.threads,
                           budget="1.0" if row["variant"] == "indirection-only" else self.budget(row))
         return EngineConfig(**values)
 
@@ -153,13 +166,13 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
     engine = _prefilled(cfg, batch, row)
     native = _prefilled(cfg, batch, NATIVE)
     stats = engine.kv.step_stats
-    host_us, native_us, evicted, moves, freed = [], [], 0, 0, 0
+    host_us, native_us, evicted, moves, freed, waited = [], [], 0, 0, 0, 0.0
     split = dict.fromkeys(SPLIT, 0.0)
     was_enabled = gc.isenabled()
     gc.disable()  # as timeit: a collection landing in a timed step times the collector
     try:
         for i in range(cfg.warmup + cfg.steps):
-            before = (dict(stats.seconds), stats.tokens_evicted, stats.moves, stats.blocks_freed)
+            before = (dict(stats.seconds), stats.tokens_evicted, stats.moves, stats.blocks_freed, stats.waited_seconds)
             if i % 2 == 0:
                 native_step = _timed_step(native)
                 row_step = _timed_step(engine)
@@ -175,6 +188,7 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
             evicted += stats.tokens_evicted - before[1]
             moves += stats.moves - before[2]
             freed += stats.blocks_freed - before[3]
+            waited += 1e6 * (stats.waited_seconds - before[4]) / cfg.steps
     finally:
         if was_enabled:
             gc.enable()
@@ -187,6 +201,7 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
             "added_pct": float(100.0 * (np.median(mine / theirs) - 1.0)),
             "host_us_steps_min": float(np.min(mine)), "split_us": split,
             "step_us": sum(split.values()),  # the step's own time, timed inside it (not the glue around it)
+            "waited_us": waited,  # of it, the engine's thread waiting for the call on the worker
             "evicted_per_step": evicted / cfg.steps, "moves_per_step": moves / cfg.steps,
             "blocks_freed_per_step": freed / cfg.steps,
             "metadata_bytes_per_token": engine.kv.step.metadata_bytes_per_token() if engine.kv.step else 0.0}
@@ -257,7 +272,8 @@ def plot_step(result: dict[str, Any], path) -> None:
         added = np.array([max(r["added_us_p50"], 1.0) for r in mine])
         low = np.array([max(r["added_us_p50_min"], 1.0) for r in mine])
         high = np.array([max(r["added_us_p50_max"], 1.0) for r in mine])
-        colors = [{"cpp": "tab:blue", "cpp-general": "tab:green"}.get(r["impl"], "tab:orange") for r in mine]
+        colors = [{"cpp": "tab:blue", "cpp-general": "tab:green", "cpp-at-once": "tab:purple"}.get(r["impl"], "tab:orange")
+                  for r in mine]
         ax.barh(labels, added, color=colors, xerr=[np.maximum(added - low, 0), np.maximum(high - added, 0)],
                 capsize=3)
         target = 300 if batch <= 64 else 1000
@@ -273,7 +289,7 @@ def plot_step(result: dict[str, Any], path) -> None:
     c = result["config"]
     fig.suptitle(f"vtoken bench step ({c['mass']} mass): {c['context']} tokens of context, "
                  f"tokens_per_block {c['tokens_per_block']}, one eviction per request per step "
-                 "(blue: C++ core, green: C++ general path only, orange: Python)")
+                 "(blue: C++ core beside sampling, purple: at once, green: general path only, orange: Python)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -29,8 +29,9 @@ def register(bench) -> None:
                            "its own; the median run (by added time) is reported with the runs' range (default 3)")
     step.add_argument("--impl", default="both",
                       help="comma-separated cores among cpp, python, cpp-general (the C++ core without its fused "
-                           "decode call: the general path for every batch), or both (= cpp,python; the default; "
-                           "cpp is skipped where it is not built)")
+                           "decode call: the general path for every batch), cpp-at-once (the fused call on the "
+                           "engine's thread before sampling, not on the step's worker beside it), or both (= "
+                           "cpp,python; the default; cpp is skipped where it is not built)")
     step.add_argument("--mass", choices=["fixed", "synthetic"], default="fixed",
                       help="the attention mass: one fixed random array per layout shape (the host only receives a "
                            "buffer, as from a GPU; the default) or the simulated attention (its per-request numpy "
@@ -76,19 +77,20 @@ def run_step(args: argparse.Namespace) -> int:
           f"steps per run, each paired step by step with a native engine; the median of {cfg.repeats} "
           f"alternating runs per row; H2O pass threads: {cfg.threads or 'automatic'}")
     headers = ["batch", "row", "impl", "host us/step", "native us/step", "added us", "added runs min-max",
-               "added %", "added % runs", "step us", "step runs min-max", "table us", "policy us", "core us",
-               "copy us", "evicted/step", "moves/step", "freed/step"]
+               "added %", "added % runs", "step us", "step runs min-max", "waited us", "table us", "policy us",
+               "core us", "copy us", "evicted/step", "moves/step", "freed/step"]
     rows = [[r["batch"], r["label"].removesuffix(f" {r['impl']}"), r["impl"], r["host_us_p50"], r["native_us_p50"],
              r["added_us_p50"], f"{r['added_us_p50_min']:,.0f} to {r['added_us_p50_max']:,.0f}", r["added_pct"],
              f"{r['added_pct_min']:.1f} to {r['added_pct_max']:.1f}",
-             r["step_us"], f"{r['step_us_min']:,.0f}-{r['step_us_max']:,.0f}",
+             r["step_us"], f"{r['step_us_min']:,.0f}-{r['step_us_max']:,.0f}", r["waited_us"],
              *(r["split_us"][k] for k in ("table", "policy", "core", "copy")), r["evicted_per_step"],
              r["moves_per_step"], r["blocks_freed_per_step"]] for r in result["rows"]]
     print(format_table(headers, rows))
     print("native us/step: the paired native engine's step in the same run; added: the median over the steps of "
           "(row step - native step), added %: of (row / native - 1); the native row is native paired with "
           "native (what identical code differs by here). step: the step's own time per decode step, timed "
-          "inside it (the sum of the split; the engine's glue around it is not in it); table: the step's batch "
+          "inside it (the sum of the split; the engine's glue around it is not in it); waited: of it, what the "
+          "engine's thread waited for the call on the step's worker beside its sampling; table: the step's batch "
           "layout; policy: mass, observe, select (vectorised); core: the one token-table call (append, evict, "
           "plan, commit; a fused step's one native call); copy: the one copy of all moves (metadata only here)")
     where = machine()
@@ -106,7 +108,7 @@ def print_step_alone(cfg, where: dict, out) -> None:
     from trtllm_vtoken.bench.step_alone import time_step_alone
     from trtllm_vtoken.report import format_table
 
-    impls = [i for i in cfg.impls if i != "cpp-general"]
+    impls = [i for i in cfg.impls if i not in ("cpp-general", "cpp-at-once")]  # run() makes its call at once
     rows = [r for batch in cfg.batches for impl in impls for r in time_step_alone(cfg, batch, impl)]
     print(f"vToken's step alone (no engine): DecodeStep.run at the rows' settings, one token per request per "
           f"step; median of {cfg.steps} steps, caches as the last step left them (warm) or after 64 MB were "

@@ -42,6 +42,9 @@ class SlotMap:
         self.tokens = np.full((num_blocks + 1) * tokens_per_block, NO_TOKEN, dtype=np.int32)
         self.stats: dict[str, np.ndarray] = {}
         self.row_of: dict[int, int] = {}
+        self.membership = 0
+        """Counts the requests that gained or lost a row: equal, the rows of the same requests are
+        the same."""
         self._free_rows: list[int] = []
         self.block_table = np.full((8, 8), self.scratch, dtype=np.int32)
         self.num_blocks_of = np.zeros(8, dtype=np.int64)
@@ -72,6 +75,7 @@ class SlotMap:
             if row >= len(self.kv_len):
                 self._grow_rows(2 * len(self.kv_len))
         self.row_of[req_id] = row
+        self.membership += 1
         self.num_blocks_of[row] = self.kv_len[row] = self.num_tokens[row] = self.num_live[row] = 0
         self.policy[row] = -1
         self.block_table[row] = self.scratch
@@ -80,6 +84,7 @@ class SlotMap:
     def remove_request(self, req_id: int, block_ids: Sequence[int], is_shared: Callable[[int], bool]) -> None:
         """Frees the request's row; its blocks' slots are emptied unless another request shares them."""
         row = self.row_of.pop(req_id)
+        self.membership += 1
         own = [b for b in block_ids if not is_shared(b)]
         if own:
             self.tokens.reshape(-1, self.tokens_per_block)[own] = NO_TOKEN
