@@ -44,6 +44,16 @@ def make_step(host: Host, impl: str, compaction: str, threshold: int = 1, policy
                       host.shared.__contains__, lambda: host.shared)
 
 
+def join_some(rng: np.random.Generator, steps, first_id: int) -> list[int]:
+    """0-2 new requests, ids from ``first_id`` on, added to every step alike (each step's default
+    policy); returns their ids."""
+    joining = list(range(first_id, first_id + int(rng.integers(0, 3))))
+    for step in steps:
+        for req in joining:
+            step.add_request(req)
+    return joining
+
+
 def random_policies(rng: np.random.Generator) -> list:
     """Fresh policy objects, one per spec, plus None (a request that opts out)."""
     return [make_policy(name, budget, **options) for name, budget, options in POLICY_SPECS] + [None]

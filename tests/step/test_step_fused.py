@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.step.drive import POLICY_SPECS, Host, make_step, same_batches, share_a_block
+from tests.step.drive import POLICY_SPECS, Host, join_some, make_step, same_batches, share_a_block
 from tests.step.test_step_parity import outputs_equal, tables_equal
 from trtllm_vtoken.core.native import load
 from trtllm_vtoken.policies import make_policy
@@ -46,11 +46,8 @@ def test_fused_step_equals_general_path_and_python(compaction, tpb, spec, steps,
     hosts, steps_ = three_steps(tpb, compaction, threshold, spec)
     next_req, expected = 0, 0
     for _ in range(steps):
-        joining = list(range(next_req, next_req + int(rng.integers(0, 3))))
+        joining = join_some(rng, steps_, next_req)
         next_req += len(joining)
-        for step in steps_:
-            for req in joining:
-                step.add_request(req)
         if not steps_[0].request_ids():
             continue
         share_a_block(rng, steps_, hosts, 0.15)

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.step.drive import POLICY_SPECS, Host, make_step, same_batches, share_a_block
+from tests.step.drive import POLICY_SPECS, Host, join_some, make_step, same_batches, share_a_block
 from tests.step.test_step_parity import outputs_equal, tables_equal
 from trtllm_vtoken.core.native import load
 from trtllm_vtoken.policies import make_policy
@@ -35,11 +35,8 @@ def test_the_call_on_the_worker_equals_the_call_at_once(compaction, tpb, spec, s
     at_once, beside = (make_step(h, "cpp", compaction, 2, p) for h, p in zip(hosts, policies))
     both, next_req = (at_once, beside), 0
     for _ in range(steps):
-        joining = list(range(next_req, next_req + int(rng.integers(0, 3))))
+        joining = join_some(rng, both, next_req)
         next_req += len(joining)
-        for step in both:
-            for req in joining:
-                step.add_request(req)
         if not at_once.request_ids():
             continue
         share_a_block(rng, list(both), hosts, 0.15)

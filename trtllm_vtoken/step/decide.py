@@ -70,12 +70,15 @@ class BatchDecision:
         reduce_mass: Applied to the batch's mass before any policy sees it (tensor / pipeline
             parallelism sums it over the ranks).
         stats: Where the time spent in a mass function (simulated attention) is counted apart.
-        threads: The native statistic pass's threads (``StepConfig.pass_threads``).
+        threads: The native statistic pass's threads (``StepConfig.pass_threads``), and beside the
+            host's thread (``beside_host``: the call runs on the step's worker).
     """
 
     def __init__(self, slots: SlotMap, policies: list[EvictionPolicy], tokens_per_block: int, native_table: Any,
-                 reduce_mass: Callable[[np.ndarray], np.ndarray] | None, stats: StepStats, threads: int = 1) -> None:
+                 reduce_mass: Callable[[np.ndarray], np.ndarray] | None, stats: StepStats, threads: int = 1,
+                 threads_beside_host: int = 1) -> None:
         self.slots, self.policies, self.tokens_per_block, self.threads = slots, policies, tokens_per_block, threads
+        self.threads_beside_host = threads_beside_host
         self.native_table = native_table
         self.native, self.reduce_mass, self.stats = native_table is not None, reduce_mass, stats
         self._selectors: dict[int, int] = {}  # policy index -> native_selector's answer
@@ -157,7 +160,7 @@ class BatchDecision:
         return victim_index, victim_pos
 
     def native_decision(self, rows: np.ndarray, mass: Any, shared: Collection[int],
-                        sole_policy: int | None = None) -> NativeDecision | None:
+                        sole_policy: int | None = None, beside_host: bool = False) -> NativeDecision | None:
         """The batch's decision for the fused native call, or None where it takes ``victims``: the
         Python core, several policies in the batch, a policy the C++ core cannot decide or whose
         bounds have no ``bounds_rule``. The same victims as ``victims``: the call applies the
@@ -165,7 +168,8 @@ class BatchDecision:
         shared blocks, their live tokens kept on top of the budget and never candidates, as the
         Python path's protected mask), the mass is this step's as ``batch_mass`` gives it. ``sole_policy``: the
         policy index (-1: none) every request of the step follows, when the step knows (the rows
-        need no look). Raises ``BadMass`` as ``victims`` does."""
+        need no look); ``beside_host``: the call will run on the step's worker (its pass threads).
+        Raises ``BadMass`` as ``victims`` does."""
         if not self.native:
             return None
         first = -1 if not len(rows) else sole_policy
@@ -187,7 +191,8 @@ class BatchDecision:
         if selector == 2 and policy.observes_attention():  # as wide as it came
             batch_mass = self.batch_mass(mass, rows, None, lambda: slots.gather(slots.tokens, slots.block_rows(rows)))
         stat = slots.stats[policy.score_stat] if selector == 2 else None
-        return NativeDecision(selector, rule, stat, batch_mass, bool(len(shared)), self.threads)
+        return NativeDecision(selector, rule, stat, batch_mass, bool(len(shared)),
+                              self.threads_beside_host if beside_host else self.threads)
 
     def native_bounds(self, policy: ScorePolicy, rows: np.ndarray, shared: bool) -> tuple[np.ndarray, ...]:
         """(excess, lo, hi) of a native pass over these rows, int64 (``candidate_bounds``); with

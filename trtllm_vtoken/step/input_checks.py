@@ -19,7 +19,7 @@ import numpy as np
 
 from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.step.io import StepInput
-from trtllm_vtoken.step.slots import SlotMap
+from trtllm_vtoken.step.slots import LISTS, SlotMap, copied
 
 
 class InputChecks:
@@ -29,9 +29,9 @@ class InputChecks:
                  checks_new: bool) -> None:
         """``checks_new``: run ``check_new`` here (False where the C++ core runs it)."""
         self.slots, self.policies, self.is_shared, self.checks_new = slots, policies, is_shared, checks_new
-        # A decode loop passes the same lists step after step: (membership, list, req_ids, rows) and
-        # (list, num_new) of the last batch, whose arrays an equal list reuses (read-only).
-        self._last_requests: tuple[int, list, np.ndarray, np.ndarray] | None = None
+        # A decode loop passes the same lists step after step: (list, req_ids) and (list, num_new)
+        # of the last batch, whose arrays an equal list reuses (read-only).
+        self._last_requests: tuple[list, np.ndarray] | None = None
         self._last_num_new: tuple[list, np.ndarray] | None = None
 
     def validated(self, inp: StepInput) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -52,28 +52,27 @@ class InputChecks:
         return req_ids, rows, num_new, offsets, blocks
 
     def _requests(self, listed: Any) -> tuple[np.ndarray, np.ndarray]:
-        """(the request ids as int64, their rows; KeyError names an unknown request). A list equal
-        to the last batch's, no request having joined or left since, reuses its arrays: 64 ids
-        cost about 10 us to convert and look up on the project's VM, 2% of a decode step there."""
-        last, slots = self._last_requests, self.slots
-        if last is not None and type(listed) is list and last[0] == slots.membership and last[1] == listed:
-            return last[2], last[3]
+        """(the request ids as int64, their rows: ``SlotMap.rows``; KeyError names an unknown
+        request). A list equal to the last batch's reuses its int64 array (read-only)."""
+        last = self._last_requests
+        if last is not None and type(listed) in LISTS and last[0] == listed:
+            return last[1], self.slots.rows(listed)
         req_ids = np.asarray(listed, dtype=np.int64).reshape(-1)
-        rows = slots.rows(req_ids.tolist())
-        if type(listed) is list:
-            req_ids.flags.writeable = rows.flags.writeable = False
-            self._last_requests = (slots.membership, list(listed), req_ids, rows)
-        return req_ids, rows
+        if type(listed) not in LISTS:
+            return req_ids, self.slots.rows(req_ids.tolist())
+        req_ids.flags.writeable = False
+        self._last_requests = (copied(listed), req_ids)
+        return req_ids, self.slots.rows(listed)
 
     def _num_new(self, listed: Any) -> np.ndarray:
         """num_new as int64; a list equal to the last batch's reuses its array (read-only)."""
         last = self._last_num_new
-        if last is not None and type(listed) is list and last[0] == listed:
+        if last is not None and type(listed) in LISTS and last[0] == listed:
             return last[1]
         num_new = np.asarray(listed, dtype=np.int64).reshape(-1)
-        if type(listed) is list:
+        if type(listed) in LISTS:
             num_new.flags.writeable = False
-            self._last_num_new = (list(listed), num_new)
+            self._last_num_new = (copied(listed), num_new)
         return num_new
 
     def check_new(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray,

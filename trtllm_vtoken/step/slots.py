@@ -27,6 +27,16 @@ import numpy as np
 NO_TOKEN = -1
 
 
+LISTS = (list, tuple)
+"""The host containers (of request ids, token counts) whose contents, equal to the last batch's,
+let the step reuse that batch's arrays: a decode loop passes the same ones step after step."""
+
+
+def copied(values: list | tuple) -> list | tuple:
+    """A snapshot of a host's list to compare the next one with (a tuple is one already)."""
+    return values if type(values) is tuple else list(values)
+
+
 class SlotMap:
     """Batch-layout state of one step over a pool of ``num_blocks`` blocks."""
 
@@ -46,6 +56,7 @@ class SlotMap:
         """Counts the requests that gained or lost a row: equal, the rows of the same requests are
         the same."""
         self._free_rows: list[int] = []
+        self._last_rows: tuple[int, list, np.ndarray] | None = None  # rows(): (membership, ids, rows)
         self.block_table = np.full((8, 8), self.scratch, dtype=np.int32)
         self.num_blocks_of = np.zeros(8, dtype=np.int64)
         self.kv_len = np.zeros(8, dtype=np.int64)
@@ -92,11 +103,21 @@ class SlotMap:
         self._free_rows.append(row)
 
     def rows(self, req_ids: Iterable[int]) -> np.ndarray:
-        """[B] int64 rows of the requests. KeyError names an unknown request."""
+        """[B] int64 rows of the requests. KeyError names an unknown request. A host asks for the
+        same batch several times a step and step after step: a list equal to the last one asked
+        for, no request having joined or left since, gets the same (read-only) array; 64 lookups
+        cost about 6 us on the project's VM."""
+        last = self._last_rows
+        if last is not None and type(req_ids) in LISTS and last[0] == self.membership and last[1] == req_ids:
+            return last[2]
         try:
-            return np.fromiter(map(self.row_of.__getitem__, req_ids), dtype=np.int64)
+            rows = np.fromiter(map(self.row_of.__getitem__, req_ids), dtype=np.int64)
         except KeyError as err:
             raise KeyError(f"unknown request {err.args[0]}") from None
+        if type(req_ids) in LISTS:
+            rows.flags.writeable = False
+            self._last_rows = (self.membership, copied(req_ids), rows)
+        return rows
 
     # ---- the step's updates -----------------------------------------------------------------------
     def add_tokens(self, rows: np.ndarray, offsets: np.ndarray, blocks: np.ndarray, num_new: np.ndarray,

@@ -106,7 +106,7 @@ class DecodeStep(TableQueries):
         self.input_checks = InputChecks(self.slots, self._policies, self.is_shared, self.impl == "python")
         self.decision = BatchDecision(self.slots, self._policies, tokens_per_block,
                                       self.core.table if self.impl == "cpp" else None, reduce_mass, self.stats,
-                                      config.pass_threads())
+                                      config.pass_threads(), config.pass_threads(beside_host=True))
         self._policy_of: dict[int, int] = {}  # request -> index into _policies (absent: never evicts)
         self._following: dict[int, int] = {}  # policy index (-1: none) -> requests that follow it
         self._broken: str | None = None
@@ -191,13 +191,13 @@ class DecodeStep(TableQueries):
             raise RuntimeError("the step started last has not been finished")
         if self._broken:
             raise RuntimeError(f"the step is unusable after an earlier failure: {self._broken}")
-        it = self._begin(inp)
-        if it.native is not None and overlap and self._overlaps():
-            native = it.native._replace(threads=self.config.pass_threads(beside_host=True))
+        overlap = overlap and self._overlaps()
+        it = self._begin(inp, overlap)
+        if it.native is not None and overlap:
             compaction, may_plan = self._call_settings(it.req_ids)
             try:
                 start_decide_and_step(self._worker(), self.slots, self.core.table, it.req_ids, it.rows, it.num_new,
-                                      it.offsets, it.blocks, native, compaction, self.config.fragmentation_threshold,
+                                      it.offsets, it.blocks, it.native, compaction, self.config.fragmentation_threshold,
                                       inp.pressure, may_plan)
             except (KeyError, ValueError) as exc:  # the new tokens are registered already
                 self._broken = f"the token table refused a step: {exc}"
@@ -232,8 +232,9 @@ class DecodeStep(TableQueries):
         self.stats.overlapped_steps += 1
         self._landed = self._end(it, (FusedResult.of(fused), seconds))
 
-    def _begin(self, inp: StepInput) -> _Iteration:
-        """Checks, registration, the decision (the general path: its victims too)."""
+    def _begin(self, inp: StepInput, overlap: bool = False) -> _Iteration:
+        """Checks, registration, the decision (the general path: its victims too); ``overlap``:
+        a fused call will run on the worker."""
         clock, stats = time.perf_counter, self.stats
         t0 = clock()
         req_ids, rows, num_new, block_offsets, new_blocks = self.input_checks.validated(inp)
@@ -243,7 +244,7 @@ class DecodeStep(TableQueries):
         t1, mass_seconds = clock(), stats.mass_seconds
         it = _Iteration(req_ids, rows, num_new, block_offsets, new_blocks, inp.stream)
         try:
-            it.native = (self.decision.native_decision(rows, inp.mass, shared, self._sole_policy())
+            it.native = (self.decision.native_decision(rows, inp.mass, shared, self._sole_policy(), overlap)
                          if self._fuses() else None)
             if it.native is None:
                 victim_index, victim_pos = self.decision.victims(req_ids, rows, inp.mass, shared)
