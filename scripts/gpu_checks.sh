@@ -10,7 +10,8 @@
 #   4. vtoken bench gpu: copy bandwidth, eager vs graph decode, every variant end to end (each
 #      through the one batched step: vtoken info says which core serves it)
 #   5. vtoken bench step: the step's host time per decode step against native, C++ (its fused
-#      decode call), C++ on the general path only and Python, on this machine's quieter cores
+#      decode call on the step's worker beside sampling), C++ with that call at once on the
+#      engine's thread (cpp-at-once) and Python, on this machine's quieter cores
 #      (the C++ core is built in place when nanobind is there), then the step alone with caches
 #      warm and flushed and H2O's pass alone; again with H2O's pass over up to 4 threads
 #   6. where tensorrt_llm imports and the package is installed (the gpu Docker image) and
@@ -73,7 +74,7 @@ banner vtoken bench gpu
 timeout 420 $py -m trtllm_vtoken.cli bench gpu --out "$out" 2>&1 | tee "$out/bench_gpu.txt" || status=1
 
 banner vtoken bench step
-timeout 240 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --impl cpp,cpp-general,python --out "$out" 2>&1 \
+timeout 240 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --impl cpp,cpp-at-once,python --out "$out" 2>&1 \
   | tee "$out/bench_step.txt" || status=1
 # H2O's native pass on one thread, against the rows above (the default: the cores, up to 4)
 timeout 120 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --impl cpp --threads 1 --out "$out/step_threads" \

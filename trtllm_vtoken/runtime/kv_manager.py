@@ -12,9 +12,13 @@ Per iteration the engine calls:
     reserve(req, n)            blocks for n new tokens (False: the pool is dry -> preempt someone)
     set_batch(rows)            rewrite block_offsets / kv_lens in place (+ the validity mask)
     ... forward writes K/V into the reserved slots ...
-    step(rows, mass)           once, for every request that goes on: the new tokens join; vtoken
+    start_step(rows, mass)     once, for every row the forward ran: the new tokens join; vtoken
                                and naive-evict run ``DecodeStep`` (the policy's batched decision,
-                               eviction, compaction, one copy); admission learns what each holds
+                               eviction, compaction, one copy), its native call beside the engine's
+                               sampling where it can (``overlap``)
+    ... sampling; a request that finishes is released (after the step) ...
+    finish_step()              the step completed, its released blocks freed
+    update(rows)               admission learns what each request going on holds
     next_position(req)         the RoPE position of the request's next token (logical in "keep"
                                mode, physical in "shift" mode, where the step re-rotates the keys)
     store_written(rows)        prefix caching: keys the blocks the step's tokens filled
@@ -51,8 +55,6 @@ from trtllm_vtoken.runtime.model import LlamaConfig
 from trtllm_vtoken.runtime.pending_writes import PendingWrites
 from trtllm_vtoken.runtime.prefix_caching import PrefixCaching
 from trtllm_vtoken.step import DecodeStep, StepInput, StepOutput, StepStats
-
-
 
 
 class KVCacheManager:

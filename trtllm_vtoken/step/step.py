@@ -14,6 +14,11 @@ each forward (design: "One step for every host").
                     whose length shrank is turned back by the tokens it lost (reclaim/rerotate.py)
       6. out        victims, moves, freed blocks, refreshed lengths, lost lengths (``StepOutput``)
 
+``run`` is ``start`` then ``finish``. A host with work of its own between the forward and its next
+iteration (the engine's sampling) calls ``start(inp, overlap=True)``: steps 2-3, where the fused
+native call serves the batch, run on the step's worker thread until ``finish`` (or any query)
+waits for them; steps 1 and 4-6 stay on the host's thread.
+
 Requests in one batch may follow different policies (``add_request(req, policy)``; None: the
 request never evicts). The host owns the blocks: it allocates the new ones it passes in and frees
 the ones the output lists. Shared blocks (prefix caching) are protected: no policy evicts their
@@ -44,8 +49,9 @@ from trtllm_vtoken.step.decide import BadMass, BatchDecision, NativeDecision
 from trtllm_vtoken.step.fused import FusedResult, decide_and_step, start_decide_and_step
 from trtllm_vtoken.step.input_checks import InputChecks
 from trtllm_vtoken.step.io import StepInput, StepOutput
-from trtllm_vtoken.step.queries import TableQueries
+from trtllm_vtoken.step.requests import StepRequests
 from trtllm_vtoken.step.slots import SlotMap
+
 
 class _Iteration:
     """A step between its start and its end: the checked batch and what the decision left."""
@@ -60,11 +66,7 @@ class _Iteration:
         self.before: Any = None  # the invariant checks' state before the table's step
 
 
-DEFAULT = object()
-"""``add_request``'s policy argument: the step's default policy."""
-
-
-class DecodeStep(TableQueries):
+class DecodeStep(StepRequests):
     """One step for every host. See the module docstring; its tables' queries: ``TableQueries``.
 
     Args:
@@ -114,58 +116,7 @@ class DecodeStep(TableQueries):
         self._landed: StepOutput | None = None  # completed, not yet handed over by finish()
         self._native_worker = None
         if policy is not None:
-            self._policy_index(policy)
-
-    # ---- requests ------------------------------------------------------------------------------
-    def add_request(self, req_id: int, policy: Any = DEFAULT) -> None:
-        """A new request, with no tokens yet (its first ``run`` registers its prompt)."""
-        self.settle()
-        chosen = self.policy if policy is DEFAULT else policy
-        self.core.add_request(req_id)
-        row = self.slots.add_request(req_id)
-        if chosen is not None:
-            self._policy_of[req_id] = self.slots.policy[row] = self._policy_index(chosen)
-        key = self._policy_of.get(req_id, -1)
-        self._following[key] = self._following.get(key, 0) + 1
-
-    def remove_request(self, req_id: int) -> list[int]:
-        """Forgets the request; returns its block list, which the host frees in its pool."""
-        self.settle()
-        if self.background is not None:
-            self.background.drop(req_id)
-        blocks = self.core.remove_request(req_id)
-        self.slots.remove_request(req_id, blocks, self.is_shared)
-        index = self._policy_of.pop(req_id, None)
-        key = -1 if index is None else index
-        self._following[key] -= 1
-        if not self._following[key]:
-            del self._following[key]
-        if index is not None:
-            self._policies[index].forget(req_id)
-        return blocks
-
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self.slots.row_of
-
-    def request_ids(self) -> list[int]:
-        self.settle()
-        return self.core.request_ids()
-
-    def relocating_blocks(self) -> set[int]:
-        """Blocks that background compactions in flight read, write or will release: a prefix
-        cache must not share them until they commit."""
-        self.settle()
-        return self.background.blocks(self.tokens_per_block) if self.background is not None else set()
-
-    def policy_of(self, req_id: int) -> EvictionPolicy | None:
-        index = self._policy_of.get(req_id)
-        return None if index is None else self._policies[index]
-
-    def observes_attention(self, req_ids: Collection[int] | None = None) -> bool:
-        """Does any of these requests' policies (default: any policy) need the attention mass?"""
-        if req_ids is None:
-            return any(p.observes_attention() for p in self._policies)
-        return any(self._policies[self._policy_of[r]].observes_attention() for r in req_ids if r in self._policy_of)
+            self.policy_index(policy)
 
     # ---- the step ------------------------------------------------------------------------------
     def run(self, inp: StepInput) -> StepOutput:
@@ -244,7 +195,7 @@ class DecodeStep(TableQueries):
         t1, mass_seconds = clock(), stats.mass_seconds
         it = _Iteration(req_ids, rows, num_new, block_offsets, new_blocks, inp.stream)
         try:
-            it.native = (self.decision.native_decision(rows, inp.mass, shared, self._sole_policy(), overlap)
+            it.native = (self.decision.native_decision(rows, inp.mass, shared, self.sole_policy(), overlap)
                          if self._fuses() else None)
             if it.native is None:
                 victim_index, victim_pos = self.decision.victims(req_ids, rows, inp.mass, shared)
@@ -338,21 +289,7 @@ class DecodeStep(TableQueries):
         seconds["checks"] += t7 - t6
         return out
 
-    def check_integrity(self) -> None:
-        """I2 over every request, and the batch layout against the table. RuntimeError if broken."""
-        self.settle()
-        StepChecks(self).layout(self.request_ids())
-
     # ---- private -------------------------------------------------------------------------------
-    def _policy_index(self, policy: EvictionPolicy) -> int:
-        for i, known in enumerate(self._policies):
-            if known is policy:
-                return i
-        for name, dtype in policy.slot_stats.items():
-            self.slots.add_stat(name, dtype)
-        self._policies.append(policy)
-        return len(self._policies) - 1
-
     def _fuses(self) -> bool:
         """May a batch take the fused native call (``step/fused.py``)?"""
         return self.impl == "cpp" and self.config.fused
@@ -373,10 +310,6 @@ class DecodeStep(TableQueries):
         if self._native_worker is None:
             self._native_worker = self.slots.native.DecodeWorker()
         return self._native_worker
-
-    def _sole_policy(self) -> int | None:
-        """The policy index (-1: none) every request of the step follows, None if they differ."""
-        return next(iter(self._following)) if len(self._following) == 1 else None
 
     def _victims(self, req_ids: np.ndarray, rows: np.ndarray, victim_index: np.ndarray,
                  victim_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -1,0 +1,98 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The requests of a ``DecodeStep``: joining (with a policy each, or none) and leaving, which
+policy each follows, and the step's integrity check. A base of ``DecodeStep``, which sets the
+state it reads; every method that touches the tables first waits for a step in flight
+(``settle``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any
+
+from trtllm_vtoken.policies import EvictionPolicy
+from trtllm_vtoken.step.checks import StepChecks
+from trtllm_vtoken.step.queries import TableQueries
+
+DEFAULT = object()
+"""``add_request``'s policy argument: the step's default policy."""
+
+
+class StepRequests(TableQueries):
+    """Requests joining and leaving a step, and the policies they follow."""
+
+    policy: EvictionPolicy | None
+    background: Any
+    is_shared: Callable[[int], bool]
+    tokens_per_block: int
+    _policies: list[EvictionPolicy]
+    _policy_of: dict[int, int]  # request -> index into _policies (absent: never evicts)
+    _following: dict[int, int]  # policy index (-1: none) -> requests that follow it
+
+    def add_request(self, req_id: int, policy: Any = DEFAULT) -> None:
+        """A new request, with no tokens yet (its first ``run`` registers its prompt)."""
+        self.settle()
+        chosen = self.policy if policy is DEFAULT else policy
+        self.core.add_request(req_id)
+        row = self.slots.add_request(req_id)
+        if chosen is not None:
+            self._policy_of[req_id] = self.slots.policy[row] = self.policy_index(chosen)
+        key = self._policy_of.get(req_id, -1)
+        self._following[key] = self._following.get(key, 0) + 1
+
+    def remove_request(self, req_id: int) -> list[int]:
+        """Forgets the request; returns its block list, which the host frees in its pool."""
+        self.settle()
+        if self.background is not None:
+            self.background.drop(req_id)
+        blocks = self.core.remove_request(req_id)
+        self.slots.remove_request(req_id, blocks, self.is_shared)
+        index = self._policy_of.pop(req_id, None)
+        key = -1 if index is None else index
+        self._following[key] -= 1
+        if not self._following[key]:
+            del self._following[key]
+        if index is not None:
+            self._policies[index].forget(req_id)
+        return blocks
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self.slots.row_of
+
+    def request_ids(self) -> list[int]:
+        self.settle()
+        return self.core.request_ids()
+
+    def relocating_blocks(self) -> set[int]:
+        """Blocks that background compactions in flight read, write or will release: a prefix
+        cache must not share them until they commit."""
+        self.settle()
+        return self.background.blocks(self.tokens_per_block) if self.background is not None else set()
+
+    def policy_of(self, req_id: int) -> EvictionPolicy | None:
+        index = self._policy_of.get(req_id)
+        return None if index is None else self._policies[index]
+
+    def observes_attention(self, req_ids: Collection[int] | None = None) -> bool:
+        """Does any of these requests' policies (default: any policy) need the attention mass?"""
+        if req_ids is None:
+            return any(p.observes_attention() for p in self._policies)
+        return any(self._policies[self._policy_of[r]].observes_attention() for r in req_ids if r in self._policy_of)
+
+    def check_integrity(self) -> None:
+        """I2 over every request, and the batch layout against the table. RuntimeError if broken."""
+        self.settle()
+        StepChecks(self).layout(self.request_ids())
+
+    def policy_index(self, policy: EvictionPolicy) -> int:
+        """The policy's index in this step, registered (its per-slot statistics kept) the first time."""
+        for i, known in enumerate(self._policies):
+            if known is policy:
+                return i
+        for name, dtype in policy.slot_stats.items():
+            self.slots.add_stat(name, dtype)
+        self._policies.append(policy)
+        return len(self._policies) - 1
+
+    def sole_policy(self) -> int | None:
+        """The policy index (-1: none) every request of the step follows, None if they differ."""
+        return next(iter(self._following)) if len(self._following) == 1 else None
