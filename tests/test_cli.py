@@ -102,7 +102,8 @@ def test_bench_step_times_the_fused_call_against_the_general_path(tmp_path, caps
 def test_bench_step_refuses_an_unknown_core(capsys):
     assert main(["bench", "step", "--impl", "cpp,rust", "--out", "/tmp/unused"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "vtoken: error: --impl must list cores among cpp, python, cpp-general or be both, got 'cpp,rust'")
+        "vtoken: error: --impl must list cores among cpp, python, cpp-general, cpp-at-once or be both, got "
+        "'cpp,rust'")
 
 
 def test_bad_arguments_give_one_line_error(capsys):
