@@ -121,8 +121,10 @@ def test_the_pass_leaves_a_core_to_the_host_beside_it():
 def test_an_engine_sampling_beside_the_step_produces_the_same(policy, mode):
     """The simulated backend's engine, requests finishing at different steps (a request that
     finishes leaves after the step, which waits for the call first): the same tokens, evictions,
-    step counters and tables with the call on the worker as without; only there is it overlapped.
-    With prefix caching the cut runs inside the call: nothing overlaps, the same results."""
+    step counters and free blocks with the call on the worker as without; only there is it
+    overlapped.
+    With prefix caching its cut runs after the call on the worker, with the block lists the decision
+    saw: the same results, every fused step overlapped."""
     from trtllm_vtoken.runtime.config import EngineConfig
     from trtllm_vtoken.runtime.engine import Engine
     from trtllm_vtoken.runtime.sampling import SamplingParams
@@ -143,16 +145,16 @@ def test_an_engine_sampling_beside_the_step_produces_the_same(policy, mode):
         stats = engine.kv.step_stats
         return ([(engine.requests[r].output_ids, engine.requests[r].evictions) for r in ids],
                 (stats.steps, stats.tokens_evicted, stats.moves, stats.blocks_freed, stats.fused_steps),
-                stats.overlapped_steps, engine.kv.num_available)
+                stats.overlapped_steps, engine.kv.num_available,
+                engine.kv.prefix.cache.stats if prefix_caching else None)
 
     for prefix_caching in (False, True):
         without, beside = run(False, prefix_caching), run(True, prefix_caching)
-        assert beside[:2] == without[:2] and beside[3] == without[3]  # every block back
+        assert beside[:2] == without[:2] and beside[3:] == without[3:]  # every block back, the same prefix hits
+        if prefix_caching:  # shared prefixes were hit and chains cut
+            assert beside[4].hit_tokens > 0 and beside[4].dropped_keys > 0
         assert without[1][1] > 0 and without[2] == 0
-        if prefix_caching:
-            assert beside[2] == 0
-        else:
-            assert beside[2] == beside[1][4] > 0  # every fused step overlapped
+        assert beside[2] == beside[1][4] > 0  # every fused step overlapped, prefix caching's cut after it
 
 
 def test_a_decode_loop_passing_the_same_lists_is_checked_as_any():
@@ -173,3 +175,44 @@ def test_a_decode_loop_passing_the_same_lists_is_checked_as_any():
     with pytest.raises(KeyError, match="unknown request 1"):
         step.run(StepInput(req_ids, num_new, [0, 0, 0], []))
     assert step.run(StepInput([0], [2], [0, 0], [])).num_tokens.tolist() == [8]
+
+
+@pytest.mark.parametrize("compaction", ["dense", "lazy"])
+def test_the_victims_hook_beside_the_host_sees_what_it_sees_at_once(compaction):
+    """The hook (prefix caching's cut) gets the same victims and each request's block list as the
+    decision saw it, though beside the host it runs after the call, when lazy compaction has already
+    released blocks from the middle of the lists."""
+    seen: dict[bool, list] = {False: [], True: []}
+    outs: dict[bool, list] = {False: [], True: []}
+    for overlap in (False, True):
+        host = Host(64, 4)
+        step = make_step(host, "cpp", compaction, policy=make_policy("h2o", 5))
+
+        def on_victims(req_ids, offsets, victims, block_ids, overlap=overlap, step=step):
+            evicting = [int(r) for r, n in zip(req_ids, np.diff(offsets)) if n]
+            seen[overlap].append((req_ids.tolist(), offsets.tolist(), victims.tolist(),
+                                  [block_ids(r) for r in evicting]))
+
+        step.on_victims = on_victims
+        rng = np.random.default_rng(5)
+        for req in range(3):
+            step.add_request(req)
+        prompts = [host.allocate(3) for _ in range(3)]
+        mass = rng.random((3, 12), dtype=np.float32)
+        step.start(StepInput([0, 1, 2], [11, 10, 9], [0, 3, 6, 9], sum(prompts, []), mass=mass), overlap=overlap)
+        outs[overlap].append(step.finish())
+        for _ in range(6):
+            extra = [host.allocate(1) if step.kv_len(r) == step.num_blocks(r) * 4 else [] for r in range(3)]
+            inp = StepInput([0, 1, 2], [1, 1, 1], np.cumsum([0] + [len(e) for e in extra]), sum(extra, []),
+                            mass=rng.random((3, 16), dtype=np.float32))
+            step.start(inp, overlap=overlap)
+            out = step.finish()
+            host.release(out.table.freed)
+            outs[overlap].append(out)
+        assert step.stats.overlapped_steps == (7 if overlap else 0)
+    assert seen[False] == seen[True] and len(seen[True]) == 7
+    assert any(len(lists) and len(lists[0]) == 3 for *_, lists in seen[True])  # lists before the release
+    for a, b in zip(outs[False], outs[True]):
+        outputs_equal(a, b)
+    if compaction == "lazy":
+        assert sum(len(o.table.freed) for o in outs[True]) > 0  # blocks left the lists after the call

@@ -80,14 +80,16 @@ def test_on_victims_runs_between_the_decision_and_the_table(impl, fused):
     host, step = sliding_window_step(impl, fused)
     seen = []
 
-    def on_victims(req_ids, offsets, victims):
+    def on_victims(req_ids, offsets, victims, block_ids):
         # the token table has not run the step yet (not even the new tokens are there)
-        seen.append((req_ids.tolist(), offsets.tolist(), victims.tolist(), step.core.sequence(7).num_tokens))
+        seen.append((req_ids.tolist(), offsets.tolist(), victims.tolist(), step.core.sequence(7).num_tokens,
+                     block_ids(7)))
 
     step.on_victims = on_victims
     step.add_request(7)
-    step.run(StepInput([7], [10], [0, 3], host.allocate(3)))
-    assert seen == [([7], [0, 6], [0, 1, 2, 3, 4, 5], 0)]
+    blocks = host.allocate(3)
+    step.run(StepInput([7], [10], [0, 3], blocks))
+    assert seen == [([7], [0, 6], [0, 1, 2, 3, 4, 5], 0, blocks)]  # the blocks as the decision saw them
     assert step.num_live(7) == 4
     assert step.stats.fused_steps == int(fused)
 
@@ -96,7 +98,7 @@ def test_on_victims_runs_between_the_decision_and_the_table(impl, fused):
 def test_a_failing_victims_hook_leaves_the_step_unusable_with_its_own_error(impl, fused):
     host, step = sliding_window_step(impl, fused)
 
-    def on_victims(req_ids, offsets, victims):
+    def on_victims(req_ids, offsets, victims, block_ids):
         raise LookupError("the prefix cache lost request 7")
 
     step.on_victims = on_victims

@@ -26,5 +26,5 @@ def make_step(config: EngineConfig, num_blocks: int, pool: BlockPool, executor,
                       num_blocks, config.tokens_per_block, policy or config.make_policy(), executor, is_shared,
                       shared, rerotation=rerotation)
     if prefix is not None:
-        step.on_victims = lambda req_ids, offsets, victims: prefix.cut_batch(step.block_ids, req_ids, offsets, victims)
+        step.on_victims = prefix.cut_batch
     return step

@@ -70,10 +70,11 @@ class PrefixCaching:
         if len(victims):
             self.cache.cut(req_id, block_ids, int(min(victims)))
 
-    def cut_batch(self, block_ids: Callable[[int], Sequence[int]], req_ids: np.ndarray, offsets: np.ndarray,
-                  victims: np.ndarray) -> None:
+    def cut_batch(self, req_ids: np.ndarray, offsets: np.ndarray, victims: np.ndarray,
+                  block_ids: Callable[[int], Sequence[int]]) -> None:
         """``cut`` for a step's victims (request i's: ``victims[offsets[i]:offsets[i + 1]]``),
-        between the step's decision and its token table (``DecodeStep.on_victims``)."""
+        each request's block list as the step's decision saw it (``DecodeStep.on_victims``: after
+        the decision, before the step completes and any block it changed can be shared)."""
         for i in np.flatnonzero(np.diff(offsets)).tolist():
             req_id = int(req_ids[i])
             self.cut(req_id, block_ids(req_id), victims[offsets[i] : offsets[i + 1]])

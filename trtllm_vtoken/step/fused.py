@@ -18,7 +18,8 @@ the step then commits the plans whose copies finished and starts the new ones' c
 general path (``step/background.py``). Tokens in shared blocks are kept on top of the
 budget and passed over, as the Python path's protected mask does. The victims hook
 (prefix caching's cut) runs inside the call, between the decision and the table's step, as on
-the general path. Otherwise, and for the Python core, the general path runs; the parity test
+the general path; the call on the step's worker takes no hook (the step runs it after the call,
+with the block lists copied before it). Otherwise, and for the Python core, the general path runs; the parity test
 holds both to the same outputs, tables and layouts (``tests/step/test_step_fused.py``).
 """
 

@@ -24,8 +24,10 @@ request never evicts). The host owns the blocks: it allocates the new ones it pa
 the ones the output lists. Shared blocks (prefix caching) are protected: no policy evicts their
 tokens (they are kept on top of the budget), no plan moves in or out of them; several requests of
 one batch may take the same shared block as a new block (a prefix cached by a request admitted
-just before them). ``on_victims`` runs between the decision and the token table: a prefix cache
-ends a request's cached chain there, before compaction may write into its blocks.
+just before them). ``on_victims`` sees the victims after the decision, with the block lists the
+decision saw: a prefix cache ends a request's cached chain there, before any of its blocks whose
+content compaction changes can be shared (at once: before the token table's step; beside the host:
+right after the call, before the step completes).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class _Iteration:
         self.length: np.ndarray | None = None  # [B] kv_len after the new tokens (general path, background)
         self.victims: tuple[np.ndarray, ...] | None = None  # general path: rows, slots, CSR offsets, ids
         self.before: Any = None  # the invariant checks' state before the table's step
+        self.block_lists: tuple[np.ndarray, np.ndarray] | None = None  # rows' blocks, counts, before the call
 
 
 class DecodeStep(StepRequests):
@@ -78,9 +81,12 @@ class DecodeStep(StepRequests):
         reduce_mass: Applied to the batch's mass [B, L] before any policy sees it: tensor /
             pipeline parallelism sums it over the ranks here, so every rank decides alike.
         rerotation: Position-shift mode's pass over the same KV pools (None: keep positions).
-        on_victims: Called with (req_ids, victim_offsets, victim_ids) (the ``StepOutput`` CSR form)
-            after the batch's decision, before the token table evicts and compacts; for prefix
-            caching's cut. It must not change the shared blocks.
+        on_victims: Called with (req_ids, victim_offsets, victim_ids, block_ids) when the batch
+            evicts: the victims in the ``StepOutput`` CSR form, and ``block_ids(req)``, each
+            request's block list as the decision saw it. For prefix caching's cut. It runs on the
+            host's thread, before the step completes and before its blocks are freed: inside the
+            call made at once, between the decision and the token table; after the call made on
+            the worker. It must not change the shared blocks.
     """
 
     def __init__(self, config: StepConfig, num_blocks: int, tokens_per_block: int,
@@ -89,7 +95,8 @@ class DecodeStep(StepRequests):
                  shared_blocks: Callable[[], Collection[int]] | None = None,
                  reduce_mass: Callable[[np.ndarray], np.ndarray] | None = None,
                  rerotation: KeyRerotation | None = None,
-                 on_victims: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None) -> None:
+                 on_victims: Callable[[np.ndarray, np.ndarray, np.ndarray, Callable[[int], list[int]]], None]
+                 | None = None) -> None:
         self.config = config
         self.on_victims = on_victims
         self.rerotation = rerotation
@@ -128,8 +135,8 @@ class DecodeStep(StepRequests):
 
     def start(self, inp: StepInput, overlap: bool = False) -> None:
         """Begins an iteration: checks the input (errors as ``run``), registers the new tokens and
-        prepares the decision. ``overlap``: where the fused native call serves the batch (and no
-        victims hook has to run inside it), the call runs on the step's worker thread and this returns at once; the host goes on with work that does
+        prepares the decision. ``overlap``: where the fused native call serves the batch, the call
+        runs on the step's worker thread (the victims hook after it) and this returns at once; the host goes on with work that does
         not touch the step (sampling the batch) and then calls ``finish``:
 
             host     start ── sampling, outputs ──────────── finish ── copy, output
@@ -142,9 +149,10 @@ class DecodeStep(StepRequests):
             raise RuntimeError("the step started last has not been finished")
         if self._broken:
             raise RuntimeError(f"the step is unusable after an earlier failure: {self._broken}")
-        overlap = overlap and self._overlaps()
         it = self._begin(inp, overlap)
         if it.native is not None and overlap:
+            if self.on_victims is not None:  # the block lists as the decision sees them, for the hook
+                it.block_lists = (self.slots.block_table[it.rows], self.slots.num_blocks_of[it.rows])
             compaction, may_plan = self._call_settings(it.req_ids)
             try:
                 start_decide_and_step(self._worker(), self.slots, self.core.table, it.req_ids, it.rows, it.num_new,
@@ -245,6 +253,8 @@ class DecodeStep(StepRequests):
             victim_offsets, victim_ids, table = result.victim_offsets, result.victim_ids, result.table
             lost, num_tokens, changed, num_changed = result.lost, result.num_tokens, result.changed, result.num_changed
             stats.fused_steps += 1
+            if it.block_lists is not None and len(victim_ids):  # the call ran on the worker: the hook now
+                self._on_victims(req_ids, victim_offsets, victim_ids, self._listed_before(it))
         else:
             victim_offsets, victim_ids, table = it.victims[2], it.victims[3], result
         copied = len(table.move_src)
@@ -294,11 +304,6 @@ class DecodeStep(StepRequests):
         """May a batch take the fused native call (``step/fused.py``)?"""
         return self.impl == "cpp" and self.config.fused
 
-    def _overlaps(self) -> bool:
-        """May the fused call run on the worker thread? Not with the victims hook: Python, run
-        inside the call (everything else the step does runs before or after it)."""
-        return self.on_victims is None
-
     def _call_settings(self, req_ids: np.ndarray) -> tuple[str, np.ndarray | None]:
         """The table step's compaction and, with background compaction, the requests it may plan."""
         background = self.background
@@ -326,14 +331,23 @@ class DecodeStep(StepRequests):
             self._on_victims(req_ids, victim_offsets, victim_ids)
         return victim_rows, victim_slots, victim_offsets, victim_ids
 
-    def _on_victims(self, req_ids: np.ndarray, victim_offsets: np.ndarray, victim_ids: np.ndarray) -> None:
-        """The victims hook; if it fails, the step (its new tokens registered, the table not yet
-        stepped) is unusable, and its error goes to the host as it is."""
+    def _on_victims(self, req_ids: np.ndarray, victim_offsets: np.ndarray, victim_ids: np.ndarray,
+                    block_ids: Callable[[int], list[int]] | None = None) -> None:
+        """The victims hook, with the block lists before the table's step (default: the layout's
+        now, when the table has not stepped yet); if it fails, the step (its new tokens
+        registered) is unusable, and its error goes to the host as it is."""
         try:
-            self.on_victims(req_ids, victim_offsets, victim_ids)
+            self.on_victims(req_ids, victim_offsets, victim_ids, block_ids or self.block_ids)
         except Exception as exc:
             self._broken = f"the victims hook failed: {exc}"
             raise
+
+    @staticmethod
+    def _listed_before(it: _Iteration) -> Callable[[int], list[int]]:
+        """``block_ids`` of the batch's requests from the rows copied before the call."""
+        table, counts = it.block_lists
+        index = {req: i for i, req in enumerate(it.req_ids.tolist())}
+        return lambda req_id: table[index[req_id], : counts[index[req_id]]].tolist()
 
     def _update_layout(self, req_ids: np.ndarray, rows: np.ndarray, victim_rows: np.ndarray | None,
                        victim_slots: np.ndarray | None, result: StepBatchResult) -> StepBatchResult:
