@@ -19,7 +19,7 @@ import numpy as np
 
 from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.step.io import StepInput
-from trtllm_vtoken.step.slots import LISTS, SlotMap, copied
+from trtllm_vtoken.step.slots import LastList, SlotMap
 
 
 class InputChecks:
@@ -29,51 +29,25 @@ class InputChecks:
                  checks_new: bool) -> None:
         """``checks_new``: run ``check_new`` here (False where the C++ core runs it)."""
         self.slots, self.policies, self.is_shared, self.checks_new = slots, policies, is_shared, checks_new
-        # A decode loop passes the same lists step after step: (list, req_ids) and (list, num_new)
-        # of the last batch, whose arrays an equal list reuses (read-only).
-        self._last_requests: tuple[list, np.ndarray] | None = None
-        self._last_num_new: tuple[list, np.ndarray] | None = None
+        # A decode loop passes the same lists step after step: their arrays are reused.
+        self._req_ids, self._num_new = LastList(), LastList()
 
     def validated(self, inp: StepInput) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(req_ids, their rows, num_new, block offsets, new blocks) as int64 arrays, checked as the
         token table would check them: the sizes, known requests (KeyError), the mass, then
         ``check_new`` (Python core)."""
-        req_ids, rows = self._requests(inp.req_ids)
-        num_new = self._num_new(inp.num_new)
+        (req_ids, listed), (num_new, _) = self._req_ids.convert(inp.req_ids), self._num_new.convert(inp.num_new)
         offsets = np.asarray(inp.new_block_offsets, dtype=np.int64).reshape(-1)
         blocks = np.asarray(inp.new_blocks, dtype=np.int64).reshape(-1)
         batch = len(req_ids)
         if len(num_new) != batch or len(offsets) != batch + 1:
             raise ValueError(f"step: {batch} requests need {batch} num_new and {batch + 1} block offsets, "
                              f"got {len(num_new)} and {len(offsets)}")
+        rows = self.slots.rows(listed)
         self.check_mass(inp.mass, rows, num_new)
         if self.checks_new:
             self.check_new(req_ids, rows, num_new, offsets, blocks)
         return req_ids, rows, num_new, offsets, blocks
-
-    def _requests(self, listed: Any) -> tuple[np.ndarray, np.ndarray]:
-        """(the request ids as int64, their rows: ``SlotMap.rows``; KeyError names an unknown
-        request). A list equal to the last batch's reuses its int64 array (read-only)."""
-        last = self._last_requests
-        if last is not None and type(listed) in LISTS and last[0] == listed:
-            return last[1], self.slots.rows(listed)
-        req_ids = np.asarray(listed, dtype=np.int64).reshape(-1)
-        if type(listed) not in LISTS:
-            return req_ids, self.slots.rows(req_ids.tolist())
-        req_ids.flags.writeable = False
-        self._last_requests = (copied(listed), req_ids)
-        return req_ids, self.slots.rows(listed)
-
-    def _num_new(self, listed: Any) -> np.ndarray:
-        """num_new as int64; a list equal to the last batch's reuses its array (read-only)."""
-        last = self._last_num_new
-        if last is not None and type(listed) in LISTS and last[0] == listed:
-            return last[1]
-        num_new = np.asarray(listed, dtype=np.int64).reshape(-1)
-        if type(listed) in LISTS:
-            num_new.flags.writeable = False
-            self._last_num_new = (copied(listed), num_new)
-        return num_new
 
     def check_new(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray,
                   blocks: np.ndarray) -> None:

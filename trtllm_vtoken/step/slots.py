@@ -37,6 +37,25 @@ def copied(values: list | tuple) -> list | tuple:
     return values if type(values) is tuple else list(values)
 
 
+class LastList:
+    """A host's list (of request ids, token counts) as an int64 array and as a list of ints; a
+    list equal to the last one converted gets the same, read-only, array and the same list."""
+
+    def __init__(self) -> None:
+        self._last: tuple[list | tuple, np.ndarray, list[int]] | None = None
+
+    def convert(self, listed: Any) -> tuple[np.ndarray, list[int]]:
+        last = self._last
+        if last is not None and type(listed) in LISTS and last[0] == listed:
+            return last[1], last[2]
+        values = np.asarray(listed, dtype=np.int64).reshape(-1)
+        ints = values.tolist()
+        if type(listed) in LISTS:
+            values.flags.writeable = False
+            self._last = (copied(listed), values, ints)
+        return values, ints
+
+
 class SlotMap:
     """Batch-layout state of one step over a pool of ``num_blocks`` blocks."""
 
