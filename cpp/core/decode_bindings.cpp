@@ -117,7 +117,8 @@ nb::tuple result_tuple(vtoken::DecodeResult&& r) {
       to_numpy(std::move(r.victim_offsets)), to_numpy(std::move(r.victim_ids)),
       nb::make_tuple(to_numpy(std::move(t.move_offsets)), to_numpy(std::move(t.move_tokens)),
                      to_numpy(std::move(t.move_src)), to_numpy(std::move(t.move_dst)),
-                     to_numpy(std::move(t.freed_offsets)), to_numpy(std::move(t.freed)), to_numpy(std::move(t.kv_lens))),
+                     to_numpy(std::move(t.freed_offsets)), to_numpy(std::move(t.freed)),
+                     to_numpy(std::move(t.kv_lens))),
       to_numpy(std::move(r.lost)), to_numpy(std::move(r.num_tokens)), to_numpy(std::move(r.changed)), r.num_changed);
 }
 

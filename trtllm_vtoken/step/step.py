@@ -136,8 +136,9 @@ class DecodeStep(StepRequests):
     def start(self, inp: StepInput, overlap: bool = False) -> None:
         """Begins an iteration: checks the input (errors as ``run``), registers the new tokens and
         prepares the decision. ``overlap``: where the fused native call serves the batch, the call
-        runs on the step's worker thread (the victims hook after it) and this returns at once; the host goes on with work that does
-        not touch the step (sampling the batch) and then calls ``finish``:
+        runs on the step's worker thread (the victims hook right after it) and this returns at
+        once; the host goes on with work that does not touch the step (sampling the batch) and
+        then calls ``finish``:
 
             host     start ── sampling, outputs ──────────── finish ── copy, output
             worker        └── decide, table step, layout ──┘
