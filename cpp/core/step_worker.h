@@ -55,11 +55,6 @@ class StepWorker {
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
   }
 
-  bool busy() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return pending_;
-  }
-
  private:
   void loop() {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -81,7 +76,7 @@ class StepWorker {
     }
   }
 
-  mutable std::mutex mutex_;
+  std::mutex mutex_;
   std::condition_variable wake_, done_;
   std::function<void()> job_;
   bool pending_ = false, stop_ = false;

@@ -160,8 +160,7 @@ class DecodeStep(StepRequests):
                                       it.offsets, it.blocks, it.native, compaction, self.config.fragmentation_threshold,
                                       inp.pressure, may_plan)
             except (KeyError, ValueError) as exc:  # the new tokens are registered already
-                self._broken = f"the token table refused a step: {exc}"
-                raise RuntimeError(self._broken) from exc
+                raise self._refused(exc) from exc
             self._flight = it
             return
         self._landed = self._end(it, self._table_step(it, inp.pressure))
@@ -186,8 +185,7 @@ class DecodeStep(StepRequests):
         try:
             fused, seconds = self._native_worker.wait()
         except (KeyError, ValueError) as exc:
-            self._broken = f"the token table refused a step: {exc}"
-            raise RuntimeError(self._broken) from exc
+            raise self._refused(exc) from exc
         self.stats.waited_seconds += time.perf_counter() - waited
         self.stats.overlapped_steps += 1
         self._landed = self._end(it, (FusedResult.of(fused), seconds))
@@ -239,8 +237,7 @@ class DecodeStep(StepRequests):
         except (KeyError, ValueError) as exc:
             if self._broken:  # the victims hook failed inside the fused call: its own error
                 raise
-            self._broken = f"the token table refused a step: {exc}"
-            raise RuntimeError(self._broken) from exc
+            raise self._refused(exc) from exc
         return result, time.perf_counter() - start
 
     def _end(self, it: _Iteration, stepped: tuple[Any, float]) -> StepOutput:
@@ -311,6 +308,11 @@ class DecodeStep(StepRequests):
         if background is None:
             return self.config.compaction, None
         return "lazy-deferred", background.may_plan(req_ids)
+
+    def _refused(self, exc: Exception) -> RuntimeError:
+        """The token table refused a step midway: the step is unusable from now on."""
+        self._broken = f"the token table refused a step: {exc}"
+        return RuntimeError(self._broken)
 
     def _worker(self):
         if self._native_worker is None:
