@@ -31,7 +31,8 @@ using Rule = std::tuple<int64_t, double, int64_t, int64_t, double>;
 
 // One decode call's arguments, checked. It holds a reference to every buffer it reads or writes
 // (the layout's through its BoundLayout), so they outlive a call on the worker thread; it is
-// built and destroyed on the host's thread, with the GIL.
+// built and destroyed on the host's thread, with the GIL. `registers`: the call registers the
+// batch's new blocks and tokens first (slots_register's work, checked when the call was built).
 struct DecodeCall {
   nb::object layout_ref, table_ref;
   vtoken::SlotArrays* arrays = nullptr;
@@ -44,8 +45,13 @@ struct DecodeCall {
   vtoken::Compaction mode = vtoken::Compaction::kDense;
   int64_t fragmentation_threshold = 1;
   bool pressure = false;
+  bool registers = false;
 
   vtoken::DecodeResult run(const vtoken::VictimsHook& on_victims = {}) const {
+    if (registers) {
+      vtoken::register_new(*arrays, rows.data(), static_cast<int64_t>(rows.shape(0)), offsets.data(), blocks.data(),
+                           num_new.data());
+    }
     return vtoken::decide_and_step(*arrays, *table, req_ids.data(), rows.data(), static_cast<int64_t>(rows.shape(0)),
                                    num_new.data(), offsets.data(), blocks.data(), decision, mode,
                                    fragmentation_threshold, pressure, may_plan ? may_plan->data() : nullptr,
@@ -53,16 +59,25 @@ struct DecodeCall {
   }
 };
 
-DecodeCall checked_call(BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new,
-                        Ids offsets, Ids blocks, int64_t selector, Rule rule, int64_t compaction,
-                        int64_t fragmentation_threshold, bool pressure, std::optional<Stat32> stat,
-                        std::optional<Mass> mass, bool skip_shared, int64_t threads, std::optional<Mask> may_plan) {
+// The call's arguments checked, or (std::nullopt) the block-table columns it needs first in
+// `columns_needed`: with num_blocks > 0 it registers the batch, checked here as slots_register
+// checks it (num_blocks: the pool's blocks), and the rows' lists with their new blocks must fit.
+std::optional<DecodeCall> checked_call(BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows,
+                                       Ids num_new, Ids offsets, Ids blocks, int64_t selector, Rule rule,
+                                       int64_t compaction, int64_t fragmentation_threshold, bool pressure,
+                                       std::optional<Stat32> stat, std::optional<Mass> mass, bool skip_shared,
+                                       int64_t threads, std::optional<Mask> may_plan, int64_t num_blocks,
+                                       int64_t& columns_needed) {
   vtoken::SlotArrays& a = layout.arrays();
   const size_t batch = rows.shape(0);
   check_batch(rows, layout.rows(), batch, "rows");
   if (req_ids.shape(0) != batch || num_new.shape(0) != batch || offsets.shape(0) != batch + 1) {
     throw std::invalid_argument("slots_decide_step: req_ids and num_new need one entry per row, offsets one more");
   }
+  const bool registers = num_blocks != 0;
+  columns_needed = registers ? checked_registration(layout, req_ids, rows, offsets, blocks, num_new, num_blocks, table)
+                             : 0;
+  if (columns_needed) return std::nullopt;
   vtoken::Decision d{static_cast<vtoken::Selector>(selector)};
   vtoken::BoundsRule& bounds = d.rule;
   std::tie(bounds.tokens, bounds.ratio, bounds.n_sink, bounds.recent_window, bounds.recent_ratio) = rule;
@@ -90,8 +105,8 @@ DecodeCall checked_call(BoundLayout& layout, vtoken::TokenTable& table, Ids req_
     if (d.selector != vtoken::Selector::kLowestStat || mass->shape(0) != batch) {
       throw std::invalid_argument("slots_decide_step: mass needs the statistic selector and one row per request");
     }
-    for (size_t i = 0; i < batch; ++i) {
-      if (a.kv_len[rows.data()[i]] > static_cast<int64_t>(mass->shape(1))) {
+    for (size_t i = 0; i < batch; ++i) {  // the lengths after the new tokens
+      if (a.kv_len[rows.data()[i]] + (registers ? num_new.data()[i] : 0) > static_cast<int64_t>(mass->shape(1))) {
         throw std::invalid_argument("slots_decide_step: the mass is narrower than request " +
                                     std::to_string(req_ids.data()[i]) + "'s length");
       }
@@ -107,19 +122,49 @@ DecodeCall checked_call(BoundLayout& layout, vtoken::TokenTable& table, Ids req_
   }
   return DecodeCall{nb::find(&layout), nb::find(&table), &a, &table, req_ids, rows, num_new, offsets, blocks,
                     stat, mass, may_plan, d, static_cast<vtoken::Compaction>(compaction), fragmentation_threshold,
-                    pressure};
+                    pressure, registers};
 }
 
-nb::tuple result_tuple(vtoken::DecodeResult&& r) {
-  using vtoken::to_numpy;
-  vtoken::StepResult& t = r.table;
-  return nb::make_tuple(
-      to_numpy(std::move(r.victim_offsets)), to_numpy(std::move(r.victim_ids)),
-      nb::make_tuple(to_numpy(std::move(t.move_offsets)), to_numpy(std::move(t.move_tokens)),
-                     to_numpy(std::move(t.move_src)), to_numpy(std::move(t.move_dst)),
-                     to_numpy(std::move(t.freed_offsets)), to_numpy(std::move(t.freed)),
-                     to_numpy(std::move(t.kv_lens))),
-      to_numpy(std::move(r.lost)), to_numpy(std::move(r.num_tokens)), to_numpy(std::move(r.changed)), r.num_changed);
+// The call's result packed in one int64 buffer, for one numpy array Python takes views of
+// (step/fused.py FusedResult.of): one array made per call, where one per part cost about half a
+// microsecond each. The worker packs it, so the host's thread only wraps it.
+//
+//     [3, B + 1]  victim_offsets, move_offsets, freed_offsets
+//     [4, B]      kv_lens, lost, num_tokens, changed
+//     [V]         victim_ids
+//     [3, M]      move_tokens, move_src, move_dst
+//     [F]         freed
+struct PackedResult {
+  std::vector<int64_t> flat;
+  size_t batch = 0, victims = 0, moves = 0;
+  int64_t num_changed = 0;
+};
+
+PackedResult packed(const vtoken::DecodeResult& r) {
+  const vtoken::StepResult& t = r.table;
+  const size_t batch = t.kv_lens.size();
+  for (const std::vector<int64_t>* per_request : {&r.lost, &r.num_tokens, &r.changed}) {
+    if (per_request->size() != batch) throw std::logic_error("decode result: a per-request part is not [batch]");
+  }
+  for (const std::vector<int64_t>* offsets : {&r.victim_offsets, &t.move_offsets, &t.freed_offsets}) {
+    if (offsets->size() != batch + 1) throw std::logic_error("decode result: CSR offsets are not [batch + 1]");
+  }
+  if (t.move_tokens.size() != t.move_src.size() || t.move_dst.size() != t.move_src.size()) {
+    throw std::logic_error("decode result: the moves' parts differ in length");
+  }
+  PackedResult p{{}, batch, r.victim_ids.size(), t.move_src.size(), r.num_changed};
+  p.flat.reserve(3 * (batch + 1) + 4 * batch + p.victims + 3 * p.moves + t.freed.size());
+  for (const std::vector<int64_t>* part : {&r.victim_offsets, &t.move_offsets, &t.freed_offsets, &t.kv_lens, &r.lost,
+                                           &r.num_tokens, &r.changed, &r.victim_ids, &t.move_tokens, &t.move_src,
+                                           &t.move_dst, &t.freed}) {
+    p.flat.insert(p.flat.end(), part->begin(), part->end());
+  }
+  return p;
+}
+
+// (the buffer as a numpy array, batch, victims, moves, number changed)
+nb::tuple result_tuple(PackedResult&& p) {
+  return nb::make_tuple(vtoken::to_numpy(std::move(p.flat)), p.batch, p.victims, p.moves, p.num_changed);
 }
 
 // The fused call on the step's worker thread: start() checks and submits, wait() joins and hands
@@ -131,7 +176,7 @@ class DecodeWorker {
     call_.emplace(std::move(call));
     worker_.submit([this] {
       const auto begin = std::chrono::steady_clock::now();
-      result_ = call_->run();
+      result_ = packed(call_->run());
       seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     });
   }
@@ -156,7 +201,7 @@ class DecodeWorker {
 
  private:
   std::optional<DecodeCall> call_;
-  vtoken::DecodeResult result_;
+  PackedResult result_;
   double seconds_ = 0.0;
   vtoken::StepWorker worker_;  // last: destroyed (its thread joined) before what its job uses
 };
@@ -170,9 +215,11 @@ void bind_decode(nb::module_& m) {
          int64_t selector, Rule rule, int64_t compaction, int64_t fragmentation_threshold, bool pressure,
          std::optional<Stat32> stat, std::optional<Mass> mass, std::optional<nb::callable> on_victims,
          bool skip_shared, int64_t threads, std::optional<Mask> may_plan) {
-        const DecodeCall call = checked_call(layout, table, req_ids, rows, num_new, offsets, blocks, selector, rule,
-                                             compaction, fragmentation_threshold, pressure, stat, mass, skip_shared,
-                                             threads, may_plan);
+        int64_t columns_needed = 0;  // none: the batch is registered already
+        const std::optional<DecodeCall> call =
+            checked_call(layout, table, req_ids, rows, num_new, offsets, blocks, selector, rule, compaction,
+                         fragmentation_threshold, pressure, stat, mass, skip_shared, threads, may_plan, 0,
+                         columns_needed);
         vtoken::VictimsHook hook;
         if (on_victims) {  // with numpy copies of the victims, as the general path hands them over
           hook = [&](const std::vector<int64_t>& victim_offsets, const std::vector<int64_t>& victim_ids) {
@@ -180,7 +227,7 @@ void bind_decode(nb::module_& m) {
                           vtoken::to_numpy(std::vector<int64_t>(victim_ids)));
           };
         }
-        return result_tuple(call.run(hook));
+        return result_tuple(packed(call->run(hook)));
       },
       "layout"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
       "rule"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a,
@@ -192,8 +239,9 @@ void bind_decode(nb::module_& m) {
       "recent_window, recent_ratio), applied to the layout's counters here (budget.h); skip_shared: the id "
       "selector passes over tokens in shared blocks; threads: the statistic's pass may split its rows over that "
       "many threads (select.h); lazy-deferred plans only the rows may_plan allows and commits nothing "
-      "(decode_step.h). Returns (victim_offsets, victim_ids, the table's step as step_batch returns it, lost, "
-      "num_tokens, changed, number changed).");
+      "(decode_step.h). Returns (one int64 buffer, batch, victims, moves, number changed): victim_offsets, "
+      "victim_ids, the table's step as step_batch returns it, lost, num_tokens and changed, laid out as "
+      "result_tuple says (step/fused.py FusedResult.of takes it apart).");
 
   nb::class_<DecodeWorker>(m, "DecodeWorker",
                            "slots_decide_step on a worker thread of its own (cpp/core/step_worker.h): start() "
@@ -205,14 +253,23 @@ void bind_decode(nb::module_& m) {
           [](DecodeWorker& w, BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new,
              Ids offsets, Ids blocks, int64_t selector, Rule rule, int64_t compaction, int64_t fragmentation_threshold,
              bool pressure, std::optional<Stat32> stat, std::optional<Mass> mass, bool skip_shared, int64_t threads,
-             std::optional<Mask> may_plan) {
-            w.start(checked_call(layout, table, req_ids, rows, num_new, offsets, blocks, selector, rule, compaction,
-                                 fragmentation_threshold, pressure, stat, mass, skip_shared, threads, may_plan));
+             std::optional<Mask> may_plan, int64_t num_blocks) {
+            int64_t columns_needed = 0;
+            std::optional<DecodeCall> call =
+                checked_call(layout, table, req_ids, rows, num_new, offsets, blocks, selector, rule, compaction,
+                             fragmentation_threshold, pressure, stat, mass, skip_shared, threads, may_plan, num_blocks,
+                             columns_needed);
+            if (call) w.start(std::move(*call));
+            return columns_needed;
           },
           "layout"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
           "rule"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a, "stat"_a.noconvert() = nb::none(),
           "mass"_a = nb::none(), "skip_shared"_a = false, "threads"_a = 1, "may_plan"_a = nb::none(),
-          "slots_decide_step's arguments, less the victims hook (the worker runs no Python).")
+          "num_blocks"_a = 0,
+          "slots_decide_step's arguments, less the victims hook (the worker runs no Python), and num_blocks: "
+          "> 0 (the pool's blocks), the call registers the batch first (slots_register's work, checked here as "
+          "it checks it). Returns 0 (started), or the block-table columns the rows' lists need with their new "
+          "blocks when the table must grow first (nothing started).")
       .def("wait", &DecodeWorker::wait,
            "Waits (the GIL released) for the call started last; returns (what slots_decide_step returns, the "
            "seconds it ran on the worker), or raises what it raised.")

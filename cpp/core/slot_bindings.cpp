@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Python bindings of the step's batch-layout updates (slots.h): the arrays are the SlotMap's own
 // numpy buffers, written in place.
-#include <algorithm>
 #include <tuple>
 
 #include <nanobind/nanobind.h>
@@ -31,25 +30,10 @@ void bind_slots(nb::module_& m) {
       "slots_register",
       [](BoundLayout& layout, Ids req_ids, Ids rows, Ids offsets, Ids blocks, Ids num_new, int64_t num_blocks,
          const vtoken::TokenTable& table) {
+        const int64_t needed = checked_registration(layout, req_ids, rows, offsets, blocks, num_new, num_blocks, table);
+        if (needed) return nb::make_tuple(needed, nb::none());  // nothing written
         vtoken::SlotArrays& a = layout.arrays();
         const size_t batch = rows.shape(0);
-        check_batch(rows, layout.rows(), batch, "rows");
-        if (req_ids.shape(0) != batch || offsets.shape(0) != batch + 1 || num_new.shape(0) != batch) {
-          throw std::invalid_argument("slots_register: req_ids and num_new need one entry per row, offsets one more");
-        }
-        if (num_blocks <= 0 || num_blocks > a.scratch) {
-          throw std::invalid_argument("slots_register: num_blocks must lie in [1, the layout's blocks]");
-        }
-        const std::string wrong = vtoken::check_new(a, req_ids.data(), rows.data(), static_cast<int64_t>(batch),
-                                                    static_cast<int64_t>(layout.rows()), offsets.data(),
-                                                    blocks.data(), static_cast<int64_t>(blocks.shape(0)),
-                                                    num_new.data(), num_blocks, table);
-        if (!wrong.empty()) throw std::invalid_argument(wrong);
-        int64_t needed = 0;  // block-table columns the rows need with their new blocks
-        for (size_t i = 0; i < batch; ++i) {
-          needed = std::max(needed, a.num_blocks_of[rows.data()[i]] + offsets.data()[i + 1] - offsets.data()[i]);
-        }
-        if (needed > a.block_stride) return nb::make_tuple(needed, nb::none());  // nothing written
         return nb::make_tuple(0, vtoken::to_numpy(vtoken::register_new(a, rows.data(), static_cast<int64_t>(batch),
                                                                        offsets.data(), blocks.data(), num_new.data())));
       },

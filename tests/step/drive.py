@@ -34,11 +34,12 @@ class Host:
 
 
 def make_step(host: Host, impl: str, compaction: str, threshold: int = 1, policy=None,
-              fused: bool = True) -> DecodeStep:
+              fused: bool = True, checks: bool = True) -> DecodeStep:
     """``compaction`` "lazy-background": lazy compaction committing a step later (StepConfig.background);
-    ``fused``: StepConfig.fused (the C++ core's one-call decode step where a batch allows it)."""
+    ``fused``: StepConfig.fused (the C++ core's one-call decode step where a batch allows it);
+    ``checks``: StepConfig.check_invariants (I1/I2 around every step)."""
     background = compaction == "lazy-background"
-    config = StepConfig("lazy" if background else compaction, threshold, check_invariants=True, impl=impl,
+    config = StepConfig("lazy" if background else compaction, threshold, check_invariants=checks, impl=impl,
                         background=background, fused=fused)
     return DecodeStep(config, host.num_blocks, host.tpb, policy, TorchCopyExecutor([host.kv]),
                       host.shared.__contains__, lambda: host.shared)

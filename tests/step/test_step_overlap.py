@@ -25,14 +25,20 @@ pytestmark = pytest.mark.skipif(load() is None, reason="the C++ core is not buil
 NATIVE_SPECS = [spec for spec in POLICY_SPECS if spec[0] in ("h2o", "streaming_llm", "sliding_window")] + [None]
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(compaction=st.sampled_from(["dense", "lazy", "dead-blocks", "lazy-background"]), tpb=st.sampled_from([2, 4, 8]),
-       spec=st.sampled_from(NATIVE_SPECS), steps=st.integers(1, 16), seed=st.integers(0, 2**31))
-def test_the_call_on_the_worker_equals_the_call_at_once(compaction, tpb, spec, steps, seed):
+       spec=st.sampled_from(NATIVE_SPECS), steps=st.integers(1, 16), seed=st.integers(0, 2**31),
+       checks=st.booleans())
+def test_the_call_on_the_worker_equals_the_call_at_once(compaction, tpb, spec, steps, seed, checks):
+    """``checks`` off, the call on the worker registers the batch too (the invariant checks read
+    the registered layout before it, so with them the host's thread registers it); the step at once
+    keeps its checks."""
     rng = np.random.default_rng(seed)
     hosts = [Host(256, tpb, 1) for _ in range(2)]
     policies = [None if spec is None else make_policy(spec[0], spec[1], **spec[2]) for _ in hosts]
-    at_once, beside = (make_step(h, "cpp", compaction, 2, p) for h, p in zip(hosts, policies))
+    at_once = make_step(hosts[0], "cpp", compaction, 2, policies[0])
+    beside = make_step(hosts[1], "cpp", compaction, 2, policies[1], checks=checks)
+    registered_here = count_registrations(beside)
     both, next_req = (at_once, beside), 0
     for _ in range(steps):
         joining = join_some(rng, both, next_req)
@@ -58,6 +64,47 @@ def test_the_call_on_the_worker_equals_the_call_at_once(compaction, tpb, spec, s
         assert beside.stats.compactions == at_once.stats.compactions
     assert beside.stats.overlapped_steps == beside.stats.fused_steps == at_once.stats.fused_steps
     assert at_once.stats.overlapped_steps == 0
+    if not checks:  # the host's thread registered only the batches the general path took
+        assert registered_here[0] == beside.stats.steps - beside.stats.fused_steps
+
+
+def test_the_worker_registers_a_batch_checked_at_start():
+    """Registration on the worker (no invariant checks, no mass function): lists outgrowing the
+    block table widen it before the call; a bad batch raises at ``start`` in the host's words,
+    nothing changed, and the step goes on."""
+    outs, messages, counters = {}, {}, {}
+    for overlap in (False, True):
+        host = Host(64, 2)
+        step = make_step(host, "cpp", "dense", policy=make_policy("streaming_llm", 30, n_sink=2), checks=False)
+        registered_here = count_registrations(step)
+        step.add_request(0)
+        width = step.slots.block_table.shape[1]
+        step.start(StepInput([0], [21], [0, 11], host.allocate(11)), overlap=overlap)  # 11 blocks
+        outs[overlap] = [step.finish()]
+        assert step.slots.block_table.shape[1] > width and len(step.block_ids(0)) == 11
+        before = step.counters([0])
+        with pytest.raises(ValueError, match="new block ids must lie in") as caught:
+            step.start(StepInput.decode([0], [[999]]), overlap=overlap)
+        messages[overlap], counters[overlap] = str(caught.value), step.counters([0])
+        assert counters[overlap] == before  # and nothing in flight: the next step starts
+        step.start(StepInput.decode([0], [host.allocate(1)]), overlap=overlap)
+        outs[overlap].append(step.finish())
+        assert registered_here[0] == (0 if overlap else 3) and step.stats.overlapped_steps == (2 if overlap else 0)
+    assert messages[False] == messages[True] and counters[False] == counters[True]
+    for a, b in zip(outs[False], outs[True]):
+        outputs_equal(a, b)
+
+
+def count_registrations(step: DecodeStep) -> list[int]:
+    """Counts the step's registrations on the host's thread (``SlotMap.add_tokens``)."""
+    made, add_tokens = [0], step.slots.add_tokens
+
+    def counted(*args):
+        made[0] += 1
+        return add_tokens(*args)
+
+    step.slots.add_tokens = counted
+    return made
 
 
 def test_misuse_and_a_failing_call_raise_as_run_does():
@@ -102,6 +149,12 @@ def test_the_worker_binding_checks_at_start_and_raises_at_wait():
     assert not worker.busy
     with pytest.raises(RuntimeError, match="no step in flight"):
         worker.wait()
+    registering = (*args, None, None, False, 1, None, step.slots.num_blocks)  # the call registers the batch first
+    with pytest.raises(ValueError, match="must lie in"):  # checked at start as slots_register checks it
+        worker.start(*registering[:5], np.array([0, 1]), np.array([99]), *registering[7:])
+    assert not worker.busy
+    assert worker.start(*registering[:5], np.array([0, 9]), np.arange(5, 14), *registering[7:]) == 2 + 9
+    assert not worker.busy  # 11 columns needed, the block table has 8: nothing started
     step.core.table.remove_request(0)
     worker.start(*args)
     assert worker.busy

@@ -2,7 +2,8 @@
 """The common decode step in two native calls (C++ core): after the registration call
 (``SlotMap.add_tokens``), one call decides, runs the token table's step and updates the batch
 layout (``cpp/core/decode_step.h``), where the general path makes three more native calls with
-numpy work between them:
+numpy work between them. On the step's worker thread the one call can register the batch first
+(checked before it starts), so the host's thread makes one call:
 
     general path                                   fused (one call)
     BatchDecision.victims  -> select (native)      select_lowest / lowest_live_ids
@@ -35,6 +36,11 @@ from trtllm_vtoken.step.decide import NativeDecision
 from trtllm_vtoken.step.slots import SlotMap
 
 
+NONE = np.zeros(0, dtype=np.int64)
+NONE.flags.writeable = False
+"""Every empty part of a result (nothing to write into)."""
+
+
 class FusedResult(NamedTuple):
     victim_offsets: np.ndarray
     victim_ids: np.ndarray
@@ -47,9 +53,28 @@ class FusedResult(NamedTuple):
 
     @classmethod
     def of(cls, native: tuple) -> FusedResult:
-        """From what the native call returns (its table step a tuple of arrays)."""
-        victim_offsets, victim_ids, step, lost, num_tokens, changed, num_changed = native
-        return cls(victim_offsets, victim_ids, StepBatchResult(*step), lost, num_tokens, changed, num_changed)
+        """From what the native call returns: one int64 buffer and its sizes (``result_tuple`` in
+        ``cpp/core/decode_bindings.cpp``); every part is a view of the buffer (plain slices: in
+        numpy each costs a fraction of a reshape), an empty part the shared ``NONE``.
+
+            0      B+1       2(B+1)     3(B+1)  +B       +2B   +3B         +4B = fixed
+            victim_offsets | move_offsets | freed_offsets | kv_lens | lost | num_tokens | changed
+            fixed  +V          +M            +2M         +3M
+            victim_ids | move_tokens | move_src | move_dst | freed
+        """
+        flat, batch, num_victims, num_moves, num_changed = native
+        b1, b2, b3 = batch + 1, 2 * batch + 2, 3 * batch + 3
+        c1, c2, c3, fixed = b3 + batch, b3 + 2 * batch, b3 + 3 * batch, b3 + 4 * batch
+        m0 = fixed + num_victims
+        m1, m2, m3 = m0 + num_moves, m0 + 2 * num_moves, m0 + 3 * num_moves
+        victim_ids = flat[fixed:m0] if num_victims else NONE
+        if num_moves:
+            move_tokens, move_src, move_dst = flat[m0:m1], flat[m1:m2], flat[m2:m3]
+        else:
+            move_tokens = move_src = move_dst = NONE
+        freed = flat[m3:] if len(flat) > m3 else NONE
+        table = StepBatchResult(flat[b1:b2], move_tokens, move_src, move_dst, flat[b2:b3], freed, flat[b3:c1])
+        return cls(flat[:b1], victim_ids, table, flat[c1:c2], flat[c2:c3], flat[c3:fixed], num_changed)
 
 
 def decide_and_step(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray,
@@ -74,13 +99,18 @@ def decide_and_step(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.nd
 def start_decide_and_step(worker: Any, slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray,
                           num_new: np.ndarray, offsets: np.ndarray, blocks: np.ndarray, decision: NativeDecision,
                           compaction: str, fragmentation_threshold: int, pressure: bool,
-                          may_plan: np.ndarray | None = None) -> None:
+                          may_plan: np.ndarray | None = None, registers: bool = False) -> None:
     """``decide_and_step`` (no victims hook) started on ``worker`` (the C++ core's
-    ``DecodeWorker``), which checks the arguments at once (ValueError, nothing started); its
+    ``DecodeWorker``); ``registers``: the call registers the batch first (as
+    ``SlotMap.add_tokens`` would; the block table widened here first where the lists outgrow it).
+    The worker checks the arguments and the batch at once (ValueError, nothing started); its
     ``wait()`` returns (what ``FusedResult.of`` takes, the call's seconds on the worker). Until
     then nothing may touch the layout, the table or these arrays."""
-    worker.start(*fused_arguments(slots, table, req_ids, rows, num_new, offsets, blocks, decision, compaction,
-                                  fragmentation_threshold, pressure), decision.skip_shared, decision.threads, may_plan)
+    while needed := worker.start(*fused_arguments(slots, table, req_ids, rows, num_new, offsets, blocks, decision,
+                                                  compaction, fragmentation_threshold, pressure),
+                                 decision.skip_shared, decision.threads, may_plan,
+                                 slots.num_blocks if registers else 0):
+        slots.fit_columns(needed)
 
 
 def fused_arguments(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray,

@@ -151,7 +151,7 @@ class SlotMap:
         needed, slots = self.native.slots_register(self.native_layout(), req_ids, rows, offsets, blocks, num_new,
                                                    self.num_blocks, table)
         if needed:  # the rows' lists outgrow the block table: widen it, then register
-            self._grow_columns(needed)
+            self.fit_columns(needed)
             needed, slots = self.native.slots_register(self.native_layout(), req_ids, rows, offsets, blocks, num_new,
                                                        self.num_blocks, table)
         return slots
@@ -175,7 +175,7 @@ class SlotMap:
         counts = np.diff(offsets)
         if not len(blocks):
             return
-        self._fit_columns(rows, counts)
+        self._fit_rows(rows, counts)
         owner = np.repeat(rows, counts)
         columns = self.num_blocks_of[owner] + (np.arange(len(blocks)) - np.repeat(offsets[:-1], counts))
         self.block_table[owner, columns] = blocks
@@ -251,7 +251,7 @@ class SlotMap:
     def native_layout(self) -> Any:
         """The layout's arrays as the C++ core's calls take them (``cpp/core/slot_args.h``
         BoundLayout: tokens, block table, tokens_per_block, the four counters, the statistics),
-        bound once and again after a buffer was replaced (``_grow_rows``, ``_grow_columns``,
+        bound once and again after a buffer was replaced (``_grow_rows``, ``fit_columns``,
         ``add_stat``)."""
         if self._bound is None:
             self._bound = self.native.BoundLayout(self.tokens, self.block_table, self.tokens_per_block,
@@ -285,16 +285,16 @@ class SlotMap:
         self.policy = np.concatenate([self.policy, np.full(extra, -1, dtype=np.int64)])
         self._bound = None
 
-    def _fit_columns(self, rows: np.ndarray, counts: np.ndarray) -> None:
+    def _fit_rows(self, rows: np.ndarray, counts: np.ndarray) -> None:
         """Widens the block table if the rows' lists, ``counts`` blocks longer, would not fit."""
-        if not counts.any():
-            return
-        needed = int((self.num_blocks_of[rows] + counts).max())
-        if needed > self.block_table.shape[1]:
-            self._grow_columns(needed)
+        if counts.any():
+            self.fit_columns(int((self.num_blocks_of[rows] + counts).max()))
 
-    def _grow_columns(self, needed: int) -> None:
+    def fit_columns(self, needed: int) -> None:
+        """Widens the block table (doubling) to at least ``needed`` columns."""
         width = self.block_table.shape[1]
+        if width >= needed:
+            return
         while width < needed:
             width *= 2
         grown = np.full((self.block_table.shape[0], width), self.scratch, dtype=np.int32)

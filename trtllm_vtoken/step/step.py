@@ -15,9 +15,11 @@ each forward (design: "One step for every host").
       6. out        victims, moves, freed blocks, refreshed lengths, lost lengths (``StepOutput``)
 
 ``run`` is ``start`` then ``finish``. A host with work of its own between the forward and its next
-iteration (the engine's sampling) calls ``start(inp, overlap=True)``: steps 2-3, where the fused
-native call serves the batch, run on the step's worker thread until ``finish`` (or any query)
-waits for them; steps 1 and 4-6 stay on the host's thread.
+iteration (the engine's sampling) calls ``start(inp, overlap=True)``: where the fused native call
+serves the batch, steps 2-3 run on the step's worker thread until ``finish`` (or any query) waits
+for them, and step 1's registration too, unless something on the host's thread reads the
+registered layout first (a mass function, the invariant checks); the batch's checks and steps 4-6
+stay on the host's thread.
 
 Requests in one batch may follow different policies (``add_request(req, policy)``; None: the
 request never evicts). The host owns the blocks: it allocates the new ones it passes in and frees
@@ -67,6 +69,7 @@ class _Iteration:
         self.victims: tuple[np.ndarray, ...] | None = None  # general path: rows, slots, CSR offsets, ids
         self.before: Any = None  # the invariant checks' state before the table's step
         self.block_lists: tuple[np.ndarray, np.ndarray] | None = None  # rows' blocks, counts, before the call
+        self.registers = False  # the fused call registers the batch (on the worker)
 
 
 class DecodeStep(StepRequests):
@@ -134,14 +137,14 @@ class DecodeStep(StepRequests):
         return self.finish()
 
     def start(self, inp: StepInput, overlap: bool = False) -> None:
-        """Begins an iteration: checks the input (errors as ``run``), registers the new tokens and
-        prepares the decision. ``overlap``: where the fused native call serves the batch, the call
-        runs on the step's worker thread (the victims hook right after it) and this returns at
-        once; the host goes on with work that does not touch the step (sampling the batch) and
-        then calls ``finish``:
+        """Begins an iteration: checks the input (errors as ``run``, nothing changed), registers
+        the new tokens and prepares the decision. ``overlap``: where the fused native call serves
+        the batch, the call runs on the step's worker thread (the victims hook right after it),
+        registering the new tokens first where it can, and this returns at once; the host goes on
+        with work that does not touch the step (sampling the batch) and then calls ``finish``:
 
-            host     start ── sampling, outputs ──────────── finish ── copy, output
-            worker        └── decide, table step, layout ──┘
+            host     start ── sampling, outputs ──────────────────────── finish ── copy, output
+            worker        └── register, decide, table step, layout ──┘
 
         Any other use of the step in between (a query, a request added or removed) waits for the
         call first. Otherwise the whole step runs here. RuntimeError if a step started before
@@ -158,9 +161,11 @@ class DecodeStep(StepRequests):
             try:
                 start_decide_and_step(self._worker(), self.slots, self.core.table, it.req_ids, it.rows, it.num_new,
                                       it.offsets, it.blocks, it.native, compaction, self.config.fragmentation_threshold,
-                                      inp.pressure, may_plan)
-            except (KeyError, ValueError) as exc:  # the new tokens are registered already
-                raise self._refused(exc) from exc
+                                      inp.pressure, may_plan, it.registers)
+            except (KeyError, ValueError) as exc:
+                if it.registers:  # the call's checks refused the batch: nothing changed
+                    raise
+                raise self._refused(exc) from exc  # the new tokens are registered already
             self._flight = it
             return
         self._landed = self._end(it, self._table_step(it, inp.pressure))
@@ -191,26 +196,31 @@ class DecodeStep(StepRequests):
         self._landed = self._end(it, (FusedResult.of(fused), seconds))
 
     def _begin(self, inp: StepInput, overlap: bool = False) -> _Iteration:
-        """Checks, registration, the decision (the general path: its victims too); ``overlap``:
-        a fused call will run on the worker."""
+        """Checks, registration (unless the call on the worker makes it), the decision (the general
+        path: its victims too); ``overlap``: a fused call will run on the worker."""
         clock, stats = time.perf_counter, self.stats
         t0 = clock()
         req_ids, rows, num_new, block_offsets, new_blocks = self.input_checks.validated(inp)
         shared = self.shared_blocks()
         self.core.sync_shared(shared)
-        new_slots = self.slots.add_tokens(rows, block_offsets, new_blocks, num_new, req_ids, self.core.table)
-        t1, mass_seconds = clock(), stats.mass_seconds
         it = _Iteration(req_ids, rows, num_new, block_offsets, new_blocks, inp.stream)
+        # The call on the worker registers the batch itself, unless something on this thread reads
+        # the registered layout first: a mass function (the simulated attention) or the checks.
+        it.registers = overlap and self._fuses() and not callable(inp.mass) and self.checks is None
+        new_slots = None if it.registers else self._register(it)
+        t1, mass_seconds = clock(), stats.mass_seconds
         try:
             it.native = (self.decision.native_decision(rows, inp.mass, shared, self.sole_policy(), overlap)
                          if self._fuses() else None)
             if it.native is None:
+                if it.registers:  # the general path after all: it registers here
+                    it.registers, new_slots = False, self._register(it)
                 victim_index, victim_pos = self.decision.victims(req_ids, rows, inp.mass, shared)
         except BadMass as exc:  # the new tokens are registered already: the step cannot go on
             self._broken = str(exc)
             raise
         if it.native is None or self.background:
-            it.length = self.slots.kv_len[rows]  # after the new tokens
+            it.length = self.slots.kv_len[rows] + num_new if it.registers else self.slots.kv_len[rows]
         if it.native is None:
             it.victims = self._victims(req_ids, rows, victim_index, victim_pos)
         t2 = clock()
@@ -219,6 +229,10 @@ class DecodeStep(StepRequests):
         stats.seconds["policy"] += t2 - t1 - (stats.mass_seconds - mass_seconds)  # not the simulated attention
         stats.seconds["checks"] += clock() - t2
         return it
+
+    def _register(self, it: _Iteration) -> np.ndarray:
+        """The batch's new blocks and tokens join the layout (checked first); their slots."""
+        return self.slots.add_tokens(it.rows, it.offsets, it.blocks, it.num_new, it.req_ids, self.core.table)
 
     def _table_step(self, it: _Iteration, pressure: bool) -> tuple[Any, float]:
         """The token table's step here: the fused call (a ``FusedResult``) or the general path's
@@ -347,10 +361,19 @@ class DecodeStep(StepRequests):
 
     @staticmethod
     def _listed_before(it: _Iteration) -> Callable[[int], list[int]]:
-        """``block_ids`` of the batch's requests from the rows copied before the call."""
+        """``block_ids`` of the batch's requests as the decision saw them: the rows copied before
+        the call, with their new blocks where the call registered them."""
         table, counts = it.block_lists
         index = {req: i for i, req in enumerate(it.req_ids.tolist())}
-        return lambda req_id: table[index[req_id], : counts[index[req_id]]].tolist()
+
+        def listed(req_id: int) -> list[int]:
+            i = index[req_id]
+            blocks = table[i, : counts[i]].tolist()
+            if it.registers:
+                blocks += it.blocks[it.offsets[i] : it.offsets[i + 1]].tolist()
+            return blocks
+
+        return listed
 
     def _update_layout(self, req_ids: np.ndarray, rows: np.ndarray, victim_rows: np.ndarray | None,
                        victim_slots: np.ndarray | None, result: StepBatchResult) -> StepBatchResult:
