@@ -35,7 +35,6 @@ from trtllm_vtoken.reclaim.step_batch import COMPACTIONS, StepBatchResult
 from trtllm_vtoken.step.decide import NativeDecision
 from trtllm_vtoken.step.slots import SlotMap
 
-
 NONE = np.zeros(0, dtype=np.int64)
 NONE.flags.writeable = False
 """Every empty part of a result (nothing to write into)."""
