@@ -255,9 +255,11 @@ class KVCacheManager:
             self.lists.append_batch(req_ids, fresh_lists, num_new)
             self.stats.lists_seconds += time.perf_counter() - start
             return
-        # The batch in CSR form: request i's new blocks are new_blocks[offsets[i]:offsets[i + 1]].
-        offsets = np.fromiter(accumulate(map(len, fresh_lists), initial=0), dtype=np.int64, count=len(req_ids) + 1)
+        # The batch in CSR form: request i's new blocks are new_blocks[offsets[i]:offsets[i + 1]]
+        # (most decode steps: none).
         new_blocks = list(chain.from_iterable(fresh_lists))
+        offsets = (np.fromiter(accumulate(map(len, fresh_lists), initial=0), dtype=np.int64, count=len(req_ids) + 1)
+                   if new_blocks else np.zeros(len(req_ids) + 1, dtype=np.int64))
         on_cuda = self.cache is not None and self.cache.pool.is_cuda and not self.config.synchronous_copies
         # Memory pressure: the pool could not give every running request a block for its next token.
         pressure = self.pool.num_free < len(req_ids) + self.config.evacuation_headroom
@@ -278,8 +280,10 @@ class KVCacheManager:
         if self._stepping:
             self._stepping = False
             out = self.step.finish()
-            self._free(out.table.freed.tolist())
-            self.evictions.count(out.req_ids, out.victim_offsets)
+            if len(out.table.freed):
+                self._free(out.table.freed.tolist())
+            if len(out.victims):
+                self.evictions.count(out.req_ids, out.victim_offsets)
             self._finished = out
 
     def store_written(self, req_ids: list[int], token_ids: Callable[[int], list[int]]) -> None:

@@ -31,6 +31,7 @@ class InputChecks:
         self.slots, self.policies, self.is_shared, self.checks_new = slots, policies, is_shared, checks_new
         # A decode loop passes the same lists step after step: their arrays are reused.
         self._req_ids, self._num_new = LastList(), LastList()
+        self._observing_of: tuple[int, list[int]] = (0, [])  # (policies seen, which of them observe)
 
     def validated(self, inp: StepInput) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(req_ids, their rows, num_new, block offsets, new blocks) as int64 arrays, checked as the
@@ -80,7 +81,7 @@ class InputChecks:
         """The mass a batch needs, checked before anything changes (a function's result is
         checked when it comes)."""
         if mass is None:
-            observing = [i for i, p in enumerate(self.policies) if p.observes_attention()]
+            observing = self._observing()
             if observing and np.isin(self.slots.policy[rows], observing).any():
                 raise ValueError("a policy of this batch observes attention: pass the mass per position")
             return
@@ -91,3 +92,11 @@ class InputChecks:
         if len(shape) != 2 or shape[0] != len(rows) or shape[1] < longest:
             raise ValueError(f"mass must be [{len(rows)}, >= {longest}] (the batch's longest request after its new "
                              f"tokens), got {list(shape)}")
+
+    def _observing(self) -> list[int]:
+        """Indices of the policies that observe attention (the step only ever adds policies)."""
+        seen, observing = self._observing_of
+        if seen != len(self.policies):
+            observing = [i for i, p in enumerate(self.policies) if p.observes_attention()]
+            self._observing_of = (len(self.policies), observing)
+        return observing

@@ -108,6 +108,8 @@ class DecodeStep(StepRequests):
         self.shared_blocks = shared_blocks or (lambda: ())
         self.core: TableCore = make_core(config.impl, tokens_per_block, self.is_shared)
         self.impl = self.core.impl
+        self.fuses = self.impl == "cpp" and config.fused
+        """A batch may take the fused native call (``step/fused.py``)."""
         self.slots = SlotMap(num_blocks, tokens_per_block, load_native() if self.impl == "cpp" else None)
         self.executor = executor
         self.policy = policy
@@ -206,12 +208,12 @@ class DecodeStep(StepRequests):
         it = _Iteration(req_ids, rows, num_new, block_offsets, new_blocks, inp.stream)
         # The call on the worker registers the batch itself, unless something on this thread reads
         # the registered layout first: a mass function (the simulated attention) or the checks.
-        it.registers = overlap and self._fuses() and not callable(inp.mass) and self.checks is None
+        it.registers = overlap and self.fuses and not callable(inp.mass) and self.checks is None
         new_slots = None if it.registers else self._register(it)
         t1, mass_seconds = clock(), stats.mass_seconds
         try:
             it.native = (self.decision.native_decision(rows, inp.mass, shared, self.sole_policy(), overlap)
-                         if self._fuses() else None)
+                         if self.fuses else None)
             if it.native is None:
                 if it.registers:  # the general path after all: it registers here
                     it.registers, new_slots = False, self._register(it)
@@ -304,7 +306,7 @@ class DecodeStep(StepRequests):
         stats.compactions += num_changed
         stats.moves += len(table.move_src)
         stats.blocks_freed += len(table.freed)
-        if self.executor is not None:
+        if copied and self.executor is not None:
             stats.bytes_copied += copied * self.executor.bytes_per_move()
         seconds["table"] += t5 - t4
         seconds["copy"] += t6 - t5
@@ -312,10 +314,6 @@ class DecodeStep(StepRequests):
         return out
 
     # ---- private -------------------------------------------------------------------------------
-    def _fuses(self) -> bool:
-        """May a batch take the fused native call (``step/fused.py``)?"""
-        return self.impl == "cpp" and self.config.fused
-
     def _call_settings(self, req_ids: np.ndarray) -> tuple[str, np.ndarray | None]:
         """The table step's compaction and, with background compaction, the requests it may plan."""
         background = self.background
