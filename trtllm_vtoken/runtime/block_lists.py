@@ -51,7 +51,7 @@ class BlockLists:
         """(blocks held, KV length) of the requests, int64 arrays."""
         blocks_of, lengths = self._blocks, self._lengths
         count = len(req_ids)
-        return (np.fromiter((len(blocks_of[r]) for r in req_ids), dtype=np.int64, count=count),
+        return (np.fromiter(map(len, map(blocks_of.__getitem__, req_ids)), dtype=np.int64, count=count),
                 np.fromiter(map(lengths.__getitem__, req_ids), dtype=np.int64, count=count))
 
     def __contains__(self, req_id: object) -> bool:

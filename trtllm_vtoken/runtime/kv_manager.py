@@ -320,8 +320,8 @@ class KVCacheManager:
             tokens, live, held = self.step.counters(req_ids)
         else:
             lists = self.lists
-            tokens = live = [lists.kv_len(r) for r in req_ids]
-            held = [lists.num_blocks(r) for r in req_ids]
+            tokens = live = list(map(lists.kv_len, req_ids))
+            held = list(map(lists.num_blocks, req_ids))
         for req_id, n, k, h, rest in zip(req_ids, tokens, live, held, remaining):
             self.admission.update(req_id, logical_len=n, live=k, remaining=rest, held=h)
 

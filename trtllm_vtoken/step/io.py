@@ -57,7 +57,7 @@ class StepOutput:
     """What the step did. int64 arrays; CSR as the input."""
 
     req_ids: np.ndarray
-    """[B]."""
+    """[B], read-only."""
     victim_offsets: np.ndarray
     """[B + 1] into ``victims``."""
     victims: np.ndarray

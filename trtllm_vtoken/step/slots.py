@@ -39,7 +39,9 @@ def copied(values: list | tuple) -> list | tuple:
 
 class LastList:
     """A host's list (of request ids, token counts) as an int64 array and as a list of ints; a
-    list equal to the last one converted gets the same, read-only, array and the same list."""
+    list equal to the last one converted gets the same array and the same list. The step never
+    writes them, and hands a host only read-only views (``StepOutput.req_ids``): a writeable array
+    is what the native calls take fastest (nanobind takes a read-only one several times slower)."""
 
     def __init__(self) -> None:
         self._last: tuple[list | tuple, np.ndarray, list[int]] | None = None
@@ -51,7 +53,6 @@ class LastList:
         values = np.asarray(listed, dtype=np.int64).reshape(-1)
         ints = values.tolist()
         if type(listed) in LISTS:
-            values.flags.writeable = False
             self._last = (copied(listed), values, ints)
         return values, ints
 
@@ -124,7 +125,7 @@ class SlotMap:
     def rows(self, req_ids: Iterable[int]) -> np.ndarray:
         """[B] int64 rows of the requests. KeyError names an unknown request. A host asks for the
         same batch several times a step and step after step: a list equal to the last one asked
-        for, no request having joined or left since, gets the same (read-only) array."""
+        for, no request having joined or left since, gets the same array (never to be written)."""
         last = self._last_rows
         if last is not None and type(req_ids) in LISTS and last[0] == self.membership and last[1] == req_ids:
             return last[2]
@@ -133,7 +134,6 @@ class SlotMap:
         except KeyError as err:
             raise KeyError(f"unknown request {err.args[0]}") from None
         if type(req_ids) in LISTS:
-            rows.flags.writeable = False
             self._last_rows = (self.membership, copied(req_ids), rows)
         return rows
 

@@ -295,7 +295,9 @@ class DecodeStep(StepRequests):
             t5 = t4
             handle = self._submit_copy(table, stream)
             t6 = clock()
-        out = StepOutput(req_ids, victim_offsets, victim_ids, table, lost, num_tokens, handle)
+        handed = req_ids.view()  # read-only: the step may reuse the array next step (``LastList``)
+        handed.flags.writeable = False
+        out = StepOutput(handed, victim_offsets, victim_ids, table, lost, num_tokens, handle)
         if self.checks:
             self.checks.after(out, it.before, changed.astype(bool))  # I1 on the relocated keys, before they turn
         if self.rerotation is not None and lost.any():
