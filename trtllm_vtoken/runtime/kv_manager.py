@@ -258,8 +258,8 @@ class KVCacheManager:
         # The batch in CSR form: request i's new blocks are new_blocks[offsets[i]:offsets[i + 1]]
         # (most decode steps: none).
         new_blocks = list(chain.from_iterable(fresh_lists))
-        offsets = (np.fromiter(accumulate(map(len, fresh_lists), initial=0), dtype=np.int64, count=len(req_ids) + 1)
-                   if new_blocks else np.zeros(len(req_ids) + 1, dtype=np.int64))
+        offsets = (np.array(list(accumulate(map(len, fresh_lists), initial=0)), dtype=np.int64) if new_blocks
+                   else np.zeros(len(req_ids) + 1, dtype=np.int64))  # (np.fromiter takes longer per item)
         on_cuda = self.cache is not None and self.cache.pool.is_cuda and not self.config.synchronous_copies
         # Memory pressure: the pool could not give every running request a block for its next token.
         pressure = self.pool.num_free < len(req_ids) + self.config.evacuation_headroom

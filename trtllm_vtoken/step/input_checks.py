@@ -50,6 +50,10 @@ class InputChecks:
             self.check_new(req_ids, rows, num_new, offsets, blocks)
         return req_ids, rows, num_new, offsets, blocks
 
+    def read_only_ids(self, req_ids: np.ndarray) -> np.ndarray:
+        """A read-only view of the request ids ``validated`` returned, for the host."""
+        return self._req_ids.read_only(req_ids)
+
     def check_new(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray,
                   blocks: np.ndarray) -> None:
         """The batch's new blocks and tokens: each request once, CSR offsets, counts >= 0, block

@@ -44,7 +44,7 @@ class LastList:
     is what the native calls take fastest (nanobind takes a read-only one several times slower)."""
 
     def __init__(self) -> None:
-        self._last: tuple[list | tuple, np.ndarray, list[int]] | None = None
+        self._last: tuple[list | tuple, np.ndarray, list[int], np.ndarray] | None = None
 
     def convert(self, listed: Any) -> tuple[np.ndarray, list[int]]:
         last = self._last
@@ -53,8 +53,19 @@ class LastList:
         values = np.asarray(listed, dtype=np.int64).reshape(-1)
         ints = values.tolist()
         if type(listed) in LISTS:
-            self._last = (copied(listed), values, ints)
+            self._last = (copied(listed), values, ints, read_only(values))
         return values, ints
+
+    def read_only(self, values: np.ndarray) -> np.ndarray:
+        """A read-only view of an array ``convert`` returned, made once for the reused one."""
+        last = self._last
+        return last[3] if last is not None and values is last[1] else read_only(values)
+
+
+def read_only(values: np.ndarray) -> np.ndarray:
+    view = values.view()
+    view.flags.writeable = False
+    return view
 
 
 class SlotMap:

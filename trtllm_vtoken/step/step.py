@@ -295,9 +295,8 @@ class DecodeStep(StepRequests):
             t5 = t4
             handle = self._submit_copy(table, stream)
             t6 = clock()
-        handed = req_ids.view()  # read-only: the step may reuse the array next step (``LastList``)
-        handed.flags.writeable = False
-        out = StepOutput(handed, victim_offsets, victim_ids, table, lost, num_tokens, handle)
+        # Read-only: the step may reuse the array next step (``LastList``).
+        out = StepOutput(self.input_checks.read_only_ids(req_ids), victim_offsets, victim_ids, table, lost, num_tokens, handle)
         if self.checks:
             self.checks.after(out, it.before, changed.astype(bool))  # I1 on the relocated keys, before they turn
         if self.rerotation is not None and lost.any():
