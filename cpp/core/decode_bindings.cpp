@@ -126,8 +126,8 @@ std::optional<DecodeCall> checked_call(BoundLayout& layout, vtoken::TokenTable& 
 }
 
 // The call's result packed in one int64 buffer, for one numpy array Python takes views of
-// (step/fused.py FusedResult.of): one array made per call, where one per part cost about half a
-// microsecond each. The worker packs it, so the host's thread only wraps it.
+// (step/fused.py FusedResult.of): one array made per call instead of one per part, each of which
+// costs the host's thread a Python object's making. The worker packs it; the host only wraps it.
 //
 //     [3, B + 1]  victim_offsets, move_offsets, freed_offsets
 //     [4, B]      kv_lens, lost, num_tokens, changed

@@ -40,8 +40,9 @@ def copied(values: list | tuple) -> list | tuple:
 class LastList:
     """A host's list (of request ids, token counts) as an int64 array and as a list of ints; a
     list equal to the last one converted gets the same array and the same list. The step never
-    writes them, and hands a host only read-only views (``StepOutput.req_ids``): a writeable array
-    is what the native calls take fastest (nanobind takes a read-only one several times slower)."""
+    writes them, and hands a host only read-only views (``StepOutput.req_ids``): the native calls
+    take a writeable array faster (nanobind takes a read-only one by a slower path:
+    ``benchmarks/step/host_phases/read_only.txt``)."""
 
     def __init__(self) -> None:
         self._last: tuple[list | tuple, np.ndarray, list[int], np.ndarray] | None = None

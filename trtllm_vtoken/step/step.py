@@ -49,27 +49,13 @@ from trtllm_vtoken.step.background import background_for
 from trtllm_vtoken.step.checks import StepChecks
 from trtllm_vtoken.step.config import StepConfig, StepStats
 from trtllm_vtoken.step.core import TableCore, make_core
-from trtllm_vtoken.step.decide import BadMass, BatchDecision, NativeDecision
+from trtllm_vtoken.step.decide import BadMass, BatchDecision
 from trtllm_vtoken.step.fused import FusedResult, decide_and_step, start_decide_and_step
 from trtllm_vtoken.step.input_checks import InputChecks
 from trtllm_vtoken.step.io import StepInput, StepOutput
+from trtllm_vtoken.step.iteration import Iteration
 from trtllm_vtoken.step.requests import StepRequests
 from trtllm_vtoken.step.slots import SlotMap
-
-
-class _Iteration:
-    """A step between its start and its end: the checked batch and what the decision left."""
-
-    def __init__(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray,
-                 blocks: np.ndarray, stream: Any) -> None:
-        self.req_ids, self.rows, self.num_new, self.offsets, self.blocks = req_ids, rows, num_new, offsets, blocks
-        self.stream = stream
-        self.native: NativeDecision | None = None
-        self.length: np.ndarray | None = None  # [B] kv_len after the new tokens (general path, background)
-        self.victims: tuple[np.ndarray, ...] | None = None  # general path: rows, slots, CSR offsets, ids
-        self.before: Any = None  # the invariant checks' state before the table's step
-        self.block_lists: tuple[np.ndarray, np.ndarray] | None = None  # rows' blocks, counts, before the call
-        self.registers = False  # the fused call registers the batch (on the worker)
 
 
 class DecodeStep(StepRequests):
@@ -124,7 +110,7 @@ class DecodeStep(StepRequests):
         self._policy_of: dict[int, int] = {}  # request -> index into _policies (absent: never evicts)
         self._following: dict[int, int] = {}  # policy index (-1: none) -> requests that follow it
         self._broken: str | None = None
-        self._flight: _Iteration | None = None  # started on the worker thread, not yet waited for
+        self._flight: Iteration | None = None  # started on the worker thread, not yet waited for
         self._landed: StepOutput | None = None  # completed, not yet handed over by finish()
         self._native_worker = None
         if policy is not None:
@@ -145,8 +131,8 @@ class DecodeStep(StepRequests):
         registering the new tokens first where it can, and this returns at once; the host goes on
         with work that does not touch the step (sampling the batch) and then calls ``finish``:
 
-            host     start ── sampling, outputs ──────────────────────── finish ── copy, output
-            worker        └── register, decide, table step, layout ──┘
+            host     start ── sampling, outputs ─────────────────── finish ── copy, output
+            worker        └── register, decide, table step, layout ┘
 
         Any other use of the step in between (a query, a request added or removed) waits for the
         call first. Otherwise the whole step runs here. RuntimeError if a step started before
@@ -197,7 +183,7 @@ class DecodeStep(StepRequests):
         self.stats.overlapped_steps += 1
         self._landed = self._end(it, (FusedResult.of(fused), seconds))
 
-    def _begin(self, inp: StepInput, overlap: bool = False) -> _Iteration:
+    def _begin(self, inp: StepInput, overlap: bool = False) -> Iteration:
         """Checks, registration (unless the call on the worker makes it), the decision (the general
         path: its victims too); ``overlap``: a fused call will run on the worker."""
         clock, stats = time.perf_counter, self.stats
@@ -205,7 +191,7 @@ class DecodeStep(StepRequests):
         req_ids, rows, num_new, block_offsets, new_blocks = self.input_checks.validated(inp)
         shared = self.shared_blocks()
         self.core.sync_shared(shared)
-        it = _Iteration(req_ids, rows, num_new, block_offsets, new_blocks, inp.stream)
+        it = Iteration(req_ids, rows, num_new, block_offsets, new_blocks, inp.stream)
         # The call on the worker registers the batch itself, unless something on this thread reads
         # the registered layout first: a mass function (the simulated attention) or the checks.
         it.registers = overlap and self.fuses and not callable(inp.mass) and self.checks is None
@@ -232,11 +218,11 @@ class DecodeStep(StepRequests):
         stats.seconds["checks"] += clock() - t2
         return it
 
-    def _register(self, it: _Iteration) -> np.ndarray:
+    def _register(self, it: Iteration) -> np.ndarray:
         """The batch's new blocks and tokens join the layout (checked first); their slots."""
         return self.slots.add_tokens(it.rows, it.offsets, it.blocks, it.num_new, it.req_ids, self.core.table)
 
-    def _table_step(self, it: _Iteration, pressure: bool) -> tuple[Any, float]:
+    def _table_step(self, it: Iteration, pressure: bool) -> tuple[Any, float]:
         """The token table's step here: the fused call (a ``FusedResult``) or the general path's
         (a ``StepBatchResult``), and its seconds."""
         start = time.perf_counter()
@@ -256,7 +242,7 @@ class DecodeStep(StepRequests):
             raise self._refused(exc) from exc
         return result, time.perf_counter() - start
 
-    def _end(self, it: _Iteration, stepped: tuple[Any, float]) -> StepOutput:
+    def _end(self, it: Iteration, stepped: tuple[Any, float]) -> StepOutput:
         """After the table's step: the layout follows (general path, background), the copy, the
         re-rotation, the output and the counters."""
         clock, stats, seconds = time.perf_counter, self.stats, self.stats.seconds
@@ -268,7 +254,7 @@ class DecodeStep(StepRequests):
             lost, num_tokens, changed, num_changed = result.lost, result.num_tokens, result.changed, result.num_changed
             stats.fused_steps += 1
             if it.block_lists is not None and len(victim_ids):  # the call ran on the worker: the hook now
-                self._on_victims(req_ids, victim_offsets, victim_ids, self._listed_before(it))
+                self._on_victims(req_ids, victim_offsets, victim_ids, it.listed_before)
         else:
             victim_offsets, victim_ids, table = it.victims[2], it.victims[3], result
         copied = len(table.move_src)
@@ -295,8 +281,8 @@ class DecodeStep(StepRequests):
             t5 = t4
             handle = self._submit_copy(table, stream)
             t6 = clock()
-        # Read-only: the step may reuse the array next step (``LastList``).
-        out = StepOutput(self.input_checks.read_only_ids(req_ids), victim_offsets, victim_ids, table, lost, num_tokens, handle)
+        handed = self.input_checks.read_only_ids(req_ids)  # the step may reuse the array (``LastList``)
+        out = StepOutput(handed, victim_offsets, victim_ids, table, lost, num_tokens, handle)
         if self.checks:
             self.checks.after(out, it.before, changed.astype(bool))  # I1 on the relocated keys, before they turn
         if self.rerotation is not None and lost.any():
@@ -357,22 +343,6 @@ class DecodeStep(StepRequests):
         except Exception as exc:
             self._broken = f"the victims hook failed: {exc}"
             raise
-
-    @staticmethod
-    def _listed_before(it: _Iteration) -> Callable[[int], list[int]]:
-        """``block_ids`` of the batch's requests as the decision saw them: the rows copied before
-        the call, with their new blocks where the call registered them."""
-        table, counts = it.block_lists
-        index = {req: i for i, req in enumerate(it.req_ids.tolist())}
-
-        def listed(req_id: int) -> list[int]:
-            i = index[req_id]
-            blocks = table[i, : counts[i]].tolist()
-            if it.registers:
-                blocks += it.blocks[it.offsets[i] : it.offsets[i + 1]].tolist()
-            return blocks
-
-        return listed
 
     def _update_layout(self, req_ids: np.ndarray, rows: np.ndarray, victim_rows: np.ndarray | None,
                        victim_slots: np.ndarray | None, result: StepBatchResult) -> StepBatchResult:
