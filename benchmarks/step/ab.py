@@ -12,6 +12,9 @@ of the tree before, then of the tree after, each tree with its own C++ core buil
     python ab.py engine-h2o BEFORE_TREE AFTER_TREE ROUNDS > ab.jsonl  the same for dense and lazy H2O
     python ab.py schedule BEFORE_TREE AFTER_TREE ROUNDS > ab.jsonl  a native engine's step and the
                                                                   decode rows' reservation in it
+    python ab.py phases BEFORE_TREE AFTER_TREE ROUNDS > ab.jsonl  an indirection-only engine's step
+                                                                  beside a native one's, phase by phase
+                                                                  (300 steps; see PHASES)
     python ab.py --table ab.jsonl                                 the medians of the rounds
 """
 
@@ -81,18 +84,79 @@ for batch in (64, 256):
                       "schedule_us_p50": float(np.median(spent))}))
 """,
 }
+PHASES = """
+# Both engines step in alternating order; each engine.step() is cut at the KV manager's start_step
+# and finish_step (start_step's own call of finish_step passes through):
+#   before  scheduling, the (simulated) forward      sample  sampling (the call beside it)
+#   start   start_step: the batch to the step /       finish  finish_step: the call waited for,
+#           native's block lists                              the output, the freed blocks
+#   after   admission's counters, prefix caching's keys
+# Per phase: the vToken engine's median and the median over the steps of (vToken - native).
+import gc, time
+import numpy as np
+from trtllm_vtoken.bench.step import NATIVE, StepBenchConfig, _prefilled
+def cut(engine):
+    kv, rec, inside = engine.kv, [], [False]
+    start_step, finish_step = kv.start_step, kv.finish_step
+    def timed_start(*args, **kwargs):
+        begin = time.perf_counter()
+        inside[0] = True
+        start_step(*args, **kwargs)
+        inside[0] = False
+        rec.append([begin, time.perf_counter()])
+    def timed_finish(*args, **kwargs):
+        if inside[0]:
+            return finish_step(*args, **kwargs)
+        begin = time.perf_counter()
+        out = finish_step(*args, **kwargs)
+        rec[-1] += [begin, time.perf_counter()]
+        return out
+    kv.start_step, kv.finish_step = timed_start, timed_finish
+    return rec
+for batch in (64, 256):
+    cfg = StepBenchConfig(batches=(batch,), steps=320, warmup=5, impls=("cpp",))
+    engines = {"native": _prefilled(cfg, batch, NATIVE), "vtoken": _prefilled(cfg, batch, dict(
+        variant="indirection-only", mode="dense", policy="streaming_llm", impl="cpp"))}
+    marks = {name: cut(engine) for name, engine in engines.items()}
+    for engine in engines.values():
+        for _ in range(5):
+            engine.step()
+    for rec in marks.values():
+        rec.clear()
+    gc.disable()
+    for i in range(300):
+        for name, engine in (engines.items() if i % 2 else reversed(engines.items())):
+            begin = time.perf_counter()
+            engine.step()
+            marks[name][-1] += [begin, time.perf_counter()]
+    gc.enable()
+    phases = {}
+    for name, rec in marks.items():
+        a = np.array([r[:6] for r in rec])  # start_step in, out; finish_step in, out; step in, out
+        phases[name] = dict(before=a[:, 0] - a[:, 4], start=a[:, 1] - a[:, 0], sample=a[:, 2] - a[:, 1],
+                            finish=a[:, 3] - a[:, 2], after=a[:, 5] - a[:, 3], step=a[:, 5] - a[:, 4])
+    mine, theirs = phases["vtoken"], phases["native"]
+    for k in mine:
+        print(json.dumps({"batch": batch, "label": k, "phase_us_p50": 1e6 * float(np.median(mine[k])),
+                          "added_us_p50": 1e6 * float(np.median(mine[k] - theirs[k]))}))
+    print(json.dumps({"batch": batch, "label": "step, added %", "phase_us_p50": float(
+        100 * (np.median(mine["step"] / theirs["step"]) - 1)), "added_us_p50": 0.0}))
+"""
+"""``PHASES``: an indirection-only engine's host time beside a native engine's, phase by phase."""
+MEASURE["phases"] = PHASES
 CELL = {"pass": (("batch", "placement", "caches"), "pass_us_p50", "blocks"),
         "alone": (("batch", "label", "caches"), "step_us_p50", "row"),
         "engine": (("batch", "label"), ("native_us_p50", "added_us_p50", "added_pct"), "row"),
         "engine-h2o": (("batch", "label"), ("native_us_p50", "added_us_p50", "added_pct"), "row"),
-        "schedule": (("batch", "label"), ("host_us_p50", "schedule_us_p50"), "row")}
+        "schedule": (("batch", "label"), ("host_us_p50", "schedule_us_p50"), "row"),
+        "phases": (("batch", "label"), ("phase_us_p50", "added_us_p50"), "phase")}
 """What a row of each measurement is keyed by, its value, and the table's name for the middle key."""
 
 
 def table(path: str) -> None:
     rows = [json.loads(line) for line in open(path)]
     what = next(w for w, key in (("pass", "pass_us_p50"), ("alone", "step_us_p50"), ("schedule", "schedule_us_p50"),
-                                 ("engine", "added_us_p50")) if key in rows[0])
+                                 ("phases", "phase_us_p50"), ("engine", "added_us_p50")) if key in rows[0])
     keys, values, middle = CELL[what]
     values = (values,) if isinstance(values, str) else values
     cells: dict[tuple, dict[tuple, list[float]]] = {}
@@ -110,10 +174,11 @@ def table(path: str) -> None:
         for value in values:
             b, a = sorted(by[(value, "before")]), sorted(by[(value, "after")])
             mb, ma = b[len(b) // 2], a[len(a) // 2]
-            digits = 1 if value in unit else 0
+            percent = value in unit or "%" in str(key[-1])  # e.g. the phases' "step, added %" row
+            digits = 1 if percent else 0
             parts.append(f"{mb:,.{digits}f} ({b[0]:,.{digits}f}-{b[-1]:,.{digits}f}) | "
                          f"{ma:,.{digits}f} ({a[0]:,.{digits}f}-{a[-1]:,.{digits}f}) | "
-                         + (f"{ma / mb:.2f}" if value not in unit and mb > 0 else "-"))
+                         + (f"{ma / mb:.2f}" if not percent and mb > 0 else "-"))
         print("| " + " | ".join(str(k) for k in key) + " | " + " | ".join(parts) + " |")
 
 
