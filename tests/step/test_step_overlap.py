@@ -231,15 +231,18 @@ def test_a_decode_loop_passing_the_same_lists_is_checked_as_any():
 
 
 @pytest.mark.parametrize("compaction", ["dense", "lazy"])
-def test_the_victims_hook_beside_the_host_sees_what_it_sees_at_once(compaction):
+@pytest.mark.parametrize("checks", [True, False])
+def test_the_victims_hook_beside_the_host_sees_what_it_sees_at_once(compaction, checks):
     """The hook (prefix caching's cut) gets the same victims and each request's block list as the
     decision saw it, though beside the host it runs after the call, when lazy compaction has already
-    released blocks from the middle of the lists."""
+    released blocks from the middle of the lists. ``checks`` off, the call on the worker registers
+    the batch too: the lists copied before it gain the new blocks it registered."""
     seen: dict[bool, list] = {False: [], True: []}
     outs: dict[bool, list] = {False: [], True: []}
     for overlap in (False, True):
         host = Host(64, 4)
-        step = make_step(host, "cpp", compaction, policy=make_policy("h2o", 5))
+        step = make_step(host, "cpp", compaction, policy=make_policy("h2o", 5), checks=checks or not overlap)
+        registered_here = count_registrations(step)
 
         def on_victims(req_ids, offsets, victims, block_ids, overlap=overlap, step=step):
             evicting = [int(r) for r, n in zip(req_ids, np.diff(offsets)) if n]
@@ -263,6 +266,7 @@ def test_the_victims_hook_beside_the_host_sees_what_it_sees_at_once(compaction):
             host.release(out.table.freed)
             outs[overlap].append(out)
         assert step.stats.overlapped_steps == (7 if overlap else 0)
+        assert registered_here[0] == (0 if overlap and not checks else 7)
     assert seen[False] == seen[True] and len(seen[True]) == 7
     assert any(len(lists) and len(lists[0]) == 3 for *_, lists in seen[True])  # lists before the release
     for a, b in zip(outs[False], outs[True]):
