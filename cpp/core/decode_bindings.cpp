@@ -214,12 +214,13 @@ void bind_decode(nb::module_& m) {
       [](BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new, Ids offsets, Ids blocks,
          int64_t selector, Rule rule, int64_t compaction, int64_t fragmentation_threshold, bool pressure,
          std::optional<Stat32> stat, std::optional<Mass> mass, std::optional<nb::callable> on_victims,
-         bool skip_shared, int64_t threads, std::optional<Mask> may_plan) {
-        int64_t columns_needed = 0;  // none: the batch is registered already
+         bool skip_shared, int64_t threads, std::optional<Mask> may_plan, int64_t num_blocks) -> nb::object {
+        int64_t columns_needed = 0;
         const std::optional<DecodeCall> call =
             checked_call(layout, table, req_ids, rows, num_new, offsets, blocks, selector, rule, compaction,
-                         fragmentation_threshold, pressure, stat, mass, skip_shared, threads, may_plan, 0,
+                         fragmentation_threshold, pressure, stat, mass, skip_shared, threads, may_plan, num_blocks,
                          columns_needed);
+        if (!call) return nb::int_(columns_needed);
         vtoken::VictimsHook hook;
         if (on_victims) {  // with numpy copies of the victims, as the general path hands them over
           hook = [&](const std::vector<int64_t>& victim_offsets, const std::vector<int64_t>& victim_ids) {
@@ -232,9 +233,11 @@ void bind_decode(nb::module_& m) {
       "layout"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
       "rule"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a,
       "stat"_a.noconvert() = nb::none(), "mass"_a = nb::none(), "on_victims"_a = nb::none(), "skip_shared"_a = false,
-      "threads"_a = 1, "may_plan"_a = nb::none(),
-      "After slots_register: the batch's decision, the token table's step and the layout's update in one call "
-      "(cpp/core/decode_step.h); on_victims(victim_offsets, victim_ids) runs between the decision and the "
+      "threads"_a = 1, "may_plan"_a = nb::none(), "num_blocks"_a = 0,
+      "The batch's registration (num_blocks > 0: the pool's blocks; 0: slots_register made it), decision, the "
+      "token table's step and the layout's update in one call (cpp/core/decode_step.h). With num_blocks the "
+      "batch is checked first as slots_register checks it (BatchRefused, nothing changed), and if the rows' "
+      "lists outgrow the block table the call returns the columns needed (an int), nothing done. on_victims(victim_offsets, victim_ids) runs between the decision and the "
       "table's step when there are victims; rule: the policy's bounds, (tokens or -1, ratio, n_sink, "
       "recent_window, recent_ratio), applied to the layout's counters here (budget.h); skip_shared: the id "
       "selector passes over tokens in shared blocks; threads: the statistic's pass may split its rows over that "
@@ -266,10 +269,10 @@ void bind_decode(nb::module_& m) {
           "rule"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a, "stat"_a.noconvert() = nb::none(),
           "mass"_a = nb::none(), "skip_shared"_a = false, "threads"_a = 1, "may_plan"_a = nb::none(),
           "num_blocks"_a = 0,
-          "slots_decide_step's arguments, less the victims hook (the worker runs no Python), and num_blocks: "
-          "> 0 (the pool's blocks), the call registers the batch first (slots_register's work, checked here as "
-          "it checks it). Returns 0 (started), or the block-table columns the rows' lists need with their new "
-          "blocks when the table must grow first (nothing started).")
+          "slots_decide_step's arguments, less the victims hook (the worker runs no Python); num_blocks > 0: "
+          "the call registers the batch first, checked here (BatchRefused, nothing started). Returns 0 "
+          "(started), or the block-table columns the rows' lists need with their new blocks when the table "
+          "must grow first (nothing started).")
       .def("wait", &DecodeWorker::wait,
            "Waits (the GIL released) for the call started last; returns (what slots_decide_step returns, the "
            "seconds it ran on the worker), or raises what it raised.")

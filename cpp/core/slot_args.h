@@ -78,25 +78,35 @@ inline void check_batch(const Ids& rows, size_t rows_in_table, size_t batch, con
   }
 }
 
+// A batch the registration's checks refused, before anything changed (Python: BatchRefused, a
+// ValueError): a host tells it from a refusal by the token table halfway through a step.
+struct BatchRefused : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
 // The registration's checks of a batch's new blocks and tokens (the sizes, then slots.h check_new,
-// in its words; invalid_argument, nothing changed) and the block-table columns its rows need with
+// in its words; BatchRefused, nothing changed) and the block-table columns its rows need with
 // their new blocks: 0 when they fit, else the columns the table must grow to first.
 inline int64_t checked_registration(BoundLayout& layout, const Ids& req_ids, const Ids& rows, const Ids& offsets,
                                     const Ids& blocks, const Ids& num_new, int64_t num_blocks,
                                     const vtoken::TokenTable& table) {
   vtoken::SlotArrays& a = layout.arrays();
   const size_t batch = rows.shape(0);
-  check_batch(rows, layout.rows(), batch, "rows");
+  try {
+    check_batch(rows, layout.rows(), batch, "rows");
+  } catch (const std::invalid_argument& e) {
+    throw BatchRefused(e.what());
+  }
   if (req_ids.shape(0) != batch || offsets.shape(0) != batch + 1 || num_new.shape(0) != batch) {
-    throw std::invalid_argument("slots: req_ids and num_new need one entry per row, offsets one more");
+    throw BatchRefused("slots: req_ids and num_new need one entry per row, offsets one more");
   }
   if (num_blocks <= 0 || num_blocks > a.scratch) {
-    throw std::invalid_argument("slots: num_blocks must lie in [1, the layout's blocks]");
+    throw BatchRefused("slots: num_blocks must lie in [1, the layout's blocks]");
   }
   const std::string wrong = vtoken::check_new(a, req_ids.data(), rows.data(), static_cast<int64_t>(batch),
                                               static_cast<int64_t>(layout.rows()), offsets.data(), blocks.data(),
                                               static_cast<int64_t>(blocks.shape(0)), num_new.data(), num_blocks, table);
-  if (!wrong.empty()) throw std::invalid_argument(wrong);
+  if (!wrong.empty()) throw BatchRefused(wrong);
   int64_t needed = 0;
   for (size_t i = 0; i < batch; ++i) {
     needed = std::max(needed, a.num_blocks_of[rows.data()[i]] + offsets.data()[i + 1] - offsets.data()[i]);

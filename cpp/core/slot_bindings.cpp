@@ -19,6 +19,7 @@ using namespace vtoken::slot_args;
 
 
 void bind_slots(nb::module_& m) {
+  nb::exception<BatchRefused>(m, "BatchRefused", PyExc_ValueError);
   nb::class_<BoundLayout>(m, "BoundLayout",
                           "A SlotMap's buffers bound once for the slot calls (slot_args.h); bound again when "
                           "one is replaced.")

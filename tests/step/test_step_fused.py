@@ -28,22 +28,25 @@ pytestmark = pytest.mark.skipif(load() is None, reason="the C++ core is not buil
 NATIVE = {"h2o", "streaming_llm", "sliding_window"}
 
 
-def three_steps(tpb: int, compaction: str, threshold: int, spec):
-    """Python core, C++ general path, C++ fused path: each on its own host, one policy each."""
+def three_steps(tpb: int, compaction: str, threshold: int, spec, fused_checks: bool = True):
+    """Python core, C++ general path, C++ fused path: each on its own host, one policy each.
+    ``fused_checks`` off, the fused call registers each batch itself (no invariant checks read the
+    registered layout before it)."""
     hosts = [Host(256, tpb, 1) for _ in range(3)]
     policies = [None if spec is None else make_policy(spec[0], spec[1], **spec[2]) for _ in hosts]
-    steps = [make_step(h, impl, compaction, threshold, p, fused)
-             for h, (impl, fused), p in zip(hosts, (("python", True), ("cpp", False), ("cpp", True)), policies)]
+    steps = [make_step(h, impl, compaction, threshold, p, fused, checks)
+             for h, (impl, fused, checks), p in zip(hosts, (("python", True, True), ("cpp", False, True),
+                                                            ("cpp", True, fused_checks)), policies)]
     return hosts, steps
 
 
 @settings(max_examples=30, deadline=None)
 @given(compaction=st.sampled_from(["dense", "lazy", "dead-blocks", "lazy-background"]), tpb=st.sampled_from([2, 4, 8]),
        spec=st.sampled_from(POLICY_SPECS + [None]), steps=st.integers(1, 20), threshold=st.integers(1, 3),
-       seed=st.integers(0, 2**31))
-def test_fused_step_equals_general_path_and_python(compaction, tpb, spec, steps, threshold, seed):
+       seed=st.integers(0, 2**31), checks=st.booleans())
+def test_fused_step_equals_general_path_and_python(compaction, tpb, spec, steps, threshold, seed, checks):
     rng = np.random.default_rng(seed)
-    hosts, steps_ = three_steps(tpb, compaction, threshold, spec)
+    hosts, steps_ = three_steps(tpb, compaction, threshold, spec, checks)
     next_req, expected = 0, 0
     for _ in range(steps):
         joining = join_some(rng, steps_, next_req)

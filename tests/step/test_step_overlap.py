@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tests.step.drive import POLICY_SPECS, Host, join_some, make_step, same_batches, share_a_block
 from tests.step.test_step_parity import outputs_equal, tables_equal
-from trtllm_vtoken.core.native import load
+from trtllm_vtoken.core.native import batch_refused, load
 from trtllm_vtoken.policies import make_policy
 from trtllm_vtoken.step import DecodeStep, StepConfig, StepInput
 
@@ -68,10 +68,10 @@ def test_the_call_on_the_worker_equals_the_call_at_once(compaction, tpb, spec, s
         assert registered_here[0] == beside.stats.steps - beside.stats.fused_steps
 
 
-def test_the_worker_registers_a_batch_checked_at_start():
-    """Registration on the worker (no invariant checks, no mass function): lists outgrowing the
-    block table widen it before the call; a bad batch raises at ``start`` in the host's words,
-    nothing changed, and the step goes on."""
+def test_the_fused_call_registers_a_batch_checked_first():
+    """Registration in the fused call, at once and on the worker (no invariant checks, no mass
+    function): lists outgrowing the block table widen it before the call; a bad batch raises
+    ValueError at ``start`` in the Python core's words, nothing changed, and the step goes on."""
     outs, messages, counters = {}, {}, {}
     for overlap in (False, True):
         host = Host(64, 2)
@@ -85,11 +85,12 @@ def test_the_worker_registers_a_batch_checked_at_start():
         before = step.counters([0])
         with pytest.raises(ValueError, match="new block ids must lie in") as caught:
             step.start(StepInput.decode([0], [[999]]), overlap=overlap)
+        assert type(caught.value) is ValueError  # the C++ core's BatchRefused, said as the Python core says it
         messages[overlap], counters[overlap] = str(caught.value), step.counters([0])
         assert counters[overlap] == before  # and nothing in flight: the next step starts
         step.start(StepInput.decode([0], [host.allocate(1)]), overlap=overlap)
         outs[overlap].append(step.finish())
-        assert registered_here[0] == (0 if overlap else 3) and step.stats.overlapped_steps == (2 if overlap else 0)
+        assert registered_here[0] == 0 and step.stats.overlapped_steps == (2 if overlap else 0)
     assert messages[False] == messages[True] and counters[False] == counters[True]
     for a, b in zip(outs[False], outs[True]):
         outputs_equal(a, b)
@@ -150,7 +151,7 @@ def test_the_worker_binding_checks_at_start_and_raises_at_wait():
     with pytest.raises(RuntimeError, match="no step in flight"):
         worker.wait()
     registering = (*args, None, None, False, 1, None, step.slots.num_blocks)  # the call registers the batch first
-    with pytest.raises(ValueError, match="must lie in"):  # checked at start as slots_register checks it
+    with pytest.raises(batch_refused(), match="must lie in"):  # checked at start as slots_register checks it
         worker.start(*registering[:5], np.array([0, 1]), np.array([99]), *registering[7:])
     assert not worker.busy
     assert worker.start(*registering[:5], np.array([0, 9]), np.arange(5, 14), *registering[7:]) == 2 + 9

@@ -26,6 +26,17 @@ def load() -> ModuleType | None:
     return _core
 
 
+class _NotBuilt(ValueError):
+    """Stands in for ``BatchRefused`` where the C++ core is not built: nothing raises it."""
+
+
+def batch_refused() -> type[ValueError]:
+    """The C++ core's ``BatchRefused``: a ValueError its registration's checks raise for a bad
+    batch before anything changed, told apart from a refusal by the token table halfway."""
+    core = load()
+    return _NotBuilt if core is None else core.BatchRefused
+
+
 def describe() -> str:
     """One line for ``vtoken info``."""
     if load() is None:

@@ -2,8 +2,8 @@
 """The common decode step in two native calls (C++ core): after the registration call
 (``SlotMap.add_tokens``), one call decides, runs the token table's step and updates the batch
 layout (``cpp/core/decode_step.h``), where the general path makes three more native calls with
-numpy work between them. On the step's worker thread the one call can register the batch first
-(checked before it starts), so the host's thread makes one call:
+numpy work between them. The one call can also register the batch first (checked before anything
+changes), so the host's thread makes one call:
 
     general path                                   fused (one call)
     BatchDecision.victims  -> select (native)      select_lowest / lowest_live_ids
@@ -80,19 +80,27 @@ def decide_and_step(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.nd
                     offsets: np.ndarray, blocks: np.ndarray, decision: NativeDecision, compaction: str,
                     fragmentation_threshold: int, pressure: bool,
                     on_victims: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
-                    may_plan: np.ndarray | None = None) -> FusedResult:
-    """The decision, the table's step and the layout's update of a registered batch (``table``:
-    the C++ token table; ``compaction``: one of ``COMPACTIONS``). ``on_victims(req_ids,
-    victim_offsets, victim_ids)`` runs between the decision and the table's step when there are
-    victims (``DecodeStep.on_victims``). "lazy-deferred" (background compaction) plans the rows
+                    may_plan: np.ndarray | None = None, registers: bool = False) -> FusedResult:
+    """The decision, the table's step and the layout's update of a batch (``table``: the C++
+    token table; ``compaction``: one of ``COMPACTIONS``); ``registers``: its registration first, in
+    the same call (as ``SlotMap.add_tokens`` would; the block table widened here first where the
+    lists outgrow it), else ``add_tokens`` made it. ``on_victims(req_ids, victim_offsets,
+    victim_ids)`` runs between the decision and the table's step when there are victims
+    (``DecodeStep.on_victims``). "lazy-deferred" (background compaction) plans the rows
     ``may_plan`` ([B] uint8; None: all) allows and commits nothing: the result's table step holds
     the plans, the layout only lost the victims and took the lengths (``cpp/core/decode_step.h``).
-    ValueError/KeyError from the table's step may leave it half done: the caller stops the step
-    then."""
+    ``BatchRefused`` (``core/native.py``) for a batch the registration's checks refuse, nothing
+    changed; other ValueError/KeyError from the table's step may leave it half done: the caller
+    stops the step then."""
     hook = None if on_victims is None else (lambda offsets, ids: on_victims(req_ids, offsets, ids))
-    return FusedResult.of(slots.native.slots_decide_step(
-        *fused_arguments(slots, table, req_ids, rows, num_new, offsets, blocks, decision, compaction,
-                         fragmentation_threshold, pressure), hook, decision.skip_shared, decision.threads, may_plan))
+    while True:
+        result = slots.native.slots_decide_step(
+            *fused_arguments(slots, table, req_ids, rows, num_new, offsets, blocks, decision, compaction,
+                             fragmentation_threshold, pressure), hook, decision.skip_shared, decision.threads,
+            may_plan, slots.num_blocks if registers else 0)
+        if type(result) is not int:
+            return FusedResult.of(result)
+        slots.fit_columns(result)  # the rows' lists outgrow the block table: widen it, then call again
 
 
 def start_decide_and_step(worker: Any, slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray,
@@ -100,16 +108,15 @@ def start_decide_and_step(worker: Any, slots: SlotMap, table: Any, req_ids: np.n
                           compaction: str, fragmentation_threshold: int, pressure: bool,
                           may_plan: np.ndarray | None = None, registers: bool = False) -> None:
     """``decide_and_step`` (no victims hook) started on ``worker`` (the C++ core's
-    ``DecodeWorker``); ``registers``: the call registers the batch first (as
-    ``SlotMap.add_tokens`` would; the block table widened here first where the lists outgrow it).
-    The worker checks the arguments and the batch at once (ValueError, nothing started); its
+    ``DecodeWorker``), ``registers`` as there. The worker checks the arguments and the batch at
+    once (ValueError, ``BatchRefused`` for the batch, nothing started); its
     ``wait()`` returns (what ``FusedResult.of`` takes, the call's seconds on the worker). Until
     then nothing may touch the layout, the table or these arrays."""
     while needed := worker.start(*fused_arguments(slots, table, req_ids, rows, num_new, offsets, blocks, decision,
                                                   compaction, fragmentation_threshold, pressure),
                                  decision.skip_shared, decision.threads, may_plan,
                                  slots.num_blocks if registers else 0):
-        slots.fit_columns(needed)
+        slots.fit_columns(needed)  # as in decide_and_step
 
 
 def fused_arguments(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray,

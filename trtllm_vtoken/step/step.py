@@ -17,9 +17,9 @@ each forward (design: "One step for every host").
 ``run`` is ``start`` then ``finish``. A host with work of its own between the forward and its next
 iteration (the engine's sampling) calls ``start(inp, overlap=True)``: where the fused native call
 serves the batch, steps 2-3 run on the step's worker thread until ``finish`` (or any query) waits
-for them, and step 1's registration too, unless something on the host's thread reads the
-registered layout first (a mass function, the invariant checks); the batch's checks and steps 4-6
-stay on the host's thread.
+for them; the batch's checks and steps 4-6 stay on the host's thread. The fused call (at once or
+on the worker) makes step 1's registration too, unless something on the host's thread reads the
+registered layout before it (a mass function, the invariant checks).
 
 Requests in one batch may follow different policies (``add_request(req, policy)``; None: the
 request never evicts). The host owns the blocks: it allocates the new ones it passes in and frees
@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from trtllm_vtoken.core.native import batch_refused
 from trtllm_vtoken.core.native import load as load_native
 from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.reclaim.copy import CopyExecutor
@@ -128,7 +129,7 @@ class DecodeStep(StepRequests):
         """Begins an iteration: checks the input (errors as ``run``, nothing changed), registers
         the new tokens and prepares the decision. ``overlap``: where the fused native call serves
         the batch, the call runs on the step's worker thread (the victims hook right after it),
-        registering the new tokens first where it can, and this returns at once; the host goes on
+        registering the new tokens first as it does at once, and this returns; the host goes on
         with work that does not touch the step (sampling the batch) and then calls ``finish``:
 
             host     start ── sampling, outputs ─────────────────── finish ── copy, output
@@ -141,6 +142,12 @@ class DecodeStep(StepRequests):
             raise RuntimeError("the step started last has not been finished")
         if self._broken:
             raise RuntimeError(f"the step is unusable after an earlier failure: {self._broken}")
+        try:
+            self._start(inp, overlap)
+        except batch_refused() as exc:  # the C++ core's checks of the batch, before anything changed
+            raise ValueError(str(exc)) from None  # as the Python core says it
+
+    def _start(self, inp: StepInput, overlap: bool) -> None:
         it = self._begin(inp, overlap)
         if it.native is not None and overlap:
             if self.on_victims is not None:  # the block lists as the decision sees them, for the hook
@@ -150,10 +157,10 @@ class DecodeStep(StepRequests):
                 start_decide_and_step(self._worker(), self.slots, self.core.table, it.req_ids, it.rows, it.num_new,
                                       it.offsets, it.blocks, it.native, compaction, self.config.fragmentation_threshold,
                                       inp.pressure, may_plan, it.registers)
+            except batch_refused():  # the call's checks of the batch: nothing changed
+                raise
             except (KeyError, ValueError) as exc:
-                if it.registers:  # the call's checks refused the batch: nothing changed
-                    raise
-                raise self._refused(exc) from exc  # the new tokens are registered already
+                raise self._refused(exc) from exc  # the host registered the new tokens already
             self._flight = it
             return
         self._landed = self._end(it, self._table_step(it, inp.pressure))
@@ -184,17 +191,17 @@ class DecodeStep(StepRequests):
         self._landed = self._end(it, (FusedResult.of(fused), seconds))
 
     def _begin(self, inp: StepInput, overlap: bool = False) -> Iteration:
-        """Checks, registration (unless the call on the worker makes it), the decision (the general
-        path: its victims too); ``overlap``: a fused call will run on the worker."""
+        """Checks, registration (unless the fused call makes it), the decision (the general path:
+        its victims too); ``overlap``: a fused call will run on the worker."""
         clock, stats = time.perf_counter, self.stats
         t0 = clock()
         req_ids, rows, num_new, block_offsets, new_blocks = self.input_checks.validated(inp)
         shared = self.shared_blocks()
         self.core.sync_shared(shared)
         it = Iteration(req_ids, rows, num_new, block_offsets, new_blocks, inp.stream)
-        # The call on the worker registers the batch itself, unless something on this thread reads
-        # the registered layout first: a mass function (the simulated attention) or the checks.
-        it.registers = overlap and self.fuses and not callable(inp.mass) and self.checks is None
+        # The fused call registers the batch itself, unless something on this thread reads the
+        # registered layout first: a mass function (the simulated attention) or the checks.
+        it.registers = self.fuses and not callable(inp.mass) and self.checks is None
         new_slots = None if it.registers else self._register(it)
         t1, mass_seconds = clock(), stats.mass_seconds
         try:
@@ -231,11 +238,14 @@ class DecodeStep(StepRequests):
             if it.native is not None:
                 result = decide_and_step(self.slots, self.core.table, it.req_ids, it.rows, it.num_new, it.offsets,
                                          it.blocks, it.native, compaction, self.config.fragmentation_threshold,
-                                         pressure, self._on_victims if self.on_victims else None, may_plan)
+                                         pressure, self._on_victims if self.on_victims else None, may_plan,
+                                         it.registers)
             else:
                 victim_offsets, victim_ids = it.victims[2:]
                 result = self.core.step(it.req_ids, it.num_new, it.offsets, it.blocks, victim_offsets, victim_ids,
                                         compaction, self.config.fragmentation_threshold, pressure, may_plan)
+        except batch_refused():  # the fused call's checks of the batch it registers: nothing changed
+            raise
         except (KeyError, ValueError) as exc:
             if self._broken:  # the victims hook failed inside the fused call: its own error
                 raise
