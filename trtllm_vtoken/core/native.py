@@ -15,7 +15,6 @@ from types import ModuleType
 from typing import Any
 
 
-
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled module, or None if the package was built without it."""
