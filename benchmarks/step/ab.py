@@ -10,6 +10,8 @@ of the tree before, then of the tree after, each tree with its own C++ core buil
                                                                   runs (20 steps): native, indirection-
                                                                   only, dense StreamingLLM
     python ab.py engine-h2o BEFORE_TREE AFTER_TREE ROUNDS > ab.jsonl  the same for dense and lazy H2O
+    python ab.py engine-at-once BEFORE_TREE AFTER_TREE ROUNDS > ab.jsonl  ``engine``'s rows with the
+                                                                  call at once (``cpp-at-once``)
     python ab.py schedule BEFORE_TREE AFTER_TREE ROUNDS > ab.jsonl  a native engine's step and the
                                                                   decode rows' reservation in it
     python ab.py phases BEFORE_TREE AFTER_TREE ROUNDS > ab.jsonl  an indirection-only engine's step
@@ -61,6 +63,11 @@ for batch in (1, 64, 256):
     "engine": ENGINE % dict(rows="""[("native", NATIVE),
         ("indirection-only", dict(variant="indirection-only", mode="dense", policy="streaming_llm", impl="cpp")),
         ("vtoken dense streaming_llm", dict(variant="vtoken", mode="dense", policy="streaming_llm", impl="cpp"))]"""),
+    "engine-at-once": ENGINE % dict(rows="""[("native", NATIVE),
+        ("indirection-only", dict(variant="indirection-only", mode="dense", policy="streaming_llm",
+                                  impl="cpp-at-once")),
+        ("vtoken dense streaming_llm", dict(variant="vtoken", mode="dense", policy="streaming_llm",
+                                            impl="cpp-at-once"))]"""),
     "engine-h2o": ENGINE % dict(rows="""[
         ("vtoken dense h2o", dict(variant="vtoken", mode="dense", policy="h2o", impl="cpp")),
         ("vtoken lazy h2o", dict(variant="vtoken", mode="lazy", policy="h2o", impl="cpp"))]"""),
@@ -147,6 +154,7 @@ MEASURE["phases"] = PHASES
 CELL = {"pass": (("batch", "placement", "caches"), "pass_us_p50", "blocks"),
         "alone": (("batch", "label", "caches"), "step_us_p50", "row"),
         "engine": (("batch", "label"), ("native_us_p50", "added_us_p50", "added_pct"), "row"),
+        "engine-at-once": (("batch", "label"), ("native_us_p50", "added_us_p50", "added_pct"), "row"),
         "engine-h2o": (("batch", "label"), ("native_us_p50", "added_us_p50", "added_pct"), "row"),
         "schedule": (("batch", "label"), ("host_us_p50", "schedule_us_p50"), "row"),
         "phases": (("batch", "label"), ("phase_us_p50", "added_us_p50"), "phase")}
