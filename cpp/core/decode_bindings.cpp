@@ -70,14 +70,17 @@ std::optional<DecodeCall> checked_call(BoundLayout& layout, vtoken::TokenTable& 
                                        int64_t& columns_needed) {
   vtoken::SlotArrays& a = layout.arrays();
   const size_t batch = rows.shape(0);
-  check_batch(rows, layout.rows(), batch, "rows");
-  if (req_ids.shape(0) != batch || num_new.shape(0) != batch || offsets.shape(0) != batch + 1) {
-    throw std::invalid_argument("slots_decide_step: req_ids and num_new need one entry per row, offsets one more");
-  }
   const bool registers = num_blocks != 0;
-  columns_needed = registers ? checked_registration(layout, req_ids, rows, offsets, blocks, num_new, num_blocks, table)
-                             : 0;
-  if (columns_needed) return std::nullopt;
+  columns_needed = 0;
+  if (registers) {  // the rows and sizes checked there too (BatchRefused)
+    columns_needed = checked_registration(layout, req_ids, rows, offsets, blocks, num_new, num_blocks, table);
+    if (columns_needed) return std::nullopt;
+  } else {
+    check_batch(rows, layout.rows(), batch, "rows");
+    if (req_ids.shape(0) != batch || num_new.shape(0) != batch || offsets.shape(0) != batch + 1) {
+      throw std::invalid_argument("slots_decide_step: req_ids and num_new need one entry per row, offsets one more");
+    }
+  }
   vtoken::Decision d{static_cast<vtoken::Selector>(selector)};
   vtoken::BoundsRule& bounds = d.rule;
   std::tie(bounds.tokens, bounds.ratio, bounds.n_sink, bounds.recent_window, bounds.recent_ratio) = rule;
