@@ -94,3 +94,14 @@ def test_the_fused_call_checks_its_rule():
             native.slots_decide_step(**call, rule=bad)
         with pytest.raises(ValueError, match="out of range"):
             native.candidate_bounds(bad, empty, empty, empty)
+
+
+def test_the_rule_is_kept_until_an_attribute_of_the_policy_is_set():
+    policy = make_policy("h2o", budget=Budget(tokens=96), n_sink=4, recent_ratio=0.5)
+    first = policy.bounds_rule()
+    assert policy.bounds_rule() is first  # a step asks every iteration: worked out once
+    policy.budget = Budget(ratio=0.25)
+    assert policy.bounds_rule() == (-1, 0.25, 4, 0, 0.5)
+    policy.n_sink, policy.recent_ratio = 8, 0.0
+    assert policy.bounds_rule() == (-1, 0.25, 8, 0, 0.0)
+    assert make_policy("h2o", budget=Budget(tokens=96), n_sink=4, recent_ratio=0.5).bounds_rule() == first

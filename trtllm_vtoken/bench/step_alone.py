@@ -51,7 +51,7 @@ def time_step_alone(cfg: StepBenchConfig, batch: int, impl: str) -> list[dict[st
                 if i < cfg.warmup:
                     continue
                 samples.append(1e6 * elapsed)
-                evicted += len(done.victims)
+                evicted += done.num_evicted
                 for name in SPLIT:
                     split[name] += 1e6 * (step.stats.seconds[name] - before[name]) / cfg.steps
             out.append(dict(batch=batch, label=label, impl=impl, caches=caches, **settings,
@@ -91,5 +91,4 @@ def _decode_input(step, pool, batch: int, mass: np.ndarray):
 def _input(req_ids, num_new: list[int], blocks: list[list[int]], mass: np.ndarray):
     from trtllm_vtoken.step import StepInput
 
-    offsets = np.cumsum([0] + [len(b) for b in blocks])
-    return StepInput(list(req_ids), num_new, offsets, [b for listed in blocks for b in listed], mass=mass)
+    return StepInput.of_lists(list(req_ids), num_new, blocks, mass=mass)

@@ -155,9 +155,23 @@ class ScorePolicy(EvictionPolicy):
         where a subclass sizes its window another way. Here: 0 (the window alone)."""
         return 0.0 if type(self).recent_tokens_batch is ScorePolicy.recent_tokens_batch else None
 
+    _bounds: ClassVar[tuple[BoundsRule | None] | None] = None
+    """``bounds_rule``'s answer, worked out once until an attribute of the policy is set again."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name != "_bounds":
+            super().__setattr__("_bounds", None)  # e.g. a new budget: the rule is worked out again
+
     def bounds_rule(self) -> BoundsRule | None:
         """``candidate_bounds`` and ``wants_to_evict`` as numbers, for a native step that applies
-        them itself; None where a subclass computes either its own way."""
+        them itself; None where a subclass computes either its own way. A step asks every
+        iteration; the answer is kept until an attribute of the policy is set."""
+        if self._bounds is None:
+            self._bounds = (self._worked_out_bounds(),)
+        return self._bounds[0]
+
+    def _worked_out_bounds(self) -> BoundsRule | None:
         cls, share = type(self), self.recent_share()
         if share is None or cls.candidate_bounds is not ScorePolicy.candidate_bounds or \
                 cls.wants_to_evict is not ScorePolicy.wants_to_evict:

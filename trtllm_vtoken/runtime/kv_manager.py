@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from itertools import accumulate, chain
 
 import numpy as np
 import torch
@@ -255,16 +254,11 @@ class KVCacheManager:
             self.lists.append_batch(req_ids, fresh_lists, num_new)
             self.stats.lists_seconds += time.perf_counter() - start
             return
-        # The batch in CSR form: request i's new blocks are new_blocks[offsets[i]:offsets[i + 1]]
-        # (most decode steps: none).
-        new_blocks = list(chain.from_iterable(fresh_lists))
-        offsets = (np.array(list(accumulate(map(len, fresh_lists), initial=0)), dtype=np.int64) if new_blocks
-                   else np.zeros(len(req_ids) + 1, dtype=np.int64))  # (np.fromiter takes longer per item)
         on_cuda = self.cache is not None and self.cache.pool.is_cuda and not self.config.synchronous_copies
         # Memory pressure: the pool could not give every running request a block for its next token.
         pressure = self.pool.num_free < len(req_ids) + self.config.evacuation_headroom
-        self.step.start(StepInput(req_ids, num_new, offsets, new_blocks, mass=mass if self.needs_attention else None,
-                                  pressure=pressure, stream=torch.cuda.current_stream() if on_cuda else None),
+        self.step.start(StepInput.of_lists(req_ids, num_new, fresh_lists, mass=mass if self.needs_attention else None,
+                                           pressure=pressure, stream=torch.cuda.current_stream() if on_cuda else None),
                         overlap=overlap)
         self._stepping = True
 
@@ -280,9 +274,9 @@ class KVCacheManager:
         if self._stepping:
             self._stepping = False
             out = self.step.finish()
-            if len(out.table.freed):
+            if out.num_freed:
                 self._free(out.table.freed.tolist())
-            if len(out.victims):
+            if out.num_evicted:
                 self.evictions.count(out.req_ids, out.victim_offsets)
             self._finished = out
 

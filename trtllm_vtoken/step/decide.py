@@ -82,6 +82,7 @@ class BatchDecision:
         self.native_table = native_table
         self.native, self.reduce_mass, self.stats = native_table is not None, reduce_mass, stats
         self._selectors: dict[int, int] = {}  # policy index -> native_selector's answer
+        self._last: NativeDecision | None = None  # the last decision without mass, to reuse
 
     def victims(self, req_ids: np.ndarray, rows: np.ndarray, mass: Any,
                 shared: Collection[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -191,8 +192,14 @@ class BatchDecision:
         if selector == 2 and policy.observes_attention():  # as wide as it came
             batch_mass = self.batch_mass(mass, rows, None, lambda: slots.gather(slots.tokens, slots.block_rows(rows)))
         stat = slots.stats[policy.score_stat] if selector == 2 else None
-        return NativeDecision(selector, rule, stat, batch_mass, bool(len(shared)),
-                              self.threads_beside_host if beside_host else self.threads)
+        skip_shared, threads = bool(len(shared)), self.threads_beside_host if beside_host else self.threads
+        last = self._last
+        if batch_mass is None and last is not None and last.rule is rule and last.stat is stat and \
+                last.selector == selector and last.skip_shared == skip_shared and last.threads == threads:
+            return last  # nothing observed and nothing changed since the last step: its decision
+        decision = NativeDecision(selector, rule, stat, batch_mass, skip_shared, threads)
+        self._last = decision if batch_mass is None else None
+        return decision
 
     def native_bounds(self, policy: ScorePolicy, rows: np.ndarray, shared: bool) -> tuple[np.ndarray, ...]:
         """(excess, lo, hi) of a native pass over these rows, int64 (``candidate_bounds``); with

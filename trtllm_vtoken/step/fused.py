@@ -27,12 +27,14 @@ holds both to the same outputs, tables and layouts (``tests/step/test_step_fused
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 
 from trtllm_vtoken.reclaim.step_batch import COMPACTIONS, StepBatchResult
 from trtllm_vtoken.step.decide import NativeDecision
+from trtllm_vtoken.step.io import StepOutput
 from trtllm_vtoken.step.slots import SlotMap
 
 NONE = np.zeros(0, dtype=np.int64)
@@ -40,47 +42,80 @@ NONE.flags.writeable = False
 """Every empty part of a result (nothing to write into)."""
 
 
-class FusedResult(NamedTuple):
-    victim_offsets: np.ndarray
-    victim_ids: np.ndarray
-    table: StepBatchResult
-    lost: np.ndarray
-    num_tokens: np.ndarray
-    changed: np.ndarray
-    """[B] int64, 1 where the request moved tokens, released blocks or got shorter."""
-    num_changed: int
+class FusedOutput(StepOutput):
+    """The fused call's ``StepOutput``, from what it returns: one int64 buffer and its sizes
+    (``result_tuple`` in ``cpp/core/decode_bindings.cpp``). Each part is a view of the buffer
+    made when first read, an empty part the shared ``NONE``: a step that evicted, moved and
+    freed nothing makes no numpy object on the host's thread, where each costs a multiple of
+    its warm time in the caches the host's own work leaves (``benchmarks/step/cold_host``). The
+    step sets ``req_ids`` and ``copy``.
 
-    @classmethod
-    def of(cls, native: tuple) -> FusedResult:
-        """From what the native call returns: one int64 buffer and its sizes (``result_tuple`` in
-        ``cpp/core/decode_bindings.cpp``); every part is a view of the buffer (plain slices: in
-        numpy each costs a fraction of a reshape), an empty part the shared ``NONE``.
+        0      B+1       2(B+1)     3(B+1)  +B       +2B   +3B         +4B = fixed
+        victim_offsets | move_offsets | freed_offsets | kv_lens | lost | num_tokens | changed
+        fixed  +V          +M            +2M         +3M
+        victim_ids | move_tokens | move_src | move_dst | freed
+    """
 
-            0      B+1       2(B+1)     3(B+1)  +B       +2B   +3B         +4B = fixed
-            victim_offsets | move_offsets | freed_offsets | kv_lens | lost | num_tokens | changed
-            fixed  +V          +M            +2M         +3M
-            victim_ids | move_tokens | move_src | move_dst | freed
-        """
-        flat, batch, num_victims, num_moves, num_changed = native
-        b1, b2, b3 = batch + 1, 2 * batch + 2, 3 * batch + 3
-        c1, c2, c3, fixed = b3 + batch, b3 + 2 * batch, b3 + 3 * batch, b3 + 4 * batch
-        m0 = fixed + num_victims
-        m1, m2, m3 = m0 + num_moves, m0 + 2 * num_moves, m0 + 3 * num_moves
-        victim_ids = flat[fixed:m0] if num_victims else NONE
-        if num_moves:
-            move_tokens, move_src, move_dst = flat[m0:m1], flat[m1:m2], flat[m2:m3]
-        else:
-            move_tokens = move_src = move_dst = NONE
-        freed = flat[m3:] if len(flat) > m3 else NONE
-        table = StepBatchResult(flat[b1:b2], move_tokens, move_src, move_dst, flat[b2:b3], freed, flat[b3:c1])
-        return cls(flat[:b1], victim_ids, table, flat[c1:c2], flat[c2:c3], flat[c3:fixed], num_changed)
+    def __init__(self, native: tuple) -> None:  # not the dataclass's: the parts come when read
+        self._flat, self._batch, self._evicted, self._moves, self.num_changed = native
+        self._fixed = 3 * self._batch + 3 + 4 * self._batch
+        self._freed = len(self._flat) - self._fixed - self._evicted - 3 * self._moves
+        self.req_ids, self.copy = NONE, None
+
+    @property
+    def num_evicted(self) -> int:
+        return self._evicted
+
+    @property
+    def num_moves(self) -> int:
+        return self._moves
+
+    @property
+    def num_freed(self) -> int:
+        return self._freed
+
+    def _part(self, begin: int, size: int) -> np.ndarray:
+        return self._flat[begin : begin + size] if size else NONE
+
+    @cached_property
+    def victim_offsets(self) -> np.ndarray:
+        return self._flat[: self._batch + 1]
+
+    @cached_property
+    def victims(self) -> np.ndarray:
+        return self._part(self._fixed, self._evicted)
+
+    @cached_property
+    def table(self) -> StepBatchResult:
+        b1, moves = self._batch + 1, self._moves
+        m0 = self._fixed + self._evicted
+        return StepBatchResult(self._flat[b1 : 2 * b1], self._part(m0, moves), self._part(m0 + moves, moves),
+                               self._part(m0 + 2 * moves, moves), self._flat[2 * b1 : 3 * b1],
+                               self._part(m0 + 3 * moves, self._freed), self._per_request(0))
+
+    @cached_property
+    def lost(self) -> np.ndarray:
+        return self._per_request(1)
+
+    @cached_property
+    def num_tokens(self) -> np.ndarray:
+        return self._per_request(2)
+
+    @cached_property
+    def changed(self) -> np.ndarray:
+        """[B] int64, 1 where the request moved tokens, released blocks or got shorter."""
+        return self._per_request(3)
+
+    def _per_request(self, k: int) -> np.ndarray:
+        begin = 3 * self._batch + 3 + k * self._batch
+        return self._flat[begin : begin + self._batch]
 
 
 def decide_and_step(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray,
                     offsets: np.ndarray, blocks: np.ndarray, decision: NativeDecision, compaction: str,
                     fragmentation_threshold: int, pressure: bool,
                     on_victims: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
-                    may_plan: np.ndarray | None = None, registers: bool = False) -> FusedResult:
+                    may_plan: np.ndarray | None = None, registers: bool = False) -> FusedOutput:
     """The decision, the table's step and the layout's update of a batch (``table``: the C++
     token table; ``compaction``: one of ``COMPACTIONS``); ``registers``: its registration first, in
     the same call (as ``SlotMap.add_tokens`` would; the block table widened here first where the
@@ -99,7 +134,7 @@ def decide_and_step(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.nd
                              fragmentation_threshold, pressure), hook, decision.skip_shared, decision.threads,
             may_plan, slots.num_blocks if registers else 0)
         if type(result) is not int:
-            return FusedResult.of(result)
+            return FusedOutput(result)
         slots.fit_columns(result)  # the rows' lists outgrow the block table: widen it, then call again
 
 
@@ -110,7 +145,7 @@ def start_decide_and_step(worker: Any, slots: SlotMap, table: Any, req_ids: np.n
     """``decide_and_step`` (no victims hook) started on ``worker`` (the C++ core's
     ``DecodeWorker``), ``registers`` as there. The worker checks the arguments and the batch at
     once (ValueError, ``BatchRefused`` for the batch, nothing started); its
-    ``wait()`` returns (what ``FusedResult.of`` takes, the call's seconds on the worker). Until
+    ``wait()`` returns (what ``FusedOutput`` takes, the call's seconds on the worker). Until
     then nothing may touch the layout, the table or these arrays."""
     while needed := worker.start(*fused_arguments(slots, table, req_ids, rows, num_new, offsets, blocks, decision,
                                                   compaction, fragmentation_threshold, pressure),

@@ -21,6 +21,16 @@ from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.step.io import StepInput
 from trtllm_vtoken.step.slots import LastList, SlotMap
 
+INT64 = np.dtype(np.int64)
+
+
+def int64_vector(values: Any) -> np.ndarray:
+    """``values`` as a 1-D int64 array: itself where it is one (``csr``'s offsets; no numpy call
+    on the host's thread then), else converted."""
+    if type(values) is np.ndarray and values.dtype is INT64 and values.ndim == 1:
+        return values
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
 
 class InputChecks:
     """Checks a step's input against its batch layout, its policies and its shared blocks."""
@@ -38,8 +48,7 @@ class InputChecks:
         token table would check them: the sizes, known requests (KeyError), the mass, then
         ``check_new`` (Python core)."""
         (req_ids, listed), (num_new, _) = self._req_ids.convert(inp.req_ids), self._num_new.convert(inp.num_new)
-        offsets = np.asarray(inp.new_block_offsets, dtype=np.int64).reshape(-1)
-        blocks = np.asarray(inp.new_blocks, dtype=np.int64).reshape(-1)
+        offsets, blocks = int64_vector(inp.new_block_offsets), int64_vector(inp.new_blocks)
         batch = len(req_ids)
         if len(num_new) != batch or len(offsets) != batch + 1:
             raise ValueError(f"step: {batch} requests need {batch} num_new and {batch + 1} block offsets, "

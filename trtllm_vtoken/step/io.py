@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -43,13 +44,34 @@ class StepInput:
     host waits for the copy (CPU: it is synchronous)."""
 
     @classmethod
+    def of_lists(cls, req_ids: Sequence[int], num_new: Sequence[int], new_blocks: Sequence[Sequence[int]],
+                 **kwargs: Any) -> StepInput:
+        """The batch with request i's new blocks as a list, ``new_blocks[i]`` (put in CSR form here)."""
+        offsets, flat = csr(new_blocks)
+        return cls(req_ids, num_new, offsets, flat, **kwargs)
+
+    @classmethod
     def decode(cls, req_ids: Sequence[int], new_blocks: Sequence[Sequence[int]] | None = None,
                **kwargs: Any) -> StepInput:
         """One new token per request; ``new_blocks[i]``: request i's new blocks (default none)."""
-        lists = new_blocks if new_blocks is not None else [[] for _ in req_ids]
-        offsets = np.cumsum([0] + [len(b) for b in lists])
-        flat = [b for blocks in lists for b in blocks]
-        return cls(list(req_ids), [1] * len(req_ids), offsets, flat, **kwargs)
+        lists = new_blocks if new_blocks is not None else [()] * len(req_ids)
+        return cls.of_lists(list(req_ids), [1] * len(req_ids), lists, **kwargs)
+
+
+def csr(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, list[int]]:
+    """Per-request lists as (offsets int64 [B + 1], the values flat). A host runs this on its
+    thread every step, in caches its other work has just filled: it visits only the filled lists
+    (a decode step fills a few, the requests crossing into a new block) and makes one numpy call
+    (a numpy call costs there a multiple of its time in warm caches, a ufunc such as cumsum the
+    most: ``benchmarks/step/cold_host``)."""
+    filled = [i for i, values in enumerate(lists) if values]
+    if not filled:
+        return np.zeros(len(lists) + 1, dtype=np.int64), []
+    counts, flat = [0] * (len(lists) + 1), []
+    for i in filled:
+        counts[i + 1] = len(lists[i])
+        flat += lists[i]
+    return np.array(list(accumulate(counts)), dtype=np.int64), flat
 
 
 @dataclass
@@ -74,6 +96,19 @@ class StepOutput:
     """[B] logical lengths (prompt + generated): the next token's position is this."""
     copy: CopyHandle | None = None
     """The submitted copy, already ordered before the host's next forward (None: no moves)."""
+
+    @property
+    def num_evicted(self) -> int:
+        return len(self.victims)
+
+    @property
+    def num_moves(self) -> int:
+        return len(self.table.move_src)
+
+    @property
+    def num_freed(self) -> int:
+        """Blocks released (``len(table.freed)``; the counts need no array made)."""
+        return len(self.table.freed)
 
     def victims_of(self, i: int) -> list[int]:
         return self.victims[self.victim_offsets[i] : self.victim_offsets[i + 1]].tolist()

@@ -51,7 +51,7 @@ from trtllm_vtoken.step.checks import StepChecks
 from trtllm_vtoken.step.config import StepConfig, StepStats
 from trtllm_vtoken.step.core import TableCore, make_core
 from trtllm_vtoken.step.decide import BadMass, BatchDecision
-from trtllm_vtoken.step.fused import FusedResult, decide_and_step, start_decide_and_step
+from trtllm_vtoken.step.fused import FusedOutput, decide_and_step, start_decide_and_step
 from trtllm_vtoken.step.input_checks import InputChecks
 from trtllm_vtoken.step.io import StepInput, StepOutput
 from trtllm_vtoken.step.iteration import Iteration
@@ -188,7 +188,7 @@ class DecodeStep(StepRequests):
             raise self._refused(exc) from exc
         self.stats.waited_seconds += time.perf_counter() - waited
         self.stats.overlapped_steps += 1
-        self._landed = self._end(it, (FusedResult.of(fused), seconds))
+        self._landed = self._end(it, (FusedOutput(fused), seconds))
 
     def _begin(self, inp: StepInput, overlap: bool = False) -> Iteration:
         """Checks, registration (unless the fused call makes it), the decision (the general path:
@@ -230,7 +230,7 @@ class DecodeStep(StepRequests):
         return self.slots.add_tokens(it.rows, it.offsets, it.blocks, it.num_new, it.req_ids, self.core.table)
 
     def _table_step(self, it: Iteration, pressure: bool) -> tuple[Any, float]:
-        """The token table's step here: the fused call (a ``FusedResult``) or the general path's
+        """The token table's step here: the fused call (a ``FusedOutput``) or the general path's
         (a ``StepBatchResult``), and its seconds."""
         start = time.perf_counter()
         compaction, may_plan = self._call_settings(it.req_ids)
@@ -259,22 +259,22 @@ class DecodeStep(StepRequests):
         result, seconds["core"] = stepped[0], seconds["core"] + stepped[1]
         req_ids, rows, background, stream = it.req_ids, it.rows, self.background, it.stream
         t4 = clock()
-        if isinstance(result, FusedResult):
-            victim_offsets, victim_ids, table = result.victim_offsets, result.victim_ids, result.table
-            lost, num_tokens, changed, num_changed = result.lost, result.num_tokens, result.changed, result.num_changed
+        fused = isinstance(result, FusedOutput)
+        if fused:  # the output itself, its parts made when read
+            out, changed, num_changed, copied = result, None, result.num_changed, result.num_moves
             stats.fused_steps += 1
-            if it.block_lists is not None and len(victim_ids):  # the call ran on the worker: the hook now
-                self._on_victims(req_ids, victim_offsets, victim_ids, it.listed_before)
+            if it.block_lists is not None and out.num_evicted:  # the call ran on the worker: the hook now
+                self._on_victims(req_ids, out.victim_offsets, out.victims, it.listed_before)
         else:
-            victim_offsets, victim_ids, table = it.victims[2], it.victims[3], result
-        copied = len(table.move_src)
-        if not isinstance(result, FusedResult) or background:
+            copied = len(result.move_src)
+        if not fused or background:
             # The layout follows the table (with background compaction: the plans whose copies
             # finished commit now; the fused call already dropped the victims and set the lengths).
-            fused = isinstance(result, FusedResult)
+            victim_offsets, victims, planned = (out.victim_offsets, out.victims, out.table) if fused else \
+                (it.victims[2], it.victims[3], result)
             try:
-                planned, table = table, self._update_layout(req_ids, rows, None if fused else it.victims[0],
-                                                            None if fused else it.victims[1], table)
+                table = self._update_layout(req_ids, rows, None if fused else it.victims[0],
+                                            None if fused else it.victims[1], planned)
             except RuntimeError as exc:  # a background plan could not commit: the tables disagree now
                 self._broken = str(exc)
                 raise
@@ -283,26 +283,26 @@ class DecodeStep(StepRequests):
                       else self._submit_copy(table, stream))
             t6 = clock()
             lost = it.length - table.kv_lens
-            num_tokens = self.slots.num_tokens[rows].copy()
             # A request's layout changed where it moved tokens, released blocks or got shorter (each >= 0).
             changed = np.diff(table.move_offsets) + np.diff(table.freed_offsets) + lost > 0
             num_changed = int(np.count_nonzero(changed))
+            out = StepOutput(req_ids, victim_offsets, victims, table, lost, self.slots.num_tokens[rows].copy())
         else:
             t5 = t4
-            handle = self._submit_copy(table, stream)
+            handle = self._submit_copy(out.table, stream) if copied else None  # no moves: no table made
             t6 = clock()
-        handed = self.input_checks.read_only_ids(req_ids)  # the step may reuse the array (``LastList``)
-        out = StepOutput(handed, victim_offsets, victim_ids, table, lost, num_tokens, handle)
-        if self.checks:
-            self.checks.after(out, it.before, changed.astype(bool))  # I1 on the relocated keys, before they turn
-        if self.rerotation is not None and lost.any():
-            self.rerotation.shift_requests(self.core, dict(zip(req_ids.tolist(), lost.tolist())), stream)
+        out.req_ids = self.input_checks.read_only_ids(req_ids)  # the step may reuse the array (``LastList``)
+        out.copy = handle
+        if self.checks:  # I1 on the relocated keys, before they turn
+            self.checks.after(out, it.before, (out.changed if changed is None else changed).astype(bool))
+        if self.rerotation is not None and out.lost.any():
+            self.rerotation.shift_requests(self.core, dict(zip(req_ids.tolist(), out.lost.tolist())), stream)
         t7 = clock()
         stats.steps += 1
-        stats.tokens_evicted += len(victim_ids)
+        stats.tokens_evicted += out.num_evicted
         stats.compactions += num_changed
-        stats.moves += len(table.move_src)
-        stats.blocks_freed += len(table.freed)
+        stats.moves += out.num_moves
+        stats.blocks_freed += out.num_freed
         if copied and self.executor is not None:
             stats.bytes_copied += copied * self.executor.bytes_per_move()
         seconds["table"] += t5 - t4

@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
@@ -110,8 +109,7 @@ class EngineVToken:
             self.blocks_trimmed += self._release_tail(blocks, seq, need)  # e.g. the longest prompt's blocks
             fresh.append([block.idx for block in blocks.allocated_blocks[seq][0]][known:need])
         req_ids = list(owners)
-        step.run(StepInput(req_ids, [written[b] for b in req_ids], np.cumsum([0] + [len(f) for f in fresh]),
-                           [block for f in fresh for block in f], stream=stream))
+        step.run(StepInput.of_lists(req_ids, [written[b] for b in req_ids], fresh, stream=stream))
         lengths = []
         for b, seq in owners.items():
             kv_len = step.kv_len(b)

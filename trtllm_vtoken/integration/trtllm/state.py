@@ -95,9 +95,8 @@ class VTokenState:
             mass = np.zeros((len(rows), max(len(m) for m in per_row)))
             for i, m in enumerate(per_row):
                 mass[i, : len(m)] = m.numpy()
-        offsets = np.cumsum([0] + [len(f) for f in fresh])
-        return step.run(StepInput([r for r, _, _ in rows], [n for _, _, n in rows], offsets,
-                                  [b for f in fresh for b in f], mass=mass, stream=stream))
+        return step.run(StepInput.of_lists([r for r, _, _ in rows], [n for _, _, n in rows], fresh, mass=mass,
+                                           stream=stream))
 
     def num_evicted(self, req_id: int) -> int:
         """Logical minus physical tokens: what attention metadata subtracts from the cached count."""
