@@ -37,7 +37,8 @@ struct DecodeCall {
   nb::object layout_ref, table_ref;
   vtoken::SlotArrays* arrays = nullptr;
   vtoken::TokenTable* table = nullptr;
-  Ids req_ids, rows, num_new, offsets, blocks;
+  Ids req_ids, rows, num_new;
+  NewBlocks added;  // the batch's new blocks, CSR
   std::optional<Stat32> stat;
   std::optional<Mass> mass;
   std::optional<Mask> may_plan;
@@ -49,11 +50,11 @@ struct DecodeCall {
 
   vtoken::DecodeResult run(const vtoken::VictimsHook& on_victims = {}) const {
     if (registers) {
-      vtoken::register_new(*arrays, rows.data(), static_cast<int64_t>(rows.shape(0)), offsets.data(), blocks.data(),
-                           num_new.data());
+      vtoken::register_new(*arrays, rows.data(), static_cast<int64_t>(rows.shape(0)), added.offsets.data(),
+                           added.blocks.data(), num_new.data());
     }
     return vtoken::decide_and_step(*arrays, *table, req_ids.data(), rows.data(), static_cast<int64_t>(rows.shape(0)),
-                                   num_new.data(), offsets.data(), blocks.data(), decision, mode,
+                                   num_new.data(), added.offsets.data(), added.blocks.data(), decision, mode,
                                    fragmentation_threshold, pressure, may_plan ? may_plan->data() : nullptr,
                                    on_victims);
   }
@@ -63,7 +64,7 @@ struct DecodeCall {
 // `columns_needed`: with num_blocks > 0 it registers the batch, checked here as slots_register
 // checks it (num_blocks: the pool's blocks), and the rows' lists with their new blocks must fit.
 std::optional<DecodeCall> checked_call(BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows,
-                                       Ids num_new, Ids offsets, Ids blocks, int64_t selector, Rule rule,
+                                       Ids num_new, NewBlocks added, int64_t selector, Rule rule,
                                        int64_t compaction, int64_t fragmentation_threshold, bool pressure,
                                        std::optional<Stat32> stat, std::optional<Mass> mass, bool skip_shared,
                                        int64_t threads, std::optional<Mask> may_plan, int64_t num_blocks,
@@ -73,11 +74,11 @@ std::optional<DecodeCall> checked_call(BoundLayout& layout, vtoken::TokenTable& 
   const bool registers = num_blocks != 0;
   columns_needed = 0;
   if (registers) {  // the rows and sizes checked there too (BatchRefused)
-    columns_needed = checked_registration(layout, req_ids, rows, offsets, blocks, num_new, num_blocks, table);
+    columns_needed = checked_registration(layout, req_ids, rows, added, num_new, num_blocks, table);
     if (columns_needed) return std::nullopt;
   } else {
     check_batch(rows, layout.rows(), batch, "rows");
-    if (req_ids.shape(0) != batch || num_new.shape(0) != batch || offsets.shape(0) != batch + 1) {
+    if (req_ids.shape(0) != batch || num_new.shape(0) != batch || added.offsets.size() != batch + 1) {
       throw std::invalid_argument("slots_decide_step: req_ids and num_new need one entry per row, offsets one more");
     }
   }
@@ -123,7 +124,7 @@ std::optional<DecodeCall> checked_call(BoundLayout& layout, vtoken::TokenTable& 
       throw std::invalid_argument("slots_decide_step: mass must be float32 or float64");
     }
   }
-  return DecodeCall{nb::find(&layout), nb::find(&table), &a, &table, req_ids, rows, num_new, offsets, blocks,
+  return DecodeCall{nb::find(&layout), nb::find(&table), &a, &table, req_ids, rows, num_new, std::move(added),
                     stat, mass, may_plan, d, static_cast<vtoken::Compaction>(compaction), fragmentation_threshold,
                     pressure, registers};
 }
@@ -214,15 +215,15 @@ class DecodeWorker {
 void bind_decode(nb::module_& m) {
   m.def(
       "slots_decide_step",
-      [](BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new, Ids offsets, Ids blocks,
-         int64_t selector, Rule rule, int64_t compaction, int64_t fragmentation_threshold, bool pressure,
-         std::optional<Stat32> stat, std::optional<Mass> mass, std::optional<nb::callable> on_victims,
-         bool skip_shared, int64_t threads, std::optional<Mask> may_plan, int64_t num_blocks) -> nb::object {
+      [](BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new,
+         std::optional<Ids> offsets, nb::handle blocks, int64_t selector, Rule rule, int64_t compaction,
+         int64_t fragmentation_threshold, bool pressure, std::optional<Stat32> stat, std::optional<Mass> mass,
+         std::optional<nb::callable> on_victims, bool skip_shared, int64_t threads, std::optional<Mask> may_plan, int64_t num_blocks) -> nb::object {
         int64_t columns_needed = 0;
         const std::optional<DecodeCall> call =
-            checked_call(layout, table, req_ids, rows, num_new, offsets, blocks, selector, rule, compaction,
-                         fragmentation_threshold, pressure, stat, mass, skip_shared, threads, may_plan, num_blocks,
-                         columns_needed);
+            checked_call(layout, table, req_ids, rows, num_new, new_blocks_of(offsets, blocks), selector, rule,
+                         compaction, fragmentation_threshold, pressure, stat, mass, skip_shared, threads, may_plan,
+                         num_blocks, columns_needed);
         if (!call) return nb::int_(columns_needed);
         vtoken::VictimsHook hook;
         if (on_victims) {  // with numpy copies of the victims, as the general path hands them over
@@ -247,7 +248,8 @@ void bind_decode(nb::module_& m) {
       "many threads (select.h); lazy-deferred plans only the rows may_plan allows and commits nothing "
       "(decode_step.h). Returns (one int64 buffer, batch, victims, moves, number changed): victim_offsets, "
       "victim_ids, the table's step as step_batch returns it, lost, num_tokens and changed, laid out as "
-      "result_tuple says (step/fused.py FusedResult.of takes it apart).");
+      "result_tuple says (step/fused.py FusedOutput takes it apart). The batch's new blocks: CSR (offsets, "
+      "blocks int64 arrays) or, offsets None, blocks one sequence of block ids per request.");
 
   nb::class_<DecodeWorker>(m, "DecodeWorker",
                            "slots_decide_step on a worker thread of its own (cpp/core/step_worker.h): start() "
@@ -257,14 +259,14 @@ void bind_decode(nb::module_& m) {
       .def(
           "start",
           [](DecodeWorker& w, BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new,
-             Ids offsets, Ids blocks, int64_t selector, Rule rule, int64_t compaction, int64_t fragmentation_threshold,
-             bool pressure, std::optional<Stat32> stat, std::optional<Mass> mass, bool skip_shared, int64_t threads,
-             std::optional<Mask> may_plan, int64_t num_blocks) {
+             std::optional<Ids> offsets, nb::handle blocks, int64_t selector, Rule rule, int64_t compaction,
+             int64_t fragmentation_threshold, bool pressure, std::optional<Stat32> stat, std::optional<Mass> mass,
+             bool skip_shared, int64_t threads, std::optional<Mask> may_plan, int64_t num_blocks) {
             int64_t columns_needed = 0;
             std::optional<DecodeCall> call =
-                checked_call(layout, table, req_ids, rows, num_new, offsets, blocks, selector, rule, compaction,
-                             fragmentation_threshold, pressure, stat, mass, skip_shared, threads, may_plan, num_blocks,
-                             columns_needed);
+                checked_call(layout, table, req_ids, rows, num_new, new_blocks_of(offsets, blocks), selector, rule,
+                             compaction, fragmentation_threshold, pressure, stat, mass, skip_shared, threads, may_plan,
+                             num_blocks, columns_needed);
             if (call) w.start(std::move(*call));
             return columns_needed;
           },

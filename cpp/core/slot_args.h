@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -12,6 +13,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 
 #include "slots.h"
 
@@ -84,12 +86,64 @@ struct BatchRefused : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// A batch's new blocks in CSR form (request i: blocks[offsets[i]:offsets[i + 1]]), from what a host
+// passes: CSR int64 arrays, or (offsets None) a sequence of per-request sequences of block ids,
+// which the host's thread then hands over with no numpy call (step/io.py StepInput: on that thread
+// each numpy call costs a multiple of its warm time, benchmarks/step/cold_host). BatchRefused
+// for anything else or an id outside int64 (nothing changed).
+struct NewBlocks {
+  std::vector<int64_t> offsets, blocks;
+};
+
+inline NewBlocks csr_blocks(const Ids& offsets, const Ids& blocks) {
+  return {{offsets.data(), offsets.data() + offsets.shape(0)}, {blocks.data(), blocks.data() + blocks.shape(0)}};
+}
+
+inline NewBlocks listed_blocks(nb::handle lists) {
+  const auto refused = [] {
+    PyErr_Clear();
+    return BatchRefused("slots: new blocks must be one sequence of block ids per request");
+  };
+  PyObject* fast = PySequence_Fast(lists.ptr(), "");
+  if (!fast) throw refused();
+  NewBlocks out;
+  const Py_ssize_t batch = PySequence_Fast_GET_SIZE(fast);
+  out.offsets.reserve(batch + 1);
+  out.offsets.push_back(0);
+  for (Py_ssize_t i = 0; i < batch; ++i) {
+    PyObject* listed = PySequence_Fast_GET_ITEM(fast, i);
+    if (!PyList_Check(listed) && !PyTuple_Check(listed)) {
+      Py_DECREF(fast);
+      throw refused();
+    }
+    PyObject** ids = PySequence_Fast_ITEMS(listed);
+    for (Py_ssize_t k = 0, n = PySequence_Fast_GET_SIZE(listed); k < n; ++k) {  // (a decode step: mostly none)
+      const long long id = PyLong_AsLongLong(ids[k]);
+      if (id == -1 && PyErr_Occurred()) {
+        Py_DECREF(fast);
+        throw refused();
+      }
+      out.blocks.push_back(id);
+    }
+    out.offsets.push_back(static_cast<int64_t>(out.blocks.size()));
+  }
+  Py_DECREF(fast);
+  return out;
+}
+
+inline NewBlocks new_blocks_of(const std::optional<Ids>& offsets, nb::handle blocks) {
+  if (!offsets) return listed_blocks(blocks);
+  Ids csr;
+  if (!nb::try_cast(blocks, csr)) throw BatchRefused("slots: CSR new blocks must be an int64 array");
+  return csr_blocks(*offsets, csr);
+}
+
 // The registration's checks of a batch's new blocks and tokens (the sizes, then slots.h check_new,
 // in its words; BatchRefused, nothing changed) and the block-table columns its rows need with
 // their new blocks: 0 when they fit, else the columns the table must grow to first.
-inline int64_t checked_registration(BoundLayout& layout, const Ids& req_ids, const Ids& rows, const Ids& offsets,
-                                    const Ids& blocks, const Ids& num_new, int64_t num_blocks,
-                                    const vtoken::TokenTable& table) {
+inline int64_t checked_registration(BoundLayout& layout, const Ids& req_ids, const Ids& rows, const NewBlocks& added,
+                                    const Ids& num_new, int64_t num_blocks, const vtoken::TokenTable& table) {
+  const std::vector<int64_t>& offsets = added.offsets;
   vtoken::SlotArrays& a = layout.arrays();
   const size_t batch = rows.shape(0);
   try {
@@ -97,19 +151,20 @@ inline int64_t checked_registration(BoundLayout& layout, const Ids& req_ids, con
   } catch (const std::invalid_argument& e) {
     throw BatchRefused(e.what());
   }
-  if (req_ids.shape(0) != batch || offsets.shape(0) != batch + 1 || num_new.shape(0) != batch) {
+  if (req_ids.shape(0) != batch || offsets.size() != batch + 1 || num_new.shape(0) != batch) {
     throw BatchRefused("slots: req_ids and num_new need one entry per row, offsets one more");
   }
   if (num_blocks <= 0 || num_blocks > a.scratch) {
     throw BatchRefused("slots: num_blocks must lie in [1, the layout's blocks]");
   }
   const std::string wrong = vtoken::check_new(a, req_ids.data(), rows.data(), static_cast<int64_t>(batch),
-                                              static_cast<int64_t>(layout.rows()), offsets.data(), blocks.data(),
-                                              static_cast<int64_t>(blocks.shape(0)), num_new.data(), num_blocks, table);
+                                              static_cast<int64_t>(layout.rows()), offsets.data(), added.blocks.data(),
+                                              static_cast<int64_t>(added.blocks.size()), num_new.data(), num_blocks,
+                                              table);
   if (!wrong.empty()) throw BatchRefused(wrong);
   int64_t needed = 0;
   for (size_t i = 0; i < batch; ++i) {
-    needed = std::max(needed, a.num_blocks_of[rows.data()[i]] + offsets.data()[i + 1] - offsets.data()[i]);
+    needed = std::max(needed, a.num_blocks_of[rows.data()[i]] + offsets[i + 1] - offsets[i]);
   }
   return needed > a.block_stride ? needed : 0;
 }

@@ -31,12 +31,14 @@ void bind_slots(nb::module_& m) {
       "slots_register",
       [](BoundLayout& layout, Ids req_ids, Ids rows, Ids offsets, Ids blocks, Ids num_new, int64_t num_blocks,
          const vtoken::TokenTable& table) {
-        const int64_t needed = checked_registration(layout, req_ids, rows, offsets, blocks, num_new, num_blocks, table);
+        const NewBlocks added = csr_blocks(offsets, blocks);
+        const int64_t needed = checked_registration(layout, req_ids, rows, added, num_new, num_blocks, table);
         if (needed) return nb::make_tuple(needed, nb::none());  // nothing written
         vtoken::SlotArrays& a = layout.arrays();
         const size_t batch = rows.shape(0);
         return nb::make_tuple(0, vtoken::to_numpy(vtoken::register_new(a, rows.data(), static_cast<int64_t>(batch),
-                                                                       offsets.data(), blocks.data(), num_new.data())));
+                                                                       added.offsets.data(), added.blocks.data(),
+                                                                       num_new.data())));
       },
       "layout"_a, "req_ids"_a, "rows"_a, "offsets"_a, "blocks"_a, "num_new"_a, "num_blocks"_a, "table"_a,
       "The step's checks of the new blocks and tokens (ValueError, nothing changed), then SlotMap.append_blocks + "

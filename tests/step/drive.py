@@ -79,9 +79,11 @@ def random_batch(rng: np.random.Generator, step: DecodeStep, host: Host, new_req
         mass = rng.random((len(rows), width)) * rng.lognormal(0, 2, (len(rows), width))
     if rng.random() < 0.3:
         mass = mass.astype(np.float32)  # what attention kernels return
+    pressure = bool(rng.random() < 0.15)
+    if rng.random() < 0.5:  # the new blocks as the engine passes them: one list per request
+        return StepInput.of_lists(rows, num_new, blocks, mass=mass, pressure=pressure)
     offsets = np.cumsum([0] + [len(b) for b in blocks])
-    return StepInput(rows, num_new, offsets, [b for bl in blocks for b in bl], mass=mass,
-                     pressure=bool(rng.random() < 0.15))
+    return StepInput(rows, num_new, offsets, [b for bl in blocks for b in bl], mass=mass, pressure=pressure)
 
 
 def share_a_block(rng: np.random.Generator, steps: list[DecodeStep], hosts: list[Host], chance: float) -> None:

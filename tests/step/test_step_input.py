@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A host's per-request block lists in the CSR form ``StepInput`` takes (``step/io.py`` ``csr``):
-the offsets are the running sums of the lists' lengths, the values their concatenation, whatever
-mix of empty and filled lists (a decode step: mostly empty), lists or tuples."""
+"""A host's new blocks, one list per request or in CSR form (``step/io.py``): ``csr`` gives the
+running sums of the lists' lengths and their concatenation, whatever mix of empty and filled
+lists (a decode step: mostly empty), lists or tuples; the C++ core's conversion of the lists
+(``cpp/core/slot_args.h`` ``listed_blocks``) is held to the same, and refuses what is not one."""
 
 from __future__ import annotations
 
@@ -25,10 +26,14 @@ def test_csr_is_running_lengths_and_concatenation(lists, as_tuples):
     assert isinstance(flat, list)
 
 
-def test_of_lists_and_decode_give_the_batch_in_csr_form():
+def test_of_lists_and_decode_pass_one_list_per_request_and_csr_gives_them_back():
     inp = StepInput.of_lists([4, 5, 6], [1, 3, 1], [[], [7, 8], []], pressure=True)
     assert inp.req_ids == [4, 5, 6] and inp.num_new == [1, 3, 1] and inp.pressure
-    assert inp.new_block_offsets.tolist() == [0, 0, 2, 2] and inp.new_blocks == [7, 8]
+    assert inp.new_block_offsets is None and inp.new_blocks == [[], [7, 8], []]
+    offsets, blocks = inp.new_blocks_csr()
+    assert offsets.tolist() == [0, 0, 2, 2] and blocks.tolist() == [7, 8] and blocks.dtype == np.int64
     decode = StepInput.decode([4, 5], [(), (9,)])
-    assert decode.num_new == [1, 1] and decode.new_block_offsets.tolist() == [0, 0, 1] and decode.new_blocks == [9]
-    assert StepInput.decode([]).new_block_offsets.tolist() == [0]
+    assert decode.num_new == [1, 1] and [a.tolist() for a in decode.new_blocks_csr()] == [[0, 0, 1], [9]]
+    assert [a.tolist() for a in StepInput.decode([]).new_blocks_csr()] == [[0], []]
+    csr_given = StepInput([4], [1], [0, 1], [3])
+    assert [a.tolist() for a in csr_given.new_blocks_csr()] == [[0, 1], [3]]

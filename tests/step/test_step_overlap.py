@@ -88,6 +88,10 @@ def test_the_fused_call_registers_a_batch_checked_first():
         assert type(caught.value) is ValueError  # the C++ core's BatchRefused, said as the Python core says it
         messages[overlap], counters[overlap] = str(caught.value), step.counters([0])
         assert counters[overlap] == before  # and nothing in flight: the next step starts
+        for not_lists in ([7], [[1.5]], [["a"]], [[2**63]]):  # one sequence of ints per request
+            with pytest.raises(ValueError, match="one sequence of block ids per request"):
+                step.start(StepInput([0], [1], None, not_lists), overlap=overlap)
+            assert step.counters([0]) == before
         step.start(StepInput.decode([0], [host.allocate(1)]), overlap=overlap)
         outs[overlap].append(step.finish())
         assert registered_here[0] == 0 and step.stats.overlapped_steps == (2 if overlap else 0)

@@ -35,9 +35,9 @@ class Spec:
 
     def run(self, inp) -> tuple[list[list[int]], list[list[int]]]:
         table, victims, freed = self.table, [], []
-        offsets = np.asarray(inp.new_block_offsets)
+        offsets, new_blocks = inp.new_blocks_csr()
         for i, req in enumerate(inp.req_ids):
-            blocks = list(inp.new_blocks[offsets[i]: offsets[i + 1]])
+            blocks = new_blocks[offsets[i]: offsets[i + 1]].tolist()
             table.sync_new_tokens(req, table.block_ids(req) + blocks, table.kv_len(req) + inp.num_new[i])
             policy, seq = self.policy[req], table.seq(req)
             doomed = []

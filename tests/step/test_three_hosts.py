@@ -33,7 +33,7 @@ def recorded(monkeypatch):
     start, finish = DecodeStep.start, DecodeStep.finish
 
     def spy_start(step, inp, overlap=False):
-        started[step] = (list(inp.req_ids), list(inp.num_new), list(inp.new_blocks))
+        started[step] = (list(inp.req_ids), list(inp.num_new), inp.new_blocks_csr()[1].tolist())
         start(step, inp, overlap)
 
     def spy_finish(step):

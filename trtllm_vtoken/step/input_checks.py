@@ -46,13 +46,22 @@ class InputChecks:
     def validated(self, inp: StepInput) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(req_ids, their rows, num_new, block offsets, new blocks) as int64 arrays, checked as the
         token table would check them: the sizes, known requests (KeyError), the mass, then
-        ``check_new`` (Python core)."""
+        ``check_new`` (Python core). New blocks given one list per request stay so (offsets None)
+        where the C++ core checks them (``Iteration.new_blocks_csr``)."""
         (req_ids, listed), (num_new, _) = self._req_ids.convert(inp.req_ids), self._num_new.convert(inp.num_new)
-        offsets, blocks = int64_vector(inp.new_block_offsets), int64_vector(inp.new_blocks)
         batch = len(req_ids)
-        if len(num_new) != batch or len(offsets) != batch + 1:
-            raise ValueError(f"step: {batch} requests need {batch} num_new and {batch + 1} block offsets, "
-                             f"got {len(num_new)} and {len(offsets)}")
+        if inp.new_block_offsets is None:  # one list per request: the C++ core takes them so
+            offsets, blocks = inp.new_block_offsets, inp.new_blocks
+            if len(num_new) != batch or len(blocks) != batch:
+                raise ValueError(f"step: {batch} requests need {batch} num_new and {batch} lists of new blocks, "
+                                 f"got {len(num_new)} and {len(blocks)}")
+            if self.checks_new:
+                offsets, blocks = inp.new_blocks_csr()
+        else:
+            offsets, blocks = int64_vector(inp.new_block_offsets), int64_vector(inp.new_blocks)
+            if len(num_new) != batch or len(offsets) != batch + 1:
+                raise ValueError(f"step: {batch} requests need {batch} num_new and {batch + 1} block offsets, "
+                                 f"got {len(num_new)} and {len(offsets)}")
         rows = self.slots.rows(listed)
         self.check_mass(inp.mass, rows, num_new)
         if self.checks_new:

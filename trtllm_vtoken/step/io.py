@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -29,10 +28,12 @@ class StepInput:
     """[B] requests of the batch, each added to the step (``DecodeStep.add_request``) once."""
     num_new: Sequence[int]
     """[B] tokens each request wrote this iteration: 1 when decoding, the prompt at prefill."""
-    new_block_offsets: Sequence[int]
-    """[B + 1] CSR offsets into ``new_blocks``."""
-    new_blocks: Sequence[int]
-    """Blocks the host appended to each request's list for the new tokens (allocated by it)."""
+    new_block_offsets: Sequence[int] | None
+    """[B + 1] CSR offsets into ``new_blocks``; None: ``new_blocks`` holds one sequence per request."""
+    new_blocks: Sequence[int] | Sequence[Sequence[int]]
+    """Blocks the host appended to each request's list for the new tokens (allocated by it): CSR
+    values, or (``new_block_offsets`` None) request i's as ``new_blocks[i]``, a list or tuple, the
+    form in which the C++ core takes them with no numpy call on the host's thread."""
     mass: Any = None
     """Attention each physical position received this iteration, summed over layers, heads and
     queries: [B, >= L] (numpy or torch; L covers every row's length after the new tokens), or a
@@ -46,9 +47,16 @@ class StepInput:
     @classmethod
     def of_lists(cls, req_ids: Sequence[int], num_new: Sequence[int], new_blocks: Sequence[Sequence[int]],
                  **kwargs: Any) -> StepInput:
-        """The batch with request i's new blocks as a list, ``new_blocks[i]`` (put in CSR form here)."""
-        offsets, flat = csr(new_blocks)
-        return cls(req_ids, num_new, offsets, flat, **kwargs)
+        """The batch with request i's new blocks as ``new_blocks[i]`` (a list or tuple)."""
+        return cls(req_ids, num_new, None, new_blocks, **kwargs)
+
+    def new_blocks_csr(self) -> tuple[np.ndarray, np.ndarray]:
+        """The new blocks in CSR form, whichever form they came in: (offsets, blocks) int64."""
+        if self.new_block_offsets is None:
+            offsets, flat = csr(self.new_blocks)
+            return offsets, np.asarray(flat, dtype=np.int64)
+        return (np.asarray(self.new_block_offsets, dtype=np.int64).reshape(-1),
+                np.asarray(self.new_blocks, dtype=np.int64).reshape(-1))
 
     @classmethod
     def decode(cls, req_ids: Sequence[int], new_blocks: Sequence[Sequence[int]] | None = None,
@@ -59,19 +67,10 @@ class StepInput:
 
 
 def csr(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, list[int]]:
-    """Per-request lists as (offsets int64 [B + 1], the values flat). A host runs this on its
-    thread every step, in caches its other work has just filled: it visits only the filled lists
-    (a decode step fills a few, the requests crossing into a new block) and makes one numpy call
-    (a numpy call costs there a multiple of its time in warm caches, a ufunc such as cumsum the
-    most: ``benchmarks/step/cold_host``)."""
-    filled = [i for i, values in enumerate(lists) if values]
-    if not filled:
-        return np.zeros(len(lists) + 1, dtype=np.int64), []
-    counts, flat = [0] * (len(lists) + 1), []
-    for i in filled:
-        counts[i + 1] = len(lists[i])
-        flat += lists[i]
-    return np.array(list(accumulate(counts)), dtype=np.int64), flat
+    """Per-request lists as (offsets int64 [B + 1], the values flat)."""
+    offsets = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum([len(values) for values in lists], out=offsets[1:])
+    return offsets, [value for values in lists for value in values]
 
 
 @dataclass

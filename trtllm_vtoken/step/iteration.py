@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from trtllm_vtoken.step.decide import NativeDecision
+from trtllm_vtoken.step.io import csr
 
 
 class Iteration:
@@ -31,8 +32,10 @@ class Iteration:
         "victims",
     )
 
-    def __init__(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray,
-                 blocks: np.ndarray, stream: Any) -> None:
+    def __init__(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray | None,
+                 blocks: np.ndarray | Any, stream: Any) -> None:
+        """``offsets`` None: ``blocks`` holds the host's list of new blocks per request, which the
+        fused call takes as they are (``new_blocks_csr`` for the rest)."""
         self.req_ids, self.rows, self.num_new, self.offsets, self.blocks = req_ids, rows, num_new, offsets, blocks
         self.stream = stream
         self.native: NativeDecision | None = None  # the fused call's decision (None: the general path)
@@ -43,6 +46,14 @@ class Iteration:
         self.registers = False  # the fused call registers the batch (on the worker)
         self._index_of: dict[int, int] | None = None  # request id -> its index, made when first asked
 
+    def new_blocks_csr(self) -> tuple[np.ndarray, np.ndarray]:
+        """The batch's new blocks in CSR form (offsets, blocks int64), put in it once where the
+        host passed one list per request (``offsets`` None until then)."""
+        if self.offsets is None:
+            offsets, flat = csr(self.blocks)
+            self.offsets, self.blocks = offsets, np.asarray(flat, dtype=np.int64)
+        return self.offsets, self.blocks
+
     def listed_before(self, req_id: int) -> list[int]:
         """A request's block list as the decision saw it, from the rows copied before the call
         (``block_lists``), with its new blocks where the call registered them."""
@@ -50,7 +61,8 @@ class Iteration:
         table, counts = self.block_lists
         blocks = table[i, : counts[i]].tolist()
         if self.registers:
-            blocks += self.blocks[self.offsets[i] : self.offsets[i + 1]].tolist()
+            offsets, new_blocks = self.new_blocks_csr()
+            blocks += new_blocks[offsets[i] : offsets[i + 1]].tolist()
         return blocks
 
     def _index(self) -> dict[int, int]:

@@ -227,7 +227,7 @@ class DecodeStep(StepRequests):
 
     def _register(self, it: Iteration) -> np.ndarray:
         """The batch's new blocks and tokens join the layout (checked first); their slots."""
-        return self.slots.add_tokens(it.rows, it.offsets, it.blocks, it.num_new, it.req_ids, self.core.table)
+        return self.slots.add_tokens(it.rows, *it.new_blocks_csr(), it.num_new, it.req_ids, self.core.table)
 
     def _table_step(self, it: Iteration, pressure: bool) -> tuple[Any, float]:
         """The token table's step here: the fused call (a ``FusedOutput``) or the general path's
@@ -242,7 +242,7 @@ class DecodeStep(StepRequests):
                                          it.registers)
             else:
                 victim_offsets, victim_ids = it.victims[2:]
-                result = self.core.step(it.req_ids, it.num_new, it.offsets, it.blocks, victim_offsets, victim_ids,
+                result = self.core.step(it.req_ids, it.num_new, *it.new_blocks_csr(), victim_offsets, victim_ids,
                                         compaction, self.config.fragmentation_threshold, pressure, may_plan)
         except batch_refused():  # the fused call's checks of the batch it registers: nothing changed
             raise
