@@ -79,6 +79,9 @@ class StepStats:
     """Steps that took the fused native call (``step/fused.py``)."""
     overlapped_steps: int = 0
     """Fused steps whose native call ran on the worker thread beside the host (``DecodeStep.start``)."""
+    repeated_steps: int = 0
+    """Of those, steps whose call repeated the last one's for the same batch, started with no
+    check or decision in Python (``RepeatedCall``; its host time counted as "table")."""
     waited_seconds: float = 0.0
     """Time the host's thread waited for those calls (their own time is counted as "core")."""
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(

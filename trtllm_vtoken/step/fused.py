@@ -141,16 +141,20 @@ def decide_and_step(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.nd
 def start_decide_and_step(worker: Any, slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray,
                           num_new: np.ndarray, offsets: np.ndarray, blocks: np.ndarray, decision: NativeDecision,
                           compaction: str, fragmentation_threshold: int, pressure: bool,
-                          may_plan: np.ndarray | None = None, registers: bool = False) -> None:
+                          may_plan: np.ndarray | None = None, registers: bool = False) -> tuple:
     """``decide_and_step`` (no victims hook) started on ``worker`` (the C++ core's
     ``DecodeWorker``), ``registers`` as there. The worker checks the arguments and the batch at
     once (ValueError, ``BatchRefused`` for the batch, nothing started); its
     ``wait()`` returns (what ``FusedOutput`` takes, the call's seconds on the worker). Until
-    then nothing may touch the layout, the table or these arrays."""
-    while needed := worker.start(*fused_arguments(slots, table, req_ids, rows, num_new, offsets, blocks, decision,
-                                                  compaction, fragmentation_threshold, pressure),
-                                 decision.skip_shared, decision.threads, may_plan,
-                                 slots.num_blocks if registers else 0):
+    then nothing may touch the layout, the table or these arrays. Returns the call's arguments
+    (``step/repeat.py`` keeps them)."""
+    while True:
+        arguments = (*fused_arguments(slots, table, req_ids, rows, num_new, offsets, blocks, decision, compaction,
+                                      fragmentation_threshold, pressure),
+                     decision.skip_shared, decision.threads, may_plan, slots.num_blocks if registers else 0)
+        needed = worker.start(*arguments)
+        if not needed:
+            return arguments
         slots.fit_columns(needed)  # as in decide_and_step
 
 

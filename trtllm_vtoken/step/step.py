@@ -55,8 +55,9 @@ from trtllm_vtoken.step.fused import FusedOutput, decide_and_step, start_decide_
 from trtllm_vtoken.step.input_checks import InputChecks
 from trtllm_vtoken.step.io import StepInput, StepOutput
 from trtllm_vtoken.step.iteration import Iteration
+from trtllm_vtoken.step.repeat import RepeatedCall
 from trtllm_vtoken.step.requests import StepRequests
-from trtllm_vtoken.step.slots import SlotMap
+from trtllm_vtoken.step.slots import LISTS, SlotMap
 
 
 class DecodeStep(StepRequests):
@@ -114,6 +115,10 @@ class DecodeStep(StepRequests):
         self._flight: Iteration | None = None  # started on the worker thread, not yet waited for
         self._landed: StepOutput | None = None  # completed, not yet handed over by finish()
         self._native_worker = None
+        self._may_repeat = self.fuses and on_victims is None and self.checks is None and self.background is None
+        """A call on the worker may be repeated for the same batch (``RepeatedCall``): no hook,
+        checks or background compaction reads the batch on the host's thread."""
+        self._repeated: RepeatedCall | None = None
         if policy is not None:
             self.policy_index(policy)
 
@@ -143,7 +148,8 @@ class DecodeStep(StepRequests):
         if self._broken:
             raise RuntimeError(f"the step is unusable after an earlier failure: {self._broken}")
         try:
-            self._start(inp, overlap)
+            if not (overlap and self._repeat(inp)):
+                self._start(inp, overlap)
         except batch_refused() as exc:  # the C++ core's checks of the batch, before anything changed
             raise ValueError(str(exc)) from None  # as the Python core says it
 
@@ -154,16 +160,47 @@ class DecodeStep(StepRequests):
                 it.block_lists = (self.slots.block_table[it.rows], self.slots.num_blocks_of[it.rows])
             compaction, may_plan = self._call_settings(it.req_ids)
             try:
-                start_decide_and_step(self._worker(), self.slots, self.core.table, it.req_ids, it.rows, it.num_new,
-                                      it.offsets, it.blocks, it.native, compaction, self.config.fragmentation_threshold,
-                                      inp.pressure, may_plan, it.registers)
+                arguments = start_decide_and_step(self._worker(), self.slots, self.core.table, it.req_ids, it.rows,
+                                                  it.num_new, it.offsets, it.blocks, it.native, compaction,
+                                                  self.config.fragmentation_threshold, inp.pressure, may_plan,
+                                                  it.registers)
             except batch_refused():  # the call's checks of the batch: nothing changed
                 raise
             except (KeyError, ValueError) as exc:
                 raise self._refused(exc) from exc  # the host registered the new tokens already
             self._flight = it
+            if self._may_repeat and it.registers and it.offsets is None and inp.mass is None and \
+                    type(inp.req_ids) in LISTS and type(inp.num_new) in LISTS and it.native.selector:
+                policy = self._policies[int(self.slots.policy[it.rows[0]])]  # the batch's one policy
+                self._repeated = RepeatedCall.of(inp.req_ids, inp.num_new, self.slots, policy, arguments, it.native)
             return
         self._landed = self._end(it, self._table_step(it, inp.pressure))
+
+    def _repeat(self, inp: StepInput) -> bool:
+        """Starts the call on the worker as the last step's (``RepeatedCall``) where the host
+        passes the same lists and nothing the skipped checks and decision read has changed.
+        False: the whole path runs (``_start``)."""
+        last = self._repeated
+        if last is None or not last.matches(inp):
+            return False
+        start = time.perf_counter()
+        shared = self.shared_blocks()
+        self.core.sync_shared(shared)
+        try:
+            needed = last.start(self._native_worker, inp.new_blocks, inp.pressure) if last.holds(self.slots, shared) \
+                else -1
+        except batch_refused():  # the call's checks of the batch: nothing changed
+            raise
+        except (KeyError, ValueError) as exc:
+            raise self._refused(exc) from exc
+        if needed:  # something changed, or the rows' lists outgrow the block table: the whole path
+            self._repeated = None
+            return False
+        it = Iteration(last.head[2], last.head[3], last.head[4], None, inp.new_blocks, inp.stream)
+        it.native, it.registers, self._flight = last.decision, True, it
+        self.stats.repeated_steps += 1
+        self.stats.seconds["table"] += time.perf_counter() - start
+        return True
 
     def finish(self) -> StepOutput:
         """The iteration ``start`` began, completed: what ``run`` returns. RuntimeError if none
@@ -320,6 +357,7 @@ class DecodeStep(StepRequests):
 
     def _refused(self, exc: Exception) -> RuntimeError:
         """The token table refused a step midway: the step is unusable from now on."""
+        self._repeated = None
         self._broken = f"the token table refused a step: {exc}"
         return RuntimeError(self._broken)
 

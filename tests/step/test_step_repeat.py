@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A decode loop passes the same lists step after step: the call on the worker then repeats the
+last one's arguments with no check or decision in Python (``step/fused.py`` ``RepeatedCall``).
+Held to the whole path (the call at once, ``overlap=False``) step by step, through what must end
+the repetition: a request joining or leaving, a new budget, a block table outgrowing its
+columns, a block becoming shared, a list read anew, a bad block id."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.step.drive import Host, make_step
+from tests.step.test_step_parity import outputs_equal, tables_equal
+from trtllm_vtoken.core.native import load
+from trtllm_vtoken.policies import Budget, make_policy
+from trtllm_vtoken.step import StepInput
+
+pytestmark = pytest.mark.skipif(load() is None, reason="the C++ core is not built")
+
+
+def decode_loop(overlap: bool, steps: int = 60):
+    """Four requests decoding with the same lists, and what breaks the repetition on the way;
+    returns the outputs, the step and how many steps repeated."""
+    host = Host(96, 4)
+    policy = make_policy("streaming_llm", 12, n_sink=2)
+    step = make_step(host, "cpp", "dense", policy=policy, checks=False)
+    req_ids, num_new = [0, 1, 2, 3], [1, 1, 1, 1]
+    for req in req_ids:
+        step.add_request(req)
+    outs = [step.run(StepInput.of_lists(req_ids, [5, 6, 7, 8], [host.allocate(2) for _ in req_ids]))]
+    for i in range(steps):
+        if i == 15:
+            policy.budget = Budget(tokens=9)  # a new rule: the decision is made again
+        if i == 25:  # a request leaves and another joins: other rows
+            host.release(step.remove_request(3))
+            step.add_request(9)
+            req_ids, num_new = [0, 1, 2, 9], [1, 1, 1, 4]
+        if i == 26:
+            num_new = [1, 1, 1, 1]
+        if i == 35 and step.kv_len(0) >= host.tpb:
+            host.shared.add(step.block_ids(0)[0])  # prefix caching shares a block: skip_shared
+        if i == 45:
+            with pytest.raises(ValueError, match="new block ids must lie in"):
+                step.start(StepInput.of_lists(req_ids, num_new, [[999], [], [], []]), overlap=overlap)
+        fresh = [host.allocate(1) if step.kv_len(r) + n > step.num_blocks(r) * host.tpb else []
+                 for r, n in zip(req_ids, num_new)]
+        if i == 50:  # the rows' lists outgrow the block table
+            fresh[1] += host.allocate(40)
+        step.start(StepInput.of_lists(req_ids, num_new, fresh), overlap=overlap)
+        out = step.finish()
+        host.release(out.table.freed.tolist())
+        outs.append(out)
+    return outs, step, step.stats.repeated_steps
+
+
+def test_repeated_calls_equal_the_whole_path():
+    repeated, step, times = decode_loop(overlap=True)
+    whole, reference, never = decode_loop(overlap=False)
+    # Every step of the loop repeats but the first and those after each change: a new rule, new
+    # rows, new token counts, a shared block, a block table too narrow (the refused batch changes
+    # nothing: the next step repeats).
+    assert never == 0 and times == len(repeated) - 1 - 6
+    for a, b in zip(repeated, whole):
+        outputs_equal(a, b)
+        assert not a.req_ids.flags.writeable
+    tables_equal(step, reference)
+    assert step.stats.overlapped_steps == len(repeated) - 1
+
+
+def test_a_list_changed_in_place_is_read_anew():
+    """The step keeps copies of the host's lists: a list the host changes in place no longer
+    matches, and the whole path reads it."""
+    host = Host(32, 4)
+    step = make_step(host, "cpp", "dense", policy=make_policy("streaming_llm", 6, n_sink=2), checks=False)
+    req_ids, num_new = [0, 1], [4, 4]
+    for req in req_ids:
+        step.add_request(req)
+    for _ in range(3):
+        fresh = [host.allocate(1) if step.kv_len(r) + n > step.num_blocks(r) * host.tpb else []
+                 for r, n in zip(req_ids, num_new)]
+        step.start(StepInput.of_lists(req_ids, num_new, fresh), overlap=True)
+        step.finish()
+        num_new[:] = [1, 1]
+    assert step.stats.repeated_steps == 1 and step.num_tokens(0) == 6
+    req_ids.reverse()  # the same requests, other order: read anew
+    step.start(StepInput.of_lists(req_ids, num_new, [[], []]), overlap=True)
+    out = step.finish()
+    assert out.req_ids.tolist() == [1, 0] and step.stats.repeated_steps == 1
+    assert np.array_equal(out.num_tokens, [7, 7])

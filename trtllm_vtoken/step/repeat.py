@@ -1,0 +1,65 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fused call on the worker repeated for the same batch. A decode loop passes the same lists
+step after step; while nothing the step's checks and decision read has changed, the next call
+starts from the last one's arguments with this step's new blocks and pressure, and no Python
+work between: on the host's thread each Python call and numpy object costs a multiple of its
+warm time (``benchmarks/step/cold_host``). The C++ core still checks the new blocks and tokens.
+``tests/step/test_step_repeat.py`` holds it to the whole path."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any, NamedTuple
+
+from trtllm_vtoken.policies import EvictionPolicy
+from trtllm_vtoken.policies.budget import BoundsRule
+from trtllm_vtoken.step.decide import NativeDecision
+from trtllm_vtoken.step.io import StepInput
+from trtllm_vtoken.step.slots import LISTS, SlotMap, copied
+
+
+class RepeatedCall(NamedTuple):
+    """A call started on the worker, kept for the same batch's next one (``DecodeStep.start``).
+    Valid while what the skipped work read is unchanged: the host's lists, the requests' rows,
+    the layout's buffers, the policy's rule, whether any block is shared."""
+
+    req_ids: list | tuple
+    """The host's request ids and token counts then (copies), compared with the next step's."""
+    num_new: list | tuple
+    membership: int
+    """``SlotMap.membership`` then: the same requests in the same rows."""
+    layout: Any
+    """``SlotMap.native_layout()`` then: no buffer replaced since."""
+    policy: EvictionPolicy
+    rule: BoundsRule
+    """``policy.bounds_rule()`` then (kept by the policy until an attribute of it is set)."""
+    decision: NativeDecision
+    head: tuple
+    """The call's arguments before the new blocks: (layout, table, req_ids, rows, num_new)."""
+    middle: tuple
+    """Between the new blocks and the pressure: (selector, rule, compaction, threshold)."""
+    tail: tuple
+    """After the pressure: (stat, mass None, skip_shared, threads, may_plan None, num_blocks)."""
+
+    @classmethod
+    def of(cls, req_ids: list | tuple, num_new: list | tuple, slots: SlotMap, policy: EvictionPolicy,
+           arguments: tuple, decision: NativeDecision) -> RepeatedCall:
+        """From the host's lists and the call's arguments as ``start_decide_and_step`` made them
+        (``fused_arguments``, then skip_shared, threads, may_plan, num_blocks)."""
+        return cls(copied(req_ids), copied(num_new), slots.membership, arguments[0], policy, decision.rule,
+                   decision, arguments[:5], arguments[7:11], arguments[12:])
+
+    def matches(self, inp: StepInput) -> bool:
+        """The host passes what it passed then: equal lists (new blocks one list per request), no mass."""
+        return inp.new_block_offsets is None and inp.mass is None and type(inp.req_ids) in LISTS and \
+            type(inp.num_new) in LISTS and inp.req_ids == self.req_ids and inp.num_new == self.num_new
+
+    def holds(self, slots: SlotMap, shared: Collection[int]) -> bool:
+        """Nothing the skipped work read has changed (``shared``: the blocks shared now)."""
+        return slots.membership == self.membership and slots.native_layout() is self.layout and \
+            bool(len(shared)) == self.decision.skip_shared and self.policy.bounds_rule() is self.rule
+
+    def start(self, worker: Any, new_blocks: Any, pressure: bool) -> int:
+        """The call for this step's new blocks (one list per request) and pressure: 0 (started)
+        or the block-table columns needed first, as ``DecodeWorker.start``."""
+        return worker.start(*self.head, None, new_blocks, *self.middle, pressure, *self.tail)
