@@ -35,6 +35,7 @@ using Rule = std::tuple<int64_t, double, int64_t, int64_t, double>;
 // batch's new blocks and tokens first (slots_register's work, checked when the call was built).
 struct DecodeCall {
   nb::object layout_ref, table_ref;
+  BoundLayout* layout = nullptr;
   vtoken::SlotArrays* arrays = nullptr;
   vtoken::TokenTable* table = nullptr;
   Ids req_ids, rows, num_new;
@@ -47,6 +48,7 @@ struct DecodeCall {
   int64_t fragmentation_threshold = 1;
   bool pressure = false;
   bool registers = false;
+  int64_t num_blocks = 0;  // registers: the pool's blocks, for the registration's checks
 
   vtoken::DecodeResult run(const vtoken::VictimsHook& on_victims = {}) const {
     if (registers) {
@@ -124,9 +126,9 @@ std::optional<DecodeCall> checked_call(BoundLayout& layout, vtoken::TokenTable& 
       throw std::invalid_argument("slots_decide_step: mass must be float32 or float64");
     }
   }
-  return DecodeCall{nb::find(&layout), nb::find(&table), &a, &table, req_ids, rows, num_new, std::move(added),
-                    stat, mass, may_plan, d, static_cast<vtoken::Compaction>(compaction), fragmentation_threshold,
-                    pressure, registers};
+  return DecodeCall{nb::find(&layout), nb::find(&table), &layout, &a, &table, req_ids, rows, num_new,
+                    std::move(added), stat, mass, may_plan, d, static_cast<vtoken::Compaction>(compaction),
+                    fragmentation_threshold, pressure, registers, num_blocks};
 }
 
 // The call's result packed in one int64 buffer, for one numpy array Python takes views of
@@ -169,6 +171,43 @@ PackedResult packed(const vtoken::DecodeResult& r) {
 // (the buffer as a numpy array, batch, victims, moves, number changed)
 nb::tuple result_tuple(PackedResult&& p) {
   return nb::make_tuple(vtoken::to_numpy(std::move(p.flat)), p.batch, p.victims, p.moves, p.num_changed);
+}
+
+// A call's arguments bound once for a batch that repeats them (step/repeat.py RepeatedCall): each
+// repetition converts only its new blocks and pressure, where a call's own conversion of its
+// other arguments (three arrays, the layout, the table, the rule) costs the host's thread more
+// than the rest of the call's work there. No mass (a batch that observes attention passes its
+// own every step). The batch's registration is checked at each repetition, with its new blocks.
+DecodeCall bound_call(BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new,
+                      int64_t selector, Rule rule, int64_t compaction, int64_t fragmentation_threshold,
+                      std::optional<Stat32> stat, bool skip_shared, int64_t threads, int64_t num_blocks) {
+  NewBlocks none{std::vector<int64_t>(rows.shape(0) + 1, 0), {}};
+  int64_t columns_needed = 0;  // (no registration checked here: never set)
+  DecodeCall call = *checked_call(layout, table, req_ids, rows, num_new, std::move(none), selector, rule, compaction,
+                                  fragmentation_threshold, false, stat, std::nullopt, skip_shared, threads,
+                                  std::nullopt, 0, columns_needed);
+  if (num_blocks < 0) throw std::invalid_argument("bound call: num_blocks must be >= 0");
+  call.registers = num_blocks != 0;
+  call.num_blocks = num_blocks;
+  return call;
+}
+
+// The bound call with this step's new blocks (one sequence per request) and pressure, checked as
+// a call's own (BatchRefused, nothing changed); std::nullopt with the columns needed first.
+std::optional<DecodeCall> repeated_call(const DecodeCall& bound, nb::handle blocks, bool pressure,
+                                        int64_t& columns_needed) {
+  DecodeCall call = bound;
+  call.added = listed_blocks(blocks);
+  call.pressure = pressure;
+  columns_needed = 0;
+  if (call.registers) {
+    columns_needed = checked_registration(*call.layout, call.req_ids, call.rows, call.added, call.num_new,
+                                          call.num_blocks, *call.table);
+    if (columns_needed) return std::nullopt;
+  } else if (call.added.offsets.size() != call.rows.shape(0) + 1) {
+    throw BatchRefused("slots: new blocks need one sequence per request");
+  }
+  return call;
 }
 
 // The fused call on the step's worker thread: start() checks and submits, wait() joins and hands
@@ -251,6 +290,10 @@ void bind_decode(nb::module_& m) {
       "result_tuple says (step/fused.py FusedOutput takes it apart). The batch's new blocks: CSR (offsets, "
       "blocks int64 arrays) or, offsets None, blocks one sequence of block ids per request.");
 
+  nb::class_<DecodeCall>(m, "BoundDecodeCall",
+                         "A decode call's arguments bound once (DecodeWorker.bind), holding references to its "
+                         "buffers, the layout and the table.");
+
   nb::class_<DecodeWorker>(m, "DecodeWorker",
                            "slots_decide_step on a worker thread of its own (cpp/core/step_worker.h): start() "
                            "checks the arguments (ValueError, nothing submitted) and returns at once; until wait() "
@@ -278,6 +321,30 @@ void bind_decode(nb::module_& m) {
           "the call registers the batch first, checked here (BatchRefused, nothing started). Returns 0 "
           "(started), or the block-table columns the rows' lists need with their new blocks when the table "
           "must grow first (nothing started).")
+      .def(
+          "bind",
+          [](DecodeWorker&, BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new,
+             int64_t selector, Rule rule, int64_t compaction, int64_t fragmentation_threshold,
+             std::optional<Stat32> stat, bool skip_shared, int64_t threads, int64_t num_blocks) {
+            return bound_call(layout, table, req_ids, rows, num_new, selector, rule, compaction,
+                              fragmentation_threshold, stat, skip_shared, threads, num_blocks);
+          },
+          "layout"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "selector"_a, "rule"_a, "compaction"_a,
+          "fragmentation_threshold"_a, "stat"_a.noconvert() = nb::none(), "skip_shared"_a = false, "threads"_a = 1,
+          "num_blocks"_a = 0,
+          "start()'s arguments but the new blocks, the pressure, the mass and may_plan, checked and bound once "
+          "(a BoundDecodeCall) for repeat().")
+      .def(
+          "repeat",
+          [](DecodeWorker& w, const DecodeCall& bound, nb::handle blocks, bool pressure) {
+            int64_t columns_needed = 0;
+            std::optional<DecodeCall> call = repeated_call(bound, blocks, pressure, columns_needed);
+            if (call) w.start(std::move(*call));
+            return columns_needed;
+          },
+          "bound"_a, "blocks"_a, "pressure"_a,
+          "start() with a bound call's arguments and this step's new blocks (one sequence of block ids per "
+          "request) and pressure; returns as start() does.")
       .def("wait", &DecodeWorker::wait,
            "Waits (the GIL released) for the call started last; returns (what slots_decide_step returns, the "
            "seconds it ran on the worker), or raises what it raised.")

@@ -34,20 +34,22 @@ class RepeatedCall(NamedTuple):
     rule: BoundsRule
     """``policy.bounds_rule()`` then (kept by the policy until an attribute of it is set)."""
     decision: NativeDecision
-    head: tuple
-    """The call's arguments before the new blocks: (layout, table, req_ids, rows, num_new)."""
-    middle: tuple
-    """Between the new blocks and the pressure: (selector, rule, compaction, threshold)."""
-    tail: tuple
-    """After the pressure: (stat, mass None, skip_shared, threads, may_plan None, num_blocks)."""
+    arrays: tuple
+    """The batch as the call takes it: (req_ids, rows, num_new), int64 arrays."""
+    bound: Any
+    """The call's arguments but the new blocks and the pressure, bound once by the C++ core
+    (``DecodeWorker.bind``: a call's own conversion of them costs the host's thread more than
+    the rest of its work there)."""
 
     @classmethod
     def of(cls, req_ids: list | tuple, num_new: list | tuple, slots: SlotMap, policy: EvictionPolicy,
-           arguments: tuple, decision: NativeDecision) -> RepeatedCall:
+           arguments: tuple, decision: NativeDecision, worker: Any) -> RepeatedCall:
         """From the host's lists and the call's arguments as ``start_decide_and_step`` made them
-        (``fused_arguments``, then skip_shared, threads, may_plan, num_blocks)."""
-        return cls(copied(req_ids), copied(num_new), slots.membership, arguments[0], policy, decision.rule,
-                   decision, arguments[:5], arguments[7:11], arguments[12:])
+        (``fused_arguments``, then skip_shared, threads, may_plan, num_blocks; no mass, no
+        may_plan)."""
+        bound = worker.bind(*arguments[:5], *arguments[7:11], arguments[12], *arguments[14:16], arguments[17])
+        return cls(copied(req_ids), copied(num_new), slots.membership, arguments[0], policy, decision.rule, decision,
+                   arguments[2:5], bound)
 
     def matches(self, inp: StepInput) -> bool:
         """The host passes what it passed then: equal lists (new blocks one list per request), no mass."""
@@ -62,4 +64,4 @@ class RepeatedCall(NamedTuple):
     def start(self, worker: Any, new_blocks: Any, pressure: bool) -> int:
         """The call for this step's new blocks (one list per request) and pressure: 0 (started)
         or the block-table columns needed first, as ``DecodeWorker.start``."""
-        return worker.start(*self.head, None, new_blocks, *self.middle, pressure, *self.tail)
+        return worker.repeat(self.bound, new_blocks, pressure)

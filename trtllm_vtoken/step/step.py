@@ -172,7 +172,8 @@ class DecodeStep(StepRequests):
             if self._may_repeat and it.registers and it.offsets is None and inp.mass is None and \
                     type(inp.req_ids) in LISTS and type(inp.num_new) in LISTS and it.native.selector:
                 policy = self._policies[int(self.slots.policy[it.rows[0]])]  # the batch's one policy
-                self._repeated = RepeatedCall.of(inp.req_ids, inp.num_new, self.slots, policy, arguments, it.native)
+                self._repeated = RepeatedCall.of(inp.req_ids, inp.num_new, self.slots, policy, arguments, it.native,
+                                                 self._native_worker)
             return
         self._landed = self._end(it, self._table_step(it, inp.pressure))
 
@@ -196,7 +197,7 @@ class DecodeStep(StepRequests):
         if needed:  # something changed, or the rows' lists outgrow the block table: the whole path
             self._repeated = None
             return False
-        it = Iteration(last.head[2], last.head[3], last.head[4], None, inp.new_blocks, inp.stream)
+        it = Iteration(*last.arrays, None, inp.new_blocks, inp.stream)
         it.native, it.registers, self._flight = last.decision, True, it
         self.stats.repeated_steps += 1
         self.stats.seconds["table"] += time.perf_counter() - start
