@@ -57,22 +57,10 @@ class FusedOutput(StepOutput):
     """
 
     def __init__(self, native: tuple) -> None:  # not the dataclass's: the parts come when read
-        self._flat, self._batch, self._evicted, self._moves, self.num_changed = native
+        self._flat, self._batch, self.num_evicted, self.num_moves, self.num_changed = native
         self._fixed = 3 * self._batch + 3 + 4 * self._batch
-        self._freed = len(self._flat) - self._fixed - self._evicted - 3 * self._moves
+        self.num_freed = len(self._flat) - self._fixed - self.num_evicted - 3 * self.num_moves
         self.req_ids, self.copy = NONE, None
-
-    @property
-    def num_evicted(self) -> int:
-        return self._evicted
-
-    @property
-    def num_moves(self) -> int:
-        return self._moves
-
-    @property
-    def num_freed(self) -> int:
-        return self._freed
 
     def _part(self, begin: int, size: int) -> np.ndarray:
         return self._flat[begin : begin + size] if size else NONE
@@ -83,15 +71,15 @@ class FusedOutput(StepOutput):
 
     @cached_property
     def victims(self) -> np.ndarray:
-        return self._part(self._fixed, self._evicted)
+        return self._part(self._fixed, self.num_evicted)
 
     @cached_property
     def table(self) -> StepBatchResult:
-        b1, moves = self._batch + 1, self._moves
-        m0 = self._fixed + self._evicted
+        b1, moves = self._batch + 1, self.num_moves
+        m0 = self._fixed + self.num_evicted
         return StepBatchResult(self._flat[b1 : 2 * b1], self._part(m0, moves), self._part(m0 + moves, moves),
                                self._part(m0 + 2 * moves, moves), self._flat[2 * b1 : 3 * b1],
-                               self._part(m0 + 3 * moves, self._freed), self._per_request(0))
+                               self._part(m0 + 3 * moves, self.num_freed), self._per_request(0))
 
     @cached_property
     def lost(self) -> np.ndarray:

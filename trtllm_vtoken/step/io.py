@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -96,17 +97,18 @@ class StepOutput:
     copy: CopyHandle | None = None
     """The submitted copy, already ordered before the host's next forward (None: no moves)."""
 
-    @property
+    # The counts need no array made: the fused call's output sets them as it comes (``FusedOutput``).
+    @cached_property
     def num_evicted(self) -> int:
         return len(self.victims)
 
-    @property
+    @cached_property
     def num_moves(self) -> int:
         return len(self.table.move_src)
 
-    @property
+    @cached_property
     def num_freed(self) -> int:
-        """Blocks released (``len(table.freed)``; the counts need no array made)."""
+        """Blocks released: ``len(table.freed)``."""
         return len(self.table.freed)
 
     def victims_of(self, i: int) -> list[int]:
