@@ -59,6 +59,18 @@ class CopyExecutor(ABC):
         """Starts copying slot ``src_slots[i]`` to ``dst_slots[i]`` for every i, as one copy
         (sources and destinations disjoint); returns at once on CUDA. int64 arrays [moves]."""
 
+    def submit_before(self, src_slots: np.ndarray, dst_slots: np.ndarray, stream: Any) -> CopyHandle | None:
+        """``submit_slots`` ordered before what ``stream`` runs next (CUDA: the stream waits on the
+        copy; None: the copy has finished when this returns). None if nothing moves."""
+        if not len(src_slots):
+            return None
+        handle = self.submit_slots(src_slots, dst_slots)
+        if stream is not None:
+            handle.make_stream_wait(stream)
+        else:
+            handle.synchronize()
+        return handle
+
     def submit_many(self, plans: Sequence[RelocationPlan]) -> CopyHandle:
         """One copy of every plan's moves (plans of different requests touch disjoint blocks)."""
         src = np.fromiter((s for plan in plans for s in plan.src_slots), dtype=np.int64)

@@ -412,11 +412,4 @@ class DecodeStep(StepRequests):
 
     def _submit_copy(self, result: StepBatchResult, stream: Any) -> Any:
         """ONE copy of every move, ordered before the host's next forward (I3); None if none."""
-        if not len(result.move_src) or self.executor is None:
-            return None
-        handle = self.executor.submit_slots(result.move_src, result.move_dst)
-        if stream is not None:
-            handle.make_stream_wait(stream)  # the next forward runs after the copy
-        else:
-            handle.synchronize()
-        return handle
+        return None if self.executor is None else self.executor.submit_before(result.move_src, result.move_dst, stream)
