@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """A decode loop passes the same lists step after step: the call on the worker then repeats the
 last one's arguments with no check or decision in Python (``step/fused.py`` ``RepeatedCall``).
-Held to the whole path (the call at once, ``overlap=False``) step by step, through what must end
+Held to the whole path (the call at once, ``overlap=False``) step by step, with and without a
+victims hook (prefix caching's cut, run after the repeated call), through what must end
 the repetition: a request joining or leaving, a new budget, a block table outgrowing its
 columns, a block becoming shared, a list read anew, a bad block id."""
 
@@ -19,12 +20,19 @@ from trtllm_vtoken.step import StepInput
 pytestmark = pytest.mark.skipif(load() is None, reason="the C++ core is not built")
 
 
-def decode_loop(overlap: bool, steps: int = 60):
+def decode_loop(overlap: bool, steps: int = 60, hooked: list | None = None):
     """Four requests decoding with the same lists, and what breaks the repetition on the way;
-    returns the outputs, the step and how many steps repeated."""
+    returns the outputs, the step and how many steps repeated. ``hooked``: a victims hook (as
+    prefix caching's cut) appends what it sees there: the victims and each evicting request's
+    block list as the decision saw it."""
     host = Host(96, 4)
     policy = make_policy("streaming_llm", 12, n_sink=2)
-    step = make_step(host, "cpp", "dense", policy=policy, checks=False)
+
+    def hook(req_ids, offsets, victims, block_ids):
+        evicting = [int(r) for i, r in enumerate(req_ids) if offsets[i + 1] > offsets[i]]
+        hooked.append((req_ids.tolist(), victims.tolist(), [block_ids(r) for r in evicting]))
+
+    step = make_step(host, "cpp", "dense", policy=policy, checks=False, on_victims=None if hooked is None else hook)
     req_ids, num_new = [0, 1, 2, 3], [1, 1, 1, 1]
     for req in req_ids:
         step.add_request(req)
@@ -54,9 +62,13 @@ def decode_loop(overlap: bool, steps: int = 60):
     return outs, step, step.stats.repeated_steps
 
 
-def test_repeated_calls_equal_the_whole_path():
-    repeated, step, times = decode_loop(overlap=True)
-    whole, reference, never = decode_loop(overlap=False)
+@pytest.mark.parametrize("with_hook", [False, True])
+def test_repeated_calls_equal_the_whole_path(with_hook):
+    hooked = {True: [], False: []} if with_hook else {True: None, False: None}
+    repeated, step, times = decode_loop(overlap=True, hooked=hooked[True])
+    whole, reference, never = decode_loop(overlap=False, hooked=hooked[False])
+    if with_hook:  # the hook sees the same, after the repeated call as inside the call at once
+        assert len(hooked[True]) > 40 and hooked[True] == hooked[False]
     # Every step of the loop repeats but the first and those after each change: a new rule, new
     # rows, new token counts, a shared block, a block table too narrow (the refused batch changes
     # nothing: the next step repeats).

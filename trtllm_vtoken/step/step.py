@@ -115,9 +115,10 @@ class DecodeStep(StepRequests):
         self._flight: Iteration | None = None  # started on the worker thread, not yet waited for
         self._landed: StepOutput | None = None  # completed, not yet handed over by finish()
         self._native_worker = None
-        self._may_repeat = self.fuses and on_victims is None and self.checks is None and self.background is None
-        """A call on the worker may be repeated for the same batch (``RepeatedCall``): no hook,
-        checks or background compaction reads the batch on the host's thread."""
+        self._may_repeat = self.fuses and self.checks is None and self.background is None
+        """A call on the worker may be repeated for the same batch (``RepeatedCall``): no checks or
+        background compaction read the batch on the host's thread (a victims hook runs after the
+        call, with the block lists copied before it, as on the whole path)."""
         self._repeated: RepeatedCall | None = None
         if policy is not None:
             self.policy_index(policy)
@@ -156,8 +157,7 @@ class DecodeStep(StepRequests):
     def _start(self, inp: StepInput, overlap: bool) -> None:
         it = self._begin(inp, overlap)
         if it.native is not None and overlap:
-            if self.on_victims is not None:  # the block lists as the decision sees them, for the hook
-                it.block_lists = (self.slots.block_table[it.rows], self.slots.num_blocks_of[it.rows])
+            it.block_lists = self._lists_for_hook(it.rows)
             compaction, may_plan = self._call_settings(it.req_ids)
             try:
                 arguments = start_decide_and_step(self._worker(), self.slots, self.core.table, it.req_ids, it.rows,
@@ -187,18 +187,21 @@ class DecodeStep(StepRequests):
         start = time.perf_counter()
         shared = self.shared_blocks()
         self.core.sync_shared(shared)
+        if not last.holds(self.slots, shared):
+            self._repeated = None
+            return False
+        block_lists = self._lists_for_hook(last.arrays[1])
         try:
-            needed = last.start(self._native_worker, inp.new_blocks, inp.pressure) if last.holds(self.slots, shared) \
-                else -1
+            needed = last.start(self._native_worker, inp.new_blocks, inp.pressure)
         except batch_refused():  # the call's checks of the batch: nothing changed
             raise
         except (KeyError, ValueError) as exc:
             raise self._refused(exc) from exc
-        if needed:  # something changed, or the rows' lists outgrow the block table: the whole path
+        if needed:  # the rows' lists outgrow the block table: the whole path widens it
             self._repeated = None
             return False
         it = Iteration(*last.arrays, None, inp.new_blocks, inp.stream)
-        it.native, it.registers, self._flight = last.decision, True, it
+        it.native, it.registers, it.block_lists, self._flight = last.decision, True, block_lists, it
         self.stats.repeated_steps += 1
         self.stats.seconds["table"] += time.perf_counter() - start
         return True
@@ -355,6 +358,13 @@ class DecodeStep(StepRequests):
         if background is None:
             return self.config.compaction, None
         return "lazy-deferred", background.may_plan(req_ids)
+
+    def _lists_for_hook(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """With a victims hook, the rows' block lists copied before a call on the worker changes
+        them: the hook sees them as the decision did (``Iteration.listed_before``)."""
+        if self.on_victims is None:
+            return None
+        return self.slots.block_table[rows], self.slots.num_blocks_of[rows]
 
     def _refused(self, exc: Exception) -> RuntimeError:
         """The token table refused a step midway: the step is unusable from now on."""
