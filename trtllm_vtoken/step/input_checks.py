@@ -18,18 +18,8 @@ from typing import Any
 import numpy as np
 
 from trtllm_vtoken.policies import EvictionPolicy
-from trtllm_vtoken.step.io import StepInput
+from trtllm_vtoken.step.io import StepInput, int64_vector
 from trtllm_vtoken.step.slots import LastList, SlotMap
-
-INT64 = np.dtype(np.int64)
-
-
-def int64_vector(values: Any) -> np.ndarray:
-    """``values`` as a 1-D int64 array: itself where it is one (``csr``'s offsets; no numpy call
-    on the host's thread then), else converted."""
-    if type(values) is np.ndarray and values.dtype is INT64 and values.ndim == 1:
-        return values
-    return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
 class InputChecks:

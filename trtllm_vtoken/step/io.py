@@ -54,10 +54,8 @@ class StepInput:
     def new_blocks_csr(self) -> tuple[np.ndarray, np.ndarray]:
         """The new blocks in CSR form, whichever form they came in: (offsets, blocks) int64."""
         if self.new_block_offsets is None:
-            offsets, flat = csr(self.new_blocks)
-            return offsets, np.asarray(flat, dtype=np.int64)
-        return (np.asarray(self.new_block_offsets, dtype=np.int64).reshape(-1),
-                np.asarray(self.new_blocks, dtype=np.int64).reshape(-1))
+            return csr_arrays(self.new_blocks)
+        return int64_vector(self.new_block_offsets), int64_vector(self.new_blocks)
 
     @classmethod
     def decode(cls, req_ids: Sequence[int], new_blocks: Sequence[Sequence[int]] | None = None,
@@ -72,6 +70,23 @@ def csr(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, list[int]]:
     offsets = np.zeros(len(lists) + 1, dtype=np.int64)
     np.cumsum([len(values) for values in lists], out=offsets[1:])
     return offsets, [value for values in lists for value in values]
+
+
+def csr_arrays(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``csr`` with the values as an int64 array too."""
+    offsets, flat = csr(lists)
+    return offsets, np.asarray(flat, dtype=np.int64)
+
+
+INT64 = np.dtype(np.int64)
+
+
+def int64_vector(values: Any) -> np.ndarray:
+    """``values`` as a 1-D int64 array: itself where it is one (``csr``'s offsets; no numpy call
+    on the host's thread then), else converted."""
+    if type(values) is np.ndarray and values.dtype is INT64 and values.ndim == 1:
+        return values
+    return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
 @dataclass

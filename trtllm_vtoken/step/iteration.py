@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from trtllm_vtoken.step.decide import NativeDecision
-from trtllm_vtoken.step.io import csr
+from trtllm_vtoken.step.io import csr_arrays
 
 
 class Iteration:
@@ -50,8 +50,7 @@ class Iteration:
         """The batch's new blocks in CSR form (offsets, blocks int64), put in it once where the
         host passed one list per request (``offsets`` None until then)."""
         if self.offsets is None:
-            offsets, flat = csr(self.blocks)
-            self.offsets, self.blocks = offsets, np.asarray(flat, dtype=np.int64)
+            self.offsets, self.blocks = csr_arrays(self.blocks)
         return self.offsets, self.blocks
 
     def listed_before(self, req_id: int) -> list[int]:
