@@ -19,7 +19,8 @@ iteration (the engine's sampling) calls ``start(inp, overlap=True)``: where the 
 serves the batch, steps 2-3 run on the step's worker thread until ``finish`` (or any query) waits
 for them; the batch's checks and steps 4-6 stay on the host's thread. The fused call (at once or
 on the worker) makes step 1's registration too, unless something on the host's thread reads the
-registered layout before it (a mass function, the invariant checks).
+registered layout before it (a mass function, the invariant checks). The call beside the host:
+``step/beside.py``; the general path's numpy around the token table: ``step/general.py``.
 
 Requests in one batch may follow different policies (``add_request(req, policy)``; None: the
 request never evicts). The host owns the blocks: it allocates the new ones it passes in and frees
@@ -47,20 +48,22 @@ from trtllm_vtoken.reclaim.copy import CopyExecutor
 from trtllm_vtoken.reclaim.rerotate import KeyRerotation
 from trtllm_vtoken.reclaim.step_batch import StepBatchResult
 from trtllm_vtoken.step.background import background_for
+from trtllm_vtoken.step.beside import CallBesideHost
 from trtllm_vtoken.step.checks import StepChecks
 from trtllm_vtoken.step.config import StepConfig, StepStats
 from trtllm_vtoken.step.core import TableCore, make_core
 from trtllm_vtoken.step.decide import BadMass, BatchDecision
-from trtllm_vtoken.step.fused import FusedOutput, decide_and_step, start_decide_and_step
+from trtllm_vtoken.step.fused import FusedOutput, decide_and_step
+from trtllm_vtoken.step.general import GeneralPath
 from trtllm_vtoken.step.input_checks import InputChecks
 from trtllm_vtoken.step.io import StepInput, StepOutput
 from trtllm_vtoken.step.iteration import Iteration
 from trtllm_vtoken.step.repeat import RepeatedCall
 from trtllm_vtoken.step.requests import StepRequests
-from trtllm_vtoken.step.slots import LISTS, SlotMap
+from trtllm_vtoken.step.slots import SlotMap
 
 
-class DecodeStep(StepRequests):
+class DecodeStep(CallBesideHost, StepRequests):
     """One step for every host. See the module docstring; its tables' queries: ``TableQueries``.
 
     Args:
@@ -104,6 +107,7 @@ class DecodeStep(StepRequests):
         self.stats = StepStats()
         self.checks = StepChecks(self) if config.check_invariants else None
         self.background = background_for(self) if config.background else None
+        self.general = GeneralPath(self.slots, self.core, config, self.background)
         self._policies: list[EvictionPolicy] = []
         self.input_checks = InputChecks(self.slots, self._policies, self.is_shared, self.impl == "python")
         self.decision = BatchDecision(self.slots, self._policies, tokens_per_block,
@@ -157,54 +161,9 @@ class DecodeStep(StepRequests):
     def _start(self, inp: StepInput, overlap: bool) -> None:
         it = self._begin(inp, overlap)
         if it.native is not None and overlap:
-            it.block_lists = self._lists_for_hook(it.rows)
-            compaction, may_plan = self._call_settings(it.req_ids)
-            try:
-                arguments = start_decide_and_step(self._worker(), self.slots, self.core.table, it.req_ids, it.rows,
-                                                  it.num_new, it.offsets, it.blocks, it.native, compaction,
-                                                  self.config.fragmentation_threshold, inp.pressure, may_plan,
-                                                  it.registers)
-            except batch_refused():  # the call's checks of the batch: nothing changed
-                raise
-            except (KeyError, ValueError) as exc:
-                raise self._refused(exc) from exc  # the host registered the new tokens already
-            self._flight = it
-            if self._may_repeat and it.registers and it.offsets is None and inp.mass is None and \
-                    type(inp.req_ids) in LISTS and type(inp.num_new) in LISTS and it.native.selector:
-                policy = self._policies[int(self.slots.policy[it.rows[0]])]  # the batch's one policy
-                self._repeated = RepeatedCall.of(inp.req_ids, inp.num_new, self.slots, policy, arguments, it.native,
-                                                 self._native_worker)
-            return
-        self._landed = self._end(it, self._table_step(it, inp.pressure))
-
-    def _repeat(self, inp: StepInput) -> bool:
-        """Starts the call on the worker as the last step's (``RepeatedCall``) where the host
-        passes the same lists and nothing the skipped checks and decision read has changed.
-        False: the whole path runs (``_start``)."""
-        last = self._repeated
-        if last is None or not last.matches(inp):
-            return False
-        start = time.perf_counter()
-        shared = self.shared_blocks()
-        self.core.sync_shared(shared)
-        if not last.holds(self.slots, shared):
-            self._repeated = None
-            return False
-        block_lists = self._lists_for_hook(last.arrays[1])
-        try:
-            needed = last.start(self._native_worker, inp.new_blocks, inp.pressure)
-        except batch_refused():  # the call's checks of the batch: nothing changed
-            raise
-        except (KeyError, ValueError) as exc:
-            raise self._refused(exc) from exc
-        if needed:  # the rows' lists outgrow the block table: the whole path widens it
-            self._repeated = None
-            return False
-        it = Iteration(*last.arrays, None, inp.new_blocks, inp.stream)
-        it.native, it.registers, it.block_lists, self._flight = last.decision, True, block_lists, it
-        self.stats.repeated_steps += 1
-        self.stats.seconds["table"] += time.perf_counter() - start
-        return True
+            self._start_beside(it, inp)
+        else:
+            self._landed = self._end(it, self._table_step(it, inp.pressure))
 
     def finish(self) -> StepOutput:
         """The iteration ``start`` began, completed: what ``run`` returns. RuntimeError if none
@@ -214,22 +173,6 @@ class DecodeStep(StepRequests):
         if out is None:
             raise RuntimeError("no step was started")
         return out
-
-    def settle(self) -> None:
-        """Waits for a step's call on the worker thread (``start`` with overlap) and completes
-        the step; ``finish`` hands its output over. Every query and request change calls it."""
-        it = self._flight
-        if it is None:
-            return
-        self._flight = None
-        waited = time.perf_counter()
-        try:
-            fused, seconds = self._native_worker.wait()
-        except (KeyError, ValueError) as exc:
-            raise self._refused(exc) from exc
-        self.stats.waited_seconds += time.perf_counter() - waited
-        self.stats.overlapped_steps += 1
-        self._landed = self._end(it, (FusedOutput(fused), seconds))
 
     def _begin(self, inp: StepInput, overlap: bool = False) -> Iteration:
         """Checks, registration (unless the fused call makes it), the decision (the general path:
@@ -258,7 +201,9 @@ class DecodeStep(StepRequests):
         if it.native is None or self.background:
             it.length = self.slots.kv_len[rows] + num_new if it.registers else self.slots.kv_len[rows]
         if it.native is None:
-            it.victims = self._victims(req_ids, rows, victim_index, victim_pos)
+            it.victims = self.general.victims(rows, victim_index, victim_pos)
+            if self.on_victims is not None and len(victim_index):  # before the table's step
+                self._on_victims(req_ids, *it.victims[2:])
         t2 = clock()
         it.before = self.checks.before(req_ids, new_slots, num_new) if self.checks else None
         stats.seconds["table"] += t1 - t0
@@ -282,9 +227,7 @@ class DecodeStep(StepRequests):
                                          pressure, self._on_victims if self.on_victims else None, may_plan,
                                          it.registers)
             else:
-                victim_offsets, victim_ids = it.victims[2:]
-                result = self.core.step(it.req_ids, it.num_new, *it.new_blocks_csr(), victim_offsets, victim_ids,
-                                        compaction, self.config.fragmentation_threshold, pressure, may_plan)
+                result = self.general.table_step(it, compaction, pressure, may_plan)
         except batch_refused():  # the fused call's checks of the batch it registers: nothing changed
             raise
         except (KeyError, ValueError) as exc:
@@ -298,7 +241,7 @@ class DecodeStep(StepRequests):
         re-rotation, the output and the counters."""
         clock, stats, seconds = time.perf_counter, self.stats, self.stats.seconds
         result, seconds["core"] = stepped[0], seconds["core"] + stepped[1]
-        req_ids, rows, background, stream = it.req_ids, it.rows, self.background, it.stream
+        req_ids, background, stream = it.req_ids, self.background, it.stream
         t4 = clock()
         fused = isinstance(result, FusedOutput)
         if fused:  # the output itself, its parts made when read
@@ -308,14 +251,11 @@ class DecodeStep(StepRequests):
                 self._on_victims(req_ids, out.victim_offsets, out.victims, it.listed_before)
         else:
             copied = len(result.move_src)
-        if not fused or background:
-            # The layout follows the table (with background compaction: the plans whose copies
-            # finished commit now; the fused call already dropped the victims and set the lengths).
+        if not fused or background:  # the layout follows the table, numpy makes the output
             victim_offsets, victims, planned = (out.victim_offsets, out.victims, out.table) if fused else \
-                (it.victims[2], it.victims[3], result)
+                (*it.victims[2:], result)
             try:
-                table = self._update_layout(req_ids, rows, None if fused else it.victims[0],
-                                            None if fused else it.victims[1], planned)
+                table = self.general.follow(it, planned, fused)
             except RuntimeError as exc:  # a background plan could not commit: the tables disagree now
                 self._broken = str(exc)
                 raise
@@ -323,11 +263,8 @@ class DecodeStep(StepRequests):
             handle = (background.start(req_ids, planned, self.checks is not None) if background
                       else self._submit_copy(table, stream))
             t6 = clock()
-            lost = it.length - table.kv_lens
-            # A request's layout changed where it moved tokens, released blocks or got shorter (each >= 0).
-            changed = np.diff(table.move_offsets) + np.diff(table.freed_offsets) + lost > 0
+            out, changed = self.general.output(it, victim_offsets, victims, table)
             num_changed = int(np.count_nonzero(changed))
-            out = StepOutput(req_ids, victim_offsets, victims, table, lost, self.slots.num_tokens[rows].copy())
         else:
             t5 = t4
             handle = self._submit_copy(out.table, stream) if copied else None  # no moves: no table made
@@ -359,38 +296,11 @@ class DecodeStep(StepRequests):
             return self.config.compaction, None
         return "lazy-deferred", background.may_plan(req_ids)
 
-    def _lists_for_hook(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """With a victims hook, the rows' block lists copied before a call on the worker changes
-        them: the hook sees them as the decision did (``Iteration.listed_before``)."""
-        if self.on_victims is None:
-            return None
-        return self.slots.block_table[rows], self.slots.num_blocks_of[rows]
-
     def _refused(self, exc: Exception) -> RuntimeError:
         """The token table refused a step midway: the step is unusable from now on."""
         self._repeated = None
         self._broken = f"the token table refused a step: {exc}"
         return RuntimeError(self._broken)
-
-    def _worker(self):
-        if self._native_worker is None:
-            self._native_worker = self.slots.native.DecodeWorker()
-        return self._native_worker
-
-    def _victims(self, req_ids: np.ndarray, rows: np.ndarray, victim_index: np.ndarray,
-                 victim_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The general path's victims as the layout drops them (rows, slots) and as the table takes
-        them (CSR offsets, logical ids); the victims hook sees them here, before the table's step."""
-        victim_rows = rows[victim_index]
-        victim_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        if not len(victim_index):  # nothing evicted (e.g. every request within its budget)
-            return victim_rows, victim_index, victim_offsets, victim_index
-        victim_slots = self.slots.slots_at(victim_rows, victim_pos)
-        victim_ids = self.slots.tokens[victim_slots].astype(np.int64)
-        np.cumsum(np.bincount(victim_index, minlength=len(rows)), out=victim_offsets[1:])
-        if self.on_victims is not None:
-            self._on_victims(req_ids, victim_offsets, victim_ids)
-        return victim_rows, victim_slots, victim_offsets, victim_ids
 
     def _on_victims(self, req_ids: np.ndarray, victim_offsets: np.ndarray, victim_ids: np.ndarray,
                     block_ids: Callable[[int], list[int]] | None = None) -> None:
@@ -402,23 +312,6 @@ class DecodeStep(StepRequests):
         except Exception as exc:
             self._broken = f"the victims hook failed: {exc}"
             raise
-
-    def _update_layout(self, req_ids: np.ndarray, rows: np.ndarray, victim_rows: np.ndarray | None,
-                       victim_slots: np.ndarray | None, result: StepBatchResult) -> StepBatchResult:
-        """After the table's step the layout follows it. Returns what this step committed: the
-        table's step, or with background compaction the plans whose copies finished, committed now
-        (after this iteration's mass was credited to the layout the forward read; the new plans'
-        copies start next, to commit at a later step). ``victim_rows`` None: the fused call has
-        dropped the victims and set the lengths already (background compaction only)."""
-        if self.background is None:
-            self.slots.apply_step(victim_rows, victim_slots, result.move_src, result.move_dst, rows, req_ids,
-                                  result.kv_lens, result.freed_offsets, self.config.compaction == "dense",
-                                  self.core.table)
-            return result
-        if victim_rows is not None:
-            self.slots.evict(victim_rows, victim_slots)
-            self.slots.kv_len[rows] = result.kv_lens
-        return self.background.finish(req_ids, rows)
 
     def _submit_copy(self, result: StepBatchResult, stream: Any) -> Any:
         """ONE copy of every move, ordered before the host's next forward (I3); None if none."""
