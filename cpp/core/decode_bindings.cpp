@@ -168,9 +168,33 @@ PackedResult packed(const vtoken::DecodeResult& r) {
   return p;
 }
 
-// (the buffer as a numpy array, batch, victims, moves, number changed)
+// The packed buffer as Python holds it: a numpy array only when first asked for (a part of the
+// output read, step/fused.py FusedOutput). A decode step whose output nobody reads (nothing
+// evicted, moved or freed) makes no numpy object on the host's thread, where making one costs
+// several times its warm time (benchmarks/step/cold_host).
+class PackedBuffer {
+ public:
+  explicit PackedBuffer(std::vector<int64_t>&& flat) : flat_(std::move(flat)), size_(flat_.size()) {}
+
+  // The buffer, moved into an int64 numpy array; once (std::logic_error after).
+  vtoken::OwnedIds array() {
+    if (taken_) throw std::logic_error("PackedBuffer: the array was taken already");
+    taken_ = true;
+    return vtoken::to_numpy(std::move(flat_));
+  }
+  size_t size() const { return size_; }
+
+ private:
+  std::vector<int64_t> flat_;
+  size_t size_;
+  bool taken_ = false;
+};
+
+// (the buffer, batch, victims, moves, number changed, the buffer's length)
 nb::tuple result_tuple(PackedResult&& p) {
-  return nb::make_tuple(vtoken::to_numpy(std::move(p.flat)), p.batch, p.victims, p.moves, p.num_changed);
+  const size_t size = p.flat.size();
+  return nb::make_tuple(nb::cast(PackedBuffer(std::move(p.flat))), p.batch, p.victims, p.moves, p.num_changed,
+                        size);
 }
 
 // A call's arguments bound once for a batch that repeats them (step/repeat.py RepeatedCall): each
@@ -285,10 +309,18 @@ void bind_decode(nb::module_& m) {
       "recent_window, recent_ratio), applied to the layout's counters here (budget.h); skip_shared: the id "
       "selector passes over tokens in shared blocks; threads: the statistic's pass may split its rows over that "
       "many threads (select.h); lazy-deferred plans only the rows may_plan allows and commits nothing "
-      "(decode_step.h). Returns (one int64 buffer, batch, victims, moves, number changed): victim_offsets, "
+      "(decode_step.h). Returns (one int64 buffer (a PackedBuffer), batch, victims, moves, number changed, the "
+      "buffer's length): victim_offsets, "
       "victim_ids, the table's step as step_batch returns it, lost, num_tokens and changed, laid out as "
       "result_tuple says (step/fused.py FusedOutput takes it apart). The batch's new blocks: CSR (offsets, "
       "blocks int64 arrays) or, offsets None, blocks one sequence of block ids per request.");
+
+  nb::class_<PackedBuffer>(m, "PackedBuffer",
+                           "A decode call's packed result (result_tuple): its int64 buffer, made a numpy array "
+                           "when first asked for.")
+      .def("array", &PackedBuffer::array,
+           "The buffer as an int64 numpy array; once (it moves into the array), RuntimeError after.")
+      .def("__len__", &PackedBuffer::size);
 
   nb::class_<DecodeCall>(m, "BoundDecodeCall",
                          "A decode call's arguments bound once (DecodeWorker.bind), holding references to its "

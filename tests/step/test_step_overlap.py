@@ -169,6 +169,29 @@ def test_the_worker_binding_checks_at_start_and_raises_at_wait():
     assert native is not None
 
 
+def test_the_packed_result_becomes_an_array_only_when_a_part_is_read():
+    """``FusedOutput``: a step that evicted, moved and freed nothing gives its counts without the
+    buffer's array; the first part read makes it (once: ``PackedBuffer.array`` refuses a second
+    taking), and each part is read from it."""
+    host = Host(16, 4)
+    step = make_step(host, "cpp", "dense", policy=make_policy("streaming_llm", 6, n_sink=2), checks=False)
+    step.add_request(0)
+    step.start(StepInput([0], [5], [0, 2], host.allocate(2)), overlap=True)
+    out = step.finish()
+    assert (out.num_evicted, out.num_moves, out.num_freed, out.num_changed) == (0, 0, 0, 0)
+    assert "_flat" not in vars(out)  # the counts alone: no array made
+    buffer = out._buffer
+    assert out.table.kv_lens.tolist() == [5] and out.num_tokens.tolist() == [5] and out.lost.tolist() == [0]
+    assert len(buffer) == len(out._flat) == out._fixed  # nothing but the per-request parts
+    with pytest.raises(RuntimeError, match="taken already"):
+        buffer.array()
+    step.start(StepInput([0], [4], [0, 1], host.allocate(1)), overlap=True)  # 9 tokens over a budget of 6
+    out = step.finish()
+    assert (out.num_evicted, out.num_moves, out.num_freed) == (3, 3, 1)
+    assert out.victims.tolist() == [2, 3, 4] and out.table.move_dst.tolist() == [2, 3, 4]
+    assert len(out._buffer) == out._fixed + 3 + 3 * 3 + 1
+
+
 def test_the_pass_leaves_a_core_to_the_host_beside_it():
     config = StepConfig(threads=0)
     assert config.pass_threads(beside_host=True) == max(1, config.pass_threads() - 1)

@@ -44,11 +44,11 @@ NONE.flags.writeable = False
 
 class FusedOutput(StepOutput):
     """The fused call's ``StepOutput``, from what it returns: one int64 buffer and its sizes
-    (``result_tuple`` in ``cpp/core/decode_bindings.cpp``). Each part is a view of the buffer
-    made when first read, an empty part the shared ``NONE``: a step that evicted, moved and
-    freed nothing makes no numpy object on the host's thread, where each costs a multiple of
-    its warm time in the caches the host's own work leaves (``benchmarks/step/cold_host``). The
-    step sets ``req_ids`` and ``copy``.
+    (``result_tuple`` in ``cpp/core/decode_bindings.cpp``). The buffer becomes a numpy array
+    when a part is first read, each part a view of it, an empty part the shared ``NONE``: a step
+    whose output only its counts are read of makes no numpy object on the host's thread, where
+    each costs a multiple of its warm time in the caches the host's own work leaves
+    (``benchmarks/step/cold_host``). The step sets ``req_ids`` and ``copy``.
 
         0      B+1       2(B+1)     3(B+1)  +B       +2B   +3B         +4B = fixed
         victim_offsets | move_offsets | freed_offsets | kv_lens | lost | num_tokens | changed
@@ -57,10 +57,16 @@ class FusedOutput(StepOutput):
     """
 
     def __init__(self, native: tuple) -> None:  # not the dataclass's: the parts come when read
-        self._flat, self._batch, self.num_evicted, self.num_moves, self.num_changed = native
+        self._buffer, self._batch, self.num_evicted, self.num_moves, self.num_changed, size = native
         self._fixed = 3 * self._batch + 3 + 4 * self._batch
-        self.num_freed = len(self._flat) - self._fixed - self.num_evicted - 3 * self.num_moves
+        self.num_freed = size - self._fixed - self.num_evicted - 3 * self.num_moves
         self.req_ids, self.copy = NONE, None
+
+    @cached_property
+    def _flat(self) -> np.ndarray:
+        """The buffer as one numpy array, made when a part is first read (none for a step whose
+        output only its counts are read of)."""
+        return self._buffer.array()
 
     def _part(self, begin: int, size: int) -> np.ndarray:
         return self._flat[begin : begin + size] if size else NONE
