@@ -29,21 +29,25 @@ void bind_slots(nb::module_& m) {
            "kv_len"_a.noconvert(), "num_tokens"_a.noconvert(), "num_live"_a.noconvert(), "stats"_a);
   m.def(
       "slots_register",
-      [](BoundLayout& layout, Ids req_ids, Ids rows, Ids offsets, Ids blocks, Ids num_new, int64_t num_blocks,
-         const vtoken::TokenTable& table) {
-        const NewBlocks added = csr_blocks(offsets, blocks);
+      [](BoundLayout& layout, Ids req_ids, Ids rows, std::optional<Ids> offsets, nb::handle blocks, Ids num_new,
+         int64_t num_blocks, const vtoken::TokenTable& table, bool want_slots) {
+        const NewBlocks added = new_blocks_of(offsets, blocks);
         const int64_t needed = checked_registration(layout, req_ids, rows, added, num_new, num_blocks, table);
         if (needed) return nb::make_tuple(needed, nb::none());  // nothing written
         vtoken::SlotArrays& a = layout.arrays();
         const size_t batch = rows.shape(0);
-        return nb::make_tuple(0, vtoken::to_numpy(vtoken::register_new(a, rows.data(), static_cast<int64_t>(batch),
-                                                                       added.offsets.data(), added.blocks.data(),
-                                                                       num_new.data())));
+        std::vector<int64_t> slots = vtoken::register_new(a, rows.data(), static_cast<int64_t>(batch),
+                                                          added.offsets.data(), added.blocks.data(), num_new.data());
+        if (!want_slots) return nb::make_tuple(0, nb::none());
+        return nb::make_tuple(0, vtoken::to_numpy(std::move(slots)));
       },
       "layout"_a, "req_ids"_a, "rows"_a, "offsets"_a, "blocks"_a, "num_new"_a, "num_blocks"_a, "table"_a,
+      "want_slots"_a = true,
       "The step's checks of the new blocks and tokens (ValueError, nothing changed), then SlotMap.append_blocks + "
-      "register in one call (cpp/core/slots.h). Returns (0, the new tokens' slots), or (the block-table columns "
-      "needed, None) with nothing written when the table must grow first.");
+      "register in one call (cpp/core/slots.h). The new blocks: CSR (offsets, blocks int64 arrays) or, offsets "
+      "None, blocks one sequence of block ids per request. Returns (0, the new tokens' slots, or None unless "
+      "want_slots), or (the block-table columns needed, None) with nothing written when the table must grow "
+      "first.");
   m.def(
       "slots_apply_step",
       [](BoundLayout& layout, Ids victim_rows, Ids victim_slots, Ids move_src, Ids move_dst, Ids rows, Ids req_ids,

@@ -301,3 +301,37 @@ def test_the_victims_hook_beside_the_host_sees_what_it_sees_at_once(compaction, 
         outputs_equal(a, b)
     if compaction == "lazy":
         assert sum(len(o.table.freed) for o in outs[True]) > 0  # blocks left the lists after the call
+
+
+def test_a_mass_function_makes_the_host_register_its_lists_as_the_call_would():
+    """A mass function reads the registered layout, so the host's thread registers the batch
+    before it (``SlotMap.add_tokens``): the C++ core takes the host's lists as they are and makes
+    no slots array unless the invariant checks read it. Same outputs, tables and layouts as with
+    the checks on and as the Python core's registration of the same batches in CSR form."""
+
+    def mass(tokens: np.ndarray) -> np.ndarray:  # attention per physical slot, a function of the layout
+        return np.where(tokens >= 0, (tokens % 7 + 1) / 7.0, 0.0).astype(np.float32)
+
+    runs = []
+    for impl, checks in (("cpp", False), ("cpp", True), ("python", True)):
+        host = Host(64, 4)
+        step = make_step(host, impl, "dense", policy=make_policy("h2o", 6), checks=checks)
+        registered, add_tokens = [], step.slots.add_tokens
+        step.slots.add_tokens = lambda *args, add=add_tokens, seen=registered: seen.append(add(*args)) or seen[-1]
+        for req in range(3):
+            step.add_request(req)
+        lengths, outs = [0, 0, 0], []
+        for num_new in ([5, 6, 7], [1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1]):
+            blocks = [host.allocate(-(-(n + k) // 4) - -(-n // 4)) for n, k in zip(lengths, num_new)]
+            outs.append(step.run(StepInput.of_lists([0, 1, 2], num_new, blocks, mass=mass)))
+            host.release(outs[-1].table.freed.tolist())
+            lengths = outs[-1].table.kv_lens.tolist()  # dense: a request holds just the blocks for these
+        assert len(registered) == 5  # every step registered on the host's thread
+        assert sum(len(out.victims) for out in outs) >= 3 * 4 and sum(len(out.table.move_src) for out in outs)
+        if impl == "cpp":
+            assert all((s is None) == (not checks) for s in registered)  # slots only where checks read them
+        runs.append((step, outs))
+    for step, outs in runs[1:]:
+        for a, b in zip(runs[0][1], outs):
+            outputs_equal(a, b)
+        tables_equal(runs[0][0], step)

@@ -150,22 +150,24 @@ class SlotMap:
         return rows
 
     # ---- the step's updates -----------------------------------------------------------------------
-    def add_tokens(self, rows: np.ndarray, offsets: np.ndarray, blocks: np.ndarray, num_new: np.ndarray,
-                   req_ids: np.ndarray, table: Any) -> np.ndarray:
+    def add_tokens(self, rows: np.ndarray, offsets: np.ndarray | None, blocks: Any, num_new: np.ndarray,
+                   req_ids: np.ndarray, table: Any, want_slots: bool = True) -> np.ndarray | None:
         """``append_blocks`` then ``register``: the batch's new blocks and tokens (request i:
-        ``req_ids[i]`` at ``rows[i]``). Returns the new tokens' slots (row by row). The C++ core
-        first checks them as ``InputChecks.check_new`` does (ValueError in its words, nothing
-        changed; ``table``: the step's token table, whose C++ form knows the shared blocks); the
-        Python path takes checked input."""
+        ``req_ids[i]`` at ``rows[i]``; blocks in CSR form, or with the C++ core, ``offsets`` None,
+        one list per request as the host passed them). Returns the new tokens' slots (row by
+        row; with the C++ core None unless ``want_slots``: no array made). The C++ core first
+        checks them as ``InputChecks.check_new`` does (ValueError in its words, nothing changed;
+        ``table``: the step's token table, whose C++ form knows the shared blocks); the Python
+        path takes checked input."""
         if self.native is None:
             self.append_blocks(rows, offsets, blocks)
             return self.register(rows, num_new)
         needed, slots = self.native.slots_register(self.native_layout(), req_ids, rows, offsets, blocks, num_new,
-                                                   self.num_blocks, table)
+                                                   self.num_blocks, table, want_slots)
         if needed:  # the rows' lists outgrow the block table: widen it, then register
             self.fit_columns(needed)
             needed, slots = self.native.slots_register(self.native_layout(), req_ids, rows, offsets, blocks, num_new,
-                                                       self.num_blocks, table)
+                                                       self.num_blocks, table, want_slots)
         return slots
 
     def apply_step(self, victim_rows: np.ndarray, victim_slots: np.ndarray, move_src: np.ndarray,

@@ -211,9 +211,12 @@ class DecodeStep(CallBesideHost, StepRequests):
         stats.seconds["checks"] += clock() - t2
         return it
 
-    def _register(self, it: Iteration) -> np.ndarray:
-        """The batch's new blocks and tokens join the layout (checked first); their slots."""
-        return self.slots.add_tokens(it.rows, *it.new_blocks_csr(), it.num_new, it.req_ids, self.core.table)
+    def _register(self, it: Iteration) -> np.ndarray | None:
+        """The batch's new blocks and tokens join the layout (checked first); their slots where
+        the invariant checks read them. The C++ core takes the host's lists as they are."""
+        offsets, blocks = it.new_blocks_csr() if self.slots.native is None else (it.offsets, it.blocks)
+        return self.slots.add_tokens(it.rows, offsets, blocks, it.num_new, it.req_ids, self.core.table,
+                                     self.checks is not None)
 
     def _table_step(self, it: Iteration, pressure: bool) -> tuple[Any, float]:
         """The token table's step here: the fused call (a ``FusedOutput``) or the general path's
