@@ -188,6 +188,8 @@ def test_the_packed_result_becomes_an_array_only_when_a_part_is_read():
     step.start(StepInput([0], [4], [0, 1], host.allocate(1)), overlap=True)  # 9 tokens over a budget of 6
     out = step.finish()
     assert (out.num_evicted, out.num_moves, out.num_freed) == (3, 3, 1)
+    assert "table" not in vars(out)  # the copy read its two parts (moved_slots), not the whole table
+    assert [part.tolist() for part in out.moved_slots()] == [[8, 7, 6], [2, 3, 4]]
     assert out.victims.tolist() == [2, 3, 4] and out.table.move_dst.tolist() == [2, 3, 4]
     assert len(out._buffer) == out._fixed + 3 + 3 * 3 + 1
 

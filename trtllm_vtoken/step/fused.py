@@ -87,6 +87,14 @@ class FusedOutput(StepOutput):
                                self._part(m0 + 2 * moves, moves), self._flat[2 * b1 : 3 * b1],
                                self._part(m0 + 3 * moves, self.num_freed), self._per_request(0))
 
+    def moved_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """The copy's two parts, made without the rest of ``table`` (its seven arrays) unless it
+        was read already."""
+        if "table" in self.__dict__:
+            return self.table.move_src, self.table.move_dst
+        m0, moves = self._fixed + self.num_evicted, self.num_moves
+        return self._part(m0 + moves, moves), self._part(m0 + 2 * moves, moves)
+
     @cached_property
     def lost(self) -> np.ndarray:
         return self._per_request(1)

@@ -126,5 +126,9 @@ class StepOutput:
         """Blocks released: ``len(table.freed)``."""
         return len(self.table.freed)
 
+    def moved_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """(``table.move_src``, ``table.move_dst``): what the copy reads."""
+        return self.table.move_src, self.table.move_dst
+
     def victims_of(self, i: int) -> list[int]:
         return self.victims[self.victim_offsets[i] : self.victim_offsets[i + 1]].tolist()

@@ -46,7 +46,6 @@ from trtllm_vtoken.core.native import load as load_native
 from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.reclaim.copy import CopyExecutor
 from trtllm_vtoken.reclaim.rerotate import KeyRerotation
-from trtllm_vtoken.reclaim.step_batch import StepBatchResult
 from trtllm_vtoken.step.background import background_for
 from trtllm_vtoken.step.beside import CallBesideHost
 from trtllm_vtoken.step.checks import StepChecks
@@ -264,13 +263,13 @@ class DecodeStep(CallBesideHost, StepRequests):
                 raise
             t5 = clock()
             handle = (background.start(req_ids, planned, self.checks is not None) if background
-                      else self._submit_copy(table, stream))
+                      else self._submit_copy(table.move_src, table.move_dst, stream))
             t6 = clock()
             out, changed = self.general.output(it, victim_offsets, victims, table)
             num_changed = int(np.count_nonzero(changed))
         else:
             t5 = t4
-            handle = self._submit_copy(out.table, stream) if copied else None  # no moves: no table made
+            handle = self._submit_copy(*out.moved_slots(), stream) if copied else None  # no moves: no parts made
             t6 = clock()
         out.req_ids = self.input_checks.read_only_ids(req_ids)  # the step may reuse the array (``LastList``)
         out.copy = handle
@@ -316,6 +315,7 @@ class DecodeStep(CallBesideHost, StepRequests):
             self._broken = f"the victims hook failed: {exc}"
             raise
 
-    def _submit_copy(self, result: StepBatchResult, stream: Any) -> Any:
-        """ONE copy of every move, ordered before the host's next forward (I3); None if none."""
-        return None if self.executor is None else self.executor.submit_before(result.move_src, result.move_dst, stream)
+    def _submit_copy(self, move_src: np.ndarray, move_dst: np.ndarray, stream: Any) -> Any:
+        """ONE copy of every move (source and destination slots), ordered before the host's next
+        forward (I3); None if none."""
+        return None if self.executor is None else self.executor.submit_before(move_src, move_dst, stream)
