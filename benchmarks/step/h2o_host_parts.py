@@ -1,9 +1,13 @@
-"""The H2O rows' "table" and "copy" time per step (the step's input checks and the batch's registration on the
-engine's thread: the bench's mass is a function of the layout, so the host registers first), dense
-H2O at batch 64 and 256, each engine step beside a native one's, 100 steps after 10 warm-up steps,
-in the tree given (with its own C++ core built in it), as ``ab.py`` runs a tree:
+"""The H2O rows' host-thread parts per step: "table" (the step's input checks and the batch's
+registration on the engine's thread: the bench's mass is a function of the layout, so the host
+registers first) and "copy" (the step's one copy of the moves, metadata only here, with the parts
+of the output it reads). Dense H2O at batch 64 and 256, each engine step beside a native one's,
+100 steps after 10 warm-up steps, in the tree given (with its own C++ core built in it), as
+``ab.py`` runs a tree:
 
-    for r in 1 2 3 4 5 6; do for t in BEFORE AFTER; do echo -n "$t "; python benchmarks/step/copy_parts/run.py $t | tr "\\n" " "; echo; done; done
+    for r in 1 2 3 4 5 6; do for t in BEFORE AFTER; do echo -n "$t "; python benchmarks/step/h2o_host_parts.py $t | tr "\\n" " "; echo; done; done
+
+(``list_registration/output.txt`` was printed before the copy's keys were added.)
 """
 
 import json
