@@ -81,19 +81,19 @@ class FusedOutput(StepOutput):
 
     @cached_property
     def table(self) -> StepBatchResult:
-        b1, moves = self._batch + 1, self.num_moves
-        m0 = self._fixed + self.num_evicted
-        return StepBatchResult(self._flat[b1 : 2 * b1], self._part(m0, moves), self._part(m0 + moves, moves),
-                               self._part(m0 + 2 * moves, moves), self._flat[2 * b1 : 3 * b1],
-                               self._part(m0 + 3 * moves, self.num_freed), self._per_request(0))
+        b1 = self._batch + 1
+        return StepBatchResult(self._flat[b1 : 2 * b1], self._after_victims(0), *self.moved_slots(),
+                               self._flat[2 * b1 : 3 * b1], self._after_victims(3, self.num_freed),
+                               self._per_request(0))
 
     def moved_slots(self) -> tuple[np.ndarray, np.ndarray]:
-        """The copy's two parts, made without the rest of ``table`` (its seven arrays) unless it
-        was read already."""
-        if "table" in self.__dict__:
-            return self.table.move_src, self.table.move_dst
-        m0, moves = self._fixed + self.num_evicted, self.num_moves
-        return self._part(m0 + moves, moves), self._part(m0 + 2 * moves, moves)
+        """The copy's two parts (move_src, move_dst), made without the rest of ``table``."""
+        return self._after_victims(1), self._after_victims(2)
+
+    def _after_victims(self, k: int, size: int | None = None) -> np.ndarray:
+        """The k-th part after the victims: 0-2 move_tokens, move_src, move_dst; 3 freed."""
+        moves = self.num_moves
+        return self._part(self._fixed + self.num_evicted + k * moves, moves if size is None else size)
 
     @cached_property
     def lost(self) -> np.ndarray:

@@ -212,7 +212,8 @@ class DecodeStep(CallBesideHost, StepRequests):
 
     def _register(self, it: Iteration) -> np.ndarray | None:
         """The batch's new blocks and tokens join the layout (checked first); their slots where
-        the invariant checks read them. The C++ core takes the host's lists as they are."""
+        the invariant checks read them. The C++ core takes the host's lists as they are; the
+        Python core's table step reads CSR too, so the iteration converts them once for both."""
         offsets, blocks = it.new_blocks_csr() if self.slots.native is None else (it.offsets, it.blocks)
         return self.slots.add_tokens(it.rows, offsets, blocks, it.num_new, it.req_ids, self.core.table,
                                      self.checks is not None)
