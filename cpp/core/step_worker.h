@@ -8,8 +8,18 @@
 //
 // The worker never touches Python objects; the binding keeps the job's buffers alive and waits
 // with the GIL released. A job's exception is rethrown by wait(), on the host's thread.
+//
+// Between jobs the worker naps: it sleeps kNap at a time (a timed sleep, no spinning), looking
+// for the next job after each, for up to kNapWindow after its last one; only then does it block
+// until woken. A host that submits while the worker naps makes no system call: waking a thread
+// blocked on a condition variable costs the waking thread a futex call, and on a VM the idle
+// core's wake-up too (5-16 us at the median, ~100 us at p90 on the 2-core VM), where a nap
+// notices the job within kNap. A decode loop submits every few milliseconds at most, so it always
+// finds the worker napping; a slower host (a forward of hundreds of milliseconds) pays a window
+// of naps per step (benchmarks/step/worker_wake/).
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <functional>
@@ -17,6 +27,10 @@
 #include <stdexcept>
 #include <thread>
 #include <utility>
+
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
 
 namespace vtoken {
 
@@ -37,14 +51,16 @@ class StepWorker {
 
   // Runs `job` on the worker. std::logic_error if a job is in flight (wait() for it first).
   void submit(std::function<void()> job) {
+    bool blocked;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (pending_) throw std::logic_error("step worker: a job is in flight; wait for it first");
       job_ = std::move(job);
       pending_ = true;
       error_ = nullptr;
+      blocked = blocked_;
     }
-    wake_.notify_all();
+    if (blocked) wake_.notify_all();  // napping, it finds the job itself
   }
 
   // Blocks until the job submitted last has finished (returns at once if none is in flight);
@@ -56,10 +72,26 @@ class StepWorker {
   }
 
  private:
+  // Naps (kNap at a time) while no job came and its last one ended less than kNapWindow ago.
+  void nap(std::unique_lock<std::mutex>& lock, std::chrono::steady_clock::time_point last_done) {
+    while (!stop_ && !pending_ && std::chrono::steady_clock::now() - last_done < kNapWindow) {
+      lock.unlock();
+      std::this_thread::sleep_for(kNap);
+      lock.lock();
+    }
+  }
+
   void loop() {
+#if defined(__linux__)
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // naps of kNap, not kNap + the default 50 us slack
+#endif
     std::unique_lock<std::mutex> lock(mutex_);
+    auto last_done = std::chrono::steady_clock::now() - kNapWindow;  // none yet: block at once
     for (;;) {
+      nap(lock, last_done);
+      blocked_ = true;
       wake_.wait(lock, [this] { return stop_ || (pending_ && job_); });
+      blocked_ = false;
       if (!job_) return;  // stopping, nothing submitted
       std::function<void()> job = std::exchange(job_, nullptr);
       lock.unlock();
@@ -72,14 +104,19 @@ class StepWorker {
       lock.lock();
       error_ = error;
       pending_ = false;
+      last_done = std::chrono::steady_clock::now();
       done_.notify_all();
     }
   }
+
+  static constexpr std::chrono::microseconds kNap{100};
+  static constexpr std::chrono::milliseconds kNapWindow{5};
 
   std::mutex mutex_;
   std::condition_variable wake_, done_;
   std::function<void()> job_;
   bool pending_ = false, stop_ = false;
+  bool blocked_ = false;  // the worker waits on wake_: a submit must notify it
   std::exception_ptr error_;
   std::thread thread_;  // last: it starts once the members it reads are built
 };

@@ -8,6 +8,8 @@ engine overlapping its sampling with the step produces what it produces without.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -258,6 +260,34 @@ def test_a_decode_loop_passing_the_same_lists_is_checked_as_any():
     with pytest.raises(KeyError, match="unknown request 1"):
         step.run(StepInput(req_ids, num_new, [0, 0, 0], []))
     assert step.run(StepInput([0], [2], [0, 0], [])).num_tokens.tolist() == [8]
+
+
+def test_a_call_started_after_the_workers_naps_runs_as_one_started_while_it_naps():
+    """The worker naps for 5 ms after each call (``cpp/core/step_worker.h``) and then blocks: a
+    host that starts its next call while it naps (no wait) and one that starts it later (20 ms:
+    the worker blocked, the start notifies it) get what the step made at once gets, and the
+    repeated call (the same lists each step) serves both."""
+    hosts = [Host(64, 4) for _ in range(2)]
+    at_once, beside = (make_step(host, "cpp", "dense", policy=make_policy("streaming_llm", 6, n_sink=2),
+                                 checks=checks) for host, checks in zip(hosts, (True, False)))
+    for step, host in zip((at_once, beside), hosts):
+        for req in (0, 1):
+            step.add_request(req)
+    first = [StepInput([0, 1], [4, 4], [0, 1, 2], host.allocate(2)) for host in hosts]
+    outputs_equal(at_once.run(first[0]), beside.run(first[1]))
+    req_ids, num_new, kv_lens = [0, 1], [1, 1], [4, 4]
+    for pause in (0.0, 0.02, 0.0, 0.02, 0.0, 0.0, 0.02):
+        time.sleep(pause)
+        inputs = [StepInput.of_lists(req_ids, num_new, [host.allocate(1) if n % 4 == 0 else [] for n in kv_lens])
+                  for host in hosts]
+        expected = at_once.run(inputs[0])
+        beside.start(inputs[1], overlap=True)
+        got = beside.finish()
+        outputs_equal(expected, got)
+        for host, out in zip(hosts, (expected, got)):
+            host.release(out.table.freed.tolist())
+        kv_lens = expected.table.kv_lens.tolist()
+    assert beside.stats.overlapped_steps == 7 and beside.stats.repeated_steps > 0
 
 
 @pytest.mark.parametrize("compaction", ["dense", "lazy"])

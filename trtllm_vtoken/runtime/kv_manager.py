@@ -245,7 +245,9 @@ class KVCacheManager:
             mass: attention per physical position [B, >= L] (or the step's ``Mass`` function),
                 when the policy observes it.
         """
-        self.finish_step()  # a step begun before and not finished
+        if self._stepping:  # a step begun before and not finished (finish_step, without its calls)
+            self._land()
+        self._finished = None
         if not req_ids:
             return
         fresh_lists, num_new = self.writes.take(req_ids)

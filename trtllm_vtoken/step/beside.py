@@ -74,7 +74,7 @@ class CallBesideHost:
         start = time.perf_counter()
         shared = self.shared_blocks()
         self.core.sync_shared(shared)
-        block_lists = self._lists_for_hook(last.arrays[1])  # before the call changes them
+        block_lists = None if self.on_victims is None else self._lists_for_hook(last.iteration.rows)  # before the call
         try:
             needed = last.start_unchanged(inp, self.slots, shared, self._native_worker)
         except batch_refused():  # the call's checks of the batch: nothing changed
@@ -84,8 +84,7 @@ class CallBesideHost:
         if needed is None or needed:  # something changed, or the rows' lists outgrow the block table
             self._repeated = None
             return False
-        it = Iteration(*last.arrays, None, inp.new_blocks, inp.stream)
-        it.native, it.registers, it.block_lists, self._flight = last.decision, True, block_lists, it
+        self._flight = last.iteration.again(inp.new_blocks, inp.stream, block_lists)
         self.stats.repeated_steps += 1
         self.stats.seconds["table"] += time.perf_counter() - start
         return True

@@ -164,6 +164,8 @@ class NativeCore(TableCore):
 
     def sync_shared(self, shared: Collection[int]) -> None:
         """The C++ table keeps its own set of shared blocks: it is sent what changed."""
+        if not shared and not self._shared:  # nothing shared before or now (no prefix caching)
+            return
         now, known = frozenset(shared), self._shared
         if now == known:
             return

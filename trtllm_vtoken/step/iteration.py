@@ -46,6 +46,14 @@ class Iteration:
         self.registers = False  # the fused call registers the batch (on the worker)
         self._index_of: dict[int, int] | None = None  # request id -> its index, made when first asked
 
+    def again(self, blocks: Any, stream: Any, block_lists: tuple[np.ndarray, np.ndarray] | None) -> Iteration:
+        """This iteration once more, for a repeated call (``step/repeat.py``): the same batch and
+        decision, this step's new blocks (one list per request), stream and block lists. Only a
+        call on the worker repeats, with no checks or background compaction: nothing else of
+        the last step's is read again."""
+        self.offsets, self.blocks, self.stream, self.block_lists = None, blocks, stream, block_lists
+        return self
+
     def new_blocks_csr(self) -> tuple[np.ndarray, np.ndarray]:
         """The batch's new blocks in CSR form (offsets, blocks int64), put in it once where the
         host passed one list per request (``offsets`` None until then)."""

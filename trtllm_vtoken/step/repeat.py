@@ -15,6 +15,7 @@ from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.policies.budget import BoundsRule
 from trtllm_vtoken.step.decide import NativeDecision
 from trtllm_vtoken.step.io import StepInput
+from trtllm_vtoken.step.iteration import Iteration
 from trtllm_vtoken.step.slots import LISTS, SlotMap, copied
 
 
@@ -34,12 +35,14 @@ class RepeatedCall(NamedTuple):
     rule: BoundsRule
     """``policy.bounds_rule()`` then (kept by the policy until an attribute of it is set)."""
     decision: NativeDecision
-    arrays: tuple
-    """The batch as the call takes it: (req_ids, rows, num_new), int64 arrays."""
     bound: Any
     """The call's arguments but the new blocks and the pressure, bound once by the C++ core
     (``DecodeWorker.bind``: a call's own conversion of them costs the host's thread more than
     the rest of its work there)."""
+    iteration: Iteration
+    """The step between the call's start and its end: the batch as the call takes it (req_ids,
+    rows, num_new int64 arrays) and the decision, made again for each repetition
+    (``Iteration.again``)."""
 
     @classmethod
     def of(cls, req_ids: list | tuple, num_new: list | tuple, slots: SlotMap, policy: EvictionPolicy,
@@ -48,8 +51,10 @@ class RepeatedCall(NamedTuple):
         (``fused_arguments``, then skip_shared, threads, may_plan, num_blocks; no mass, no
         may_plan)."""
         bound = worker.bind(*arguments[:5], *arguments[7:11], arguments[12], *arguments[14:16], arguments[17])
+        iteration = Iteration(*arguments[2:5], None, None, None)
+        iteration.native, iteration.registers = decision, True
         return cls(copied(req_ids), copied(num_new), slots.membership, arguments[0], policy, decision.rule, decision,
-                   arguments[2:5], bound)
+                   bound, iteration)
 
     def start_unchanged(self, inp: StepInput, slots: SlotMap, shared: Collection[int], worker: Any) -> int | None:
         """This step's call, started where the host passes what it passed then (equal lists, new
