@@ -13,10 +13,11 @@
 // for the next job after each, for up to kNapWindow after its last one; only then does it block
 // until woken. A host that submits while the worker naps makes no system call: waking a thread
 // blocked on a condition variable costs the waking thread a futex call, and on a VM the idle
-// core's wake-up too (5-16 us at the median, ~100 us at p90 on the 2-core VM), where a nap
-// notices the job within kNap. A decode loop submits every few milliseconds at most, so it always
-// finds the worker napping; a slower host (a forward of hundreds of milliseconds) pays a window
-// of naps per step (benchmarks/step/worker_wake/).
+// core's wake-up too (4-16 us at the median, up to ~110 us at p90 on the 2-core VM), where a nap
+// notices the job within kNap. A decode loop that starts a call every few milliseconds at most
+// always finds the worker napping. After a slower host's call (a forward of hundreds of
+// milliseconds) the worker naps 5 ms and then blocks. The naps take about 5% of a core
+// (benchmarks/step/worker_nap/).
 #pragma once
 
 #include <chrono>
