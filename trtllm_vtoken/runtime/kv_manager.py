@@ -245,9 +245,7 @@ class KVCacheManager:
             mass: attention per physical position [B, >= L] (or the step's ``Mass`` function),
                 when the policy observes it.
         """
-        if self._stepping:  # a step begun before and not finished (finish_step, without its calls)
-            self._land()
-        self._finished = None
+        self.finish_step()  # a step begun before and not finished
         if not req_ids:
             return
         fresh_lists, num_new = self.writes.take(req_ids)

@@ -74,7 +74,7 @@ class CallBesideHost:
         start = time.perf_counter()
         shared = self.shared_blocks()
         self.core.sync_shared(shared)
-        block_lists = None if self.on_victims is None else self._lists_for_hook(last.iteration.rows)  # before the call
+        block_lists = self._lists_for_hook(last.iteration.rows)  # before the call changes them
         try:
             needed = last.start_unchanged(inp, self.slots, shared, self._native_worker)
         except batch_refused():  # the call's checks of the batch: nothing changed

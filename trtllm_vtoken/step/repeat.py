@@ -34,14 +34,13 @@ class RepeatedCall(NamedTuple):
     policy: EvictionPolicy
     rule: BoundsRule
     """``policy.bounds_rule()`` then (kept by the policy until an attribute of it is set)."""
-    decision: NativeDecision
     bound: Any
     """The call's arguments but the new blocks and the pressure, bound once by the C++ core
     (``DecodeWorker.bind``: a call's own conversion of them costs the host's thread more than
     the rest of its work there)."""
     iteration: Iteration
     """The step between the call's start and its end: the batch as the call takes it (req_ids,
-    rows, num_new int64 arrays) and the decision, made again for each repetition
+    rows, num_new int64 arrays) and the decision (``native``), made again for each repetition
     (``Iteration.again``)."""
 
     @classmethod
@@ -53,8 +52,8 @@ class RepeatedCall(NamedTuple):
         bound = worker.bind(*arguments[:5], *arguments[7:11], arguments[12], *arguments[14:16], arguments[17])
         iteration = Iteration(*arguments[2:5], None, None, None)
         iteration.native, iteration.registers = decision, True
-        return cls(copied(req_ids), copied(num_new), slots.membership, arguments[0], policy, decision.rule, decision,
-                   bound, iteration)
+        return cls(copied(req_ids), copied(num_new), slots.membership, arguments[0], policy, decision.rule, bound,
+                   iteration)
 
     def start_unchanged(self, inp: StepInput, slots: SlotMap, shared: Collection[int], worker: Any) -> int | None:
         """This step's call, started where the host passes what it passed then (equal lists, new
@@ -66,6 +65,6 @@ class RepeatedCall(NamedTuple):
         if not (inp.new_block_offsets is None and inp.mass is None and type(inp.req_ids) in LISTS and
                 type(inp.num_new) in LISTS and inp.req_ids == self.req_ids and inp.num_new == self.num_new and
                 slots.membership == self.membership and slots.native_layout() is self.layout and
-                bool(len(shared)) == self.decision.skip_shared and self.policy.bounds_rule() is self.rule):
+                bool(len(shared)) == self.iteration.native.skip_shared and self.policy.bounds_rule() is self.rule):
             return None
         return worker.repeat(self.bound, inp.new_blocks, inp.pressure)
