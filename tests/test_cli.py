@@ -76,6 +76,28 @@ def test_bench_step_with_the_simulated_attention_evicts_alike(tmp_path, capsys):
 
 
 @pytest.mark.skipif(native.load() is None, reason="the C++ core is not built")
+def test_bench_step_with_a_mass_buffer_repeats_the_h2o_call(tmp_path, capsys):
+    """--mass buffer: one array per batch handed over every step; the H2O rows repeat the call on
+    the step's worker (a function of the layout, the default, never lets them) and evict, move
+    and free as with the default."""
+    rows = {}
+    for mass in ("buffer", "fixed"):
+        assert main(["bench", "step", "--batches", "4", "--context", "96", "--tokens-per-block", "8", "--steps", "3",
+                     "--repeats", "1", "--impl", "cpp", "--mass", mass, "--out", str(tmp_path / mass)]) == 0
+        rows[mass] = json.loads((tmp_path / mass / "step.json").read_text())
+    assert "one mass buffer per batch" in capsys.readouterr().out
+    for buffer, fixed in zip(rows["buffer"], rows["fixed"]):
+        assert buffer["label"] == fixed["label"] and buffer["mass"] == "buffer"
+        for key in ("evicted_per_step", "moves_per_step", "blocks_freed_per_step"):
+            assert buffer[key] == fixed[key], (buffer["label"], key)
+        # Every timed step of a dense row repeats with the buffer (lazy rows and native never do);
+        # with the default the rows that observe no attention only.
+        assert buffer["repeated_share"] == (1.0 if buffer["mode"] == "dense" else 0.0), buffer["label"]
+        repeats = buffer["mode"] == "dense" and buffer["policy"] != "h2o"
+        assert fixed["repeated_share"] == (1.0 if repeats else 0.0), fixed["label"]
+
+
+@pytest.mark.skipif(native.load() is None, reason="the C++ core is not built")
 def test_bench_step_times_the_fused_call_against_the_general_path(tmp_path, capsys):
     """--impl cpp,cpp-general: the C++ core with and without its fused decode call, in one
     alternating run; the same evictions, moves and freed blocks either way, and each row's in-step

@@ -62,6 +62,32 @@ struct DecodeCall {
   }
 };
 
+// The mass's rows in the decision (H2O's pass adds them to the statistic first), checked for what
+// does not depend on the lengths: the statistic selector, one row per request, float32 or float64.
+void bind_mass(vtoken::Decision& d, const Mass& mass, size_t batch) {
+  if (d.selector != vtoken::Selector::kLowestStat || mass.shape(0) != batch) {
+    throw std::invalid_argument("slots_decide_step: mass needs the statistic selector and one row per request");
+  }
+  d.mass_stride = static_cast<int64_t>(mass.shape(1));
+  if (mass.dtype() == nb::dtype<float>()) {
+    d.mass32 = static_cast<const float*>(mass.data());
+  } else if (mass.dtype() == nb::dtype<double>()) {
+    d.mass64 = static_cast<const double*>(mass.data());
+  } else {
+    throw std::invalid_argument("slots_decide_step: mass must be float32 or float64");
+  }
+}
+
+// The first index of the batch whose row is longer than the mass is wide, -1 if none: the lengths
+// after the new tokens where `num_new` is given (the call registers them), else as they are.
+int64_t first_narrower_row(const vtoken::SlotArrays& a, const Ids& rows, const int64_t* num_new, const Mass& mass) {
+  const int64_t width = static_cast<int64_t>(mass.shape(1));
+  for (size_t i = 0; i < rows.shape(0); ++i) {
+    if (a.kv_len[rows.data()[i]] + (num_new ? num_new[i] : 0) > width) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
 // The call's arguments checked, or (std::nullopt) the block-table columns it needs first in
 // `columns_needed`: with num_blocks > 0 it registers the batch, checked here as slots_register
 // checks it (num_blocks: the pool's blocks), and the rows' lists with their new blocks must fit.
@@ -108,22 +134,11 @@ std::optional<DecodeCall> checked_call(BoundLayout& layout, vtoken::TokenTable& 
     d.stat = stat->data();
   }
   if (mass) {
-    if (d.selector != vtoken::Selector::kLowestStat || mass->shape(0) != batch) {
-      throw std::invalid_argument("slots_decide_step: mass needs the statistic selector and one row per request");
-    }
-    for (size_t i = 0; i < batch; ++i) {  // the lengths after the new tokens
-      if (a.kv_len[rows.data()[i]] + (registers ? num_new.data()[i] : 0) > static_cast<int64_t>(mass->shape(1))) {
-        throw std::invalid_argument("slots_decide_step: the mass is narrower than request " +
-                                    std::to_string(req_ids.data()[i]) + "'s length");
-      }
-    }
-    d.mass_stride = static_cast<int64_t>(mass->shape(1));
-    if (mass->dtype() == nb::dtype<float>()) {
-      d.mass32 = static_cast<const float*>(mass->data());
-    } else if (mass->dtype() == nb::dtype<double>()) {
-      d.mass64 = static_cast<const double*>(mass->data());
-    } else {
-      throw std::invalid_argument("slots_decide_step: mass must be float32 or float64");
+    bind_mass(d, *mass, batch);
+    const int64_t narrower = first_narrower_row(a, rows, registers ? num_new.data() : nullptr, *mass);
+    if (narrower >= 0) {
+      throw std::invalid_argument("slots_decide_step: the mass is narrower than request " +
+                                  std::to_string(req_ids.data()[narrower]) + "'s length");
     }
   }
   return DecodeCall{nb::find(&layout), nb::find(&table), &layout, &a, &table, req_ids, rows, num_new,
@@ -200,11 +215,15 @@ nb::tuple result_tuple(PackedResult&& p) {
 // A call's arguments bound once for a batch that repeats them (step/repeat.py RepeatedCall): each
 // repetition converts only its new blocks and pressure, where a call's own conversion of its
 // other arguments (three arrays, the layout, the table, the rule) costs the host's thread more
-// than the rest of the call's work there. No mass (a batch that observes attention passes its
-// own every step). The batch's registration is checked at each repetition, with its new blocks.
+// than the rest of the call's work there. The mass, where bound, is a buffer the host rewrites in
+// place every step (a CUDA-graph host's static output, staged to the host): the call reads it when
+// it runs. The batch's registration, and the mass's width against the rows' lengths after their
+// new tokens, are checked at each repetition (bind runs while the call it repeats is on the worker,
+// so it reads no length).
 DecodeCall bound_call(BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new,
                       int64_t selector, Rule rule, int64_t compaction, int64_t fragmentation_threshold,
-                      std::optional<Stat32> stat, bool skip_shared, int64_t threads, int64_t num_blocks) {
+                      std::optional<Stat32> stat, std::optional<Mass> mass, bool skip_shared, int64_t threads,
+                      int64_t num_blocks) {
   NewBlocks none{std::vector<int64_t>(rows.shape(0) + 1, 0), {}};
   int64_t columns_needed = 0;  // (no registration checked here: never set)
   DecodeCall call = *checked_call(layout, table, req_ids, rows, num_new, std::move(none), selector, rule, compaction,
@@ -213,6 +232,10 @@ DecodeCall bound_call(BoundLayout& layout, vtoken::TokenTable& table, Ids req_id
   if (num_blocks < 0) throw std::invalid_argument("bound call: num_blocks must be >= 0");
   call.registers = num_blocks != 0;
   call.num_blocks = num_blocks;
+  if (mass) {
+    bind_mass(call.decision, *mass, rows.shape(0));
+    call.mass = mass;
+  }
   return call;
 }
 
@@ -230,6 +253,14 @@ std::optional<DecodeCall> repeated_call(const DecodeCall& bound, nb::handle bloc
     if (columns_needed) return std::nullopt;
   } else if (call.added.offsets.size() != call.rows.shape(0) + 1) {
     throw BatchRefused("slots: new blocks need one sequence per request");
+  }
+  if (call.mass) {
+    const int64_t narrower = first_narrower_row(call.layout->arrays(), call.rows,
+                                                call.registers ? call.num_new.data() : nullptr, *call.mass);
+    if (narrower >= 0) {
+      throw BatchRefused("slots: the mass is narrower than request " +
+                         std::to_string(call.req_ids.data()[narrower]) + "'s length after its new tokens");
+    }
   }
   return call;
 }
@@ -357,15 +388,17 @@ void bind_decode(nb::module_& m) {
           "bind",
           [](DecodeWorker&, BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new,
              int64_t selector, Rule rule, int64_t compaction, int64_t fragmentation_threshold,
-             std::optional<Stat32> stat, bool skip_shared, int64_t threads, int64_t num_blocks) {
+             std::optional<Stat32> stat, std::optional<Mass> mass, bool skip_shared, int64_t threads,
+             int64_t num_blocks) {
             return bound_call(layout, table, req_ids, rows, num_new, selector, rule, compaction,
-                              fragmentation_threshold, stat, skip_shared, threads, num_blocks);
+                              fragmentation_threshold, stat, mass, skip_shared, threads, num_blocks);
           },
           "layout"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "selector"_a, "rule"_a, "compaction"_a,
-          "fragmentation_threshold"_a, "stat"_a.noconvert() = nb::none(), "skip_shared"_a = false, "threads"_a = 1,
-          "num_blocks"_a = 0,
-          "start()'s arguments but the new blocks, the pressure, the mass and may_plan, checked and bound once "
-          "(a BoundDecodeCall) for repeat().")
+          "fragmentation_threshold"_a, "stat"_a.noconvert() = nb::none(), "mass"_a.noconvert() = nb::none(),
+          "skip_shared"_a = false, "threads"_a = 1, "num_blocks"_a = 0,
+          "start()'s arguments but the new blocks, the pressure and may_plan, checked and bound once (a "
+          "BoundDecodeCall) for repeat(). The mass, if any, is the host's buffer, read by each repeated call "
+          "when it runs; repeat() checks its width against the rows' lengths.")
       .def(
           "repeat",
           [](DecodeWorker& w, const DecodeCall& bound, nb::handle blocks, bool pressure) {

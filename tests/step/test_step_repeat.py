@@ -4,12 +4,15 @@ last one's arguments with no check or decision in Python (``step/fused.py`` ``Re
 Held to the whole path (the call at once, ``overlap=False``) step by step, with and without a
 victims hook (prefix caching's cut, run after the repeated call), through what must end
 the repetition: a request joining or leaving, a new budget, a block table outgrowing its
-columns, a block becoming shared, a list read anew, a bad block id."""
+columns, a block becoming shared, a list read anew, a bad block id. H2O repeats where the host
+hands the same mass buffer every step, rewritten in place, and not where it hands a new array or
+the step reduces the mass across ranks; a buffer too narrow for the rows refuses the call."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tests.step.drive import Host, make_step
 from tests.step.test_step_parity import outputs_equal, tables_equal
@@ -100,3 +103,83 @@ def test_a_list_changed_in_place_is_read_anew():
     out = step.finish()
     assert out.req_ids.tolist() == [1, 0] and step.stats.repeated_steps == 1
     assert np.array_equal(out.num_tokens, [7, 7])
+
+
+def h2o_loop(overlap: bool, mass_of, steps: int = 30, budget: int = 12, reduce_mass=None):
+    """Three requests decoding under H2O, the attention mass of each step from ``mass_of(i,
+    values)`` (``values``: the step's random [3, 40] float32 mass); returns the outputs, the step
+    and the host (its KV pool, its free blocks)."""
+    host = Host(96, 4)
+    step = make_step(host, "cpp", "dense", policy=make_policy("h2o", budget), checks=False, reduce_mass=reduce_mass)
+    rng = np.random.default_rng(5)
+    req_ids, num_new = [0, 1, 2], [5, 6, 7]
+    for req in req_ids:
+        step.add_request(req)
+    outs = []
+    for i in range(steps):
+        fresh = [host.allocate(-(-(step.kv_len(r) + n) // host.tpb) - step.num_blocks(r)) for r, n in
+                 zip(req_ids, num_new)]
+        step.start(StepInput.of_lists(req_ids, num_new, fresh, mass=mass_of(i, rng.random((3, 40), np.float32))),
+                   overlap=overlap)
+        out = step.finish()
+        host.release(out.table.freed.tolist())
+        outs.append(out)
+        num_new = [1, 1, 1]
+    return outs, step, host
+
+
+def new_blocks(step, host: Host, req_ids: list[int]) -> list[list[int]]:
+    """One token more for each request: a block where its last is full."""
+    return [host.allocate(1) if step.kv_len(r) == step.num_blocks(r) * host.tpb else [] for r in req_ids]
+
+
+def test_a_mass_buffer_rewritten_in_place_repeats_the_call_as_the_whole_path():
+    buffer = np.zeros((3, 40), np.float32)
+
+    def in_place(i, values):
+        buffer[:] = values  # a host's staging of its graph's static output
+        return buffer
+
+    repeated, step, host = h2o_loop(True, in_place)
+    whole, reference, host_whole = h2o_loop(False, lambda i, values: values)
+    new_arrays, fresh, host_fresh = h2o_loop(True, lambda i, values: values)
+    # The first two steps take the whole path (the prompt's counts, then the decode's), the rest repeat.
+    assert step.stats.repeated_steps == len(repeated) - 2 and fresh.stats.repeated_steps == 0
+    assert sum(len(o.victims) for o in repeated) > 40
+    for a, b, c in zip(repeated, whole, new_arrays):
+        outputs_equal(a, b)
+        outputs_equal(c, b)
+    tables_equal(step, reference)
+    tables_equal(fresh, reference)
+    assert torch.equal(host.kv, host_whole.kv) and torch.equal(host_fresh.kv, host_whole.kv)
+
+
+def test_a_mass_buffer_narrower_than_a_row_refuses_the_repeated_call_and_changes_nothing():
+    """No eviction under a budget of 100: the rows grow a token a step, past the buffer's width."""
+    narrow = np.zeros((3, 9), np.float32)  # rows of 6, 7, 8 tokens at the first decode step, 9 at the second
+    outs, step, host = h2o_loop(True, lambda i, values: values[:, :9] if i == 0 else narrow, steps=3, budget=100)
+    assert step.stats.repeated_steps == 1 and [step.kv_len(r) for r in (0, 1, 2)] == [7, 8, 9]
+    blocks = new_blocks(step, host, [0, 1, 2])
+    with pytest.raises(ValueError, match="the mass is narrower than request 2"):
+        step.start(StepInput.of_lists([0, 1, 2], [1, 1, 1], blocks, mass=narrow), overlap=True)
+    assert [step.kv_len(r) for r in (0, 1, 2)] == [7, 8, 9] and step.stats.repeated_steps == 1
+    assert [step.num_blocks(r) for r in (0, 1, 2)] == [2, 2, 3]  # request 1's new block not taken
+    wider = np.zeros((3, 16), np.float32)  # another buffer: the whole path, then repeated
+    for _ in range(2):
+        step.start(StepInput.of_lists([0, 1, 2], [1, 1, 1], blocks, mass=wider), overlap=True)
+        step.finish()
+        blocks = new_blocks(step, host, [0, 1, 2])
+    assert [step.kv_len(r) for r in (0, 1, 2)] == [9, 10, 11] and step.stats.repeated_steps == 2
+
+
+def test_a_mass_the_step_reduces_across_ranks_is_never_repeated():
+    """A reduction runs every step (its stats count each), even one returning the array it took."""
+    reductions = []
+
+    def reduce_mass(mass):
+        reductions.append(mass)
+        return mass
+
+    buffer = np.zeros((3, 40), np.float32)
+    outs, step, _ = h2o_loop(True, lambda i, values: buffer, steps=6, reduce_mass=reduce_mass)
+    assert step.stats.repeated_steps == 0 and len(reductions) == 6

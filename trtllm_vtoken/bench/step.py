@@ -40,11 +40,15 @@ added time), with the runs' range.
                      ---- paired: (row - native), (row / native - 1) per step ----
 
 The attention mass arrives as float32 [batch, length], as attention kernels return it: as one
-fixed random array per layout shape (``mass="fixed"``, the default: the host only receives a
-buffer, as from a GPU's attention), or from the simulated attention (``mass="synthetic"``),
-whose per-request numpy work runs on the host's cores; its time is subtracted, but it leaves
-the caches cold for what runs after it, the paired native step included, so it narrows the
-difference in vToken's favour. Each row runs with the C++ core and with the Python core
+fixed random array per layout shape, handed over as a function of the layout (``mass="fixed"``,
+the default: the host only receives a buffer, as from a GPU's attention, but the step registers
+the batch on the engine's thread to give the function its layout), as one buffer [batch,
+max_seq_len rounded up to blocks] handed over every step (``mass="buffer"``: a CUDA-graph host's
+static output staged to one host buffer; the call on the worker registers the batch and repeats,
+``step/repeat.py``), or from the simulated attention (``mass="synthetic"``), whose per-request
+numpy work runs on the host's cores; its time is subtracted, but it leaves the caches cold for
+what runs after it, the paired native step included, so it narrows the difference in vToken's
+favour. Each row runs with the C++ core and with the Python core
 (``step_impl``); "cpp-general" rows run the C++ core with its fused decode call off
 (``step_fused``), for comparing the two paths.
 
@@ -76,7 +80,7 @@ IMPLS = ("cpp", "python", "cpp-general", "cpp-at-once")
 """The step's core: C++ (its fused call where a batch allows, on the step's worker thread beside
 the engine's sampling), Python, C++ on the general path only, C++ with the fused call on the
 engine's thread before sampling (``EngineConfig.step_overlap`` off)."""
-MASSES = ("fixed", "synthetic")
+MASSES = ("fixed", "buffer", "synthetic")
 NATIVE = dict(variant="native", mode="-", policy="-", impl="-")
 """The baseline row: plain block lists, no token table (also every run's paired partner)."""
 
@@ -92,7 +96,8 @@ class StepBenchConfig:
     impls: tuple[str, ...] = ("cpp", "python")
     """Among ``IMPLS``."""
     mass: str = "fixed"
-    """Where the attention mass comes from: "fixed" (one array per shape) or "synthetic" (the
+    """Where the attention mass comes from: "fixed" (one array per layout shape, from a function
+    of the layout), "buffer" (one array per batch, the same every step) or "synthetic" (the
     simulated attention)."""
     threads: int = 0
     """The step's native H2O pass threads (``EngineConfig.step_threads``; 0: automatic, the default)."""
@@ -133,8 +138,12 @@ class StepBenchConfig:
         tpb = self.tokens_per_block
         return self.context - tpb - (0 if row.get("boundary") else tpb // 2)
 
+    def max_seq_len(self) -> int:
+        """Every request's tokens: the context, the warm-up and timed steps, and a margin."""
+        return self.context + self.warmup + self.steps + 4
+
     def engine_config(self, batch: int, row: dict[str, Any]) -> EngineConfig:
-        tpb, length = self.tokens_per_block, self.context + self.warmup + self.steps + 4
+        tpb, length = self.tokens_per_block, self.max_seq_len()
         values: dict[str, Any] = dict(
             tokens_per_block=tpb, num_blocks=batch * (-(-length // tpb) + 1) + 8, max_batch_size=batch,
             max_seq_len=length, seed=self.seed, admission="greedy",  # the pool holds every request
@@ -166,13 +175,14 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
     engine = _prefilled(cfg, batch, row)
     native = _prefilled(cfg, batch, NATIVE)
     stats = engine.kv.step_stats
-    host_us, native_us, evicted, moves, freed, waited = [], [], 0, 0, 0, 0.0
+    host_us, native_us, evicted, moves, freed, waited, repeated = [], [], 0, 0, 0, 0.0, 0
     split = dict.fromkeys(SPLIT, 0.0)
     was_enabled = gc.isenabled()
     gc.disable()  # as timeit: a collection landing in a timed step times the collector
     try:
         for i in range(cfg.warmup + cfg.steps):
-            before = (dict(stats.seconds), stats.tokens_evicted, stats.moves, stats.blocks_freed, stats.waited_seconds)
+            before = (dict(stats.seconds), stats.tokens_evicted, stats.moves, stats.blocks_freed, stats.waited_seconds,
+                      stats.repeated_steps)
             if i % 2 == 0:
                 native_step = _timed_step(native)
                 row_step = _timed_step(engine)
@@ -189,6 +199,7 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
             moves += stats.moves - before[2]
             freed += stats.blocks_freed - before[3]
             waited += 1e6 * (stats.waited_seconds - before[4]) / cfg.steps
+            repeated += stats.repeated_steps - before[5]
     finally:
         if was_enabled:
             gc.enable()
@@ -204,6 +215,7 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
             "waited_us": waited,  # of it, the engine's thread waiting for the call on the worker
             "evicted_per_step": evicted / cfg.steps, "moves_per_step": moves / cfg.steps,
             "blocks_freed_per_step": freed / cfg.steps,
+            "repeated_share": repeated / cfg.steps,  # of the timed steps, those the repeated call served
             "metadata_bytes_per_token": engine.kv.step.metadata_bytes_per_token() if engine.kv.step else 0.0}
 
 
@@ -218,6 +230,8 @@ def _prefilled(cfg: StepBenchConfig, batch: int, row: dict[str, Any]):
     model = SimulatedModel(MODEL_SHAPES["llama-3.1-8b"], SyntheticAttention(cfg.seed), np.float32)
     if cfg.mass == "fixed":
         model.batch_mass = fixed_mass(cfg.seed)
+    elif cfg.mass == "buffer":
+        model.batch_mass = buffer_mass(cfg.seed, -(-cfg.max_seq_len() // cfg.tokens_per_block) * cfg.tokens_per_block)
     engine = Engine(model, cfg.engine_config(batch, row))
     params = SamplingParams(max_tokens=cfg.warmup + cfg.steps + 2, ignore_eos=True)
     for i in range(batch):  # lengths staggered by up to a block: requests cross blocks on different steps
@@ -236,6 +250,20 @@ def _timed_step(engine) -> float:
     engine.step()
     wall = time.perf_counter() - start
     return 1e6 * (wall - (stats.mass_seconds - mass_before))
+
+
+def buffer_mass(seed: int, width: int):
+    """A ``batch_mass`` (``SimulatedModel``'s signature) returning one fixed random float32 array
+    [B, width] per batch size, the same object every step: a host's staging buffer for its
+    attention's output, rewritten by the device's copy (not by these cores) each step."""
+    arrays: dict[int, np.ndarray] = {}
+
+    def batch_mass(req_ids: list[int], num_queries: list[int]) -> np.ndarray:
+        if len(req_ids) not in arrays:
+            arrays[len(req_ids)] = np.random.default_rng(seed).random((len(req_ids), width), dtype=np.float32)
+        return arrays[len(req_ids)]
+
+    return batch_mass
 
 
 def fixed_mass(seed: int):

@@ -32,11 +32,13 @@ def register(bench) -> None:
                            "decode call: the general path for every batch), cpp-at-once (the fused call on the "
                            "engine's thread before sampling, not on the step's worker beside it), or both (= "
                            "cpp,python; the default; cpp is skipped where it is not built)")
-    step.add_argument("--mass", choices=["fixed", "synthetic"], default="fixed",
-                      help="the attention mass: one fixed random array per layout shape (the host only receives a "
-                           "buffer, as from a GPU; the default) or the simulated attention (its per-request numpy "
-                           "work runs on these cores, not counted, and leaves their caches cold for what runs "
-                           "after it, the paired native step included)")
+    step.add_argument("--mass", choices=["fixed", "buffer", "synthetic"], default="fixed",
+                      help="the attention mass: one fixed random array per layout shape, from a function of the "
+                           "layout (the host only receives a buffer, as from a GPU; the default), one array per "
+                           "batch handed over every step (a CUDA-graph host's staging buffer: the call on the "
+                           "step's worker registers the batch and repeats), or the simulated attention (its "
+                           "per-request numpy work runs on these cores, not counted, and leaves their caches cold "
+                           "for what runs after it, the paired native step included)")
     step.add_argument("--threads", type=int, default=0,
                       help="threads the C++ core's H2O pass may split a batch over (EngineConfig.step_threads; 0: "
                            "automatic, the process's cores up to 4, the default)")
@@ -71,20 +73,21 @@ def run_step(args: argparse.Namespace) -> int:
     total = len(cfg.batches) * len(cfg.rows()) * cfg.repeats
     with tqdm(total=total, desc="bench step", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_step_bench(cfg, progress=bar)
-    source = "simulated attention (not counted)" if cfg.mass == "synthetic" else "a fixed mass array"
+    source = {"synthetic": "simulated attention (not counted)", "fixed": "a fixed mass array per layout",
+              "buffer": "one mass buffer per batch, the same every step"}[cfg.mass]
     print(f"vtoken bench step: engine + {source}, {cfg.context} tokens of context, "
           f"tokens_per_block {cfg.tokens_per_block}, one eviction per request per step; {cfg.steps} timed "
           f"steps per run, each paired step by step with a native engine; the median of {cfg.repeats} "
           f"alternating runs per row; H2O pass threads: {cfg.threads or 'automatic'}")
     headers = ["batch", "row", "impl", "host us/step", "native us/step", "added us", "added runs min-max",
                "added %", "added % runs", "step us", "step runs min-max", "waited us", "table us", "policy us",
-               "core us", "copy us", "evicted/step", "moves/step", "freed/step"]
+               "core us", "copy us", "evicted/step", "moves/step", "freed/step", "repeated"]
     rows = [[r["batch"], r["label"].removesuffix(f" {r['impl']}"), r["impl"], r["host_us_p50"], r["native_us_p50"],
              r["added_us_p50"], f"{r['added_us_p50_min']:,.0f} to {r['added_us_p50_max']:,.0f}", r["added_pct"],
              f"{r['added_pct_min']:.1f} to {r['added_pct_max']:.1f}",
              r["step_us"], f"{r['step_us_min']:,.0f}-{r['step_us_max']:,.0f}", r["waited_us"],
              *(r["split_us"][k] for k in ("table", "policy", "core", "copy")), r["evicted_per_step"],
-             r["moves_per_step"], r["blocks_freed_per_step"]] for r in result["rows"]]
+             r["moves_per_step"], r["blocks_freed_per_step"], f"{r['repeated_share']:.0%}"] for r in result["rows"]]
     print(format_table(headers, rows))
     print("native us/step: the paired native engine's step in the same run; added: the median over the steps of "
           "(row step - native step), added %: of (row / native - 1); the native row is native paired with "
@@ -92,7 +95,8 @@ def run_step(args: argparse.Namespace) -> int:
           "inside it (the sum of the split; the engine's glue around it is not in it); waited: of it, what the "
           "engine's thread waited for the call on the step's worker beside its sampling; table: the step's batch "
           "layout; policy: mass, observe, select (vectorised); core: the one token-table call (append, evict, "
-          "plan, commit; a fused step's one native call); copy: the one copy of all moves (metadata only here)")
+          "plan, commit; a fused step's one native call); copy: the one copy of all moves (metadata only here); "
+          "repeated: the timed steps the call on the worker repeated with the last one's bound arguments")
     where = machine()
     listed = [dict(r, context=cfg.context, tokens_per_block=cfg.tokens_per_block, steps=cfg.steps,
                    repeats=cfg.repeats, machine=where) for r in result["rows"]]

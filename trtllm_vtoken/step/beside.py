@@ -17,6 +17,7 @@ from trtllm_vtoken.core.native import batch_refused
 from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.step.config import StepConfig, StepStats
 from trtllm_vtoken.step.core import TableCore
+from trtllm_vtoken.step.decide import BatchDecision
 from trtllm_vtoken.step.fused import FusedOutput, start_decide_and_step
 from trtllm_vtoken.step.io import StepInput, StepOutput
 from trtllm_vtoken.step.iteration import Iteration
@@ -29,6 +30,7 @@ class CallBesideHost:
 
     config: StepConfig
     core: TableCore
+    decision: BatchDecision
     slots: SlotMap
     stats: StepStats
     on_victims: Callable | None
@@ -45,7 +47,8 @@ class CallBesideHost:
 
     def _start_beside(self, it: Iteration, inp: StepInput) -> None:
         """The fused call for the checked batch, started on the worker; kept for repetition
-        where the host passed lists and no mass (``RepeatedCall``)."""
+        where the host passed lists and no mass, or a mass array the call takes as it is, not
+        reduced (``RepeatedCall``)."""
         it.block_lists = self._lists_for_hook(it.rows)
         compaction, may_plan = self._call_settings(it.req_ids)
         try:
@@ -58,7 +61,8 @@ class CallBesideHost:
         except (KeyError, ValueError) as exc:
             raise self._refused(exc) from exc  # the host registered the new tokens already
         self._flight = it
-        if self._may_repeat and it.registers and it.offsets is None and inp.mass is None and \
+        if self._may_repeat and it.registers and it.offsets is None and it.native.mass is inp.mass and \
+                (inp.mass is None or self.decision.reduce_mass is None) and \
                 type(inp.req_ids) in LISTS and type(inp.num_new) in LISTS and it.native.selector:
             policy = self._policies[int(self.slots.policy[it.rows[0]])]  # the batch's one policy
             self._repeated = RepeatedCall.of(inp.req_ids, inp.num_new, self.slots, policy, arguments, it.native,

@@ -4,7 +4,13 @@ step after step; while nothing the step's checks and decision read has changed, 
 starts from the last one's arguments with this step's new blocks and pressure, and no Python
 work between: on the host's thread each Python call and numpy object costs a multiple of its
 warm time (``benchmarks/step/cold_host``). The C++ core still checks the new blocks and tokens.
-``tests/step/test_step_repeat.py`` holds it to the whole path."""
+
+A batch that observes attention repeats where the host hands the same mass buffer every step,
+rewritten in place (a CUDA-graph host's static output staged to one host buffer): the same numpy
+array, of the same shape and dtype, that the call took as it was (C order, float32 or float64, no
+``reduce_mass``). The call reads it when it runs; the C++ core checks its width against the rows'
+lengths at each repetition. A new array each step (a torch tensor, a reduced or converted mass)
+takes the whole path. ``tests/step/test_step_repeat.py`` holds both to the whole path."""
 
 from __future__ import annotations
 
@@ -34,6 +40,10 @@ class RepeatedCall(NamedTuple):
     policy: EvictionPolicy
     rule: BoundsRule
     """``policy.bounds_rule()`` then (kept by the policy until an attribute of it is set)."""
+    mass: Any
+    """The host's mass buffer the call reads (a numpy array), or None (the batch observes none)."""
+    mass_form: tuple | None
+    """Its (shape, dtype) then: an array reshaped in place is not the buffer bound."""
     bound: Any
     """The call's arguments but the new blocks and the pressure, bound once by the C++ core
     (``DecodeWorker.bind``: a call's own conversion of them costs the host's thread more than
@@ -47,24 +57,28 @@ class RepeatedCall(NamedTuple):
     def of(cls, req_ids: list | tuple, num_new: list | tuple, slots: SlotMap, policy: EvictionPolicy,
            arguments: tuple, decision: NativeDecision, worker: Any) -> RepeatedCall:
         """From the host's lists and the call's arguments as ``start_decide_and_step`` made them
-        (``fused_arguments``, then skip_shared, threads, may_plan, num_blocks; no mass, no
-        may_plan)."""
-        bound = worker.bind(*arguments[:5], *arguments[7:11], arguments[12], *arguments[14:16], arguments[17])
+        (``fused_arguments``, then skip_shared, threads, may_plan, num_blocks; no may_plan). The
+        mass, if any, is the host's own array (``DecodeStep`` checks that)."""
+        mass = arguments[13]
+        bound = worker.bind(*arguments[:5], *arguments[7:11], *arguments[12:16], arguments[17])
         iteration = Iteration(*arguments[2:5], None, None, None)
         iteration.native, iteration.registers = decision, True
-        return cls(copied(req_ids), copied(num_new), slots.membership, arguments[0], policy, decision.rule, bound,
-                   iteration)
+        return cls(copied(req_ids), copied(num_new), slots.membership, arguments[0], policy, decision.rule, mass,
+                   None if mass is None else (mass.shape, mass.dtype), bound, iteration)
 
     def start_unchanged(self, inp: StepInput, slots: SlotMap, shared: Collection[int], worker: Any) -> int | None:
         """This step's call, started where the host passes what it passed then (equal lists, new
-        blocks one list per request, no mass) and nothing the skipped work read has changed
-        (``shared``: the blocks shared now): 0 (started) or the block-table columns needed first,
-        as ``DecodeWorker.start``. None: something changed, nothing started (the whole path runs).
-        One method, not three: each Python call on the host's thread costs a few microseconds
-        after the host's own work."""
-        if not (inp.new_block_offsets is None and inp.mass is None and type(inp.req_ids) in LISTS and
+        blocks one list per request, the same mass buffer or none) and nothing the skipped work
+        read has changed (``shared``: the blocks shared now): 0 (started) or the block-table
+        columns needed first, as ``DecodeWorker.start``. None: something changed, nothing started
+        (the whole path runs). ``BatchRefused`` where the new blocks or the mass's width do not fit
+        (nothing changed). One method, not three: each Python call on the host's thread costs a
+        few microseconds after the host's own work."""
+        mass = inp.mass
+        if not (inp.new_block_offsets is None and mass is self.mass and type(inp.req_ids) in LISTS and
                 type(inp.num_new) in LISTS and inp.req_ids == self.req_ids and inp.num_new == self.num_new and
                 slots.membership == self.membership and slots.native_layout() is self.layout and
-                bool(len(shared)) == self.iteration.native.skip_shared and self.policy.bounds_rule() is self.rule):
+                bool(len(shared)) == self.iteration.native.skip_shared and self.policy.bounds_rule() is self.rule and
+                (mass is None or (mass.shape, mass.dtype) == self.mass_form)):
             return None
         return worker.repeat(self.bound, inp.new_blocks, inp.pressure)
