@@ -11,6 +11,7 @@ import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,5 +104,7 @@ def test_decode_mass_covers_every_pool():
     q = prefill_and_record(manager, [0, 1, 2, 3], gen)
     stacked = torch.stack([q[layer].view(HEADS, DIM) for layer in range(4)])
     blocks, kv_len = manager.get_cache_indices(make_request(0, 9, 8)), manager.vtoken.step.kv_len(0) + 1
-    got = manager._vtoken_mass(0, kv_len, blocks)  # the decode token just written included
-    torch.testing.assert_close(got, reference_mass(manager, stacked, blocks, kv_len), rtol=1e-4, atol=1e-4)
+    got = manager._vtoken_batch_mass([(0, kv_len, blocks)])  # the decode token just written included
+    assert got.shape == (1, kv_len) and got.dtype == np.float32
+    torch.testing.assert_close(torch.from_numpy(got[0]), reference_mass(manager, stacked, blocks, kv_len),
+                               rtol=1e-4, atol=1e-4)

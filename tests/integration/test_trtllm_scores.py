@@ -25,8 +25,10 @@ from tests.integration.trtllm_doubles import (
     make_request,
 )
 from trtllm_vtoken.integration.trtllm.patches import record_queries
+from trtllm_vtoken.integration.trtllm import scores
 from trtllm_vtoken.integration.trtllm.scores import (
     QueryRecorder,
+    batch_decode_attention_mass,
     decode_attention_mass,
     prefill_attention_mass,
 )
@@ -34,19 +36,49 @@ from trtllm_vtoken.runtime.attention import paged_attention
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
 
 
+def reference_decode_mass(cache: PagedKVCache, q: torch.Tensor, blocks: list[int], kv_len: int) -> torch.Tensor:
+    """One decode row's mass [kv_len] from the reference runtime's paged attention, layer by layer."""
+    cache.set_batch([blocks], [kv_len])
+    return sum(paged_attention(q[layer][None, None], cache, layer, torch.tensor([1]), return_mass=True)[1][0, :kv_len]
+               for layer in range(LAYERS))
+
+
 def test_decode_attention_mass_equals_the_reference_runtimes():
     gen = torch.Generator().manual_seed(0)
     cache = PagedKVCache(8, TPB, LAYERS, KV_HEADS, DIM, max_seqs=1, max_blocks_per_seq=4)
     cache.pool.copy_(torch.randn(cache.pool.shape, generator=gen))
     blocks, kv_len = [5, 1, 6], 10
-    cache.set_batch([blocks], [kv_len])
     q = torch.randn(LAYERS, HEADS, DIM, generator=gen)
-    want = sum(paged_attention(q[layer][None, None], cache, layer, torch.tensor([1]), return_mass=True)[1][0, :kv_len]
-               for layer in range(LAYERS))
+    want = reference_decode_mass(cache, q, blocks, kv_len)
     got = decode_attention_mass(q, cache.pool, blocks, kv_len)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="needs 4 blocks"):
         decode_attention_mass(q, cache.pool, blocks, 13)
+
+
+def test_the_batchs_decode_mass_is_each_rows_own(monkeypatch):
+    """Rows of different lengths in one padded pass: each row equals the reference runtime's mass
+    for it alone, its columns past kv_len stay 0 (the padding's keys never enter a softmax), and
+    splitting the rows into chunks of one (a tight GATHER_BYTES) gives the same values."""
+    gen = torch.Generator().manual_seed(6)
+    cache = PagedKVCache(12, TPB, LAYERS, KV_HEADS, DIM, max_seqs=1, max_blocks_per_seq=5)
+    cache.pool.copy_(torch.randn(cache.pool.shape, generator=gen))
+    lists, kv_lens = [[5, 1, 6], [2], [9, 3, 7, 11, 0]], [10, 3, 17]
+    q = torch.randn(3, LAYERS, HEADS, DIM, generator=gen)
+    got = batch_decode_attention_mass(q, cache.pool, lists, kv_lens)
+    assert got.shape == (3, 17) and got.dtype == torch.float32
+    for i, (blocks, kv_len) in enumerate(zip(lists, kv_lens)):
+        torch.testing.assert_close(got[i, :kv_len], reference_decode_mass(cache, q[i], blocks, kv_len),
+                                   rtol=1e-5, atol=1e-5)
+        assert not got[i, kv_len:].any()
+    monkeypatch.setattr(scores, "GATHER_BYTES", 1)
+    torch.testing.assert_close(batch_decode_attention_mass(q, cache.pool, lists, kv_lens), got, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="row 1: kv_len 5 needs 2 blocks"):
+        batch_decode_attention_mass(q, cache.pool, lists, [10, 5, 17])
+    with pytest.raises(ValueError, match="row 0: kv_len 0"):
+        batch_decode_attention_mass(q, cache.pool, lists, [0, 3, 17])
+    with pytest.raises(ValueError, match="3 rows of queries, 2 block lists"):
+        batch_decode_attention_mass(q, cache.pool, lists[:2], kv_lens)
 
 
 def test_query_recorder_keeps_the_decode_rows():
@@ -121,3 +153,39 @@ def test_prefilled_prompts_reach_the_policy_with_their_attention():
         live, mass = step.token_stats(request.py_request_id, "mass")  # H2O's accumulator, per live token
         np.testing.assert_allclose(mass, want.numpy()[live], rtol=1e-5)
         assert step.num_live(request.py_request_id) == len(live) == min(n, 6)  # evicted right after prefill
+
+
+def test_a_mixed_batch_gets_one_mass_prompt_rows_and_decode_rows():
+    """One iteration with a prompt (request 1) and a decode row (request 0): the manager's mass
+    for the batch is one [2, L] float32 array, the prompt's row the prefill mass the forward summed,
+    the decode row recomputed from its recorded queries, each zero past its own kv_len."""
+    from tests.integration.test_trtllm_parallel import reference_mass
+
+    manager, gen = make_manager("h2o", budget=64), torch.Generator().manual_seed(8)
+    first = make_request(0, prompt_len=6, max_new_tokens=4)
+    manager.prepare_resources(ScheduledRequests(context_requests=[first]))
+    write_new_kv(manager, first, gen)
+    manager.update_resources(ScheduledRequests(context_requests=[first]))
+    prompt = make_request(1, prompt_len=5, max_new_tokens=4)
+    batch = ScheduledRequests(context_requests=[prompt], generation_requests=[first])
+    manager.prepare_resources(batch)
+    for request in (prompt, first):
+        write_new_kv(manager, request, gen)
+    pool, blocks = manager.vtoken.step.executor.pools[0], manager.get_cache_indices(prompt)
+    keys = torch.stack([pool[blocks[t // TPB], :, 0, :, t % TPB].float() for t in range(5)])  # [5, L, Hkv, D]
+    metadata = TrtllmAttentionMetadata(max_num_requests=4, kv_cache_manager=manager, request_ids=[1, 0],
+                                       num_contexts=1, seq_lens=torch.tensor([5, 1]))
+    queries = torch.randn(LAYERS, 6, HEADS * DIM, generator=gen)  # 5 prompt tokens, then the decode row
+    for layer in range(LAYERS):
+        prompt_keys = torch.cat([keys[:, layer].reshape(5, -1), torch.zeros(1, KV_HEADS * DIM)])
+        fused = torch.cat([queries[layer], prompt_keys, torch.zeros(6, KV_HEADS * DIM)], dim=-1)
+        record_queries(TrtllmAttention(layer, HEADS, DIM, KV_HEADS), fused, None, metadata)
+    decode_blocks, kv_len = manager.get_cache_indices(first), manager.vtoken.step.kv_len(0) + 1
+    got = manager._vtoken_batch_mass([(1, 5, blocks), (0, kv_len, decode_blocks)])
+    assert got.shape == (2, kv_len) and got.dtype == np.float32 and kv_len == 7
+    want_prompt = sum(prefill_attention_mass(queries[layer, :5].view(5, HEADS, DIM), keys[:, layer])
+                      for layer in range(LAYERS))
+    torch.testing.assert_close(torch.from_numpy(got[0, :5]), want_prompt, rtol=1e-5, atol=1e-5)
+    assert not got[0, 5:].any()
+    want_decode = reference_mass(manager, queries[:, 5].view(LAYERS, HEADS, DIM), decode_blocks, kv_len)
+    torch.testing.assert_close(torch.from_numpy(got[1]), want_decode, rtol=1e-4, atol=1e-4)

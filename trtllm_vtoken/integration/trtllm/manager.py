@@ -11,7 +11,8 @@ same code runs on the real class inside the executor worker and on the test doub
     update_resources(N)    super; then ONE step for the batch (``VTokenState.run``): the tables
                            learn the prompts and new tokens, the policy decides for all at once
                            (prefill mass summed in the forward; decode mass from the recorded
-                           queries), dense compaction copies every request's moves in one launch on
+                           queries, one padded pass for all decode rows and one copy of the
+                           batch's [B, L] mass to the host), dense compaction copies every request's moves in one launch on
                            the side stream, the execution stream waits on it (I3), and
                            rewind_kv_cache returns each request's freed tail before the scheduler
                            of N+1 counts free blocks
@@ -29,11 +30,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from trtllm_vtoken.consistency import RankConsistency
 from trtllm_vtoken.integration.trtllm.ranks import parallel_layout_problem, worker_ranks
-from trtllm_vtoken.integration.trtllm.scores import QueryRecorder, decode_attention_mass
+from trtllm_vtoken.integration.trtllm.scores import QueryRecorder, batch_decode_attention_mass
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
 from trtllm_vtoken.integration.trtllm.state import VTokenState
 from trtllm_vtoken.integration.trtllm.stats import StatsFile, state_snapshot
@@ -118,7 +120,7 @@ def build_manager_class(base: type) -> type:
             self.vtoken_consistency = RankConsistency(worker_ranks(kwargs.get("mapping")))
             self._vtoken_prefix: dict[int, list[int]] = {}  # request -> its reusable prompt blocks
             self._vtoken_shared: frozenset[int] = frozenset()
-            self.vtoken = VTokenState(settings, self.tokens_per_block, pools[0].shape[0], pools, self._vtoken_mass,
+            self.vtoken = VTokenState(settings, self.tokens_per_block, pools[0].shape[0], pools, self._vtoken_batch_mass,
                                       reduce_mass=self.vtoken_consistency.reduce_mass,
                                       shared_blocks=(lambda: self._vtoken_shared) if self._vtoken_reuse else None)
             self.vtoken_stats = StatsFile(settings.stats_file, settings.stats_interval_s) \
@@ -246,28 +248,46 @@ def build_manager_class(base: type) -> type:
                     self._vtoken_parked[req_id] = ("decode", recorder.q[row - self._vtoken_num_contexts].clone())
             self._vtoken_rows = {}
 
-        def _vtoken_mass(self, req_id: int, kv_len: int, block_ids: list[int]) -> torch.Tensor:
+        def _vtoken_batch_mass(self, rows: list[tuple[int, int, list[int]]]) -> np.ndarray:
+            """The batch's mass [B, max kv_len] float32, zero past each row's kv_len, for rows
+            (request id, kv_len, block ids): a prompt's as the forward summed it, the decode rows'
+            recomputed from their queries for all of them at once (one pass per pool), and one
+            copy to the host for the whole batch."""
+            pools = self.vtoken.step.executor.pools
+            out = torch.zeros(len(rows), max(kv_len for _, kv_len, _ in rows), dtype=torch.float32,
+                              device=pools[0].device)
+            decode: list[tuple[int, torch.Tensor]] = []  # (row in out, the request's queries)
+            for i, (req_id, kv_len, _) in enumerate(rows):
+                kind, recorded = self._vtoken_recording(req_id)
+                if kind == "decode":
+                    decode.append((i, recorded))
+                elif recorded is not None:  # a prompt: its mass was summed during the forward
+                    part = recorded[:kv_len]
+                    out[i, : len(part)] = part
+            if decode:
+                index = [i for i, _ in decode]
+                q = torch.stack([recorded for _, recorded in decode])  # [Bd, local layers, heads, dim]
+                blocks, kv_lens = [rows[i][2] for i in index], [rows[i][1] for i in index]
+                mapping = self.kv_cache_pool_mapping.tolist()  # [local layers, 2]: (pool, layer in pool)
+                for pool_index, pool in enumerate(pools):  # a pool per num_kv_heads
+                    local = [layer for layer, (p, _) in enumerate(mapping) if p == pool_index]
+                    part = batch_decode_attention_mass(q[:, local], pool, blocks, kv_lens,
+                                                       [mapping[layer][1] for layer in local])
+                    out[index, : part.shape[1]] += part
+            return out.cpu().numpy()
+
+        def _vtoken_recording(self, req_id: int) -> tuple[str, torch.Tensor | None]:
+            """What the forward recorded for a request: ("prefill", its prompt's mass or None) or
+            ("decode", its queries [local layers, heads, dim]), parked or in the recorder."""
             parked = self._vtoken_parked.get(req_id)
             if parked is not None:
-                kind, recorded = parked
-                if kind == "prefill":
-                    return recorded[:kv_len] if recorded is not None else torch.zeros(kv_len)
-                q = recorded
-            else:
-                row = self._vtoken_rows.get(req_id)
-                if row is None:
-                    raise RuntimeError(f"request {req_id} is updated but was not in a prepared batch")
-                if row < self._vtoken_num_contexts:  # a prompt: its mass was summed during the forward
-                    prefill = self.vtoken_queries.prefill.get(row)
-                    return prefill[:kv_len] if prefill is not None else torch.zeros(kv_len)
-                q = self.vtoken_queries.q[row - self._vtoken_num_contexts]  # [local layers, heads, dim]
-            mapping = self.kv_cache_pool_mapping.tolist()  # [local layers, 2]: (pool, layer in pool)
-            mass = None
-            for pool_index, pool in enumerate(self.vtoken.step.executor.pools):  # a pool per num_kv_heads
-                rows = [local for local, (p, _) in enumerate(mapping) if p == pool_index]
-                part = decode_attention_mass(q[rows], pool, block_ids, kv_len, [mapping[r][1] for r in rows])
-                mass = part if mass is None else mass + part
-            return mass
+                return parked
+            row = self._vtoken_rows.get(req_id)
+            if row is None:
+                raise RuntimeError(f"request {req_id} is updated but was not in a prepared batch")
+            if row < self._vtoken_num_contexts:
+                return "prefill", self.vtoken_queries.prefill.get(row)
+            return "decode", self.vtoken_queries.q[row - self._vtoken_num_contexts]
 
     VTokenKVCacheManager.__qualname__ = f"VTokenKVCacheManager[{base.__name__}]"
     return VTokenKVCacheManager

@@ -22,33 +22,80 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+
+GATHER_BYTES = 256 << 20
+"""The float32 keys one pass of ``batch_decode_attention_mass`` gathers, at most, unless one row
+alone needs more (its pass then takes that row alone, as a row's own call did): the transient
+memory it takes beside a KV pool that fills the device."""
 
 
 def decode_attention_mass(q: torch.Tensor, pool: torch.Tensor, block_ids: Sequence[int], kv_len: int,
                           layers: Sequence[int] | None = None) -> torch.Tensor:
-    """Mass per position ``[0, kv_len)`` for one decode row.
-
-    Args:
-        q: [num_layers, num_heads, head_dim], the row's rotated queries per layer.
-        pool: [num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, head_dim].
-        block_ids: the row's block list; positions map to ``block_ids[p // tpb], p % tpb``.
-        layers: pool layer of each row of ``q`` (default: the same index).
-    Returns: float32 [kv_len] on ``pool.device``.
-    """
-    num_layers, num_heads, head_dim = q.shape
-    tpb, num_kv_heads = pool.shape[4], pool.shape[3]
-    needed = -(-kv_len // tpb)
+    """Mass per position ``[0, kv_len)`` for one decode row: ``batch_decode_attention_mass`` of
+    a batch of one (q: [num_layers, num_heads, head_dim]). Returns float32 [kv_len]."""
+    needed = -(-kv_len // pool.shape[4])
     if needed > len(block_ids):
         raise ValueError(f"kv_len {kv_len} needs {needed} blocks, the list has {len(block_ids)}")
-    blocks = torch.as_tensor(list(block_ids[:needed]), dtype=torch.long, device=pool.device)
-    layer_index = torch.as_tensor(list(layers) if layers is not None else range(num_layers), device=pool.device)
-    k = pool[blocks][:, layer_index, 0]  # [nb, L, Hkv, tpb, D]
-    k = k.permute(1, 2, 0, 3, 4).reshape(num_layers, num_kv_heads, needed * tpb, head_dim)[:, :, :kv_len]
+    return batch_decode_attention_mass(q[None], pool, [block_ids], [kv_len], layers)[0]
+
+
+def batch_decode_attention_mass(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[Sequence[int]],
+                                kv_lens: Sequence[int], layers: Sequence[int] | None = None) -> torch.Tensor:
+    """Mass per position for a batch of decode rows, computed for all of them at once.
+
+    Args:
+        q: [batch, num_layers, num_heads, head_dim], each row's rotated queries per layer.
+        pool: [num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, head_dim].
+        block_lists: each row's block list; positions map to ``blocks[p // tpb], p % tpb``.
+        kv_lens: each row's positions.
+        layers: pool layer of each layer of ``q`` (default: the same index).
+    Returns: float32 [batch, max(kv_lens)] on ``pool.device``; a row's columns past its kv_len are 0.
+
+    The rows share one padded block table (padding: block 0, its scores masked out before the
+    softmax) and go in chunks of rows (``GATHER_BYTES``), each one gather of every layer's keys
+    and one einsum: the launches grow with the chunks, not the rows, and the caller copies one
+    tensor to the host.
+    """
+    batch, num_layers, num_heads, head_dim = q.shape
+    tpb, num_kv_heads = pool.shape[4], pool.shape[3]
+    if len(block_lists) != batch or len(kv_lens) != batch:
+        raise ValueError(f"{batch} rows of queries, {len(block_lists)} block lists, {len(kv_lens)} lengths")
+    needed = [-(-n // tpb) for n in kv_lens]
+    for i, (blocks, n) in enumerate(zip(block_lists, needed)):
+        if kv_lens[i] < 1:
+            raise ValueError(f"row {i}: kv_len {kv_lens[i]}: a decode row attends to its own token at least")
+        if n > len(blocks):
+            raise ValueError(f"row {i}: kv_len {kv_lens[i]} needs {n} blocks, the list has {len(blocks)}")
+    width = max(kv_lens, default=0)
+    if width == 0:
+        return torch.zeros(batch, 0, dtype=torch.float32, device=pool.device)
+    columns = max(needed)
+    table = np.zeros((batch, columns), dtype=np.int64)
+    for i, (blocks, n) in enumerate(zip(block_lists, needed)):
+        table[i, :n] = blocks[:n]
+    device_table = torch.from_numpy(table).to(pool.device)[:, None, :]  # [B, 1, nb]
+    layer_index = torch.as_tensor(list(layers) if layers is not None else range(num_layers),
+                                  device=pool.device)[None, :, None]  # [1, L, 1]
+    dead = torch.arange(width, device=pool.device)[None, :] >= \
+        torch.as_tensor(list(kv_lens), device=pool.device)[:, None]  # [B, T]
     group = num_heads // num_kv_heads
-    qg = q.float().view(num_layers, num_kv_heads, group, head_dim)
-    scores = torch.einsum("lhgd,lhtd->lhgt", qg, k.float()) / math.sqrt(head_dim)
-    return torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
+    chunk = max(1, GATHER_BYTES // (columns * tpb * num_layers * num_kv_heads * head_dim * 4))
+    parts = []
+    for start in range(0, batch, chunk):
+        rows = slice(start, start + chunk)
+        k = pool[device_table[rows], layer_index, 0]  # [b, L, nb, Hkv, tpb, D]: keys only, these layers
+        b = k.shape[0]
+        # one copy: heads before blocks, in float32 (a float32 pool: in the reshape) -> [b, L, Hkv, nb * tpb, D]
+        k = k.transpose(2, 3).to(torch.float32, memory_format=torch.contiguous_format)
+        k = k.reshape(b, num_layers, num_kv_heads, columns * tpb, head_dim)[:, :, :, :width]
+        qg = q[rows].float().view(b, num_layers, num_kv_heads, group, head_dim)
+        scores = torch.einsum("blhgd,blhtd->blhgt", qg, k) / math.sqrt(head_dim)
+        scores.masked_fill_(dead[rows, None, None, None, :], float("-inf"))
+        parts.append(torch.softmax(scores, dim=-1).sum(dim=(1, 2, 3)))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def prefill_attention_mass(q: torch.Tensor, k: torch.Tensor, chunk: int = 256,

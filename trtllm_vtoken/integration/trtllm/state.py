@@ -57,15 +57,16 @@ class VTokenState:
     Args:
         num_blocks: blocks in the manager's primary pool (block ids lie below it).
         pools: the manager's primary pools as 6-D HND views (``manager_pools``); None: metadata only.
-        attention_mass: (request id, kv_len, block ids) -> mass per position, for policies that
-            observe attention; None if the policy needs none.
+        attention_mass: rows (request id, kv_len, block ids) -> the batch's mass [B, L] per
+            position, float32, zero past each row's kv_len, for policies that observe attention;
+            None if the policy needs none.
         reduce_mass: the batch's mass [B, L] -> its sum over every rank (``RankConsistency``).
         shared_blocks: () -> the blocks vToken must leave as they are (block reuse).
     """
 
     def __init__(self, settings: VTokenSettings, tokens_per_block: int, num_blocks: int,
                  pools: Sequence[torch.Tensor] | None = None,
-                 attention_mass: Callable[[int, int, list[int]], torch.Tensor] | None = None,
+                 attention_mass: Callable[[list[tuple[int, int, list[int]]]], np.ndarray] | None = None,
                  reduce_mass: Callable[[np.ndarray], np.ndarray] | None = None,
                  shared_blocks: Callable[[], Collection[int]] | None = None) -> None:
         self.settings = settings
@@ -90,11 +91,8 @@ class VTokenState:
                 step.add_request(req_id)
         fresh = [blocks[step.num_blocks(r):] for r, blocks, _ in rows]
         mass = None
-        if self.needs_attention:
-            per_row = [self.attention_mass(r, step.kv_len(r) + n, blocks).float().cpu() for r, blocks, n in rows]
-            mass = np.zeros((len(rows), max(len(m) for m in per_row)))
-            for i, m in enumerate(per_row):
-                mass[i, : len(m)] = m.numpy()
+        if self.needs_attention:  # the batch's, in one call: [B, L] beside the rows
+            mass = self.attention_mass([(r, step.kv_len(r) + n, blocks) for r, blocks, n in rows])
         return step.run(StepInput.of_lists([r for r, _, _ in rows], [n for _, _, n in rows], fresh, mass=mass,
                                            stream=stream))
 
