@@ -14,7 +14,9 @@
 #      engine's thread (cpp-at-once) and Python, on this machine's quieter cores
 #      (the C++ core is built in place when nanobind is there), then the step alone with caches
 #      warm and flushed and H2O's pass alone; again with H2O's pass over up to 4 threads
-#   6. where tensorrt_llm imports and the package is installed (the gpu Docker image) and
+#   6. the TensorRT-LLM manager's decode mass on the GPU: one padded pass for the batch against
+#      one call and one copy to the host per request (benchmarks/step/trtllm_mass/run.py)
+#   7. where tensorrt_llm imports and the package is installed (the gpu Docker image) and
 #      $VTOKEN_TRTLLM_MODEL names a model folder: examples/trtllm/run_llm.py --check
 # Uses the machine's python3 and its torch; the repository is put on PYTHONPATH, nothing is
 # installed. Logs and gpu.json go to $OUT (default out/gpu). Exit status 1 if any step failed.
@@ -79,6 +81,12 @@ timeout 240 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --impl cp
 # H2O's native pass on one thread, against the rows above (the default: the cores, up to 4)
 timeout 120 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --impl cpp --threads 1 --out "$out/step_threads" \
   2>&1 | tee "$out/bench_step_threads.txt" || status=1
+
+banner "TensorRT-LLM manager's decode mass"
+for context in 1024 4096; do
+  timeout 120 $py benchmarks/step/trtllm_mass/run.py --device cuda --batch 64 --context $context --rounds 6 \
+    2>&1 | tee -a "$out/trtllm_mass.jsonl" || status=1
+done
 
 banner "TensorRT-LLM check"
 if $py -c "import tensorrt_llm" >/dev/null 2>&1 && [ -n "${VTOKEN_TRTLLM_MODEL:-}" ]; then

@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The TensorRT-LLM manager's decode mass for a batch: one padded pass (``batch_decode_attention_mass``)
-against the code before it, one ``decode_attention_mass`` call and one host copy per request
-(that function loaded from ``--before``'s tree, as the manager called it there), on this machine's
-torch device. Counts the torch operators each makes (each a kernel launch on a GPU) and times both
-in alternating order. On CPU the copies to the host are free and the einsums dominate; on a GPU
-each per-row ``.cpu()`` also waits for the device.
+against one ``decode_attention_mass`` call and one host copy per request, as the manager made them
+before (that function from ``--before``'s tree; without it, today's, a batch of one). Counts the
+torch operators each makes (each a kernel launch on a GPU) and times both in alternating order.
+On CPU the copies to the host are free and the einsums dominate; on a GPU each per-row ``.cpu()``
+also waits for the device.
 
-    python benchmarks/step/trtllm_mass/run.py --before COMMIT [--batch 64] [--context 1024] [--rounds 5]
+    python benchmarks/step/trtllm_mass/run.py [--before COMMIT] [--device cuda] [--batch 64] [--context 1024] [--rounds 5]
 
 Shapes: SmolLM2-135M's attention (30 layers, 9 query heads, 3 kv heads, head_dim 64), bf16 pool,
 tokens_per_block 32, lengths staggered by up to a block. Prints one JSON line per round.
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass
+from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass, decode_attention_mass
 
 LAYERS, HEADS, KV_HEADS, DIM, TPB = 30, 9, 3, 64, 32
 SCORES = "trtllm_vtoken/integration/trtllm/scores.py"
@@ -57,7 +57,9 @@ def function_at(commit: str, name: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", required=True, help="the commit whose per-row decode_attention_mass to time")
+    parser.add_argument("--before", help="the commit whose per-row decode_attention_mass to time (git; default: "
+                                          "today's, a batch of one)")
+    parser.add_argument("--device", default="cpu", help="torch device of the pool and queries (default cpu)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=5)
@@ -65,14 +67,16 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     per_row_blocks = -(-(args.context + TPB) // TPB)
     pool = torch.randn(args.batch * per_row_blocks, LAYERS, 2, KV_HEADS, TPB, DIM, generator=gen).bfloat16()
+    pool = pool.to(args.device)
     lists = [list(range(i * per_row_blocks, (i + 1) * per_row_blocks)) for i in range(args.batch)]
     kv_lens = [args.context + i % TPB for i in range(args.batch)]
-    q = torch.randn(args.batch, LAYERS, HEADS, DIM, generator=gen).bfloat16()
+    q = torch.randn(args.batch, LAYERS, HEADS, DIM, generator=gen).bfloat16().to(args.device)
+    sync = torch.cuda.synchronize if pool.device.type == "cuda" else (lambda: None)
 
-    decode_attention_mass = function_at(args.before, "decode_attention_mass")
+    row_mass = function_at(args.before, "decode_attention_mass") if args.before else decode_attention_mass
 
     def per_row() -> np.ndarray:
-        rows = [decode_attention_mass(q[i], pool, lists[i], kv_lens[i]).cpu() for i in range(args.batch)]
+        rows = [row_mass(q[i], pool, lists[i], kv_lens[i]).cpu() for i in range(args.batch)]
         out = np.zeros((args.batch, max(kv_lens)), dtype=np.float32)
         for i, m in enumerate(rows):
             out[i, : len(m)] = m.numpy()
@@ -86,7 +90,7 @@ def main() -> None:
         with OperatorCount() as counter:
             counts[name] = fn()
         counts[f"{name}_operators"] = counter.count
-    print(json.dumps({"before": args.before, "batch": args.batch, "context": args.context,
+    print(json.dumps({"before": args.before or "today", "device": str(pool.device), "batch": args.batch, "context": args.context,
                       "max_abs_difference": float(np.abs(counts.pop("per_row") - counts.pop("batched")).max()),
                       **counts, "torch_threads": torch.get_num_threads()}))
     for round_ in range(args.rounds):  # alternating, per-row first on even rounds
@@ -94,6 +98,7 @@ def main() -> None:
             (("batched", batched), ("per_row", per_row))
         row = {"round": round_, "batch": args.batch, "context": args.context}
         for name, fn in order:
+            sync()
             start = time.perf_counter()
             fn()
             row[f"{name}_ms"] = round((time.perf_counter() - start) * 1e3, 1)
