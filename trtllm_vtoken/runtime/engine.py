@@ -31,6 +31,7 @@ import torch
 from trtllm_vtoken.consistency import RankConsistency, RankGroup, SingleRank
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.kv_manager import KVCacheManager
+from trtllm_vtoken.runtime.mass_staging import MassStaging
 from trtllm_vtoken.runtime.model import LlamaForCausalLM
 from trtllm_vtoken.runtime.parallel.layers import check_shard
 from trtllm_vtoken.runtime.request import Request, RequestOutput, Status
@@ -100,6 +101,7 @@ class Engine:
             self.graphs = DecodeGraphs(self.model, self.kv.cache, self.config.max_batch_size,
                                        masked=self.kv.masks_positions, return_mass=self.kv.needs_attention)
         self.stats = EngineStats()
+        self.mass_staging = MassStaging(self.config.max_blocks_per_seq * self.config.tokens_per_block)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[int] = deque()
         self.running: list[int] = []  # admission order
@@ -310,17 +312,18 @@ class Engine:
         return [(self.requests[r], logits, None, len(row)) for r, row in zip(req_ids, tokens)]
 
     def _batch_mass(self, req_ids: list[int], masses: list, queries: list[int]):
-        """The attention mass of the requests going on, as the step takes it: [B, L] from the
-        forwards' rows, or the simulated attention's function of the token layout."""
+        """The attention mass of the requests going on, as the step takes it: [B, width] from
+        the forwards' rows, staged in the array of this batch size (``MassStaging``: the same
+        object each step, so the step's call repeats), or the simulated attention's function of
+        the token layout."""
         if not self.kv.needs_attention or not req_ids:
             return None
         if self.simulated:
             return self.model.batch_mass(req_ids, queries)
-        width = max(m.shape[0] for m in masses)
-        out = torch.zeros(len(masses), width)
-        for i, m in enumerate(masses):
-            out[i, : m.shape[0]] = m
-        return out
+        # The step on the worker reads the staged array until it finishes: none is in flight
+        # now (each iteration finishes its own), unless an iteration raised between the two.
+        self.kv.finish_step()
+        return self.mass_staging.stage(masses)
 
     def _advance(self, request: Request, logits: torch.Tensor) -> RequestOutput:
         req_id, params = request.req_id, request.params

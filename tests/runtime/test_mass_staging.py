@@ -1,0 +1,58 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine's staged mass: one array per batch size, rewritten in place, zero past each row;
+on the tiny model H2O's call then repeats and the engine computes what it computes at once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.runtime.test_engine import LONG, config, prompts, run
+from trtllm_vtoken.runtime.engine import Engine
+from trtllm_vtoken.runtime.mass_staging import MassStaging
+from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
+
+
+def test_one_array_per_batch_size_rewritten_with_each_rows_tail_cleared():
+    staging = MassStaging(8)
+    first = staging.stage([torch.arange(1.0, 6.0), torch.ones(3)])
+    assert first.dtype == np.float32 and first.shape == (2, 8)
+    assert first.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0]]
+    again = staging.stage([torch.full((2,), 7.0), torch.full((4,), 2.0)])  # row 0 now shorter
+    assert again is first
+    assert again.tolist() == [[7, 7, 0, 0, 0, 0, 0, 0], [2, 2, 2, 2, 0, 0, 0, 0]]
+    other = staging.stage([torch.ones(8)])
+    assert other is not first and other.shape == (1, 8) and staging.stage([torch.ones(1)]) is other
+    with pytest.raises(ValueError, match="9 positions is wider than the staging width 8"):
+        staging.stage([torch.ones(1), torch.ones(9)])
+    assert again.tolist()[0][:2] == [7, 7]  # nothing rewritten
+    with pytest.raises(ValueError, match="width must be positive"):
+        MassStaging(0)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_the_engines_staged_mass_repeats_h2o_and_computes_what_it_computes_at_once(prefix_caching):
+    """Beside sampling, the C++ core's call repeats for H2O (the same staged array every step)
+    in most steps; every step's logits, the outputs and each request's evictions equal the
+    engine's with the call made at once (never repeated)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.tiny()).eval()
+    results = {}
+    for overlap in (False, True):
+        engine = Engine(model, config(step_impl="cpp", step_overlap=overlap, check_invariants=False,
+                                      prefix_caching=prefix_caching), record_trace=True)
+        ids = [engine.add_request(p, LONG) for p in prompts(6)]
+        traces = {}
+        while engine.has_unfinished():
+            engine.step()
+            for r in ids:
+                traces[r] = [t.clone() for t in engine.requests[r].logits]
+        outs = [engine.pop_finished(r) for r in ids]
+        results[overlap] = (engine.kv.step_stats, traces, [(o.output_ids, o.evictions) for o in outs])
+    at_once, beside = results[False], results[True]
+    assert at_once[0].repeated_steps == 0 and beside[0].repeated_steps >= beside[0].steps // 2
+    assert beside[0].tokens_evicted == at_once[0].tokens_evicted > 0
+    assert beside[2] == at_once[2]
+    for r, logits in at_once[1].items():
+        assert len(beside[1][r]) == len(logits) and all(torch.equal(a, b) for a, b in zip(logits, beside[1][r]))
