@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The engine's staged mass: one array per batch size, rewritten in place, zero past each row;
+"""The engine's staged mass: one array, rewritten in place, one view per batch size, zero past each row;
 on the tiny model H2O's call then repeats and the engine computes what it computes at once."""
 
 from __future__ import annotations
@@ -14,21 +14,24 @@ from trtllm_vtoken.runtime.mass_staging import MassStaging
 from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
 
 
-def test_one_array_per_batch_size_rewritten_with_each_rows_tail_cleared():
-    staging = MassStaging(8)
+def test_one_array_its_rows_rewritten_with_each_rows_tail_cleared():
+    staging = MassStaging(3, 8)
     first = staging.stage([torch.arange(1.0, 6.0), torch.ones(3)])
-    assert first.dtype == np.float32 and first.shape == (2, 8)
+    assert first.dtype == np.float32 and first.shape == (2, 8) and first.flags.c_contiguous
     assert first.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0]]
     again = staging.stage([torch.full((2,), 7.0), torch.full((4,), 2.0)])  # row 0 now shorter
     assert again is first
     assert again.tolist() == [[7, 7, 0, 0, 0, 0, 0, 0], [2, 2, 2, 2, 0, 0, 0, 0]]
-    other = staging.stage([torch.ones(8)])
-    assert other is not first and other.shape == (1, 8) and staging.stage([torch.ones(1)]) is other
+    one = staging.stage([torch.ones(1)])  # a batch of one: the first row, its tail cleared
+    assert one is not first and one.tolist() == [[1, 0, 0, 0, 0, 0, 0, 0]] and first[0].tolist() == one[0].tolist()
+    assert staging.stage([torch.ones(1)]) is one
     with pytest.raises(ValueError, match="9 positions is wider than the staging width 8"):
         staging.stage([torch.ones(1), torch.ones(9)])
-    assert again.tolist()[0][:2] == [7, 7]  # nothing rewritten
-    with pytest.raises(ValueError, match="width must be positive"):
-        MassStaging(0)
+    with pytest.raises(ValueError, match="4 mass rows, the staging holds 3"):
+        staging.stage([torch.ones(1)] * 4)
+    assert one.tolist()[0][:2] == [1, 0]  # nothing rewritten
+    with pytest.raises(ValueError, match="must be positive"):
+        MassStaging(2, 0)
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])

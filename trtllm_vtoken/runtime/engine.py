@@ -101,7 +101,8 @@ class Engine:
             self.graphs = DecodeGraphs(self.model, self.kv.cache, self.config.max_batch_size,
                                        masked=self.kv.masks_positions, return_mass=self.kv.needs_attention)
         self.stats = EngineStats()
-        self.mass_staging = MassStaging(self.config.max_blocks_per_seq * self.config.tokens_per_block)
+        self.mass_staging = MassStaging(self.config.max_batch_size,
+                                        self.config.max_blocks_per_seq * self.config.tokens_per_block)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[int] = deque()
         self.running: list[int] = []  # admission order
@@ -313,7 +314,7 @@ class Engine:
 
     def _batch_mass(self, req_ids: list[int], masses: list, queries: list[int]):
         """The attention mass of the requests going on, as the step takes it: [B, width] from
-        the forwards' rows, staged in the array of this batch size (``MassStaging``: the same
+        the forwards' rows, staged in one array, rewritten in place (``MassStaging``: the same
         object each step, so the step's call repeats), or the simulated attention's function of
         the token layout."""
         if not self.kv.needs_attention or not req_ids:

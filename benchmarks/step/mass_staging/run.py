@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The engine's host work to hand the step a batch's mass: staged in one array per batch size
+"""The engine's host work to hand the step a batch's mass: staged in one array, rewritten in place
 (``MassStaging.stage``, since 419b1cc) against a new zero-padded tensor each step, filled row by
 row (what ``Engine._batch_mass`` did before; written out below). 64 rows of 4,000 float32
 positions, staging width 4,096; mean of 50 calls, three rounds in alternating order.
@@ -21,7 +21,7 @@ BATCH, LENGTH, WIDTH, CALLS = 64, 4000, 4096, 50
 
 def main() -> None:
     rows = list(torch.rand(BATCH, LENGTH))
-    staging = MassStaging(WIDTH)
+    staging = MassStaging(BATCH, WIDTH)
 
     def new_tensor() -> torch.Tensor:  # the engine before 419b1cc
         out = torch.zeros(len(rows), max(m.shape[0] for m in rows))

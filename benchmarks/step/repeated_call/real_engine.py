@@ -1,7 +1,7 @@
 """How many of the reference engine's steps repeat their call on the real model (SmolLM2-135M-
 Instruct on this CPU, 16 ShareGPT prompts, 32 new tokens each, budget 0.5, prefix caching on, the
 engine's defaults otherwise), for a policy that passes no mass (StreamingLLM) and one that passes
-its mass every step (H2O: since 419b1cc staged in one array per batch size, so its call repeats
+its mass every step (H2O: since 419b1cc staged in one array rewritten in place, so its call repeats
 too; before it, a new tensor each step, never repeated: real_engine_before_419b1cc.txt).
 
     python benchmarks/step/repeated_call/real_engine.py > benchmarks/step/repeated_call/real_engine.txt
