@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The engine's staged mass: one array, rewritten in place, one view per batch size, zero past each row;
-on the tiny model H2O's call then repeats and the engine computes what it computes at once."""
+"""The engine's staged mass: one array, one copy per forward, one view per batch size, zero past
+each row; on the tiny model H2O's call then repeats and the engine computes what it computes at
+once."""
 
 from __future__ import annotations
 
@@ -14,22 +15,25 @@ from trtllm_vtoken.runtime.mass_staging import MassStaging
 from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
 
 
-def test_one_array_its_rows_rewritten_with_each_rows_tail_cleared():
+def test_one_array_one_copy_per_forward_and_each_rows_tail_cleared():
     staging = MassStaging(3, 8)
-    first = staging.stage([torch.arange(1.0, 6.0), torch.ones(3)])
+    decode = torch.tensor([[1.0, 2, 3, 4, 5], [1, 1, 1, 0, 0]])  # one forward's two rows
+    first = staging.stage([decode])
     assert first.dtype == np.float32 and first.shape == (2, 8) and first.flags.c_contiguous
     assert first.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0]]
-    again = staging.stage([torch.full((2,), 7.0), torch.full((4,), 2.0)])  # row 0 now shorter
+    again = staging.stage([torch.full((1, 2), 7.0), torch.full((1, 4), 2.0)])  # two forwards, row 0 narrower
     assert again is first
     assert again.tolist() == [[7, 7, 0, 0, 0, 0, 0, 0], [2, 2, 2, 2, 0, 0, 0, 0]]
-    one = staging.stage([torch.ones(1)])  # a batch of one: the first row, its tail cleared
+    one = staging.stage([torch.ones(1, 1)])  # a batch of one: the first row, its tail cleared
     assert one is not first and one.tolist() == [[1, 0, 0, 0, 0, 0, 0, 0]] and first[0].tolist() == one[0].tolist()
-    assert staging.stage([torch.ones(1)]) is one
+    assert staging.stage([torch.ones(1, 1)]) is one
+    three = staging.stage([torch.ones(2, 8), torch.ones(1, 3)])
+    assert three.tolist() == [[1] * 8, [1] * 8, [1, 1, 1, 0, 0, 0, 0, 0]]
     with pytest.raises(ValueError, match="9 positions is wider than the staging width 8"):
-        staging.stage([torch.ones(1), torch.ones(9)])
+        staging.stage([torch.ones(1, 1), torch.ones(1, 9)])
     with pytest.raises(ValueError, match="4 mass rows, the staging holds 3"):
-        staging.stage([torch.ones(1)] * 4)
-    assert one.tolist()[0][:2] == [1, 0]  # nothing rewritten
+        staging.stage([torch.ones(4, 1)])
+    assert three.tolist()[0] == [1] * 8  # nothing rewritten
     with pytest.raises(ValueError, match="must be positive"):
         MassStaging(2, 0)
 

@@ -261,8 +261,9 @@ class Engine:
         self.waiting.appendleft(req_id)
 
     def _forward(self, req_ids: list[int], tokens: list[list[int]], prefill: bool = False):
-        """One forward over rows of new tokens; returns (request, last logits, mass, new tokens)
-        per row. ``prefill``: one request's prompt (after its cached prefix)."""
+        """One forward over rows of new tokens; returns (request, last logits, the forward's mass
+        [rows, L] or None, new tokens) per row. ``prefill``: one request's prompt (after its
+        cached prefix)."""
         if self.simulated:
             return self._simulate(req_ids, tokens)
         kv, device = self.kv, self.config.device
@@ -302,8 +303,9 @@ class Engine:
             mass, cut_mass = mass[:, -1], mass[0, :-1]
         if prefill and mass is not None:
             mass = kv.prefill_mass(req_ids[0], mass[0], cut_mass)[None]
-        return [(self.requests[r], last[i], None if mass is None else mass[i], len(row))
-                for i, (r, row) in enumerate(zip(req_ids, tokens))]
+        if mass is not None:
+            mass = mass[: len(req_ids)]  # [rows, L]: every row of this forward gets the one tensor
+        return [(self.requests[r], last[i], mass, len(row)) for i, (r, row) in enumerate(zip(req_ids, tokens))]
 
     def _simulate(self, req_ids: list[int], tokens: list[list[int]]):
         """The simulated backend's forward: no model runs (token 1 always); the attention mass is
@@ -314,17 +316,25 @@ class Engine:
 
     def _batch_mass(self, req_ids: list[int], masses: list, queries: list[int]):
         """The attention mass of the requests going on, as the step takes it: [B, width] from
-        the forwards' rows, staged in one array, rewritten in place (``MassStaging``: the same
-        object each step, so the step's call repeats), or the simulated attention's function of
-        the token layout."""
+        the forwards' masses (``masses``: each row's forward's), staged in one array rewritten in
+        place (``MassStaging``: the same object each step, so the step's call repeats), or the
+        simulated attention's function of the token layout."""
         if not self.kv.needs_attention or not req_ids:
             return None
         if self.simulated:
             return self.model.batch_mass(req_ids, queries)
+        forwards, row = [], 0  # each forward's mass once: its rows follow each other in masses
+        while row < len(masses):
+            mass, n = masses[row], masses[row].shape[0]
+            rows_of_it = masses[row : row + n]
+            if len(rows_of_it) != n or any(m is not mass for m in rows_of_it):
+                raise RuntimeError(f"rows {row}-{row + n - 1} are not one forward's")
+            forwards.append(mass)
+            row += n
         # The step on the worker reads the staged array until it finishes: none is in flight
         # now (each iteration finishes its own), unless an iteration raised between the two.
         self.kv.finish_step()
-        return self.mass_staging.stage(masses)
+        return self.mass_staging.stage(forwards)
 
     def _advance(self, request: Request, logits: torch.Tensor) -> RequestOutput:
         req_id, params = request.req_id, request.params

@@ -4,18 +4,18 @@
 The step takes the mass as ``[B, >= L]`` and, where the host hands it the same array step after
 step, repeats its call on the worker with the last one's bound arguments (``step/repeat.py``): the
 C++ core reads the array again and checks its width. A host that built a new array each step
-would always take the whole path. So the engine copies each forward's mass rows into one float32
-array, as a CUDA-graph host copies its attention's static output into one pinned staging buffer,
-and hands over its first B rows, one view object per batch size B (the same object each time):
+would always take the whole path. So the engine copies each forward's mass into one float32
+array, one copy per forward (the decode rows' forward, then each prefill), as a CUDA-graph host
+copies its attention's static output into one pinned staging buffer, and hands over its first B
+rows, one view object per batch size B (the same object each time):
 
     array [max_rows, width] (width = max_seq_len rounded up to a block), B = 3:
-      row 0  | mass of request a, kv_len 9 ........ | 0 0 0 ...
-      row 1  | mass of request b, kv_len 5 ...| 0 0 0 0 0 0 ...
-      row 2  | mass of request c, kv_len 12 ............ | 0 ...
-      row 3  (not handed over)
+      rows 0-1  the decode forward's mass [2, 9] ........ | 0 0 0 ...
+      row  2    a prefill's mass [1, 12] ............ | 0 0 ...
+      row  3    (not handed over)
 
-A row's columns past its length are zero, as in a freshly padded batch: a row that held a longer
-request before is cleared up to what it held.
+A row's columns past its forward's width are zero, as in a freshly padded batch: a row that held
+a wider one before is cleared up to what it held.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class MassStaging:
 
     Args:
         max_rows: the most rows a batch has (the engine's ``max_batch_size``).
-        width: the longest row it takes (the engine's ``max_seq_len`` rounded up to a block).
+        width: the widest mass it takes (the engine's ``max_seq_len`` rounded up to a block).
     """
 
     def __init__(self, max_rows: int, width: int) -> None:
@@ -39,26 +39,31 @@ class MassStaging:
             raise ValueError(f"max_rows and width must be positive, got {max_rows} and {width}")
         self.width = width
         self._array = np.zeros((max_rows, width), dtype=np.float32)
+        self._rows = torch.from_numpy(self._array)  # the same memory, for one copy per forward
         self._views: dict[int, np.ndarray] = {}  # batch size -> its rows, one object each
-        self._written = [0] * max_rows  # columns each row holds now
+        self._written = np.zeros(max_rows, dtype=np.int64)  # columns each row may hold now
 
-    def stage(self, masses: Sequence[torch.Tensor]) -> np.ndarray:
-        """The batch's mass, one row per tensor (float32 [kv_len] on the host), as the first
-        ``len(masses)`` rows of the array: the same object as the last batch of this size got,
-        rewritten. Raises ``ValueError`` for more rows than ``max_rows`` or a row wider than
-        ``width`` (nothing rewritten)."""
-        batch, lengths = len(masses), [int(m.shape[0]) for m in masses]
+    def stage(self, forwards: Sequence[torch.Tensor]) -> np.ndarray:
+        """The batch's mass: each forward's float32 ``[rows, L]`` host tensor, in order, as the
+        first rows of the array (one copy each): the same object as the last batch of this size
+        got, rewritten. Raises ``ValueError`` for more rows than ``max_rows`` or a mass wider
+        than ``width`` (nothing rewritten)."""
+        batch = sum(int(m.shape[0]) for m in forwards)
         if batch > len(self._written):
             raise ValueError(f"{batch} mass rows, the staging holds {len(self._written)}")
-        if max(lengths, default=0) > self.width:
-            raise ValueError(f"a mass row of {max(lengths)} positions is wider than the staging width {self.width}")
-        array, written = self._array, self._written
-        for i, (mass, length) in enumerate(zip(masses, lengths)):
-            array[i, :length] = mass.numpy()
-            if written[i] > length:
-                array[i, length : written[i]] = 0.0
-            written[i] = length
+        widest = max((int(m.shape[1]) for m in forwards), default=0)
+        if widest > self.width:
+            raise ValueError(f"a mass of {widest} positions is wider than the staging width {self.width}")
+        row = 0
+        for mass in forwards:
+            n, length = mass.shape
+            self._rows[row : row + n, :length] = mass
+            held = int(self._written[row : row + n].max())
+            if held > length:
+                self._rows[row : row + n, length:held] = 0.0
+            self._written[row : row + n] = length
+            row += n
         view = self._views.get(batch)
         if view is None:
-            view = self._views[batch] = array[:batch]
+            view = self._views[batch] = self._array[:batch]
         return view

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The engine's host work to hand the step a batch's mass: staged in one array, rewritten in place
-(``MassStaging.stage``, since 419b1cc) against a new zero-padded tensor each step, filled row by
-row (what ``Engine._batch_mass`` did before; written out below). 64 rows of 4,000 float32
-positions, staging width 4,096; mean of 50 calls, three rounds in alternating order.
+(``MassStaging.stage``, since 419b1cc; one copy per forward since the commit that adds this
+sentence), against a new zero-padded tensor each step, filled row by row (what
+``Engine._batch_mass`` did before 419b1cc; written out below). One decode forward's mass, 64 rows
+of 4,000 float32 positions, staging width 4,096; mean of 50 calls, three rounds in alternating
+order.
 
     python benchmarks/step/mass_staging/run.py > benchmarks/step/mass_staging/output.txt
 """
@@ -20,7 +22,8 @@ BATCH, LENGTH, WIDTH, CALLS = 64, 4000, 4096, 50
 
 
 def main() -> None:
-    rows = list(torch.rand(BATCH, LENGTH))
+    forward = torch.rand(BATCH, LENGTH)  # the decode forward's mass; each row's, as the engine had it
+    rows = list(forward)
     staging = MassStaging(BATCH, WIDTH)
 
     def new_tensor() -> torch.Tensor:  # the engine before 419b1cc
@@ -30,7 +33,7 @@ def main() -> None:
         return out
 
     def staged():
-        return staging.stage(rows)
+        return staging.stage([forward])
 
     for round_ in range(3):
         order = [("new_tensor", new_tensor), ("staged", staged)]
