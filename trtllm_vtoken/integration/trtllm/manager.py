@@ -12,8 +12,9 @@ same code runs on the real class inside the executor worker and on the test doub
                            learn the prompts and new tokens, the policy decides for all at once
                            (prefill mass summed in the forward; decode mass from the recorded
                            queries, one padded pass for all decode rows and one copy of the
-                           batch's [B, L] mass to the host), dense compaction copies every request's moves in one launch on
-                           the side stream, the execution stream waits on it (I3), and
+                           batch's [B, L] mass to the host), dense compaction copies every
+                           request's moves in one launch on the side stream, the execution
+                           stream waits on it (I3), and
                            rewind_kv_cache returns each request's freed tail before the scheduler
                            of N+1 counts free blocks
     free_resources         drop the token table, then super
