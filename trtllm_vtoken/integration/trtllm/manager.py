@@ -121,8 +121,8 @@ def build_manager_class(base: type) -> type:
             self.vtoken_consistency = RankConsistency(worker_ranks(kwargs.get("mapping")))
             self._vtoken_prefix: dict[int, list[int]] = {}  # request -> its reusable prompt blocks
             self._vtoken_shared: frozenset[int] = frozenset()
-            self.vtoken = VTokenState(settings, self.tokens_per_block, pools[0].shape[0], pools, self._vtoken_batch_mass,
-                                      reduce_mass=self.vtoken_consistency.reduce_mass,
+            self.vtoken = VTokenState(settings, self.tokens_per_block, pools[0].shape[0], pools,
+                                      self._vtoken_batch_mass, reduce_mass=self.vtoken_consistency.reduce_mass,
                                       shared_blocks=(lambda: self._vtoken_shared) if self._vtoken_reuse else None)
             self.vtoken_stats = StatsFile(settings.stats_file, settings.stats_interval_s) \
                 if settings.stats_file else None
