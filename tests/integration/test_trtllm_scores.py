@@ -29,7 +29,6 @@ from trtllm_vtoken.integration.trtllm import scores
 from trtllm_vtoken.integration.trtllm.scores import (
     QueryRecorder,
     batch_decode_attention_mass,
-    decode_attention_mass,
     prefill_attention_mass,
 )
 from trtllm_vtoken.runtime.attention import paged_attention
@@ -50,10 +49,10 @@ def test_decode_attention_mass_equals_the_reference_runtimes():
     blocks, kv_len = [5, 1, 6], 10
     q = torch.randn(LAYERS, HEADS, DIM, generator=gen)
     want = reference_decode_mass(cache, q, blocks, kv_len)
-    got = decode_attention_mass(q, cache.pool, blocks, kv_len)
+    got = batch_decode_attention_mass(q[None], cache.pool, [blocks], [kv_len])[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="needs 4 blocks"):
-        decode_attention_mass(q, cache.pool, blocks, 13)
+        batch_decode_attention_mass(q[None], cache.pool, [blocks], [13])
 
 
 def test_the_batchs_decode_mass_is_each_rows_own(monkeypatch):

@@ -175,14 +175,19 @@ class Engine:
         reported, self._reported = self._reported, []
         decode = self._schedule_decode()
         prefill = self._admit()
-        results: list[tuple[Request, torch.Tensor, torch.Tensor | None, int]] = []
+        results: list[tuple[Request, torch.Tensor, int]] = []
+        masses: list[torch.Tensor | None] = []  # each forward's [rows, L], its rows in results in order
         if decode:
-            results += self._forward(decode, [[self.requests[r].pending] for r in decode])
+            forwarded, mass = self._forward(decode, [[self.requests[r].pending] for r in decode])
+            results += forwarded
+            masses.append(mass)
             self.stats.decode_tokens += len(decode)
         for req_id in prefill:
             cached = self._prefill_from.pop(req_id)
             ids = self.requests[req_id].prefill_ids()[cached:]  # the cached prefix is not recomputed
-            results += self._forward([req_id], [ids], prefill=True)
+            forwarded, mass = self._forward([req_id], [ids], prefill=True)
+            results += forwarded
+            masses.append(mass)
             self.stats.prefill_tokens += len(ids)
             self.stats.cached_prompt_tokens += cached
         # One step for every row the forwards ran, begun before sampling: its new tokens join the
@@ -192,9 +197,9 @@ class Engine:
         # after it. Then admission learns what each request going on holds, and the prefix cache
         # keys the blocks that filled.
         rows = [request.req_id for request, *_ in results]
-        self.kv.start_step(rows, self._batch_mass(rows, [r[2] for r in results], [r[3] for r in results]),
+        self.kv.start_step(rows, self._batch_mass(rows, masses, [r[2] for r in results]),
                            overlap=self.config.step_overlap)
-        for request, logits, _, _ in results:
+        for request, logits, _ in results:
             reported.append(self._advance(request, logits))
         out = self.kv.finish_step()
         continuing = [r for r in rows if self.requests[r].status is Status.RUNNING]
@@ -261,9 +266,9 @@ class Engine:
         self.waiting.appendleft(req_id)
 
     def _forward(self, req_ids: list[int], tokens: list[list[int]], prefill: bool = False):
-        """One forward over rows of new tokens; returns (request, last logits, the forward's mass
-        [rows, L] or None, new tokens) per row. ``prefill``: one request's prompt (after its
-        cached prefix)."""
+        """One forward over rows of new tokens; returns its rows, (request, last logits, new
+        tokens) each, and its mass [rows, L] (None without one). ``prefill``: one request's prompt
+        (after its cached prefix)."""
         if self.simulated:
             return self._simulate(req_ids, tokens)
         kv, device = self.kv, self.config.device
@@ -303,38 +308,29 @@ class Engine:
             mass, cut_mass = mass[:, -1], mass[0, :-1]
         if prefill and mass is not None:
             mass = kv.prefill_mass(req_ids[0], mass[0], cut_mass)[None]
-        if mass is not None:
-            mass = mass[: len(req_ids)]  # [rows, L]: every row of this forward gets the one tensor
-        return [(self.requests[r], last[i], mass, len(row)) for i, (r, row) in enumerate(zip(req_ids, tokens))]
+        rows = [(self.requests[r], last[i], len(row)) for i, (r, row) in enumerate(zip(req_ids, tokens))]
+        return rows, None if mass is None else mass[: len(req_ids)]  # a graph's padding rows left out
 
     def _simulate(self, req_ids: list[int], tokens: list[list[int]]):
         """The simulated backend's forward: no model runs (token 1 always); the attention mass is
         computed at the step from the batch's token layout (``SimulatedModel.batch_mass``)."""
         self.kv.set_batch(req_ids)
         logits = torch.tensor([0.0, 1.0])
-        return [(self.requests[r], logits, None, len(row)) for r, row in zip(req_ids, tokens)]
+        return [(self.requests[r], logits, len(row)) for r, row in zip(req_ids, tokens)], None
 
     def _batch_mass(self, req_ids: list[int], masses: list, queries: list[int]):
         """The attention mass of the requests going on, as the step takes it: [B, width] from
-        the forwards' masses (``masses``: each row's forward's), staged in one array rewritten in
-        place (``MassStaging``: the same object each step, so the step's call repeats), or the
-        simulated attention's function of the token layout."""
+        the forwards' masses (each [rows, L], in the rows' order), staged in one array rewritten
+        in place (``MassStaging``: the same object each step, so the step's call repeats), or
+        the simulated attention's function of the token layout."""
         if not self.kv.needs_attention or not req_ids:
             return None
         if self.simulated:
             return self.model.batch_mass(req_ids, queries)
-        forwards, row = [], 0  # each forward's mass once: its rows follow each other in masses
-        while row < len(masses):
-            mass, n = masses[row], masses[row].shape[0]
-            rows_of_it = masses[row : row + n]
-            if len(rows_of_it) != n or any(m is not mass for m in rows_of_it):
-                raise RuntimeError(f"rows {row}-{row + n - 1} are not one forward's")
-            forwards.append(mass)
-            row += n
         # The step on the worker reads the staged array until it finishes: none is in flight
         # now (each iteration finishes its own), unless an iteration raised between the two.
         self.kv.finish_step()
-        return self.mass_staging.stage(forwards)
+        return self.mass_staging.stage(masses)
 
     def _advance(self, request: Request, logits: torch.Tensor) -> RequestOutput:
         req_id, params = request.req_id, request.params

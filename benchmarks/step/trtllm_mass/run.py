@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The TensorRT-LLM manager's decode mass for a batch: one padded pass (``batch_decode_attention_mass``)
-against one ``decode_attention_mass`` call and one host copy per request, as the manager made them
-before (that function from ``--before``'s tree; without it, today's, a batch of one). Counts the
-torch operators each makes (each a kernel launch on a GPU) and times both in alternating order.
+against one call and one host copy per request, as the manager made them before (its
+``decode_attention_mass`` from ``--before``'s tree; without it, today's pass for a batch of one).
+Counts the torch operators each makes (each a kernel launch on a GPU) and times both in
+alternating order.
 On CPU the copies to the host are free and the einsums dominate; on a GPU each per-row ``.cpu()``
 also waits for the device.
 
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass, decode_attention_mass
+from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass
 
 LAYERS, HEADS, KV_HEADS, DIM, TPB = 30, 9, 3, 64, 32
 SCORES = "trtllm_vtoken/integration/trtllm/scores.py"
@@ -58,7 +59,7 @@ def function_at(commit: str, name: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", help="the commit whose per-row decode_attention_mass to time (git; default: "
-                                          "today's, a batch of one)")
+                                          "today's pass for a batch of one)")
     parser.add_argument("--device", default="cpu", help="torch device of the pool and queries (default cpu)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=1024)
@@ -73,7 +74,10 @@ def main() -> None:
     q = torch.randn(args.batch, LAYERS, HEADS, DIM, generator=gen).bfloat16().to(args.device)
     sync = torch.cuda.synchronize if pool.device.type == "cuda" else (lambda: None)
 
-    row_mass = function_at(args.before, "decode_attention_mass") if args.before else decode_attention_mass
+    def one_row(q, pool, blocks, kv_len):
+        return batch_decode_attention_mass(q[None], pool, [blocks], [kv_len])[0]
+
+    row_mass = function_at(args.before, "decode_attention_mass") if args.before else one_row
 
     def per_row() -> np.ndarray:
         rows = [row_mass(q[i], pool, lists[i], kv_lens[i]).cpu() for i in range(args.batch)]

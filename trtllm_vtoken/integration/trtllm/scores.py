@@ -32,16 +32,6 @@ alone needs more (its pass then takes that row alone, as a row's own call did): 
 memory it takes beside a KV pool that fills the device."""
 
 
-def decode_attention_mass(q: torch.Tensor, pool: torch.Tensor, block_ids: Sequence[int], kv_len: int,
-                          layers: Sequence[int] | None = None) -> torch.Tensor:
-    """Mass per position ``[0, kv_len)`` for one decode row: ``batch_decode_attention_mass`` of
-    a batch of one (q: [num_layers, num_heads, head_dim]). Returns float32 [kv_len]."""
-    needed = -(-kv_len // pool.shape[4])
-    if needed > len(block_ids):
-        raise ValueError(f"kv_len {kv_len} needs {needed} blocks, the list has {len(block_ids)}")
-    return batch_decode_attention_mass(q[None], pool, [block_ids], [kv_len], layers)[0]
-
-
 def batch_decode_attention_mass(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[Sequence[int]],
                                 kv_lens: Sequence[int], layers: Sequence[int] | None = None) -> torch.Tensor:
     """Mass per position for a batch of decode rows, computed for all of them at once.
