@@ -57,7 +57,8 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
 
 
 def ensure_default_model(root: Path | None = None) -> Path:
-    """The converted SmolLM2 folder, converting it from the GGUF file on first use (~20 s)."""
+    """The converted SmolLM2 folder, converting it from the GGUF file on first use (about 40 s
+    on a 2-core CPU)."""
     target = (root or cache_dir()) / DEFAULT_MODEL
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
