@@ -5,6 +5,8 @@ modes decodes as in keep mode (same greedy tokens, logits equal to float32 round
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -70,6 +72,26 @@ def test_positions_follow_the_mode(model):
         table = engine.kv.step
         assert table.num_tokens(req) == 22 and table.kv_len(req) == 8
         assert engine.kv.next_position(req) == (22 if positions == "keep" else 8)
+
+
+def test_rerotation_time_is_its_own_part_of_the_step(model):
+    """Turning the keys back is counted as "rerotate", not as the invariant checks it follows."""
+    engine = Engine(model, config(positions="shift", policy="streaming_llm", check_invariants=False,
+                                  policy_options=POLICY_OPTIONS["streaming_llm"]))
+    turn, calls = engine.kv.rerotation.shift_requests, []
+
+    def slow_turn(*args):  # 10 ms more per pass: far above what the rest of a step's parts take
+        calls.append(time.sleep(0.01))
+        return turn(*args)
+
+    engine.kv.rerotation.shift_requests = slow_turn
+    for p in prompts(3):
+        engine.add_request(p, PARAMS)
+    while engine.has_unfinished():
+        engine.step()
+    seconds = engine.kv.step_stats.seconds
+    assert calls and seconds["rerotate"] >= 0.01 * len(calls)
+    assert seconds["checks"] < 0.005 * len(calls)
 
 
 def test_keep_mode_never_rerotates(model):

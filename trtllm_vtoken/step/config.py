@@ -85,10 +85,11 @@ class StepStats:
     waited_seconds: float = 0.0
     """Time the host's thread waited for those calls (their own time is counted as "core")."""
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("table", "policy", "core", "copy", "checks"), 0.0))
+        ("table", "policy", "core", "copy", "checks", "rerotate"), 0.0))
     """Host time: "table" the batch layout's upkeep (slots, block rows, counters); "policy" mass
     reduction, observation and selection; "core" the one token-table call (append, evict, plan,
-    commit); "copy" submitting the copy and ordering it; "checks" invariant checks. A fused step
+    commit); "copy" submitting the copy and ordering it; "checks" invariant checks; "rerotate"
+    turning the surviving keys back (shift positions, ``reclaim/rerotate.py``). A fused step
     counts its native call (the native decision, the table's step, the layout's update) as
     "core" and what prepares the decision (bounds, mass) as "policy"."""
     mass_seconds: float = 0.0

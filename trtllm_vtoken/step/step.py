@@ -276,9 +276,10 @@ class DecodeStep(CallBesideHost, StepRequests):
         out.copy = handle
         if self.checks:  # I1 on the relocated keys, before they turn
             self.checks.after(out, it.before, (out.changed if changed is None else changed).astype(bool))
+        t7 = clock()
         if self.rerotation is not None and out.lost.any():
             self.rerotation.shift_requests(self.core, dict(zip(req_ids.tolist(), out.lost.tolist())), stream)
-        t7 = clock()
+        t8 = clock()
         stats.steps += 1
         stats.tokens_evicted += out.num_evicted
         stats.compactions += num_changed
@@ -289,6 +290,7 @@ class DecodeStep(CallBesideHost, StepRequests):
         seconds["table"] += t5 - t4
         seconds["copy"] += t6 - t5
         seconds["checks"] += t7 - t6
+        seconds["rerotate"] += t8 - t7
         return out
 
     # ---- private -------------------------------------------------------------------------------
