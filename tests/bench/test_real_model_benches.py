@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trtllm_vtoken.bench.quality import QualityBenchConfig, run_quality_bench
+from trtllm_vtoken.bench.shift import ShiftBenchConfig, run_shift_bench
 from trtllm_vtoken.bench.utilization import UtilizationBenchConfig, run_utilization_bench
 
 pytestmark = pytest.mark.slow
@@ -92,3 +93,15 @@ def test_sla_scan_selects_levels_from_one_run(model, smollm2_tokenizer):
     for variant, levels in scans.items():
         meeting = [lv["clients"] for lv in levels if lv["latency_p95_s"] <= summary["sla_p95_s"]]
         assert summary["selected"][variant] == (max(meeting) if meeting else None)
+
+
+def test_shift_bench_compares_shift_with_keep_on_the_same_evictions(model, smollm2_tokenizer):
+    """Prefix caching is off in both modes: on in keep mode, the shared chat-template blocks' tokens
+    would be kept on top of the budget, keep would evict other tokens than shift (which runs
+    without caching), and the outputs would differ for that reason alone."""
+    cfg = ShiftBenchConfig(requests=3, max_prompt_tokens=128, max_output_tokens=16, repeats=1)
+    assert not any(cfg.engine_config(positions=p).prefix_caching for p in ("keep", "shift"))
+    result = run_shift_bench(cfg, model, smollm2_tokenizer)
+    runs = {r["label"]: r for r in result["runs"]}
+    assert all(r["outputs_equal_keep"] for r in runs.values())
+    assert runs["shift / dense"]["rerotation_passes"] > 0 and runs["keep / dense"]["rerotation_passes"] == 0

@@ -53,10 +53,13 @@ class ShiftBenchConfig:
         self.engine_config(positions="keep")  # ValueError for a bad count, policy or budget
 
     def engine_config(self, **overrides: Any) -> EngineConfig:
-        """A pool large enough that admission never waits (as ``bench overhead``'s)."""
+        """A pool large enough that admission never waits (as ``bench overhead``'s), prefix
+        caching off in both modes: shift positions turn it off (a shared block's keys cannot turn
+        for one request alone), and in keep mode it would keep shared blocks' tokens on top of the
+        budget, so keep would evict other tokens than shift and the outputs would not compare."""
         roomy = OverheadBenchConfig(self.workload, self.requests, self.max_prompt_tokens, self.max_output_tokens,
                                     self.tokens_per_block, self.repeats, self.seed)
-        return roomy.engine_config(policy=self.policy, budget=self.budget, **overrides)
+        return roomy.engine_config(policy=self.policy, budget=self.budget, prefix_caching=False, **overrides)
 
 
 def run_shift_bench(cfg: ShiftBenchConfig, model, tokenizer, progress=None) -> dict[str, Any]:
