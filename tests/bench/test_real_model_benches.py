@@ -86,9 +86,12 @@ def test_sla_scan_selects_levels_from_one_run(model, smollm2_tokenizer):
     assert [lv["clients"] for lv in scans["vtoken"]] == [1, 2]
     assert all(lv["output_tokens"] == 4 * lv["requests"] for levels in scans.values() for lv in levels)
     # The selection, recomputed from the scans by the definitions in bench/sla.py's docstring.
-    fitting = [lv for lv in scans["naive-evict"] if lv["max_running"] >= lv["clients"]]
+    fitting = [lv for lv in scans["naive-evict"] if lv["waited_steps"] == 0 and lv["preemptions"] == 0]
     reference = fitting[-1] if fitting else scans["naive-evict"][0]
     assert summary["c_ref"] == reference["clients"]
+    assert summary["budget_binds"] == (len(fitting) < len(scans["naive-evict"]))
+    for levels in scans.values():  # fewer running at once than clients: someone waited for blocks
+        assert all(lv["waited_steps"] > 0 for lv in levels if lv["max_running"] < lv["clients"])
     assert summary["sla_p95_s"] == pytest.approx(cfg.sla_factor * reference["latency_p95_s"])
     for variant, levels in scans.items():
         meeting = [lv["clients"] for lv in levels if lv["latency_p95_s"] <= summary["sla_p95_s"]]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trtllm_vtoken.bench.sharing import SharingBenchConfig, run_sharing_bench
-from trtllm_vtoken.bench.sla import SlaBenchConfig, select
+from trtllm_vtoken.bench.sla import SlaBenchConfig, reference_level, select
 
 
 def test_sharing_never_moves_shared_blocks_and_reaches_the_ideal():
@@ -31,6 +31,18 @@ def test_sla_selects_the_highest_level_within_the_sla():
     assert select(levels, 0.5) is None
     with pytest.raises(ValueError, match="ascending"):
         SlaBenchConfig(concurrency=(4, 2))
+
+
+def test_sla_reference_is_the_largest_level_naive_evict_fits_and_says_whether_the_budget_binds():
+    def level(clients, waited_steps=0, preemptions=0):
+        return {"clients": clients, "waited_steps": waited_steps, "preemptions": preemptions}
+
+    reference, binds = reference_level([level(4), level(8), level(12, waited_steps=3), level(16, preemptions=1)])
+    assert (reference["clients"], binds) == (8, True)
+    reference, binds = reference_level([level(4), level(8), level(16)])
+    assert (reference["clients"], binds) == (16, False)  # the top of the scan: equal C, not capacity
+    reference, binds = reference_level([level(4, waited_steps=1), level(8, waited_steps=9)])
+    assert (reference["clients"], binds) == (4, True)
 
 
 def test_alternating_repeats_report_the_median_run_per_row():
