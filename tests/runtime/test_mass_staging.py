@@ -10,9 +10,13 @@ import pytest
 import torch
 
 from tests.runtime.test_engine import LONG, config, prompts, run
+from trtllm_vtoken.bench.step import StepBenchConfig, buffer_mass
+from trtllm_vtoken.core import native
 from trtllm_vtoken.runtime.engine import Engine
 from trtllm_vtoken.runtime.mass_staging import MassStaging
 from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
+from trtllm_vtoken.runtime.sampling import SamplingParams
+from trtllm_vtoken.runtime.simulated import MODEL_SHAPES, SimulatedModel, SyntheticAttention
 
 
 def test_one_array_one_copy_per_forward_and_each_rows_tail_cleared():
@@ -63,3 +67,44 @@ def test_the_engines_staged_mass_repeats_h2o_and_computes_what_it_computes_at_on
     assert beside[2] == at_once[2]
     for r, logits in at_once[1].items():
         assert len(beside[1][r]) == len(logits) and all(torch.equal(a, b) for a, b in zip(logits, beside[1][r]))
+
+
+@pytest.mark.parametrize("step_impl", ["python", "cpp"])
+def test_the_simulated_backends_forward_tensor_is_staged_as_the_models(step_impl):
+    """A simulated forward's mass as a torch tensor (``vtoken bench step --mass staged``) goes
+    through the engine's staging, one copy per step into its one array: the step sees that array
+    (with the C++ core beside sampling the call repeats on it) and every request evicts the same
+    tokens as with the same values handed over as a host array (``--mass buffer``)."""
+    if step_impl == "cpp" and native.load() is None:
+        pytest.skip("the C++ core is not built")
+    cfg = StepBenchConfig(batches=(4,), context=96, tokens_per_block=8, steps=6, warmup=0, repeats=1)
+    row = dict(variant="vtoken", mode="dense", policy="h2o", impl=step_impl)
+    width = -(-cfg.max_seq_len() // cfg.tokens_per_block) * cfg.tokens_per_block
+    runs = {}
+    for tensor in (False, True):
+        model = SimulatedModel(MODEL_SHAPES["llama-3.1-8b"], SyntheticAttention(0), np.float32)
+        model.batch_mass = buffer_mass(cfg.seed, width, tensor=tensor)
+        engine = Engine(model, cfg.engine_config(4, row), record_trace=True)
+        seen = []
+        start_step = engine.kv.start_step
+
+        def watched(req_ids, mass=None, overlap=False, start_step=start_step, seen=seen):
+            seen.append(mass)
+            return start_step(req_ids, mass, overlap)
+
+        engine.kv.start_step = watched
+        ids = [engine.add_request([1] * (cfg.context - 3 * i), SamplingParams(max_tokens=8, ignore_eos=True))
+               for i in range(4)]
+        while engine.has_unfinished():
+            engine.step()
+        runs[tensor] = (engine, seen, [engine.pop_finished(r).evictions for r in ids], model.batch_mass(ids, [1] * 4))
+    (as_array, handed, evictions, array), (staged, staged_seen, staged_evictions, tensor) = runs[False], runs[True]
+    decode = [m for m in staged_seen if m is not None and len(m) == 4]
+    assert len(decode) >= 6 and all(m is decode[0] for m in decode)
+    # the staging's view of 4 rows (the same object for every batch of 4), holding the tensor's values
+    assert decode[0] is staged.mass_staging.stage([tensor]) and isinstance(decode[0], np.ndarray)
+    assert all(m is array for m in handed if m is not None and len(m) == 4)  # the host array, as it is
+    assert sum(len(v) for steps in staged_evictions for v in steps) > 0 and staged_evictions == evictions
+    assert staged.kv.step_stats.tokens_evicted == as_array.kv.step_stats.tokens_evicted
+    if step_impl == "cpp":
+        assert staged.kv.step_stats.repeated_steps == as_array.kv.step_stats.repeated_steps > 0

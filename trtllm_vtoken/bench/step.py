@@ -45,7 +45,9 @@ the default: the host only receives a buffer, as from a GPU's attention, but the
 the batch on the engine's thread to give the function its layout), as one buffer [batch,
 max_seq_len rounded up to blocks] handed over every step (``mass="buffer"``: a CUDA-graph host's
 static output staged to one host buffer; the call on the worker registers the batch and repeats,
-``step/repeat.py``), or from the simulated attention (``mass="synthetic"``), whose per-request
+``step/repeat.py``), as one such torch tensor per batch that the engine copies into its staging
+array on its own thread, as it stages the real model's forwards (``mass="staged"``; the copy is
+counted), or from the simulated attention (``mass="synthetic"``), whose per-request
 numpy work runs on the host's cores; its time is subtracted, but it leaves the caches cold for
 what runs after it, the paired native step included, so it narrows the difference in vToken's
 favour. Each row runs with the C++ core and with the Python core
@@ -71,6 +73,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from trtllm_vtoken.config_base import require_positive
 from trtllm_vtoken.runtime.config import EngineConfig
@@ -80,7 +83,7 @@ IMPLS = ("cpp", "python", "cpp-general", "cpp-at-once")
 """The step's core: C++ (its fused call where a batch allows, on the step's worker thread beside
 the engine's sampling), Python, C++ on the general path only, C++ with the fused call on the
 engine's thread before sampling (``EngineConfig.step_overlap`` off)."""
-MASSES = ("fixed", "buffer", "synthetic")
+MASSES = ("fixed", "buffer", "staged", "synthetic")
 NATIVE = dict(variant="native", mode="-", policy="-", impl="-")
 """The baseline row: plain block lists, no token table (also every run's paired partner)."""
 
@@ -97,8 +100,9 @@ class StepBenchConfig:
     """Among ``IMPLS``."""
     mass: str = "fixed"
     """Where the attention mass comes from: "fixed" (one array per layout shape, from a function
-    of the layout), "buffer" (one array per batch, the same every step) or "synthetic" (the
-    simulated attention)."""
+    of the layout), "buffer" (one array per batch, the same every step), "staged" (a forward's
+    tensor per batch, staged by the engine as the model's) or "synthetic" (the simulated
+    attention)."""
     threads: int = 0
     """The step's native H2O pass threads (``EngineConfig.step_threads``; 0: automatic, the default)."""
     seed: int = 0
@@ -230,8 +234,9 @@ def _prefilled(cfg: StepBenchConfig, batch: int, row: dict[str, Any]):
     model = SimulatedModel(MODEL_SHAPES["llama-3.1-8b"], SyntheticAttention(cfg.seed), np.float32)
     if cfg.mass == "fixed":
         model.batch_mass = fixed_mass(cfg.seed)
-    elif cfg.mass == "buffer":
-        model.batch_mass = buffer_mass(cfg.seed, -(-cfg.max_seq_len() // cfg.tokens_per_block) * cfg.tokens_per_block)
+    elif cfg.mass in ("buffer", "staged"):
+        width = -(-cfg.max_seq_len() // cfg.tokens_per_block) * cfg.tokens_per_block
+        model.batch_mass = buffer_mass(cfg.seed, width, tensor=cfg.mass == "staged")
     engine = Engine(model, cfg.engine_config(batch, row))
     params = SamplingParams(max_tokens=cfg.warmup + cfg.steps + 2, ignore_eos=True)
     for i in range(batch):  # lengths staggered by up to a block: requests cross blocks on different steps
@@ -252,15 +257,19 @@ def _timed_step(engine) -> float:
     return 1e6 * (wall - (stats.mass_seconds - mass_before))
 
 
-def buffer_mass(seed: int, width: int):
+def buffer_mass(seed: int, width: int, tensor: bool = False):
     """A ``batch_mass`` (``SimulatedModel``'s signature) returning one fixed random float32 array
     [B, width] per batch size, the same object every step: a host's staging buffer for its
-    attention's output, rewritten by the device's copy (not by these cores) each step."""
-    arrays: dict[int, np.ndarray] = {}
+    attention's output, rewritten by the device's copy (not by these cores) each step. ``tensor``:
+    a torch tensor instead, a forward's mass as the model's forward returns it to the host, which
+    the engine copies into its staging array (``MassStaging``) on its own thread, as on the real
+    model (the copy is host work, counted)."""
+    arrays: dict[int, Any] = {}
 
-    def batch_mass(req_ids: list[int], num_queries: list[int]) -> np.ndarray:
+    def batch_mass(req_ids: list[int], num_queries: list[int]):
         if len(req_ids) not in arrays:
-            arrays[len(req_ids)] = np.random.default_rng(seed).random((len(req_ids), width), dtype=np.float32)
+            values = np.random.default_rng(seed).random((len(req_ids), width), dtype=np.float32)
+            arrays[len(req_ids)] = torch.from_numpy(values) if tensor else values
         return arrays[len(req_ids)]
 
     return batch_mass

@@ -322,11 +322,16 @@ class Engine:
         """The attention mass of the requests going on, as the step takes it: [B, width] from
         the forwards' masses (each [rows, L], in the rows' order), staged in one array rewritten
         in place (``MassStaging``: the same object each step, so the step's call repeats), or
-        the simulated attention's function of the token layout."""
+        the simulated backend's own: a function of the token layout (its simulated attention) or
+        a host array, handed over as it is; a torch tensor [B, >= L] (a forward's mass, as the
+        model's) is staged as the model's."""
         if not self.kv.needs_attention or not req_ids:
             return None
         if self.simulated:
-            return self.model.batch_mass(req_ids, queries)
+            mass = self.model.batch_mass(req_ids, queries)
+            if not isinstance(mass, torch.Tensor):
+                return mass
+            masses = [mass]
         # The step on the worker reads the staged array until it finishes: none is in flight
         # now (each iteration finishes its own), unless an iteration raised between the two.
         self.kv.finish_step()
