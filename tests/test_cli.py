@@ -79,19 +79,19 @@ def test_bench_step_with_the_simulated_attention_evicts_alike(tmp_path, capsys):
 def test_bench_step_with_a_mass_buffer_repeats_the_h2o_call(tmp_path, capsys):
     """--mass buffer: one array per batch handed over every step; the H2O rows repeat the call on
     the step's worker (a function of the layout, the default, never lets them) and evict, move
-    and free as with the default. --mass staged (the same values as a forward's tensor, copied
-    into the engine's staging array each step) decides and repeats as the buffer."""
+    and free as with the default. --mass forward (the same values as a forward's tensor, a new
+    array each step) decides and repeats as the buffer."""
     rows = {}
-    for mass in ("buffer", "staged", "fixed"):
+    for mass in ("buffer", "forward", "fixed"):
         assert main(["bench", "step", "--batches", "4", "--context", "96", "--tokens-per-block", "8", "--steps", "3",
                      "--repeats", "1", "--impl", "cpp", "--mass", mass, "--out", str(tmp_path / mass)]) == 0
         rows[mass] = json.loads((tmp_path / mass / "step.json").read_text())
     out = capsys.readouterr().out
-    assert "one mass buffer per batch" in out and "staged by the engine each step" in out
-    for buffer, staged in zip(rows["buffer"], rows["staged"]):  # the engine's staging: the same decisions
-        assert staged["mass"] == "staged"
+    assert "one mass buffer per batch" in out and "a new array each step" in out
+    for buffer, forward in zip(rows["buffer"], rows["forward"]):  # the same decisions and repeats
+        assert forward["mass"] == "forward"
         for key in ("evicted_per_step", "moves_per_step", "blocks_freed_per_step", "repeated_share"):
-            assert staged[key] == buffer[key], (staged["label"], key)
+            assert forward[key] == buffer[key], (forward["label"], key)
     for buffer, fixed in zip(rows["buffer"], rows["fixed"]):
         assert buffer["label"] == fixed["label"] and buffer["mass"] == "buffer"
         for key in ("evicted_per_step", "moves_per_step", "blocks_freed_per_step"):

@@ -241,9 +241,18 @@ DecodeCall bound_call(BoundLayout& layout, vtoken::TokenTable& table, Ids req_id
 
 // The bound call with this step's new blocks (one sequence per request) and pressure, checked as
 // a call's own (BatchRefused, nothing changed); std::nullopt with the columns needed first.
+// `mass`: this step's array in place of the bound one (a host whose forward hands over a new host
+// array each step), one row per request, of the bound one's dtype; the call holds it until it ends.
 std::optional<DecodeCall> repeated_call(const DecodeCall& bound, nb::handle blocks, bool pressure,
-                                        int64_t& columns_needed) {
+                                        const std::optional<Mass>& mass, int64_t& columns_needed) {
   DecodeCall call = bound;
+  if (mass) {
+    if (!bound.mass || mass->dtype() != bound.mass->dtype()) {
+      throw BatchRefused("slots: a new mass needs a bound call that reads one, of the same dtype");
+    }
+    bind_mass(call.decision, *mass, call.rows.shape(0));  // one row per request, else ValueError
+    call.mass = mass;
+  }
   call.added = listed_blocks(blocks);
   call.pressure = pressure;
   columns_needed = 0;
@@ -401,15 +410,17 @@ void bind_decode(nb::module_& m) {
           "when it runs; repeat() checks its width against the rows' lengths.")
       .def(
           "repeat",
-          [](DecodeWorker& w, const DecodeCall& bound, nb::handle blocks, bool pressure) {
+          [](DecodeWorker& w, const DecodeCall& bound, nb::handle blocks, bool pressure, std::optional<Mass> mass) {
             int64_t columns_needed = 0;
-            std::optional<DecodeCall> call = repeated_call(bound, blocks, pressure, columns_needed);
+            std::optional<DecodeCall> call = repeated_call(bound, blocks, pressure, mass, columns_needed);
             if (call) w.start(std::move(*call));
             return columns_needed;
           },
-          "bound"_a, "blocks"_a, "pressure"_a,
+          "bound"_a, "blocks"_a, "pressure"_a, "mass"_a.noconvert() = nb::none(),
           "start() with a bound call's arguments and this step's new blocks (one sequence of block ids per "
-          "request) and pressure; returns as start() does.")
+          "request) and pressure; returns as start() does. mass: this step's array in place of the bound "
+          "one (one row per request, the bound one's dtype; BatchRefused otherwise, nothing started), its "
+          "width checked as the bound one's.")
       .def("wait", &DecodeWorker::wait,
            "Waits (the GIL released) for the call started last; returns (what slots_decide_step returns, the "
            "seconds it ran on the worker), or raises what it raised.")

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The engine's staged mass: one array, one copy per forward, one view per batch size, zero past
-each row; on the tiny model H2O's call then repeats and the engine computes what it computes at
-once."""
+"""The engine's mass: one forward's handed over as it is, several forwards' staged in one array
+(one copy per forward, one view per batch size, zero past each row); on the tiny model H2O's call
+repeats and the engine computes what it computes at once."""
 
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ def test_one_array_one_copy_per_forward_and_each_rows_tail_cleared():
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_the_engines_staged_mass_repeats_h2o_and_computes_what_it_computes_at_once(prefix_caching):
-    """Beside sampling, the C++ core's call repeats for H2O (the same staged array every step)
-    in most steps; every step's logits, the outputs and each request's evictions equal the
-    engine's with the call made at once (never repeated)."""
+def test_the_engines_mass_repeats_h2o_and_computes_what_it_computes_at_once(prefix_caching):
+    """Beside sampling, the C++ core's call repeats for H2O (the decode forward's array each
+    step, staged where a prefill joins the batch) in most steps; every step's logits, the outputs
+    and each request's evictions equal the engine's with the call made at once (never repeated)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig.tiny()).eval()
     results = {}
@@ -70,11 +70,11 @@ def test_the_engines_staged_mass_repeats_h2o_and_computes_what_it_computes_at_on
 
 
 @pytest.mark.parametrize("step_impl", ["python", "cpp"])
-def test_the_simulated_backends_forward_tensor_is_staged_as_the_models(step_impl):
-    """A simulated forward's mass as a torch tensor (``vtoken bench step --mass staged``) goes
-    through the engine's staging, one copy per step into its one array: the step sees that array
-    (with the C++ core beside sampling the call repeats on it) and every request evicts the same
-    tokens as with the same values handed over as a host array (``--mass buffer``)."""
+def test_the_simulated_backends_forward_tensor_is_handed_over_as_the_models(step_impl):
+    """A simulated forward's mass as a torch tensor (``vtoken bench step --mass forward``) reaches
+    the step as the model's one forward does: a numpy view of the tensor, a new array object each
+    step, no copy. With the C++ core beside sampling the call repeats on it as on one host array
+    handed over every step (``--mass buffer``), and every request evicts the same tokens."""
     if step_impl == "cpp" and native.load() is None:
         pytest.skip("the C++ core is not built")
     cfg = StepBenchConfig(batches=(4,), context=96, tokens_per_block=8, steps=6, warmup=0, repeats=1)
@@ -98,13 +98,12 @@ def test_the_simulated_backends_forward_tensor_is_staged_as_the_models(step_impl
         while engine.has_unfinished():
             engine.step()
         runs[tensor] = (engine, seen, [engine.pop_finished(r).evictions for r in ids], model.batch_mass(ids, [1] * 4))
-    (as_array, handed, evictions, array), (staged, staged_seen, staged_evictions, tensor) = runs[False], runs[True]
-    decode = [m for m in staged_seen if m is not None and len(m) == 4]
-    assert len(decode) >= 6 and all(m is decode[0] for m in decode)
-    # the staging's view of 4 rows (the same object for every batch of 4), holding the tensor's values
-    assert decode[0] is staged.mass_staging.stage([tensor]) and isinstance(decode[0], np.ndarray)
+    (as_array, handed, evictions, array), (forward, forward_seen, forward_evictions, tensor) = runs[False], runs[True]
+    decode = [m for m in forward_seen if m is not None and len(m) == 4]
+    assert len(decode) >= 6 and len({id(m) for m in decode}) == len(decode)  # a new array each step
+    assert all(isinstance(m, np.ndarray) and np.shares_memory(m, tensor.numpy()) for m in decode)  # no copy
     assert all(m is array for m in handed if m is not None and len(m) == 4)  # the host array, as it is
-    assert sum(len(v) for steps in staged_evictions for v in steps) > 0 and staged_evictions == evictions
-    assert staged.kv.step_stats.tokens_evicted == as_array.kv.step_stats.tokens_evicted
+    assert sum(len(v) for steps in forward_evictions for v in steps) > 0 and forward_evictions == evictions
+    assert forward.kv.step_stats.tokens_evicted == as_array.kv.step_stats.tokens_evicted
     if step_impl == "cpp":
-        assert staged.kv.step_stats.repeated_steps == as_array.kv.step_stats.repeated_steps > 0
+        assert forward.kv.step_stats.repeated_steps == as_array.kv.step_stats.repeated_steps > 0

@@ -5,8 +5,9 @@ Held to the whole path (the call at once, ``overlap=False``) step by step, with 
 victims hook (prefix caching's cut, run after the repeated call), through what must end
 the repetition: a request joining or leaving, a new budget, a block table outgrowing its
 columns, a block becoming shared, a list read anew, a bad block id. H2O repeats where the host
-hands the same mass buffer every step, rewritten in place, and not where it hands a new array or
-the step reduces the mass across ranks; a buffer too narrow for the rows refuses the call."""
+hands the same mass buffer every step, rewritten in place, or a new array of its rows and dtype
+each step, and not where it hands another dtype, a tensor, or the step reduces the mass across
+ranks; a mass too narrow for the rows refuses the call."""
 
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ def new_blocks(step, host: Host, req_ids: list[int]) -> list[list[int]]:
     return [host.allocate(1) if step.kv_len(r) == step.num_blocks(r) * host.tpb else [] for r in req_ids]
 
 
-def test_a_mass_buffer_rewritten_in_place_repeats_the_call_as_the_whole_path():
+def test_a_mass_buffer_rewritten_in_place_or_a_new_array_repeats_the_call_as_the_whole_path():
     buffer = np.zeros((3, 40), np.float32)
 
     def in_place(i, values):
@@ -142,9 +143,9 @@ def test_a_mass_buffer_rewritten_in_place_repeats_the_call_as_the_whole_path():
 
     repeated, step, host = h2o_loop(True, in_place)
     whole, reference, host_whole = h2o_loop(False, lambda i, values: values)
-    new_arrays, fresh, host_fresh = h2o_loop(True, lambda i, values: values)
+    new_arrays, fresh, host_fresh = h2o_loop(True, lambda i, values: values)  # a forward's output each step
     # The first two steps take the whole path (the prompt's counts, then the decode's), the rest repeat.
-    assert step.stats.repeated_steps == len(repeated) - 2 and fresh.stats.repeated_steps == 0
+    assert step.stats.repeated_steps == fresh.stats.repeated_steps == len(repeated) - 2
     assert sum(len(o.victims) for o in repeated) > 40
     for a, b, c in zip(repeated, whole, new_arrays):
         outputs_equal(a, b)
@@ -152,6 +153,18 @@ def test_a_mass_buffer_rewritten_in_place_repeats_the_call_as_the_whole_path():
     tables_equal(step, reference)
     tables_equal(fresh, reference)
     assert torch.equal(host.kv, host_whole.kv) and torch.equal(host_fresh.kv, host_whole.kv)
+
+
+def test_a_mass_of_another_dtype_or_a_tensor_takes_the_whole_path():
+    """float32 arrays first (steps 0 and 1 take the whole path: the prompt's counts, then the
+    decode's), then float64 arrays: the first of them takes the whole path, the next ones repeat
+    with it; torch tensors: every step takes the whole path. The same victims as the whole path."""
+    whole, _, _ = h2o_loop(False, lambda i, values: values, steps=8)
+    for later, repeats in ((lambda values: values.astype(np.float64), 5), (torch.from_numpy, 0)):
+        outs, step, _ = h2o_loop(True, lambda i, values: values if i < 2 else later(values), steps=8)
+        assert step.stats.repeated_steps == repeats
+        for a, b in zip(outs, whole):
+            outputs_equal(a, b)
 
 
 def test_a_mass_buffer_narrower_than_a_row_refuses_the_repeated_call_and_changes_nothing():
@@ -164,12 +177,12 @@ def test_a_mass_buffer_narrower_than_a_row_refuses_the_repeated_call_and_changes
         step.start(StepInput.of_lists([0, 1, 2], [1, 1, 1], blocks, mass=narrow), overlap=True)
     assert [step.kv_len(r) for r in (0, 1, 2)] == [7, 8, 9] and step.stats.repeated_steps == 1
     assert [step.num_blocks(r) for r in (0, 1, 2)] == [2, 2, 3]  # request 1's new block not taken
-    wider = np.zeros((3, 16), np.float32)  # another buffer: the whole path, then repeated
+    wider = np.zeros((3, 16), np.float32)  # another array, wide enough: repeated
     for _ in range(2):
         step.start(StepInput.of_lists([0, 1, 2], [1, 1, 1], blocks, mass=wider), overlap=True)
         step.finish()
         blocks = new_blocks(step, host, [0, 1, 2])
-    assert [step.kv_len(r) for r in (0, 1, 2)] == [9, 10, 11] and step.stats.repeated_steps == 2
+    assert [step.kv_len(r) for r in (0, 1, 2)] == [9, 10, 11] and step.stats.repeated_steps == 3
 
 
 def test_a_mass_the_step_reduces_across_ranks_is_never_repeated():

@@ -45,9 +45,10 @@ the default: the host only receives a buffer, as from a GPU's attention, but the
 the batch on the engine's thread to give the function its layout), as one buffer [batch,
 max_seq_len rounded up to blocks] handed over every step (``mass="buffer"``: a CUDA-graph host's
 static output staged to one host buffer; the call on the worker registers the batch and repeats,
-``step/repeat.py``), as one such torch tensor per batch that the engine copies into its staging
-array on its own thread, as it stages the real model's forwards (``mass="staged"``; the copy is
-counted), or from the simulated attention (``mass="synthetic"``), whose per-request
+``step/repeat.py``), as one such torch tensor per batch, a forward's output on the host, which
+the engine hands to the step as a numpy view, as it hands over the real model's decode forward
+(``mass="forward"``: a new array object each step, no copy; the call repeats with it), or from
+the simulated attention (``mass="synthetic"``), whose per-request
 numpy work runs on the host's cores; its time is subtracted, but it leaves the caches cold for
 what runs after it, the paired native step included, so it narrows the difference in vToken's
 favour. Each row runs with the C++ core and with the Python core
@@ -83,7 +84,7 @@ IMPLS = ("cpp", "python", "cpp-general", "cpp-at-once")
 """The step's core: C++ (its fused call where a batch allows, on the step's worker thread beside
 the engine's sampling), Python, C++ on the general path only, C++ with the fused call on the
 engine's thread before sampling (``EngineConfig.step_overlap`` off)."""
-MASSES = ("fixed", "buffer", "staged", "synthetic")
+MASSES = ("fixed", "buffer", "forward", "synthetic")
 NATIVE = dict(variant="native", mode="-", policy="-", impl="-")
 """The baseline row: plain block lists, no token table (also every run's paired partner)."""
 
@@ -100,8 +101,8 @@ class StepBenchConfig:
     """Among ``IMPLS``."""
     mass: str = "fixed"
     """Where the attention mass comes from: "fixed" (one array per layout shape, from a function
-    of the layout), "buffer" (one array per batch, the same every step), "staged" (a forward's
-    tensor per batch, staged by the engine as the model's) or "synthetic" (the simulated
+    of the layout), "buffer" (one array per batch, the same every step), "forward" (a forward's
+    tensor per batch, handed to the step by the engine as the model's) or "synthetic" (the simulated
     attention)."""
     threads: int = 0
     """The step's native H2O pass threads (``EngineConfig.step_threads``; 0: automatic, the default)."""
@@ -234,9 +235,9 @@ def _prefilled(cfg: StepBenchConfig, batch: int, row: dict[str, Any]):
     model = SimulatedModel(MODEL_SHAPES["llama-3.1-8b"], SyntheticAttention(cfg.seed), np.float32)
     if cfg.mass == "fixed":
         model.batch_mass = fixed_mass(cfg.seed)
-    elif cfg.mass in ("buffer", "staged"):
+    elif cfg.mass in ("buffer", "forward"):
         width = -(-cfg.max_seq_len() // cfg.tokens_per_block) * cfg.tokens_per_block
-        model.batch_mass = buffer_mass(cfg.seed, width, tensor=cfg.mass == "staged")
+        model.batch_mass = buffer_mass(cfg.seed, width, tensor=cfg.mass == "forward")
     engine = Engine(model, cfg.engine_config(batch, row))
     params = SamplingParams(max_tokens=cfg.warmup + cfg.steps + 2, ignore_eos=True)
     for i in range(batch):  # lengths staggered by up to a block: requests cross blocks on different steps
@@ -262,8 +263,7 @@ def buffer_mass(seed: int, width: int, tensor: bool = False):
     [B, width] per batch size, the same object every step: a host's staging buffer for its
     attention's output, rewritten by the device's copy (not by these cores) each step. ``tensor``:
     a torch tensor instead, a forward's mass as the model's forward returns it to the host, which
-    the engine copies into its staging array (``MassStaging``) on its own thread, as on the real
-    model (the copy is host work, counted)."""
+    the engine hands to the step as a new numpy view each step, as on the real model."""
     arrays: dict[int, Any] = {}
 
     def batch_mass(req_ids: list[int], num_queries: list[int]):

@@ -32,13 +32,13 @@ def register(bench) -> None:
                            "decode call: the general path for every batch), cpp-at-once (the fused call on the "
                            "engine's thread before sampling, not on the step's worker beside it), or both (= "
                            "cpp,python; the default; cpp is skipped where it is not built)")
-    step.add_argument("--mass", choices=["fixed", "buffer", "staged", "synthetic"], default="fixed",
+    step.add_argument("--mass", choices=["fixed", "buffer", "forward", "synthetic"], default="fixed",
                       help="the attention mass: one fixed random array per layout shape, from a function of the "
                            "layout (the host only receives a buffer, as from a GPU; the default), one array per "
                            "batch handed over every step (a CUDA-graph host's staging buffer: the call on the "
-                           "step's worker registers the batch and repeats), one forward's tensor per batch that "
-                           "the engine copies into its staging array each step as on the real model (the copy "
-                           "counted; the call repeats too), or the simulated attention (its "
+                           "step's worker registers the batch and repeats), one forward's host tensor per batch that "
+                           "the engine hands to the step as a new array each step, as the real model's decode "
+                           "forward (no copy; the call repeats with it), or the simulated attention (its "
                            "per-request numpy work runs on these cores, not counted, and leaves their caches cold "
                            "for what runs after it, the paired native step included)")
     step.add_argument("--threads", type=int, default=0,
@@ -77,7 +77,7 @@ def run_step(args: argparse.Namespace) -> int:
         result = run_step_bench(cfg, progress=bar)
     source = {"synthetic": "simulated attention (not counted)", "fixed": "a fixed mass array per layout",
               "buffer": "one mass buffer per batch, the same every step",
-              "staged": "one forward's mass per batch, staged by the engine each step"}[cfg.mass]
+              "forward": "one forward's mass tensor per batch, a new array each step"}[cfg.mass]
     print(f"vtoken bench step: engine + {source}, {cfg.context} tokens of context, "
           f"tokens_per_block {cfg.tokens_per_block}, one eviction per request per step; {cfg.steps} timed "
           f"steps per run, each paired step by step with a native engine; the median of {cfg.repeats} "

@@ -319,12 +319,13 @@ class Engine:
         return [(self.requests[r], logits, len(row)) for r, row in zip(req_ids, tokens)], None
 
     def _batch_mass(self, req_ids: list[int], masses: list, queries: list[int]):
-        """The attention mass of the requests going on, as the step takes it: [B, width] from
-        the forwards' masses (each [rows, L], in the rows' order), staged in one array rewritten
-        in place (``MassStaging``: the same object each step, so the step's call repeats), or
-        the simulated backend's own: a function of the token layout (its simulated attention) or
-        a host array, handed over as it is; a torch tensor [B, >= L] (a forward's mass, as the
-        model's) is staged as the model's."""
+        """The attention mass of the requests going on, as the step takes it, [B, width]: one
+        forward's float32 host tensor [B, L] as a numpy view of it, no copy (the step's call
+        repeats with a new array of the same rows and dtype each step, ``step/repeat.py``);
+        several forwards' (each [rows, L], in the rows' order) staged in one array rewritten in
+        place (``MassStaging``); or the simulated backend's own: a function of the token layout
+        (its simulated attention) or a host array, handed over as they are, a torch tensor as
+        the model's."""
         if not self.kv.needs_attention or not req_ids:
             return None
         if self.simulated:
@@ -332,6 +333,8 @@ class Engine:
             if not isinstance(mass, torch.Tensor):
                 return mass
             masses = [mass]
+        if len(masses) == 1:
+            return masses[0].detach().numpy()  # [B, L] float32 on the host (the forward's rows)
         # The step on the worker reads the staged array until it finishes: none is in flight
         # now (each iteration finishes its own), unless an iteration raised between the two.
         self.kv.finish_step()

@@ -6,16 +6,19 @@ work between: on the host's thread each Python call and numpy object costs a mul
 warm time (``benchmarks/step/cold_host``). The C++ core still checks the new blocks and tokens.
 
 A batch that observes attention repeats where the host hands the same mass buffer every step,
-rewritten in place (a CUDA-graph host's static output staged to one host buffer): the same numpy
-array, of the same shape and dtype, that the call took as it was (C order, float32 or float64, no
-``reduce_mass``). The call reads it when it runs; the C++ core checks its width against the rows'
-lengths at each repetition. A new array each step (a torch tensor, a reduced or converted mass)
-takes the whole path. ``tests/step/test_step_repeat.py`` holds both to the whole path."""
+rewritten in place (a CUDA-graph host's static output staged to one host buffer), or a new numpy
+array each step (a forward's output copied to the host), each as the call took the first (C
+order, one row per request, of the first one's dtype, float32 or float64; no ``reduce_mass``): the
+call reads this step's when it runs, and the C++ core checks its width against the rows' lengths
+at each repetition. A torch tensor, a reduced or converted mass takes the whole path.
+``tests/step/test_step_repeat.py`` holds each to the whole path."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.policies.budget import BoundsRule
@@ -41,9 +44,10 @@ class RepeatedCall(NamedTuple):
     rule: BoundsRule
     """``policy.bounds_rule()`` then (kept by the policy until an attribute of it is set)."""
     mass: Any
-    """The host's mass buffer the call reads (a numpy array), or None (the batch observes none)."""
+    """The host's mass array the call took (numpy), or None (the batch observes none)."""
     mass_form: tuple | None
-    """Its (shape, dtype) then: an array reshaped in place is not the buffer bound."""
+    """Its (shape, dtype) then: an array reshaped in place is not the buffer bound; a new array
+    repeats with the same rows and dtype."""
     bound: Any
     """The call's arguments but the new blocks and the pressure, bound once by the C++ core
     (``DecodeWorker.bind``: a call's own conversion of them costs the host's thread more than
@@ -68,17 +72,22 @@ class RepeatedCall(NamedTuple):
 
     def start_unchanged(self, inp: StepInput, slots: SlotMap, shared: Collection[int], worker: Any) -> int | None:
         """This step's call, started where the host passes what it passed then (equal lists, new
-        blocks one list per request, the same mass buffer or none) and nothing the skipped work
-        read has changed (``shared``: the blocks shared now): 0 (started) or the block-table
+        blocks one list per request, the same mass buffer, a new one of its rows and dtype, or
+        none) and nothing the skipped work read has changed (``shared``: the blocks shared now):
+        0 (started) or the block-table
         columns needed first, as ``DecodeWorker.start``. None: something changed, nothing started
         (the whole path runs). ``BatchRefused`` where the new blocks or the mass's width do not fit
         (nothing changed). One method, not three: each Python call on the host's thread costs a
         few microseconds after the host's own work."""
-        mass = inp.mass
-        if not (inp.new_block_offsets is None and mass is self.mass and type(inp.req_ids) in LISTS and
+        mass, form = inp.mass, self.mass_form
+        fresh = mass is not self.mass and form is not None and type(mass) is np.ndarray and mass.ndim == 2 and \
+            mass.dtype == form[1] and len(mass) == form[0][0] and mass.flags.c_contiguous
+        if not (inp.new_block_offsets is None and (mass is self.mass or fresh) and type(inp.req_ids) in LISTS and
                 type(inp.num_new) in LISTS and inp.req_ids == self.req_ids and inp.num_new == self.num_new and
                 slots.membership == self.membership and slots.native_layout() is self.layout and
                 bool(len(shared)) == self.iteration.native.skip_shared and self.policy.bounds_rule() is self.rule and
-                (mass is None or (mass.shape, mass.dtype) == self.mass_form)):
+                (mass is None or fresh or (mass.shape, mass.dtype) == form)):
             return None
+        if fresh:
+            return worker.repeat(self.bound, inp.new_blocks, inp.pressure, mass)
         return worker.repeat(self.bound, inp.new_blocks, inp.pressure)
