@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The batch's attention mass, staged in one host array and rewritten in place.
 
-The step takes the mass as ``[B, >= L]`` and, where the host hands it the same array step after
-step, repeats its call on the worker with the last one's bound arguments (``step/repeat.py``): the
-C++ core reads the array again and checks its width. A host that built a new array each step
-would always take the whole path. So the engine copies each forward's mass into one float32
-array, one copy per forward (the decode rows' forward, then each prefill), as a CUDA-graph host
-copies its attention's static output into one pinned staging buffer, and hands over its first B
-rows, one view object per batch size B (the same object each time):
+The step takes the mass as one ``[B, >= L]`` array. An iteration with one forward (a decode
+batch, or one prefill) hands that forward's host array over as it is; the step's call on the
+worker repeats with it (``step/repeat.py``: a new array of the same rows and dtype each step,
+its width checked by the C++ core). An iteration whose rows come from several forwards (the
+decode rows', then each prefill's) needs them in one array: the engine copies each forward's mass
+into one float32 array, one copy per forward, and hands over its first B rows, one view object
+per batch size B (the same object each time):
 
     array [max_rows, width] (width = max_seq_len rounded up to a block), B = 3:
       rows 0-1  the decode forward's mass [2, 9] ........ | 0 0 0 ...
