@@ -215,9 +215,9 @@ nb::tuple result_tuple(PackedResult&& p) {
 // A call's arguments bound once for a batch that repeats them (step/repeat.py RepeatedCall): each
 // repetition converts only its new blocks and pressure, where a call's own conversion of its
 // other arguments (three arrays, the layout, the table, the rule) costs the host's thread more
-// than the rest of the call's work there. The mass, where bound, is a buffer the host rewrites in
-// place every step (a CUDA-graph host's static output, staged to the host): the call reads it when
-// it runs. The batch's registration, and the mass's width against the rows' lengths after their
+// than the rest of the call's work there. The mass, where bound, is read when the call runs: the
+// host's buffer rewritten in place (a CUDA-graph host's static output, staged to the host), or the
+// array a repetition passes in its place (a forward's new output each step). The batch's registration, and the mass's width against the rows' lengths after their
 // new tokens, are checked at each repetition (bind runs while the call it repeats is on the worker,
 // so it reads no length).
 DecodeCall bound_call(BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new,
@@ -406,8 +406,8 @@ void bind_decode(nb::module_& m) {
           "fragmentation_threshold"_a, "stat"_a.noconvert() = nb::none(), "mass"_a.noconvert() = nb::none(),
           "skip_shared"_a = false, "threads"_a = 1, "num_blocks"_a = 0,
           "start()'s arguments but the new blocks, the pressure and may_plan, checked and bound once (a "
-          "BoundDecodeCall) for repeat(). The mass, if any, is the host's buffer, read by each repeated call "
-          "when it runs; repeat() checks its width against the rows' lengths.")
+          "BoundDecodeCall) for repeat(). The mass, if any, is read by each repeated call when it runs (or "
+          "the array repeat() passes in its place); repeat() checks its width against the rows' lengths.")
       .def(
           "repeat",
           [](DecodeWorker& w, const DecodeCall& bound, nb::handle blocks, bool pressure, std::optional<Mass> mass) {

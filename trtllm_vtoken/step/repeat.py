@@ -43,11 +43,9 @@ class RepeatedCall(NamedTuple):
     policy: EvictionPolicy
     rule: BoundsRule
     """``policy.bounds_rule()`` then (kept by the policy until an attribute of it is set)."""
-    mass: Any
-    """The host's mass array the call took (numpy), or None (the batch observes none)."""
-    mass_form: tuple | None
-    """Its (shape, dtype) then: an array reshaped in place is not the buffer bound; a new array
-    repeats with the same rows and dtype."""
+    mass_dtype: Any
+    """The dtype of the host's mass array the call took (numpy), or None (the batch observes
+    none): each repetition takes this step's array, of that dtype, one row per request."""
     bound: Any
     """The call's arguments but the new blocks and the pressure, bound once by the C++ core
     (``DecodeWorker.bind``: a call's own conversion of them costs the host's thread more than
@@ -67,27 +65,24 @@ class RepeatedCall(NamedTuple):
         bound = worker.bind(*arguments[:5], *arguments[7:11], *arguments[12:16], arguments[17])
         iteration = Iteration(*arguments[2:5], None, None, None)
         iteration.native, iteration.registers = decision, True
-        return cls(copied(req_ids), copied(num_new), slots.membership, arguments[0], policy, decision.rule, mass,
-                   None if mass is None else (mass.shape, mass.dtype), bound, iteration)
+        return cls(copied(req_ids), copied(num_new), slots.membership, arguments[0], policy, decision.rule,
+                   None if mass is None else mass.dtype, bound, iteration)
 
     def start_unchanged(self, inp: StepInput, slots: SlotMap, shared: Collection[int], worker: Any) -> int | None:
         """This step's call, started where the host passes what it passed then (equal lists, new
-        blocks one list per request, the same mass buffer, a new one of its rows and dtype, or
+        blocks one list per request, a mass array of the same dtype, one row per request, or
         none) and nothing the skipped work read has changed (``shared``: the blocks shared now):
-        0 (started) or the block-table
-        columns needed first, as ``DecodeWorker.start``. None: something changed, nothing started
+        0 (started) or the block-table columns needed first, as ``DecodeWorker.start``. None: something changed, nothing started
         (the whole path runs). ``BatchRefused`` where the new blocks or the mass's width do not fit
         (nothing changed). One method, not three: each Python call on the host's thread costs a
         few microseconds after the host's own work."""
-        mass, form = inp.mass, self.mass_form
-        fresh = mass is not self.mass and form is not None and type(mass) is np.ndarray and mass.ndim == 2 and \
-            mass.dtype == form[1] and len(mass) == form[0][0] and mass.flags.c_contiguous
-        if not (inp.new_block_offsets is None and (mass is self.mass or fresh) and type(inp.req_ids) in LISTS and
+        mass, dtype = inp.mass, self.mass_dtype
+        takes_mass = mass is None if dtype is None else (
+            type(mass) is np.ndarray and mass.dtype == dtype and mass.ndim == 2 and len(mass) == len(self.req_ids)
+            and mass.flags.c_contiguous)
+        if not (takes_mass and inp.new_block_offsets is None and type(inp.req_ids) in LISTS and
                 type(inp.num_new) in LISTS and inp.req_ids == self.req_ids and inp.num_new == self.num_new and
                 slots.membership == self.membership and slots.native_layout() is self.layout and
-                bool(len(shared)) == self.iteration.native.skip_shared and self.policy.bounds_rule() is self.rule and
-                (mass is None or fresh or (mass.shape, mass.dtype) == form)):
+                bool(len(shared)) == self.iteration.native.skip_shared and self.policy.bounds_rule() is self.rule):
             return None
-        if fresh:
-            return worker.repeat(self.bound, inp.new_blocks, inp.pressure, mass)
-        return worker.repeat(self.bound, inp.new_blocks, inp.pressure)
+        return worker.repeat(self.bound, inp.new_blocks, inp.pressure, mass)
