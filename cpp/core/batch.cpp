@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "batch.h"
 
+#include <chrono>
+
 namespace vtoken {
 
 namespace {
@@ -93,6 +95,11 @@ StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, 
                         num_new[i]);
     victims.assign(evict_ids + evict_offsets[i], evict_ids + evict_offsets[i + 1]);
     table.evict_tokens(req, victims);
+    // The compaction, timed where the request has holes (StepResult's plan / commit seconds).
+    using Clock = std::chrono::steady_clock;
+    const bool timed = !table.seq(req).pending_dead.empty();
+    const Clock::time_point began = timed ? Clock::now() : Clock::time_point{};
+    Clock::time_point planned_at = began;
     bool planned = false;
     if (mode == Compaction::kDense) {
       // The single-hole shortcut commits on its own; its one possible move is the last token
@@ -108,6 +115,7 @@ StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, 
         }
       }
       int64_t moved = 0;
+      if (timed) planned_at = Clock::now();
       if (table.fill_single_hole(req, moved, out.freed)) {
         if (moved) {
           out.move_tokens.push_back(token);
@@ -116,13 +124,16 @@ StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, 
         }
       } else {
         planned = table.plan_dense_into(req, plan);
+        if (timed) planned_at = Clock::now();
       }
     } else if (mode == Compaction::kLazy || mode == Compaction::kLazyDeferred) {
       if ((may_plan == nullptr || may_plan[i]) && (pressure || table.fragmentation(req) >= fragmentation_threshold)) {
         planned = table.plan_lazy_into(req, plan);
       }
+      if (timed) planned_at = Clock::now();
     } else {
       fully_dead_blocks(table, table.seq(req), dead);
+      if (timed) planned_at = Clock::now();
       if (!dead.empty()) {
         table.release_blocks(req, dead);
         out.freed.insert(out.freed.end(), dead.begin(), dead.end());
@@ -134,6 +145,11 @@ StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, 
       out.move_src.insert(out.move_src.end(), plan.src_slots.begin(), plan.src_slots.end());
       out.move_dst.insert(out.move_dst.end(), plan.dst_slots.begin(), plan.dst_slots.end());
       out.freed.insert(out.freed.end(), plan.blocks_to_free.begin(), plan.blocks_to_free.end());
+    }
+    if (timed) {
+      const Clock::time_point ended = Clock::now();
+      out.plan_seconds += std::chrono::duration<double>(planned_at - began).count();
+      out.commit_seconds += std::chrono::duration<double>(ended - planned_at).count();
     }
     out.move_offsets.push_back(static_cast<int64_t>(out.move_tokens.size()));
     out.freed_offsets.push_back(static_cast<int64_t>(out.freed.size()));

@@ -159,6 +159,7 @@ struct PackedResult {
   std::vector<int64_t> flat;
   size_t batch = 0, victims = 0, moves = 0;
   int64_t num_changed = 0;
+  double decide_seconds = 0.0, plan_seconds = 0.0, commit_seconds = 0.0;  // parts of the call's time
 };
 
 PackedResult packed(const vtoken::DecodeResult& r) {
@@ -173,7 +174,8 @@ PackedResult packed(const vtoken::DecodeResult& r) {
   if (t.move_tokens.size() != t.move_src.size() || t.move_dst.size() != t.move_src.size()) {
     throw std::logic_error("decode result: the moves' parts differ in length");
   }
-  PackedResult p{{}, batch, r.victim_ids.size(), t.move_src.size(), r.num_changed};
+  PackedResult p{{}, batch, r.victim_ids.size(), t.move_src.size(), r.num_changed, r.decide_seconds,
+                 t.plan_seconds, t.commit_seconds};
   p.flat.reserve(3 * (batch + 1) + 4 * batch + p.victims + 3 * p.moves + t.freed.size());
   for (const std::vector<int64_t>* part : {&r.victim_offsets, &t.move_offsets, &t.freed_offsets, &t.kv_lens, &r.lost,
                                            &r.num_tokens, &r.changed, &r.victim_ids, &t.move_tokens, &t.move_src,
@@ -205,11 +207,12 @@ class PackedBuffer {
   bool taken_ = false;
 };
 
-// (the buffer, batch, victims, moves, number changed, the buffer's length)
+// (the buffer, batch, victims, moves, number changed, the buffer's length, (decide, plan, commit)
+// seconds: where the call's time went, DecodeResult and StepResult say what each counts)
 nb::tuple result_tuple(PackedResult&& p) {
   const size_t size = p.flat.size();
   return nb::make_tuple(nb::cast(PackedBuffer(std::move(p.flat))), p.batch, p.victims, p.moves, p.num_changed,
-                        size);
+                        size, nb::make_tuple(p.decide_seconds, p.plan_seconds, p.commit_seconds));
 }
 
 // A call's arguments bound once for a batch that repeats them (step/repeat.py RepeatedCall): each
@@ -350,7 +353,7 @@ void bind_decode(nb::module_& m) {
       "selector passes over tokens in shared blocks; threads: the statistic's pass may split its rows over that "
       "many threads (select.h); lazy-deferred plans only the rows may_plan allows and commits nothing "
       "(decode_step.h). Returns (one int64 buffer (a PackedBuffer), batch, victims, moves, number changed, the "
-      "buffer's length): victim_offsets, "
+      "buffer's length, the seconds of (decide, plan, commit) inside the call): victim_offsets, "
       "victim_ids, the table's step as step_batch returns it, lost, num_tokens and changed, laid out as "
       "result_tuple says (step/fused.py FusedOutput takes it apart). The batch's new blocks: CSR (offsets, "
       "blocks int64 arrays) or, offsets None, blocks one sequence of block ids per request.");

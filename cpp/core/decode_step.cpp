@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "decode_step.h"
 
+#include <chrono>
+
 #include "select.h"
 
 namespace vtoken {
@@ -55,9 +57,11 @@ DecodeResult decide_and_step(SlotArrays& a, TokenTable& table, const int64_t* re
                              const int64_t* new_blocks, const Decision& decision, Compaction mode,
                              int64_t fragmentation_threshold, bool pressure, const uint8_t* may_plan,
                              const VictimsHook& on_victims) {
+  const auto began = std::chrono::steady_clock::now();
   const Selection picked = decide(a, table, req_ids, rows, batch, decision);
-  const int64_t tpb = a.tokens_per_block, num_victims = static_cast<int64_t>(picked.rows.size());
   DecodeResult out;
+  out.decide_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+  const int64_t tpb = a.tokens_per_block, num_victims = static_cast<int64_t>(picked.rows.size());
   // Victims as the table takes them (logical ids, CSR by request) and as the layout drops them
   // (row, slot), read from the layout before anything moves.
   std::vector<int64_t> victim_rows(num_victims), victim_slots(num_victims);

@@ -52,6 +52,7 @@ struct DecodeResult {
   std::vector<int64_t> num_tokens;  // [batch] logical lengths
   int64_t num_changed = 0;          // requests that moved tokens, released blocks or got shorter
   std::vector<int64_t> changed;     // [batch] 1 where so
+  double decide_seconds = 0.0;      // the decision's pass (select.h), the victims hook excluded
 };
 
 // Called with (victim_offsets, victim_ids) after the decision, before the table's step, when

@@ -60,7 +60,9 @@ fused call runs on the step's worker thread meanwhile (``EngineConfig.step_overl
 core sampling leaves free, so the host waits only for what outlasts the sampling. "cpp-at-once"
 rows run it on the engine's thread instead, before sampling: the same work, nothing beside it.
 "step us" counts the step's own work wherever it ran (the worker's call as "core"); "waited us"
-is the part of it the engine's thread waited for.
+is the part of it the engine's thread waited for. Of "core", the fused call's own clocks say how
+much went to the decision's pass, to planning and to committing the compaction
+(``StepStats.core_parts``); the rest is the table's upkeep (registration, append, evict, layout).
 
     engine thread   forward | start: checks, registration | sampling ........ | finish: wait, copy, output
     worker                                               | decide, table step, layout |
@@ -78,6 +80,7 @@ import torch
 
 from trtllm_vtoken.config_base import require_positive
 from trtllm_vtoken.runtime.config import EngineConfig
+from trtllm_vtoken.step.config import CORE_PARTS
 
 SPLIT = ("table", "policy", "core", "copy")
 IMPLS = ("cpp", "python", "cpp-general", "cpp-at-once")
@@ -181,13 +184,13 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
     native = _prefilled(cfg, batch, NATIVE)
     stats = engine.kv.step_stats
     host_us, native_us, evicted, moves, freed, waited, repeated = [], [], 0, 0, 0, 0.0, 0
-    split = dict.fromkeys(SPLIT, 0.0)
+    split, core_parts = dict.fromkeys(SPLIT, 0.0), dict.fromkeys(CORE_PARTS, 0.0)
     was_enabled = gc.isenabled()
     gc.disable()  # as timeit: a collection landing in a timed step times the collector
     try:
         for i in range(cfg.warmup + cfg.steps):
             before = (dict(stats.seconds), stats.tokens_evicted, stats.moves, stats.blocks_freed, stats.waited_seconds,
-                      stats.repeated_steps)
+                      stats.repeated_steps, dict(stats.core_parts))
             if i % 2 == 0:
                 native_step = _timed_step(native)
                 row_step = _timed_step(engine)
@@ -200,6 +203,8 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
             native_us.append(native_step)
             for name in SPLIT:
                 split[name] += 1e6 * (stats.seconds[name] - before[0][name]) / cfg.steps
+            for name in CORE_PARTS:
+                core_parts[name] += 1e6 * (stats.core_parts[name] - before[6][name]) / cfg.steps
             evicted += stats.tokens_evicted - before[1]
             moves += stats.moves - before[2]
             freed += stats.blocks_freed - before[3]
@@ -216,6 +221,7 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
             "native_us_p50": float(np.median(theirs)), "added_us_p50": float(np.median(mine - theirs)),
             "added_pct": float(100.0 * (np.median(mine / theirs) - 1.0)),
             "host_us_steps_min": float(np.min(mine)), "split_us": split,
+            "core_parts_us": core_parts,  # of split_us["core"]: the fused call's decide, plan, commit
             "step_us": sum(split.values()),  # the step's own time, timed inside it (not the glue around it)
             "waited_us": waited,  # of it, the engine's thread waiting for the call on the worker
             "evicted_per_step": evicted / cfg.steps, "moves_per_step": moves / cfg.steps,

@@ -48,7 +48,8 @@ class FusedOutput(StepOutput):
     when a part is first read, each part a view of it, an empty part the shared ``NONE``: a step
     whose output only its counts are read of makes no numpy object on the host's thread, where
     each costs a multiple of its warm time in the caches the host's own work leaves
-    (``benchmarks/step/cold_host``). The step sets ``req_ids`` and ``copy``.
+    (``benchmarks/step/cold_host``). The step sets ``req_ids`` and ``copy``; ``seconds`` holds the
+    call's (decide, plan, commit) seconds (``StepStats.core_parts``).
 
         0      B+1       2(B+1)     3(B+1)  +B       +2B   +3B         +4B = fixed
         victim_offsets | move_offsets | freed_offsets | kv_lens | lost | num_tokens | changed
@@ -57,7 +58,7 @@ class FusedOutput(StepOutput):
     """
 
     def __init__(self, native: tuple) -> None:  # not the dataclass's: the parts come when read
-        self._buffer, self._batch, self.num_evicted, self.num_moves, self.num_changed, size = native
+        self._buffer, self._batch, self.num_evicted, self.num_moves, self.num_changed, size, self.seconds = native
         self._fixed = 3 * self._batch + 3 + 4 * self._batch
         self.num_freed = size - self._fixed - self.num_evicted - 3 * self.num_moves
         self.req_ids, self.copy = NONE, None

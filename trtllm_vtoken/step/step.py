@@ -49,7 +49,7 @@ from trtllm_vtoken.reclaim.rerotate import KeyRerotation
 from trtllm_vtoken.step.background import background_for
 from trtllm_vtoken.step.beside import CallBesideHost
 from trtllm_vtoken.step.checks import StepChecks
-from trtllm_vtoken.step.config import StepConfig, StepStats
+from trtllm_vtoken.step.config import CORE_PARTS, StepConfig, StepStats
 from trtllm_vtoken.step.core import TableCore, make_core
 from trtllm_vtoken.step.decide import BadMass, BatchDecision
 from trtllm_vtoken.step.fused import FusedOutput, decide_and_step
@@ -250,6 +250,8 @@ class DecodeStep(CallBesideHost, StepRequests):
         if fused:  # the output itself, its parts made when read
             out, changed, num_changed, copied = result, None, result.num_changed, result.num_moves
             stats.fused_steps += 1
+            for name, part in zip(CORE_PARTS, result.seconds):  # of "core": the call's own clocks
+                stats.core_parts[name] += part
             if it.block_lists is not None and out.num_evicted:  # the call ran on the worker: the hook now
                 self._on_victims(req_ids, out.victim_offsets, out.victims, it.listed_before)
         else:

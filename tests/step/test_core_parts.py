@@ -1,0 +1,72 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where the fused native call's time goes (``StepStats.core_parts``): the call's own clocks time
+its decision pass, and the planning and committing of each request that has holes to compact
+(``cpp/core/batch.h`` StepResult). The parts lie inside "core"; a step with no holes times no
+compaction at all; the general path and the Python core time none of them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.step.drive import Host, make_step
+from trtllm_vtoken.core.native import load
+from trtllm_vtoken.policies import make_policy
+from trtllm_vtoken.step import StepInput
+from trtllm_vtoken.step.config import CORE_PARTS
+
+needs_cpp = pytest.mark.skipif(load() is None, reason="the C++ core is not built")
+
+
+def decode(step, host: Host, steps: int, observes: bool, overlap: bool = False) -> None:
+    """Four requests of 20 tokens, then ``steps`` decode steps of one token each (H2O: with a
+    random mass), each started and finished as an engine makes it."""
+    rng = np.random.default_rng(0)
+    req_ids = [0, 1, 2, 3]
+    for req in req_ids:
+        step.add_request(req)
+    lengths = [20] * 4
+
+    def mass():
+        return rng.random((4, max(step.kv_len(r) for r in req_ids) + 1)).astype(np.float32) if observes else None
+
+    step.run(StepInput.of_lists(req_ids, lengths, [host.allocate(-(-n // host.tpb)) for n in lengths],
+                                mass=rng.random((4, 20)).astype(np.float32) if observes else None))
+    for _ in range(steps):
+        fresh = [host.allocate(1) if step.kv_len(r) == step.num_blocks(r) * host.tpb else [] for r in req_ids]
+        step.start(StepInput.of_lists(req_ids, [1] * 4, fresh, mass=mass()), overlap=overlap)
+        host.release(step.finish().table.freed)
+
+
+@needs_cpp
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_evicting_fused_step_times_its_decision_plan_and_commit_inside_core(overlap):
+    host = Host(64, 8)
+    step = make_step(host, "cpp", "dense", policy=make_policy("h2o", 16), checks=False)
+    decode(step, host, 12, observes=True, overlap=overlap)
+    stats = step.stats
+    parts = stats.core_parts
+    assert stats.fused_steps == 13 and stats.tokens_evicted > 0
+    assert set(parts) == set(CORE_PARTS)
+    assert parts["decide"] > 0 and parts["plan"] > 0 and parts["commit"] > 0
+    assert sum(parts.values()) <= stats.seconds["core"]
+
+
+@needs_cpp
+def test_a_step_with_no_holes_times_no_compaction():
+    host = Host(64, 8)
+    step = make_step(host, "cpp", "dense", policy=make_policy("streaming_llm", 1.0), checks=False)
+    decode(step, host, 8, observes=False)
+    assert step.stats.fused_steps == 9 and step.stats.tokens_evicted == 0
+    assert step.stats.core_parts["plan"] == 0.0 and step.stats.core_parts["commit"] == 0.0
+
+
+@pytest.mark.parametrize("impl, fused", [("python", True), ("cpp", False)])
+def test_the_general_path_times_no_parts(impl, fused):
+    if impl == "cpp" and load() is None:
+        pytest.skip("the C++ core is not built")
+    host = Host(64, 8)
+    step = make_step(host, impl, "dense", policy=make_policy("h2o", 16), fused=fused, checks=False)
+    decode(step, host, 6, observes=True)
+    assert step.stats.tokens_evicted > 0 and step.stats.fused_steps == 0
+    assert step.stats.core_parts == dict.fromkeys(CORE_PARTS, 0.0)
