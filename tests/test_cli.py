@@ -49,16 +49,20 @@ def test_bench_step_prints_table_and_writes_rows(tmp_path, capsys):
     assert {r["blocks_freed_per_step"] for r in dense if not r.get("boundary")} == {0}
     assert [r["blocks_freed_per_step"] for r in dense if r.get("boundary")] == [4]
     assert all(r["moves_per_step"] == 4 for r in dense)
-    # The step alone, caches warm and flushed: the same evictions as in the engine, on every core
+    # The step alone, caches warm and flushed, and warm with the compaction timed: the same
+    # evictions as in the engine, on every core; only the timed rows split the compaction's time
     alone = json.loads((tmp_path / "step_alone.json").read_text())
     assert sorted((r["label"], r["impl"], r["caches"]) for r in alone) == sorted(
         (label, impl, caches) for label in ("indirection-only", "vtoken dense h2o", "vtoken lazy h2o",
                                             "vtoken dense streaming_llm")
-        for impl in impls for caches in ("warm", "flushed"))
+        for impl in impls for caches in ("warm", "flushed", "warm, timed"))
     for r in alone:
         assert r["batch"] == 4 and 0 < r["step_us_min"] <= r["step_us_p50"]
         assert r["evicted_per_step"] == (0 if r["label"] == "indirection-only" else 4)
         assert min(r["split_us"].values()) >= 0 and sum(r["split_us"].values()) > 0
+        compacts = r["impl"] == "cpp" and r["label"] != "indirection-only" and r["caches"] == "warm, timed"
+        assert (r["core_parts_us"]["commit"] > 0) == compacts
+        assert sum(r["core_parts_us"].values()) <= r["split_us"]["core"]
 
 
 def test_bench_step_with_the_simulated_attention_evicts_alike(tmp_path, capsys):

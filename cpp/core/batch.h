@@ -45,14 +45,20 @@ struct StepResult {
   std::vector<int64_t> freed_offsets;  // [batch + 1] CSR into freed
   std::vector<int64_t> freed;          // block ids released, request by request
   std::vector<int64_t> kv_lens;        // [batch] physical length after the step
-  // Where the compaction's time went, summed over the requests that had holes to compact (the
-  // others are not timed: a clock read costs ~30 ns, a hole-free request's compaction less):
+  // Where the compaction's time went, summed over the requests that had holes to compact, while
+  // set_compaction_timed(true) (else 0: the marks cost the loop ~10-15% in the step alone, and
+  // hole-free requests are never timed):
   //   plan    plan_dense / plan_lazy (and the single-hole check), naive-evict's dead-block search
   //   commit  what follows the plan: commit_in_place, fill_single_hole (it plans and commits one
   //           hole in one operation), naive-evict's block release, the plan's moves appended to
   //           the result (all that lazy-deferred does after planning)
   double plan_seconds = 0.0, commit_seconds = 0.0;
 };
+
+// Process-wide: whether step_batch times its compaction (StepResult's plan / commit seconds), a
+// diagnostic for benchmarks (off by default; a loop without the marks runs otherwise).
+void set_compaction_timed(bool on);
+bool compaction_is_timed();
 
 StepResult step_batch(TokenTable& table, const int64_t* req_ids, int64_t batch, const int64_t* num_new,
                       const int64_t* new_block_offsets, const int64_t* new_blocks,

@@ -121,6 +121,11 @@ NB_MODULE(_core, m) {
   bind_slots(m);
   bind_flights(m);
   bind_decode(m);
+  m.def("set_compaction_timed", &vtoken::set_compaction_timed, "on"_a,
+        "Process-wide: whether step_batch times each compaction's plan and commit (the decode call's "
+        "(decide, plan, commit) seconds; cpp/core/batch.h). A diagnostic, off by default: its per-request marks "
+        "cost the loop ~10-15% in the step alone.");
+  m.def("compaction_is_timed", &vtoken::compaction_is_timed, "Whether set_compaction_timed(True) is in force.");
   m.def(
       "select_lowest",
       [](nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> tokens,

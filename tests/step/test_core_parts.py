@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Where the fused native call's time goes (``StepStats.core_parts``): the call's own clocks time
-its decision pass, and the planning and committing of each request that has holes to compact
-(``cpp/core/batch.h`` StepResult). The parts lie inside "core"; a step with no holes times no
-compaction at all; the general path and the Python core time none of them."""
+its decision pass always, and, inside ``compaction_timed``, the planning and committing of each
+request that has holes to compact (``cpp/core/batch.h`` StepResult). The parts lie inside "core";
+outside the switch, or in a step with no holes, no compaction is timed; the general path and the
+Python core time none of them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.step.drive import Host, make_step
-from trtllm_vtoken.core.native import load
+from trtllm_vtoken.core.native import compaction_timed, load
 from trtllm_vtoken.policies import make_policy
 from trtllm_vtoken.step import StepInput
 from trtllm_vtoken.step.config import CORE_PARTS
@@ -43,20 +44,32 @@ def decode(step, host: Host, steps: int, observes: bool, overlap: bool = False) 
 def test_an_evicting_fused_step_times_its_decision_plan_and_commit_inside_core(overlap):
     host = Host(64, 8)
     step = make_step(host, "cpp", "dense", policy=make_policy("h2o", 16), checks=False)
-    decode(step, host, 12, observes=True, overlap=overlap)
+    with compaction_timed():
+        decode(step, host, 12, observes=True, overlap=overlap)
     stats = step.stats
     parts = stats.core_parts
     assert stats.fused_steps == 13 and stats.tokens_evicted > 0
     assert set(parts) == set(CORE_PARTS)
     assert parts["decide"] > 0 and parts["plan"] > 0 and parts["commit"] > 0
     assert sum(parts.values()) <= stats.seconds["core"]
+    assert not load().compaction_is_timed()  # switched off again after the block
+
+
+@needs_cpp
+def test_outside_the_switch_only_the_decision_is_timed():
+    host = Host(64, 8)
+    step = make_step(host, "cpp", "dense", policy=make_policy("h2o", 16), checks=False)
+    decode(step, host, 12, observes=True, overlap=True)
+    assert step.stats.tokens_evicted > 0 and step.stats.core_parts["decide"] > 0
+    assert step.stats.core_parts["plan"] == 0.0 and step.stats.core_parts["commit"] == 0.0
 
 
 @needs_cpp
 def test_a_step_with_no_holes_times_no_compaction():
     host = Host(64, 8)
     step = make_step(host, "cpp", "dense", policy=make_policy("streaming_llm", 1.0), checks=False)
-    decode(step, host, 8, observes=False)
+    with compaction_timed():
+        decode(step, host, 8, observes=False)
     assert step.stats.fused_steps == 9 and step.stats.tokens_evicted == 0
     assert step.stats.core_parts["plan"] == 0.0 and step.stats.core_parts["commit"] == 0.0
 
@@ -67,6 +80,7 @@ def test_the_general_path_times_no_parts(impl, fused):
         pytest.skip("the C++ core is not built")
     host = Host(64, 8)
     step = make_step(host, impl, "dense", policy=make_policy("h2o", 16), fused=fused, checks=False)
-    decode(step, host, 6, observes=True)
+    with compaction_timed():
+        decode(step, host, 6, observes=True)
     assert step.stats.tokens_evicted > 0 and step.stats.fused_steps == 0
     assert step.stats.core_parts == dict.fromkeys(CORE_PARTS, 0.0)

@@ -60,9 +60,10 @@ fused call runs on the step's worker thread meanwhile (``EngineConfig.step_overl
 core sampling leaves free, so the host waits only for what outlasts the sampling. "cpp-at-once"
 rows run it on the engine's thread instead, before sampling: the same work, nothing beside it.
 "step us" counts the step's own work wherever it ran (the worker's call as "core"); "waited us"
-is the part of it the engine's thread waited for. Of "core", the fused call's own clocks say how
-much went to the decision's pass, to planning and to committing the compaction
-(``StepStats.core_parts``); the rest is the table's upkeep (registration, append, evict, layout).
+is the part of it the engine's thread waited for. Of "core", the fused call's own clock says how
+much went to the decision's pass ("decide", ``StepStats.core_parts``); the step alone
+(``bench/step_alone.py``, "warm, timed") splits the compaction into plan and commit too, with
+per-request marks the engine's rows run without.
 
     engine thread   forward | start: checks, registration | sampling ........ | finish: wait, copy, output
     worker                                               | decide, table step, layout |

@@ -10,10 +10,13 @@ the step costs by itself and what cold caches add to it:
 
     warm      step  step  step  ...            the step's own work, its state in the caches
     flushed   [64 MB] step  [64 MB] step  ...  the same work, everything fetched from memory
+    warm, timed                                warm, the compaction's plan and commit timed
+                                               (the fused call's split of "core")
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -21,12 +24,16 @@ import numpy as np
 
 from trtllm_vtoken.bench.h2o_pass import FLUSH_BYTES
 from trtllm_vtoken.bench.step import SPLIT, StepBenchConfig
+from trtllm_vtoken.core.native import compaction_timed
+from trtllm_vtoken.step.config import CORE_PARTS
 
 ROWS = (("indirection-only", dict(variant="indirection-only", mode="dense", policy="streaming_llm")),
         ("vtoken dense h2o", dict(variant="vtoken", mode="dense", policy="h2o")),
         ("vtoken lazy h2o", dict(variant="vtoken", mode="lazy", policy="h2o")),
         ("vtoken dense streaming_llm", dict(variant="vtoken", mode="dense", policy="streaming_llm")))
-CACHES = ("warm", "flushed")
+CACHES = ("warm", "flushed", "warm, timed")
+"""Warm, flushed, and warm again with the C++ core timing each compaction's plan and commit
+(``core.native.compaction_timed``: the split of "core"; its marks slow the loop)."""
 
 
 def time_step_alone(cfg: StepBenchConfig, batch: int, impl: str) -> list[dict[str, Any]]:
@@ -38,25 +45,29 @@ def time_step_alone(cfg: StepBenchConfig, batch: int, impl: str) -> list[dict[st
         row = {**settings, "impl": impl}
         step, pool, mass = _prefilled(cfg, batch, row)
         for caches in CACHES:
-            samples, split, evicted = [], dict.fromkeys(SPLIT, 0.0), 0
-            for i in range(cfg.warmup + cfg.steps):
-                inp = _decode_input(step, pool, batch, mass)
-                if caches == "flushed":
-                    flush += 1
-                before = dict(step.stats.seconds)
-                start = time.perf_counter()
-                done = step.run(inp)
-                elapsed = time.perf_counter() - start
-                pool.free(done.table.freed.tolist())
-                if i < cfg.warmup:
-                    continue
-                samples.append(1e6 * elapsed)
-                evicted += done.num_evicted
-                for name in SPLIT:
-                    split[name] += 1e6 * (step.stats.seconds[name] - before[name]) / cfg.steps
+            samples, split, parts, evicted = [], dict.fromkeys(SPLIT, 0.0), dict.fromkeys(CORE_PARTS, 0.0), 0
+            with compaction_timed() if caches.endswith("timed") else contextlib.nullcontext():
+                for i in range(cfg.warmup + cfg.steps):
+                    inp = _decode_input(step, pool, batch, mass)
+                    if caches == "flushed":
+                        flush += 1
+                    before, parts_before = dict(step.stats.seconds), dict(step.stats.core_parts)
+                    start = time.perf_counter()
+                    done = step.run(inp)
+                    elapsed = time.perf_counter() - start
+                    pool.free(done.table.freed.tolist())
+                    if i < cfg.warmup:
+                        continue
+                    samples.append(1e6 * elapsed)
+                    evicted += done.num_evicted
+                    for name in SPLIT:
+                        split[name] += 1e6 * (step.stats.seconds[name] - before[name]) / cfg.steps
+                    for name in CORE_PARTS:
+                        parts[name] += 1e6 * (step.stats.core_parts[name] - parts_before[name]) / cfg.steps
             out.append(dict(batch=batch, label=label, impl=impl, caches=caches, **settings,
                             step_us_p50=float(np.median(samples)), step_us_min=float(np.min(samples)),
-                            split_us=split, evicted_per_step=evicted / cfg.steps, steps=cfg.steps))
+                            split_us=split, core_parts_us=parts, evicted_per_step=evicted / cfg.steps,
+                            steps=cfg.steps))
     return out
 
 

@@ -84,13 +84,12 @@ def run_step(args: argparse.Namespace) -> int:
           f"alternating runs per row; H2O pass threads: {cfg.threads or 'automatic'}")
     headers = ["batch", "row", "impl", "host us/step", "native us/step", "added us", "added runs min-max",
                "added %", "added % runs", "step us", "step runs min-max", "waited us", "table us", "policy us",
-               "core us", "of core: decide / plan / commit us", "copy us", "evicted/step", "moves/step",
-               "freed/step", "repeated"]
+               "core us", "of core: decide us", "copy us", "evicted/step", "moves/step", "freed/step", "repeated"]
     rows = [[r["batch"], r["label"].removesuffix(f" {r['impl']}"), r["impl"], r["host_us_p50"], r["native_us_p50"],
              r["added_us_p50"], f"{r['added_us_p50_min']:,.0f} to {r['added_us_p50_max']:,.0f}", r["added_pct"],
              f"{r['added_pct_min']:.1f} to {r['added_pct_max']:.1f}",
              r["step_us"], f"{r['step_us_min']:,.0f}-{r['step_us_max']:,.0f}", r["waited_us"],
-             *(r["split_us"][k] for k in ("table", "policy", "core")), core_parts(r), r["split_us"]["copy"],
+             *(r["split_us"][k] for k in ("table", "policy", "core")), core_parts(r, ("decide",)), r["split_us"]["copy"],
              r["evicted_per_step"], r["moves_per_step"], r["blocks_freed_per_step"], f"{r['repeated_share']:.0%}"]
             for r in result["rows"]]
     print(format_table(headers, rows))
@@ -100,9 +99,9 @@ def run_step(args: argparse.Namespace) -> int:
           "inside it (the sum of the split; the engine's glue around it is not in it); waited: of it, what the "
           "engine's thread waited for the call on the step's worker beside its sampling; table: the step's batch "
           "layout; policy: mass, observe, select (vectorised); core: the one token-table call (append, evict, "
-          "plan, commit; a fused step's one native call); of core: the fused call's decision pass, planning and "
-          "committing of the compaction (its own clocks; the rest of core is the table's upkeep; '-' where the "
-          "general path ran); copy: the one copy of all moves (metadata only here); "
+          "plan, commit; a fused step's one native call); of core: the fused call's decision pass (its own "
+          "clock; '-' where the general path ran; the step alone below splits the rest); copy: the one copy of all "
+          "moves (metadata only here); "
           "repeated: the timed steps the call on the worker repeated with the last one's bound arguments")
     where = machine()
     listed = [dict(r, context=cfg.context, tokens_per_block=cfg.tokens_per_block, steps=cfg.steps,
@@ -114,13 +113,13 @@ def run_step(args: argparse.Namespace) -> int:
     return 0
 
 
-def core_parts(row: dict) -> str:
-    """A row's "of core" cell: the fused call's decide / plan / commit microseconds per step, or
-    "-" where no fused call ran (the Python core, the general path)."""
+def core_parts(row: dict, names: tuple[str, ...] = ("decide", "plan", "commit")) -> str:
+    """A row's "of core" cell: the fused call's parts (``StepStats.core_parts``), microseconds
+    per step, joined by " / ", or "-" where no fused call ran (the Python core, the general path)."""
     parts = row["core_parts_us"]
     if not any(parts.values()):
         return "-"
-    return " / ".join(f"{parts[name]:,.0f}" for name in ("decide", "plan", "commit"))
+    return " / ".join(f"{parts[name]:,.0f}" for name in names)
 
 
 def print_step_alone(cfg, where: dict, out) -> None:
@@ -132,11 +131,13 @@ def print_step_alone(cfg, where: dict, out) -> None:
     rows = [r for batch in cfg.batches for impl in impls for r in time_step_alone(cfg, batch, impl)]
     print(f"vToken's step alone (no engine): DecodeStep.run at the rows' settings, one token per request per "
           f"step; median of {cfg.steps} steps, caches as the last step left them (warm) or after 64 MB were "
-          "written (flushed, as the engine's own work leaves them)")
+          "written (flushed, as the engine's own work leaves them); 'warm, timed': warm, with the C++ core "
+          "timing each compaction's plan and commit (core.native.compaction_timed; the marks slow it)")
     print(format_table(["batch", "row", "impl", "caches", "step us", "min us", "table us", "policy us", "core us",
-                        "copy us", "evicted/step"],
+                        "of core: decide / plan / commit us", "copy us", "evicted/step"],
                        [[r["batch"], r["label"], r["impl"], r["caches"], r["step_us_p50"], r["step_us_min"],
-                         *(r["split_us"][k] for k in ("table", "policy", "core", "copy")), r["evicted_per_step"]]
+                         *(r["split_us"][k] for k in ("table", "policy", "core")), core_parts(r),
+                         r["split_us"]["copy"], r["evicted_per_step"]]
                         for r in rows]))
     publish(out, "step_alone", [dict(r, context=cfg.context, tokens_per_block=cfg.tokens_per_block, machine=where)
                                 for r in rows])

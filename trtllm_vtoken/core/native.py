@@ -10,7 +10,9 @@ extension is absent; ``vtoken info`` shows which is active.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -49,3 +51,21 @@ def native_table(tokens_per_block: int) -> Any:
     if core is None:
         raise RuntimeError("the C++ token table is not built (install the package with its cpp/ build)")
     return core.TokenTable(tokens_per_block)
+
+
+@contextlib.contextmanager
+def compaction_timed() -> Iterator[None]:
+    """Inside the block the C++ core times each compaction's plan and commit (process-wide,
+    ``set_compaction_timed`` in ``cpp/core/batch.h``): the fused call's "plan" and "commit"
+    seconds (``StepStats.core_parts``), 0 outside it. A diagnostic for benchmarks: its per-request
+    marks cost the table's loop ~10-15% in the step alone. Nothing happens without the C++ core."""
+    core = load()
+    if core is None:
+        yield
+        return
+    was = core.compaction_is_timed()
+    core.set_compaction_timed(True)
+    try:
+        yield
+    finally:
+        core.set_compaction_timed(was)

@@ -94,11 +94,11 @@ class StepStats:
     "core" and what prepares the decision (bounds, mass) as "policy"."""
     core_parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CORE_PARTS, 0.0))
     """Of "core", where the fused native call's time went (the C++ core's clocks, inside the
-    call): "decide" the decision's pass (H2O's statistic, the lowest ids); "plan" and "commit" the
-    compaction of the requests with holes (``cpp/core/batch.h`` StepResult: a single hole is filled
-    in one operation, counted as "commit"). The rest of "core" is the table's upkeep:
-    registration, append, evict, the layout's update and the output. The general path times its
-    table call as "core" alone."""
+    call): "decide" the decision's pass (H2O's statistic, the lowest ids), every call; "plan" and
+    "commit" the compaction of the requests with holes, only inside ``core.native.compaction_timed``
+    (a diagnostic; ``cpp/core/batch.h`` StepResult: a single hole is filled in one operation,
+    counted as "commit"). The rest of "core" is the table's upkeep: registration, append, evict,
+    the layout's update and the output. The general path times its table call as "core" alone."""
     mass_seconds: float = 0.0
     """Time in a ``Mass`` function (the simulated attention): not host work of the step."""
 
