@@ -73,20 +73,23 @@ def time_step_alone(cfg: StepBenchConfig, batch: int, impl: str) -> list[dict[st
 
 def _prefilled(cfg: StepBenchConfig, batch: int, row: dict[str, Any]):
     """The row's step with ``batch`` requests of ``context`` tokens, less up to a block each (as in
-    the bench's engine), registered in one prefill step; its pool; a fixed float32 mass."""
+    the bench's engine), registered in one prefill step; its pool, with room for every pass of
+    ``CACHES`` (a request that evicts nothing grows by one token a step); a fixed float32 mass."""
     from trtllm_vtoken.core import BlockPool
     from trtllm_vtoken.reclaim.copy import AccountingCopyExecutor
     from trtllm_vtoken.runtime.engine_step import make_step
 
     config = cfg.engine_config(batch, row)
-    pool = BlockPool(config.num_blocks, config.tokens_per_block)
-    step = make_step(config, config.num_blocks, pool, AccountingCopyExecutor(1))
     tpb = config.tokens_per_block
+    grown = len(CACHES) * (cfg.warmup + cfg.steps)  # tokens each request decodes over every pass
+    num_blocks = config.num_blocks + batch * -(-grown // tpb)  # the engine's pool holds one pass
+    pool = BlockPool(num_blocks, tpb)
+    step = make_step(config, num_blocks, pool, AccountingCopyExecutor(1))
     lengths = [cfg.context - i % tpb for i in range(batch)]
     blocks = [pool.allocate(-(-n // tpb)) for n in lengths]
     for req_id in range(batch):
         step.add_request(req_id)
-    width = cfg.context + cfg.warmup + cfg.steps + 1
+    width = cfg.context + grown + 1
     mass = np.random.default_rng(cfg.seed).random((batch, width), dtype=np.float32)
     step.run(_input(range(batch), lengths, blocks, mass if step.observes_attention() else None))
     return step, pool, mass
