@@ -61,7 +61,7 @@ def test_a_policy_that_sizes_its_window_its_own_way_has_no_rule_and_takes_the_ge
             return super().recent_tokens_batch(targets) + 1
 
     assert Wider(budget=Budget(ratio=0.5)).bounds_rule() is None
-    assert H2OPolicy(budget=Budget(ratio=0.5), recent_ratio=0.25).bounds_rule() == (-1, 0.5, 0, 0, 0.25)
+    assert H2OPolicy(budget=Budget(ratio=0.5), recent_ratio=0.25).bounds_rule() == (-1, 0.5, 0, 0, 0.25, 1)
     for policy, fused in ((H2OPolicy(budget=Budget(tokens=6)), 1), (Wider(budget=Budget(tokens=6)), 0)):
         pool = BlockPool(num_blocks=16, tokens_per_block=4)
         step = DecodeStep(StepConfig(compaction="dense"), pool.num_blocks, 4, policy)
@@ -85,11 +85,11 @@ def test_the_fused_call_checks_its_rule():
     call = dict(layout=slots.native_layout(), table=table, req_ids=empty, rows=empty, num_new=empty,
                 offsets=np.zeros(1, dtype=np.int64), blocks=empty, selector=1, compaction=0,
                 fragmentation_threshold=1, pressure=False)
-    native.slots_decide_step(**call, rule=(-1, 0.5, 4, 0, 0.0))  # an empty batch
+    native.slots_decide_step(**call, rule=(-1, 0.5, 4, 0, 0.0, 1))  # an empty batch
     with pytest.raises(TypeError):
         native.slots_decide_step(**call)
-    for bad in [(-2, 0.5, 0, 0, 0.0), (-1, 0.0, 0, 0, 0.0), (-1, 1.5, 0, 0, 0.0), (8, 1.0, -1, 0, 0.0),
-                (8, 1.0, 0, -1, 0.0), (8, 1.0, 0, 0, 1.5)]:
+    for bad in [(-2, 0.5, 0, 0, 0.0, 1), (-1, 0.0, 0, 0, 0.0, 1), (-1, 1.5, 0, 0, 0.0, 1), (8, 1.0, -1, 0, 0.0, 1),
+                (8, 1.0, 0, -1, 0.0, 1), (8, 1.0, 0, 0, 1.5, 1), (8, 1.0, 0, 0, 0.0, 0)]:
         with pytest.raises(ValueError, match="bounds rule"):
             native.slots_decide_step(**call, rule=bad)
         with pytest.raises(ValueError, match="out of range"):
@@ -101,7 +101,7 @@ def test_the_rule_is_kept_until_an_attribute_of_the_policy_is_set():
     first = policy.bounds_rule()
     assert policy.bounds_rule() is first  # a step asks every iteration: worked out once
     policy.budget = Budget(ratio=0.25)
-    assert policy.bounds_rule() == (-1, 0.25, 4, 0, 0.5)
+    assert policy.bounds_rule() == (-1, 0.25, 4, 0, 0.5, 1)
     policy.n_sink, policy.recent_ratio = 8, 0.0
-    assert policy.bounds_rule() == (-1, 0.25, 8, 0, 0.0)
+    assert policy.bounds_rule() == (-1, 0.25, 8, 0, 0.0, 1)
     assert make_policy("h2o", budget=Budget(tokens=96), n_sink=4, recent_ratio=0.5).bounds_rule() == first

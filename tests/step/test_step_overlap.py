@@ -150,7 +150,7 @@ def test_the_worker_binding_checks_at_start_and_raises_at_wait():
     native, worker = step.slots.native, step.slots.native.DecodeWorker()
     ids = np.array([0], dtype=np.int64)
     args = (step.slots.native_layout(), step.core.table, ids, np.array([0], dtype=np.int64), np.ones(1, np.int64),
-            np.zeros(2, np.int64), np.zeros(0, np.int64), 1, (6, 1.0, 2, 0, 0.0), 0, 1, False)
+            np.zeros(2, np.int64), np.zeros(0, np.int64), 1, (6, 1.0, 2, 0, 0.0, 1), 0, 1, False)
     with pytest.raises(ValueError, match="selector must be 0-2"):
         worker.start(*args[:7], 7, *args[8:])
     assert not worker.busy

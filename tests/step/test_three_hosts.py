@@ -49,7 +49,8 @@ def recorded(monkeypatch):
 
 def serve_engine(model) -> None:
     engine = Engine(model, EngineConfig(tokens_per_block=TPB, num_blocks=64, max_batch_size=4, max_seq_len=64,
-                                        check_invariants=True, prefix_caching=False, **POLICY))  # as the others
+                                        check_invariants=True, prefix_caching=False, eviction_unit=TPB,
+                                        **POLICY))  # as the manager, which gives tokens up a block at a time
     for n in PROMPTS:
         engine.add_request([1] * n, SamplingParams(max_tokens=STEPS + 2, ignore_eos=True))
     for _ in range(STEPS + 1):  # the prefill iteration, then decode iterations
