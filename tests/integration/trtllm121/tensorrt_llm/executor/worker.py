@@ -50,6 +50,7 @@ class GenerationExecutorWorker:
 
 def worker_main(llm_args=None) -> dict:
     applies = os.environ.get("TLLM_DOUBLE_WORKER_APPLIES_ENV_OVERRIDES", "1") == "1"
-    if applies and llm_args is not None and llm_args.env_overrides:
-        os.environ.update(llm_args.env_overrides)
+    overrides = getattr(llm_args, "env_overrides", None)  # an older TorchLlmArgs has no such field
+    if applies and overrides:
+        os.environ.update(overrides)
     return describe(GenerationExecutorWorker(llm_args).engine)
