@@ -9,7 +9,9 @@ What each imitates (read, not copied):
   HuiGao-NV/TensorRT-LLM@195839a73571888fc1236254c12fa6db7a815920): ``_get_num_paged_blocks``
   (batch x beam x ceil(window / tpb) blocks), ``setup`` (max_seq_length = context + new tokens;
   the window defaults to it and is capped by it; the pool is allocated with
-  ``_get_num_paged_blocks``), ``decode`` (one PoolsKVCacheManager per call, every sequence added
+  ``_get_num_paged_blocks``, in ``torch.int8`` when the engine quantizes its KV cache
+  (``quant_mode.has_kv_cache_quant()``), else in the session's dtype: ``generation.py`` ``setup``,
+  index id 680446581), ``decode`` (one PoolsKVCacheManager per call, every sequence added
   with the *longest* context length), ``handle_per_step`` (context tensors at step 0; run; if
   not the last step: manager ``step([False] * batch)``, ``get_block_offsets``,
   ``_get_next_step_shape_buffer``, ``_set_tensors`` on the other ping-pong context; then the
@@ -166,9 +168,11 @@ class SamplingConfigDouble12:
 
 
 class GenerationSessionDouble12:
-    def __init__(self, model: LlamaForCausalLM, tokens_per_block: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, tokens_per_block: int, dtype: torch.dtype = torch.float32,
+                 kv_cache_quant: bool = False) -> None:
         self.runtime = _RuntimeDouble12(EngineDouble12(model))
         self.tokens_per_block, self.device = tokens_per_block, torch.device("cpu")
+        self.dtype, self.kv_cache_quant = dtype, kv_cache_quant
         self.num_attn_layers, self.cfg = model.config.num_hidden_layers, model.config
         self.bound_history: list[dict[str, torch.Tensor]] = []  # what each next step was bound to
         self.generation_logits: list[torch.Tensor] = []
@@ -186,7 +190,8 @@ class GenerationSessionDouble12:
         self.sink_token_length = sink_token_length or 0
         num_blocks, _ = self._get_num_paged_blocks(self.max_attention_window_size, self.sink_token_length)
         self._memory_pool_allocator = MemoryPoolsAllocatorDouble12(num_blocks, self.tokens_per_block, self.cfg.head_dim)
-        self._memory_pool_allocator.allocate(torch.float32, MemoryPoolsAllocatorDouble12.prepare_num_kv_heads_per_layer(
+        kv_cache_type = torch.int8 if self.kv_cache_quant else self.dtype
+        self._memory_pool_allocator.allocate(kv_cache_type, MemoryPoolsAllocatorDouble12.prepare_num_kv_heads_per_layer(
             self.cfg.num_key_value_heads, self.num_attn_layers))
         self.runtime.engine.pools = self._memory_pool_allocator._pool_pointers
         self.sequence_length_buffer = torch.ones(batch_size, dtype=torch.int32)

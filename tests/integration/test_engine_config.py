@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engines vToken's engine path refuses, read from a ``trtllm-build`` ``config.json`` (its
+fields as an engine built by TensorRT-LLM writes them: ``pretrained_config.quantization``,
+``build_config.plugin_config``) and from the KV pool the session allocates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.integration.test_engine_runner import END_ID, TPB, prompts, settings
+from tests.integration.trtllm_session_double12 import GenerationSessionDouble12, ModelRunnerDouble12
+from trtllm_vtoken.integration.trtllm.engine_config import check_pool, engine_problems, engine_rope
+from trtllm_vtoken.integration.trtllm.engine_runner import VTokenEngineRunner
+from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
+
+PRETRAINED = {"architecture": "LlamaForCausalLM", "hidden_size": 64, "num_attention_heads": 4, "head_size": 16,
+              "position_embedding_type": "rope_gpt_neox", "rotary_base": 10000.0, "rotary_scaling": None,
+              "quantization": {"quant_algo": None, "kv_cache_quant_algo": None, "group_size": 128}}
+BUILD = {"plugin_config": {"paged_kv_cache": True, "tokens_per_block": 64, "streamingllm": False}}
+
+
+def engine_dir(tmp_path, quant=None, streamingllm=False):
+    pretrained = {**PRETRAINED, "quantization": {**PRETRAINED["quantization"], "kv_cache_quant_algo": quant}}
+    build = {"plugin_config": {**BUILD["plugin_config"], "streamingllm": streamingllm}}
+    (tmp_path / "config.json").write_text(json.dumps({"version": "1.2.1", "pretrained_config": pretrained,
+                                                      "build_config": build}))
+    return tmp_path
+
+
+def test_a_plain_engine_is_accepted(tmp_path):
+    assert engine_problems(json.loads((engine_dir(tmp_path) / "config.json").read_text())) == []
+    assert engine_rope(engine_dir(tmp_path)) == LlamaConfig.tiny().rope
+
+
+@pytest.mark.parametrize("quant", ["FP8", "INT8"])
+def test_kv_cache_quantization_is_refused(tmp_path, quant):
+    with pytest.raises(ValueError, match=f"KV cache is quantized \\(kv_cache_quant_algo '{quant}'\\)"):
+        engine_rope(engine_dir(tmp_path, quant=quant))
+
+
+def test_a_streamingllm_engine_is_refused(tmp_path):
+    """Position-shift mode caches unrotated keys and rotates them by cache slot at read time."""
+    with pytest.raises(ValueError, match=r"built with StreamingLLM .* re-rotation would rotate twice"):
+        engine_rope(engine_dir(tmp_path, streamingllm=True))
+
+
+def test_a_quantized_pool_is_refused_whatever_the_config_says():
+    """The session allocates an int8 pool for a quantized KV cache (fp8 too: torch had no fp8)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.tiny()).eval()
+    session = GenerationSessionDouble12(model, TPB, kv_cache_quant=True)
+    runner = ModelRunnerDouble12(session, max_batch_size=6, max_input_len=32, max_seq_len=64)
+    vtoken = VTokenEngineRunner(runner, settings("streaming_llm", 10), model.config.rope)
+    with pytest.raises(ValueError, match=r"KV pool holds torch.int8 codes \(KV-cache quantization\)"):
+        vtoken.generate(prompts(), max_new_tokens=4, end_id=END_ID, pad_id=0)
+    for dtype in (torch.float8_e4m3fn, torch.uint8):
+        with pytest.raises(ValueError, match="re-rotating quantized keys corrupts them"):
+            check_pool(torch.zeros(1, 1, 2, 1, 4, 8, dtype=dtype))
+    check_pool(torch.zeros(1, 1, 2, 1, 4, 8, dtype=torch.bfloat16))
