@@ -18,7 +18,10 @@ and before anything is bound:
               block manager's free list
     shift     every surviving key of a shortened sequence is turned back by the tokens it lost
               (``reclaim/rerotate.py``): the GPT attention plugin has no position input and
-              rotates each new token by its physical position, sequence_length - 1
+              rotates each new token by its physical position, sequence_length - 1. A request
+              gives tokens up a block at a time (``Budget.unit``), so a pass per block's worth;
+              in a 16-bit pool each pass starts from the value the key was written with
+              (``recover``), so roundings do not add up (test_engine_drift.py has the numbers)
     fit       each sequence holds exactly the blocks for its tokens plus the next one; the
               manager's length becomes the physical length + 1
     rewrite   kv_cache_block_offsets and its host twin from the block manager; sequence_length
@@ -82,7 +85,9 @@ class EngineVToken:
                              "are not supported")
         check_pool(pools[0])
         self.tokens_per_block = tokens_per_block
-        self.rerotation = KeyRerotation(pools, rope)
+        # 16-bit pools: each pass turns a key from the value it was written with (rerotate.py), so
+        # roundings do not add up over the passes a long-lived key (a sink) goes through.
+        self.rerotation = KeyRerotation(pools, rope, recover=pools[0].element_size() == 2)
         self.step = make_step(settings, tokens_per_block, pools[0].shape[0], pools, self.rerotation)
         self.blocks_trimmed = 0
         self.peak_blocks = 0
