@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """vToken inside TensorRT-LLM's PyTorch backend (1.2.1): one entry for users.
 
-    from tensorrt_llm import LLM
     from trtllm_vtoken.integration.trtllm import vtoken_llm_args
 
-    llm = LLM(model, **vtoken_llm_args(policy="h2o", budget=0.5))
+    args = vtoken_llm_args(policy="h2o", budget=0.5)  # before `import tensorrt_llm`: every build
+    from tensorrt_llm import LLM
+
+    llm = LLM(model, **args)
 
 ``vtoken_llm_args`` returns the LLM arguments vToken needs and sends its settings to TensorRT-LLM's
 executor worker (``env_overrides`` and this process's environment: call it before ``import
