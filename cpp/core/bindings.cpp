@@ -192,9 +192,9 @@ NB_MODULE(_core, m) {
 
   m.def(
       "candidate_bounds",
-      [](std::tuple<int64_t, double, int64_t, int64_t, double> rule, Ids num_tokens, Ids num_live, Ids protected_live) {
+      [](std::tuple<int64_t, double, int64_t, int64_t, double, int64_t> rule, Ids num_tokens, Ids num_live, Ids protected_live) {
         vtoken::BoundsRule r;
-        std::tie(r.tokens, r.ratio, r.n_sink, r.recent_window, r.recent_ratio) = rule;
+        std::tie(r.tokens, r.ratio, r.n_sink, r.recent_window, r.recent_ratio, r.unit) = rule;
         if (!vtoken::valid(r)) throw std::invalid_argument("candidate_bounds: the rule is out of range (budget.h)");
         const size_t n = num_tokens.shape(0);
         if (num_live.shape(0) != n || protected_live.shape(0) != n) {

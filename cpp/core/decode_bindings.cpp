@@ -27,7 +27,7 @@ namespace {
 using Stat32 = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Mass = nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Mask = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using Rule = std::tuple<int64_t, double, int64_t, int64_t, double>;
+using Rule = std::tuple<int64_t, double, int64_t, int64_t, double, int64_t>;
 
 // One decode call's arguments, checked. It holds a reference to every buffer it reads or writes
 // (the layout's through its BoundLayout), so they outlive a call on the worker thread; it is
@@ -112,9 +112,9 @@ std::optional<DecodeCall> checked_call(BoundLayout& layout, vtoken::TokenTable& 
   }
   vtoken::Decision d{static_cast<vtoken::Selector>(selector)};
   vtoken::BoundsRule& bounds = d.rule;
-  std::tie(bounds.tokens, bounds.ratio, bounds.n_sink, bounds.recent_window, bounds.recent_ratio) = rule;
+  std::tie(bounds.tokens, bounds.ratio, bounds.n_sink, bounds.recent_window, bounds.recent_ratio, bounds.unit) = rule;
   if (!vtoken::valid(bounds)) {
-    throw std::invalid_argument("slots_decide_step: a bounds rule is (tokens >= 0 or -1, ratio in (0, 1], "
+    throw std::invalid_argument("slots_decide_step: a bounds rule is (tokens >= 0 or -1, ratio in (0, 1], unit >= 1, "
                                 "n_sink >= 0, recent_window >= 0, recent_ratio in [0, 1])");
   }
   if (selector < 0 || selector > 2 || compaction < 0 || compaction > 3) {

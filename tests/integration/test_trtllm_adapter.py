@@ -70,15 +70,16 @@ def test_required_llm_settings_are_checked_all_at_once():
     check_llm_args(llm_args_dict())  # what vtoken_llm_args returns passes
     bad = llm_args_dict()
     bad["kv_cache_config"]["enable_partial_reuse"] = True
-    bad["disable_overlap_scheduler"] = False
+    bad["enable_chunked_prefill"] = True
     bad["scheduler_config"] = {"capacity_scheduler_policy": type("E", (), {"name": "GUARANTEED_NO_EVICT"})()}
     with pytest.raises(ValueError) as err:
         check_llm_args(bad)
     lines = str(err.value).splitlines()
     assert len(lines) == 4
     assert "kv_cache_config.enable_partial_reuse must be False (got True)" in lines[1]
-    assert "disable_overlap_scheduler must be True (got False)" in lines[2]
-    assert "capacity_scheduler_policy must be 'MAX_UTILIZATION' (got 'GUARANTEED_NO_EVICT')" in lines[3]
+    assert "capacity_scheduler_policy must be 'MAX_UTILIZATION' (got 'GUARANTEED_NO_EVICT')" in lines[2]
+    assert "enable_chunked_prefill must be None or False (got True)" in lines[3]
+    check_llm_args({**llm_args_dict(), "disable_overlap_scheduler": False})  # TensorRT-LLM's default: fine
 
 
 def test_model_yaml_example_matches_the_required_arguments():
@@ -244,26 +245,29 @@ def test_stats_file_writes_at_most_once_per_interval(tmp_path):
         VTokenSettings(stats_interval_s=0)
 
 
-def test_budget_aware_resource_need_and_refused_settings():
-    """TensorRT-LLM's demand is the reference runtime's admission formula: a 40-token prompt is
-    written whole before its first eviction (41 tokens with the first new one: 11 blocks, not
-    ceil(100 / 4) = 25); once it runs at its budget of 8 it needs no block beyond what it holds."""
-    from trtllm_vtoken.core import BlockPool
-    from trtllm_vtoken.reclaim.admission import AdmissionConfig, AdmissionController, RequestState
-
+def test_requests_give_tokens_up_a_block_at_a_time():
+    """A 40-token prompt with a budget of 8 keeps 8 (32 lost: 8 blocks); the next token would make
+    9 live, so a whole block goes (5 live); then it grows back to 8 before the next block goes.
+    What a request has lost stays a multiple of tokens_per_block, so the C++ manager's length
+    after the rewinds stays congruent to the logical length: TensorRT-LLM's scheduler, which counts
+    a request's next block from its logical length, counts the block add_token will take."""
     manager, gen = make_manager("sliding_window", budget=8), torch.Generator().manual_seed(3)
     request = make_request(0, prompt_len=40, max_new_tokens=60)
-    engine_admission = AdmissionController(BlockPool(64, TPB), AdmissionConfig("vtoken"))
-    assert manager.get_needed_resource_to_completion(request) == 11 == \
-        engine_admission.peak_blocks(RequestState(40, 40, 60, 8))
-    for i in range(3):
+    step, live = manager.vtoken.step, []
+    for i in range(10):
         batch = ScheduledRequests(**{"generation_requests" if i else "context_requests": [request]})
         manager.prepare_resources(batch)
         write_new_kv(manager, request, gen)
         manager.update_resources(batch)
-    step = manager.vtoken.step
-    assert step.num_live(0) == 8 and step.num_blocks(0) == 2
-    assert manager.get_needed_resource_to_completion(request) == 3 - 2  # ceil((8 + 1) / 4) - held
+        request.add_new_token(7, 0)  # the sampler's token: the logical length grows
+        live.append(step.num_live(0))
+        assert (step.num_tokens(0) - step.num_live(0)) % TPB == 0
+        assert manager.num_tokens_in_sequence(0) % TPB == step.num_tokens(0) % TPB
+        assert manager.get_cache_indices(request) == step.block_ids(0)
+    assert live == [8, 5, 6, 7, 8, 5, 6, 7, 8, 5]
+
+
+def test_refused_settings():
     cls = build_manager_class(KVCacheManager)
     settings = VTokenSettings(policy="random", budget=8)
     keywords = dict(num_layers=1, num_kv_heads=1, head_dim=2, tokens_per_block=4, max_seq_len=8, max_batch_size=1,
@@ -280,7 +284,7 @@ def test_padding_rows_and_unknown_requests_are_empty():
 
     manager = make_manager("random")
     assert manager.vtoken_evicted(CUDA_GRAPH_DUMMY_REQUEST_ID) == 0 and manager.vtoken_evicted(17) == 0
-    assert manager.vtoken.run([(CUDA_GRAPH_DUMMY_REQUEST_ID, [0], 1)]) is None
+    assert manager.vtoken.run([(CUDA_GRAPH_DUMMY_REQUEST_ID, [0], 1, 1)]) is None
     assert CUDA_GRAPH_DUMMY_REQUEST_ID not in manager.vtoken.step
 
 

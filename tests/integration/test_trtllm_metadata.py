@@ -24,10 +24,11 @@ def decoded_manager(steps: int = 6):
     tokens are evicted and compacted away."""
     manager, gen = make_manager("sliding_window", budget=8), torch.Generator().manual_seed(7)
     requests = [make_request(req, prompt_len=n, max_new_tokens=20) for req, n in enumerate(PROMPTS)]
-    manager.prepare_resources(ScheduledRequests(context_requests=requests))
+    prefill = ScheduledRequests(context_requests=requests)
+    manager.prepare_resources(prefill)
     for request in requests:
         write_new_kv(manager, request, gen)
-    manager.update_resources(ScheduledRequests(context_requests=requests))
+    manager.update_resources(prefill)
     for _ in range(steps):
         batch = ScheduledRequests(generation_requests=requests)
         manager.prepare_resources(batch)
@@ -93,7 +94,8 @@ def test_context_lengths_given_to_the_op_never_exceed_what_is_held():
 def test_context_rows_and_requests_without_evictions_keep_their_lengths():
     manager = make_manager("sliding_window", budget=64)
     requests = [make_request(0, prompt_len=6, max_new_tokens=4)]
-    manager.prepare_resources(ScheduledRequests(context_requests=requests))
+    prefill = ScheduledRequests(context_requests=requests)
+    manager.prepare_resources(prefill)
     metadata = build_metadata_class(TrtllmAttentionMetadata)(
         max_num_requests=2, kv_cache_manager=manager, request_ids=[0], prompt_lens=[6], num_contexts=1,
         seq_lens=torch.tensor([6]), kv_cache_params=KVCacheParams(use_cache=True, num_cached_tokens_per_seq=[0]))

@@ -61,9 +61,10 @@ def reference_mass(manager, q: torch.Tensor, blocks: list[int], kv_len: int) -> 
 
 def prefill_and_record(manager, layers, gen):
     request = make_request(0, prompt_len=9, max_new_tokens=8)
-    manager.prepare_resources(ScheduledRequests(context_requests=[request]))
+    prefill = ScheduledRequests(context_requests=[request])
+    manager.prepare_resources(prefill)
     write_new_kv(manager, request, gen)
-    manager.update_resources(ScheduledRequests(context_requests=[request]))
+    manager.update_resources(prefill)
     batch = ScheduledRequests(generation_requests=[request])
     manager.prepare_resources(batch)
     write_new_kv(manager, request, gen)
@@ -94,6 +95,14 @@ def test_a_pipeline_rank_maps_global_layers_to_its_own():
     assert pool[0, 1, 0, 0, 0, 0].item() == 5.0
 
 
+def latest_batch_mass(manager, rows):
+    """The manager's mass for rows of the batch prepared last (as its update computes it)."""
+    batches = manager._vtoken_batches
+    prepared = batches.latest()
+    return manager._vtoken_batch_mass(rows, lambda req_id: batches.recording(prepared, req_id),
+                                      max(kv_len for _, kv_len, _ in rows))
+
+
 def test_decode_mass_covers_every_pool():
     """Layers with 2 and 1 kv heads live in two pools; the mass sums both (pools[0] alone would
     miss half the layers)."""
@@ -104,7 +113,7 @@ def test_decode_mass_covers_every_pool():
     q = prefill_and_record(manager, [0, 1, 2, 3], gen)
     stacked = torch.stack([q[layer].view(HEADS, DIM) for layer in range(4)])
     blocks, kv_len = manager.get_cache_indices(make_request(0, 9, 8)), manager.vtoken.step.kv_len(0) + 1
-    got = manager._vtoken_batch_mass([(0, kv_len, blocks)])  # the decode token just written included
+    got = latest_batch_mass(manager, [(0, kv_len, blocks)])  # the decode token just written included
     assert got.shape == (1, kv_len) and got.dtype == np.float32
     torch.testing.assert_close(torch.from_numpy(got[0]), reference_mass(manager, stacked, blocks, kv_len),
                                rtol=1e-4, atol=1e-4)

@@ -88,6 +88,20 @@ def test_query_recorder_keeps_the_decode_rows():
     assert torch.equal(recorder.q[:3, 1], q[2:].view(3, HEADS, DIM)) and not recorder.q[:, 0].any()
 
 
+def test_the_query_buffer_holds_what_a_batch_can_hold():
+    """No batch decodes more requests than the pool has blocks (each holds one at least), nor more
+    than max_batch_size or max_num_tokens: the manager's buffer is that many rows, not
+    max_batch_size's (2048 by default in TensorRT-LLM, ~0.5 GiB at Llama-8B shapes); a captured
+    batch's padding rows, after the real ones, are not recorded."""
+    assert make_manager("h2o", num_blocks=3).vtoken_queries.max_batch_size == 3  # max_batch_size 4
+    assert make_manager("h2o", num_blocks=64).vtoken_queries.max_batch_size == 4
+    recorder = make_manager("h2o", num_blocks=3).vtoken_queries
+    q = torch.arange(4 * HEADS * DIM, dtype=torch.float32).view(4, HEADS * DIM)  # 3 requests + 1 padding row
+    recorder.record(0, q, num_generation=4)
+    assert recorder.q.shape == (3, LAYERS, HEADS, DIM)
+    assert torch.equal(recorder.q[:, 0], q[:3].view(3, HEADS, DIM))
+
+
 def test_patched_forward_takes_the_queries_out_of_fused_qkv():
     """TrtllmAttention gets q, k and v fused (k = v = None): the first num_heads heads are the
     queries, the next num_kv_heads the keys. One context request of 3 tokens, then 2 decode rows."""
@@ -151,20 +165,22 @@ def test_prefilled_prompts_reach_the_policy_with_their_attention():
                    for layer in range(LAYERS))
         live, mass = step.token_stats(request.py_request_id, "mass")  # H2O's accumulator, per live token
         np.testing.assert_allclose(mass, want.numpy()[live], rtol=1e-5)
-        assert step.num_live(request.py_request_id) == len(live) == min(n, 6)  # evicted right after prefill
+        # evicted right after prefill, a whole block at a time: 5 -> 5, 9 -> 5 (4 lost, not 3)
+        assert step.num_live(request.py_request_id) == len(live) == manager.vtoken.policy.budget.target(n) <= 6
 
 
 def test_a_mixed_batch_gets_one_mass_prompt_rows_and_decode_rows():
     """One iteration with a prompt (request 1) and a decode row (request 0): the manager's mass
     for the batch is one [2, L] float32 array, the prompt's row the prefill mass the forward summed,
     the decode row recomputed from its recorded queries, each zero past its own kv_len."""
-    from tests.integration.test_trtllm_parallel import reference_mass
+    from tests.integration.test_trtllm_parallel import latest_batch_mass, reference_mass
 
     manager, gen = make_manager("h2o", budget=64), torch.Generator().manual_seed(8)
     first = make_request(0, prompt_len=6, max_new_tokens=4)
-    manager.prepare_resources(ScheduledRequests(context_requests=[first]))
+    prefill = ScheduledRequests(context_requests=[first])
+    manager.prepare_resources(prefill)
     write_new_kv(manager, first, gen)
-    manager.update_resources(ScheduledRequests(context_requests=[first]))
+    manager.update_resources(prefill)
     prompt = make_request(1, prompt_len=5, max_new_tokens=4)
     batch = ScheduledRequests(context_requests=[prompt], generation_requests=[first])
     manager.prepare_resources(batch)
@@ -180,7 +196,7 @@ def test_a_mixed_batch_gets_one_mass_prompt_rows_and_decode_rows():
         fused = torch.cat([queries[layer], prompt_keys, torch.zeros(6, KV_HEADS * DIM)], dim=-1)
         record_queries(TrtllmAttention(layer, HEADS, DIM, KV_HEADS), fused, None, metadata)
     decode_blocks, kv_len = manager.get_cache_indices(first), manager.vtoken.step.kv_len(0) + 1
-    got = manager._vtoken_batch_mass([(1, 5, blocks), (0, kv_len, decode_blocks)])
+    got = latest_batch_mass(manager, [(1, 5, blocks), (0, kv_len, decode_blocks)])
     assert got.shape == (2, kv_len) and got.dtype == np.float32 and kv_len == 7
     want_prompt = sum(prefill_attention_mass(queries[layer, :5].view(5, HEADS, DIM), keys[:, layer])
                       for layer in range(LAYERS))

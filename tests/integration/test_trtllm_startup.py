@@ -32,18 +32,6 @@ REPO = Path(__file__).resolve().parents[2]
 HOOK = Path(sysconfig.get_paths()["purelib"]) / "trtllm_vtoken_startup.pth"
 
 
-@pytest.fixture
-def trtllm121(monkeypatch):
-    """The double importable as ``tensorrt_llm`` in this process; environment and modules restored."""
-    monkeypatch.syspath_prepend(str(TRTLLM121_ROOT))
-    saved = dict(os.environ)
-    yield
-    for name in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
-        del sys.modules[name]
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def run_client(code: str, **environ: str) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter whose ``tensorrt_llm`` is the double (vToken's variables unset)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VTOKEN_")}

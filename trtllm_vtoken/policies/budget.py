@@ -1,10 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
-"""How many live tokens a request may keep: a fixed count or a ratio of its logical length."""
+"""How many live tokens a request may keep: a fixed count or a ratio of its logical length, and
+in what unit it gives tokens up.
+
+A budget with ``unit`` u > 1 evicts in whole units: the tokens a request has lost (its logical
+length minus its live tokens) are always a multiple of u. Its target for n tokens is the largest
+count that keeps at most the plain target t(n) and loses a multiple of u::
+
+    target(n) = n - u * min(ceil((n - t(n)) / u), n // u)          <= t(n)
+
+(a plain target less than one unit below n keeps the request's tokens until a whole unit can go).
+With u = tokens_per_block a dense host's physical length stays congruent to the logical length
+modulo the block size, so a request needs a new block exactly when its logical length crosses a
+block boundary, which is what TensorRT-LLM's capacity scheduler counts
+(``getNeededBlocksOneStep`` reads the logical length). In position-shift mode the surviving keys
+are then re-rotated once per u tokens instead of once per token.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -16,6 +31,8 @@ class Budget:
 
     tokens: int | None = None
     ratio: float | None = None
+    unit: int = 1
+    """Tokens are given up in multiples of this many (1: one at a time)."""
 
     def __post_init__(self) -> None:
         if (self.tokens is None) == (self.ratio is None):
@@ -24,6 +41,8 @@ class Budget:
             raise ValueError(f"budget must not be negative, got {self.tokens} tokens")
         if self.ratio is not None and not 0.0 < self.ratio <= 1.0:
             raise ValueError(f"retention ratio must lie in (0, 1], got {self.ratio}")
+        if isinstance(self.unit, bool) or not isinstance(self.unit, int) or self.unit < 1:
+            raise ValueError(f"a budget's unit must be a positive integer, got {self.unit!r}")
 
     @classmethod
     def parse(cls, value: int | float | str) -> Budget:
@@ -41,23 +60,38 @@ class Budget:
             return cls(tokens=int(value))
         return cls(ratio=float(value))
 
+    def in_units(self, unit: int) -> Budget:
+        """The same budget, giving tokens up ``unit`` at a time."""
+        return replace(self, unit=unit)
+
     def target(self, num_tokens: int) -> int:
         """Live tokens allowed for a request of ``num_tokens`` logical tokens."""
         if self.tokens is not None:
-            return min(self.tokens, num_tokens)
-        return min(num_tokens, math.ceil(self.ratio * num_tokens))
+            plain = min(self.tokens, num_tokens)
+        else:
+            plain = min(num_tokens, math.ceil(self.ratio * num_tokens))
+        if self.unit == 1:
+            return plain
+        lost_units = min(-(-(num_tokens - plain) // self.unit), num_tokens // self.unit)
+        return num_tokens - self.unit * lost_units
 
     def targets(self, num_tokens: np.ndarray) -> np.ndarray:
         """``target`` for an array of lengths (the same float arithmetic). int64, same shape."""
         num_tokens = np.asarray(num_tokens, dtype=np.int64)
         if self.tokens is not None:
-            return np.minimum(self.tokens, num_tokens)
-        if self.ratio >= 1.0:  # the whole length (ceil(n) = n): no float pass
-            return num_tokens.copy()
-        return np.minimum(num_tokens, np.ceil(self.ratio * num_tokens).astype(np.int64))
+            plain = np.minimum(self.tokens, num_tokens)
+        elif self.ratio >= 1.0:  # the whole length (ceil(n) = n): no float pass
+            plain = num_tokens.copy()
+        else:
+            plain = np.minimum(num_tokens, np.ceil(self.ratio * num_tokens).astype(np.int64))
+        if self.unit == 1:
+            return plain
+        lost_units = np.minimum(-((plain - num_tokens) // self.unit), num_tokens // self.unit)
+        return num_tokens - self.unit * lost_units
 
     def __str__(self) -> str:
-        return f"{self.tokens} tokens" if self.tokens is not None else f"{self.ratio:g} of length"
+        plain = f"{self.tokens} tokens" if self.tokens is not None else f"{self.ratio:g} of length"
+        return plain if self.unit == 1 else f"{plain}, given up {self.unit} at a time"
 
 
 class BoundsRule(NamedTuple):
@@ -67,6 +101,8 @@ class BoundsRule(NamedTuple):
         room = target(num_tokens - protected); n_sink = min(n_sink, room)
         recent = min(max(recent_window, int(room * recent_ratio)), room - n_sink)
         excess = num_live - protected - room; candidates: live ids in [n_sink, num_tokens - recent)
+
+    where ``target`` gives tokens up ``unit`` at a time (``Budget.target``).
     """
 
     tokens: int
@@ -75,8 +111,10 @@ class BoundsRule(NamedTuple):
     n_sink: int
     recent_window: int
     recent_ratio: float
+    unit: int = 1
 
     @classmethod
     def of(cls, budget: Budget, n_sink: int, recent_window: int, recent_ratio: float = 0.0) -> BoundsRule:
         tokens = -1 if budget.tokens is None else budget.tokens
-        return cls(tokens, 1.0 if budget.ratio is None else budget.ratio, n_sink, recent_window, recent_ratio)
+        return cls(tokens, 1.0 if budget.ratio is None else budget.ratio, n_sink, recent_window, recent_ratio,
+                   budget.unit)

@@ -123,6 +123,8 @@ class EvictionSettings:
             raise ValueError("this engine has no eviction policy of its own: name one with 'policy'")
         same = engine is not None and name == engine.name
         budget = self.budget if self.budget is not None else (engine.budget if engine else None)
+        if budget is not None and engine is not None:  # the unit is the host's (whole blocks on TensorRT-LLM)
+            budget = budget.in_units(engine.budget.unit)
         if budget is None:
             raise ValueError(f"policy {name!r} needs a budget (a token count or a ratio)")
         options = dict(engine.options) if same else {}

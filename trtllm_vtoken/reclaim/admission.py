@@ -19,8 +19,7 @@ Because ``peak`` follows the eviction budget, blocks that compaction returns to 
 credited to admission at once, instead of being re-reserved as in a reservation based on the
 logical length.
 
-``peak_blocks`` is the one demand formula: the reference runtime's admission and TensorRT-LLM's
-``get_needed_resource_to_completion`` (``integration/trtllm``) both use it.
+``peak_blocks`` is the demand formula of the reference runtime's admission.
 """
 
 from __future__ import annotations

@@ -36,6 +36,9 @@ class EngineConfig:
     """Live tokens kept per request: a count (``256``) or a retention ratio (``0.5``)."""
     policy_options: dict[str, Any] = field(default_factory=dict)
     """The engine's policy is the default: a request may bring its own (``SamplingParams.eviction``)."""
+    eviction_unit: int = 1
+    """Tokens a request gives up at a time (``Budget.unit``; its own budget too). ``tokens_per_block``
+    decides as every TensorRT-LLM host does (whole blocks at a time)."""
     tokens_per_block: int = 16
     num_blocks: int = 512
     """The KV block budget: blocks in the pool, shared by all requests."""
@@ -107,7 +110,7 @@ class EngineConfig:
             raise ValueError(f"step_threads must be >= 0 (0: automatic), got {self.step_threads}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-        require_positive(self, "tokens_per_block", "num_blocks", "max_batch_size",
+        require_positive(self, "tokens_per_block", "num_blocks", "max_batch_size", "eviction_unit",
                          "max_seq_len", "fragmentation_threshold", "tensor_parallel_size")
         if self.evacuation_headroom < 0 or self.evacuation_headroom >= self.num_blocks:
             raise ValueError(f"evacuation_headroom must lie in [0, num_blocks), got {self.evacuation_headroom}")
@@ -115,11 +118,11 @@ class EngineConfig:
         self.make_policy()  # ValueError for a bad budget or option
 
     def make_policy(self):
-        return make_policy(self.policy, Budget.parse(self.budget), **self.policy_options)
+        return make_policy(self.policy, Budget.parse(self.budget).in_units(self.eviction_unit), **self.policy_options)
 
     def policy_spec(self) -> PolicySpec:
         """The engine's policy as a spec (what requests without settings of their own run with)."""
-        return PolicySpec.of(self.policy, self.budget, self.policy_options)
+        return PolicySpec.of(self.policy, Budget.parse(self.budget).in_units(self.eviction_unit), self.policy_options)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -6,7 +6,6 @@
                                host offload
     scheduler_config           MAX_UTILIZATION: GUARANTEED_NO_EVICT would reserve prompt + max_new
                                blocks per request again, so freed blocks would admit nobody
-    disable_overlap_scheduler  batch N+1 is not prepared before N's evictions
     max_beam_width             1 (rewind_kv_cache removes tokens of beam 0 only)
     enable_chunked_prefill     off: one context chunk per request
     attn_backend               "TRTLLM", the backend the hooks patch
@@ -38,7 +37,6 @@ def llm_args_dict(tokens_per_block: int = 32, settings: VTokenSettings | None = 
         "kv_cache_config": {"enable_block_reuse": True, "enable_partial_reuse": False,
                             "host_cache_size": 0, "tokens_per_block": tokens_per_block},
         "scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"},
-        "disable_overlap_scheduler": True,
         "max_beam_width": 1,
         "enable_chunked_prefill": False,
         "attn_backend": "TRTLLM",
@@ -90,8 +88,7 @@ def armed_llm_args(settings: VTokenSettings, tokens_per_block: int = 32, mode: s
         "kv_cache_config": api.KvCacheConfig(**plain["kv_cache_config"]),
         "scheduler_config": api.SchedulerConfig(
             capacity_scheduler_policy=api.CapacitySchedulerPolicy.MAX_UTILIZATION),
-        **{key: plain[key] for key in ("disable_overlap_scheduler", "max_beam_width", "enable_chunked_prefill",
-                                       "attn_backend")},
+        **{key: plain[key] for key in ("max_beam_width", "enable_chunked_prefill", "attn_backend")},
     }
     if "env_overrides" in api.TorchLlmArgs.model_fields:
         args["env_overrides"] = environment

@@ -4,23 +4,40 @@ vToken's token tables, policy and dense compaction.
 
 The class is built on the base it extends (``build_manager_class(KVCacheManager)``) so that the
 same code runs on the real class inside the executor worker and on the test double built from the
-1.2.1 signatures in CPU tests. Overrides, in the order an iteration calls them (hooks.md §9):
+1.2.1 signatures in CPU tests. Overrides, in the order ``PyExecutor._executor_loop`` calls them
+(``py_executor.py``; the loop's double in ``tests/integration/trtllm121``):
 
+    _pause_requests        a paused request is freed (free_resources below)
     prepare_resources(N)   super (add_sequence / add_token on the physical length); the rows of the
                            recorded queries follow the batch
-    update_resources(N)    super; then ONE step for the batch (``VTokenState.run``): the tables
-                           learn the prompts and new tokens, the policy decides for all at once
-                           (prefill mass summed in the forward; decode mass from the recorded
-                           queries, one padded pass for all decode rows and one copy of the
-                           batch's [B, L] mass to the host), dense compaction copies every
-                           request's moves in one launch on the side stream, the execution
-                           stream waits on it (I3), and
-                           rewind_kv_cache returns each request's freed tail before the scheduler
-                           of N+1 counts free blocks
+    ... forward N, sampling, _handle_responses: requests that finished with N are freed ...
+    update_resources(N)    super; then ONE step for the requests of N still held (finished ones are
+                           gone: a stop / EOS token or max_tokens on the first token, every dummy of
+                           KvCacheCreator's estimation run at LLM() start): the tables learn the
+                           prompts and new tokens, the policy decides for all at once (prefill mass
+                           summed in the forward; decode mass from the recorded queries, one padded
+                           pass for all decode rows and one copy of the batch's [B, L] mass to the
+                           host), dense compaction copies every request's moves in one launch on the
+                           side stream, the execution stream waits on it (I3), and rewind_kv_cache
+                           returns each request's freed tail before the scheduler of N+1 counts
+                           free blocks
     free_resources         drop the token table, then super
     (both)                 publish vToken's counters for the Triton model's metrics (stats.py)
-    add_dummy_requests     CUDA-graph padding requests: super only; vToken treats them as empty
-    get_needed_resource_to_completion   the reference runtime's admission demand (budget-aware)
+    add_dummy_requests     warm-up and CUDA-graph padding requests: super only; never prepared,
+                           never in vToken's tables, padding rows are treated as empty
+
+A request MAX_UTILIZATION pauses is prefilled again later, whole: TensorRT-LLM moves its generated
+tokens into its prompt (``LlmRequest::pause``) and recomputes their KV. vToken treats it as a new
+request: its table starts over the whole history, the policy sees that prefill's attention and
+the budget applies at once, so the tokens evicted before the pause are recomputed and the policy
+chooses again (a score policy from the new prefill's mass: what it had accumulated is gone).
+
+Admission is TensorRT-LLM's own: 1.2's executor schedules with the C++ capacity scheduler over
+``impl`` (``BindCapacityScheduler(..., kv_cache_manager.impl, ...)``), which never calls a Python
+override. It counts the free blocks the C++ manager holds, so the blocks vToken's rewinds returned
+are there for the next iteration's admission; and it counts each request's next block from its
+logical length (``getNeededBlocksOneStep``), which is exact because every request gives tokens up
+a whole block at a time (``state.make_step``: its physical length stays congruent modulo the block).
 
 Under tensor / pipeline parallelism every rank's manager runs the same step: the mass is summed
 over the ranks before scoring and, with ``check_invariants``, the table digests are compared
@@ -36,50 +53,13 @@ import torch
 
 from trtllm_vtoken.consistency import RankConsistency
 from trtllm_vtoken.integration.trtllm.arming import RECORD_KEY, worker_record
+from trtllm_vtoken.integration.trtllm.batches import PreparedBatches
+from trtllm_vtoken.integration.trtllm.pools import layer_offsets, manager_pools
 from trtllm_vtoken.integration.trtllm.ranks import parallel_layout_problem, worker_ranks
 from trtllm_vtoken.integration.trtllm.scores import QueryRecorder, batch_decode_attention_mass
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
 from trtllm_vtoken.integration.trtllm.state import VTokenState
 from trtllm_vtoken.integration.trtllm.stats import StatsFile, state_snapshot
-
-
-def layer_offsets(manager: Any) -> dict[int, int]:
-    """The manager's global layer id -> local layer index (``KVCacheManager.layer_offsets``: with
-    pipeline parallelism a rank holds only its own layers, ``pp_layers``; ``get_buffers`` takes the
-    global id, ``kv_cache_pool_mapping`` rows are local)."""
-    offsets = getattr(manager, "layer_offsets", None)
-    if offsets is None:
-        return {layer: layer for layer in range(len(manager.kv_cache_pool_mapping))}
-    return dict(offsets)
-
-
-def manager_pools(manager: Any) -> list[torch.Tensor]:
-    """The manager's primary pools as 6-D HND tensors ``[blocks, layers_in_pool, kv_factor,
-    num_kv_heads, tokens_per_block, head_dim]``, built as views from each pool's first layer
-    (``get_buffers(layer, kv_layout="HND")`` is that layer's slice of the pool)::
-
-        kv_cache_pool_mapping[local] = (pool, index in pool)     local = layer_offsets[global]
-        get_buffers(global of the pool's first local layer)  ->  [P, kv, H, tpb, D]  -> 6-D view
-    """
-    mapping = manager.kv_cache_pool_mapping.tolist()  # [num_local_layers, 2]: (pool, layer in pool)
-    global_of = {local: layer for layer, local in layer_offsets(manager).items()}
-    first_layer: dict[int, int] = {}
-    layers_in_pool: dict[int, int] = {}
-    for local, (pool, index) in enumerate(mapping):
-        layers_in_pool[pool] = max(layers_in_pool.get(pool, 0), index + 1)
-        if index == 0:
-            first_layer[pool] = global_of[local]
-    views = []
-    for pool in sorted(first_layer):
-        layer = manager.get_buffers(first_layer[pool], kv_layout="HND")  # [P, kv, H, tpb, D]
-        pages, kv, heads, tpb, dim = layer.shape
-        half = heads * tpb * dim
-        view = layer.as_strided((pages, layers_in_pool[pool], kv, heads, tpb, dim),
-                                (layer.stride(0), kv * half, half, tpb * dim, dim, 1))
-        if layer.stride(0) != layers_in_pool[pool] * kv * half:
-            raise RuntimeError("unexpected KV pool layout: blocks are not [layers, K/V, heads, tokens, dim]")
-        views.append(view)
-    return views
 
 
 def check_parallel_layout(mapping: Any, settings: VTokenSettings) -> None:
@@ -113,11 +93,12 @@ def build_manager_class(base: type) -> type:
             super().__init__(kv_cache_config, kv_cache_type, *args, **kwargs)
             pools = manager_pools(self)
             self._vtoken_local = layer_offsets(self)
-            self.vtoken_queries = QueryRecorder(kwargs.get("max_batch_size", 1), len(self.kv_cache_pool_mapping),
-                                                pools[0].shape[5], pools[0].device)
-            self._vtoken_rows: dict[int, int] = {}
-            self._vtoken_num_contexts = 0
-            self._vtoken_parked: dict[int, tuple[str, torch.Tensor | None]] = {}
+            # A decoding request holds a block at least and decodes one token: no batch has more
+            # decode rows than the pool has blocks, max_batch_size or max_num_tokens allow.
+            decode_rows = min(kwargs.get("max_batch_size", 1), kwargs.get("max_num_tokens", 8192), pools[0].shape[0])
+            self.vtoken_queries = QueryRecorder(decode_rows, len(self.kv_cache_pool_mapping), pools[0].shape[5],
+                                                pools[0].device)
+            self._vtoken_held: set[int] = set()  # requests prepared and not freed since
             self._vtoken_steps = 0
             self.vtoken_consistency = RankConsistency(worker_ranks(kwargs.get("mapping")))
             self._vtoken_prefix: dict[int, list[int]] = {}  # request -> its reusable prompt blocks
@@ -125,6 +106,7 @@ def build_manager_class(base: type) -> type:
             self.vtoken = VTokenState(settings, self.tokens_per_block, pools[0].shape[0], pools,
                                       self._vtoken_batch_mass, reduce_mass=self.vtoken_consistency.reduce_mass,
                                       shared_blocks=(lambda: self._vtoken_shared) if self._vtoken_reuse else None)
+            self._vtoken_batches = PreparedBatches(self.vtoken_queries, self.vtoken.needs_attention)
             self.vtoken_stats = StatsFile(settings.stats_file, settings.stats_interval_s) \
                 if settings.stats_file else None
             self._vtoken_publish(force=True)  # the worker's record: vToken armed here (arming.py)
@@ -132,44 +114,55 @@ def build_manager_class(base: type) -> type:
         # ---- iteration hooks -----------------------------------------------------------------
         def prepare_resources(self, scheduled_batch) -> None:
             super().prepare_resources(scheduled_batch)
-            if self._vtoken_rows and self.vtoken.needs_attention:
-                self._vtoken_park()
-            # Rows of the recorded queries follow the batch order: context first, then generation.
-            rows = [r.py_request_id for r in scheduled_batch.context_requests + scheduled_batch.generation_requests]
-            self._vtoken_rows = {req_id: i for i, req_id in enumerate(rows)}
-            self._vtoken_num_contexts = len(scheduled_batch.context_requests)
-            self.vtoken_queries.start_batch()
+            self._vtoken_held.update(r.py_request_id for r in scheduled_batch.all_requests())
+            self._vtoken_batches.prepared(scheduled_batch)
 
         def update_resources(self, scheduled_batch, attn_metadata=None, kv_cache_dtype_byte_size=None) -> None:
             super().update_resources(scheduled_batch, attn_metadata, kv_cache_dtype_byte_size)
-            # Prompts too: the policy sees their prefill attention and may evict before decoding.
-            written = [(r.py_request_id, self.get_cache_indices(r), r.prompt_len)
-                       for r in scheduled_batch.context_requests]
+            prepared = self._vtoken_batches.take(scheduled_batch)
+            step, allocated = self.vtoken.step, self._vtoken_batches.allocated
+            # The executor loop frees the requests that finished with this batch (_handle_responses,
+            # a stop or EOS token, max_tokens reached: KvCacheCreator's estimation requests finish
+            # on their first token) BEFORE it calls update_resources with the whole batch: those
+            # are gone from TensorRT-LLM's manager and from vToken's tables, and are skipped.
+            # Every token TensorRT-LLM allocated for a request joins its table now: under the
+            # overlap loop that includes the token the next batch's forward (already launched)
+            # writes, so the plan counts its slot as taken. The decode queries of this batch
+            # attended to the tokens up to this batch's own (``through``).
+            written = []
+            for r in scheduled_batch.context_requests + scheduled_batch.generation_requests:
+                req_id = r.py_request_id
+                if req_id not in self._vtoken_held:
+                    continue
+                known = step.num_tokens(req_id) if req_id in step else 0
+                attended = (step.kv_len(req_id) if req_id in step else 0) + prepared.through[req_id] - known
+                written.append((req_id, self.get_cache_indices(r), allocated[req_id] - known, attended))
             if self._vtoken_reuse:
-                self._vtoken_share_prompts(written)
-            written += [(r.py_request_id, self.get_cache_indices(r), 1) for r in scheduled_batch.generation_requests
-                        if r.py_request_id in self.vtoken.step]
-            executor = self.vtoken.step.executor
+                blocks_of = {req_id: blocks for req_id, blocks, _, _ in written}
+                self._vtoken_share_prompts([(r.py_request_id, blocks_of[r.py_request_id], r.prompt_len)
+                                            for r in scheduled_batch.context_requests if r.py_request_id in blocks_of])
+            executor = step.executor
             stream = torch.cuda.current_stream() if executor is not None and executor.device.type == "cuda" else None
-            out = self.vtoken.run(written, stream)
+            out = self.vtoken.run(written, stream, lambda req_id: self._vtoken_batches.recording(prepared, req_id))
             if out is not None:
                 for req_id, lost in zip(out.req_ids.tolist(), out.lost.tolist()):
                     if lost:
                         self._vtoken_release(req_id, lost)
                 self._vtoken_steps += 1
                 if self.vtoken.settings.check_invariants:  # every rank's table, after the same step
-                    self.vtoken_consistency.check(self._vtoken_steps, self.vtoken.step, [self.get_num_free_blocks()])
-            for request in scheduled_batch.context_requests + scheduled_batch.generation_requests:
-                self._vtoken_rows.pop(request.py_request_id, None)  # consumed
-                self._vtoken_parked.pop(request.py_request_id, None)
+                    self.vtoken_consistency.check(self._vtoken_steps, step, [self.get_num_free_blocks()])
             self._vtoken_publish(force=False)
 
         def free_resources(self, request, pin_on_release: bool = False) -> None:
             req_id = request.py_request_id
+            self._vtoken_held.discard(req_id)
+            self._vtoken_batches.forget(req_id)
             changed = self.vtoken.num_evicted(req_id) > 0
-            self.vtoken.forget(req_id)
+            # Its prompt blocks stop being shared on its account first: the step empties the slots
+            # of the blocks no other running request holds (TensorRT-LLM may hand them out again).
             if self._vtoken_prefix.pop(req_id, None) is not None:
                 self._vtoken_shared = frozenset(b for blocks in self._vtoken_prefix.values() for b in blocks)
+            self.vtoken.forget(req_id)
             if self._vtoken_reuse and changed:
                 # Its blocks past the prompt no longer hold what its tokens say: release them
                 # unstored (BlockManager::releaseBlocks stores for reuse only when given the request).
@@ -177,12 +170,6 @@ def build_manager_class(base: type) -> type:
             else:
                 super().free_resources(request, pin_on_release)
             self._vtoken_publish(force=True)  # gauges must not keep a finished request
-
-        def get_needed_resource_to_completion(self, request) -> int:
-            # Block reuse protects the prompt's full blocks: their tokens are kept on top of the budget.
-            protected = request.prompt_len // self.tokens_per_block * self.tokens_per_block if self._vtoken_reuse else 0
-            return self.vtoken.needed_blocks(request.py_request_id, request.prompt_len, request.max_new_tokens,
-                                             protected)
 
         # ---- vToken's view -------------------------------------------------------------------
         def local_layer(self, layer_idx: int) -> int:
@@ -241,34 +228,19 @@ def build_manager_class(base: type) -> type:
                 self._vtoken_prefix[req_id] = list(blocks[: prompt_len // self.tokens_per_block])
             self._vtoken_shared = frozenset(b for blocks in self._vtoken_prefix.values() for b in blocks)
 
-        def _vtoken_park(self) -> None:
-            """The batch prepared last is still in flight while the next one is prepared (pipeline
-            parallelism: ``PyExecutor._executor_loop_pp`` prepares and forwards batch N+1 before it
-            calls ``update_resources(N)``), and the next forward overwrites the recorder. Its
-            requests' recordings are kept per request until their update: decode queries copied on
-            the stream (after forward N, before forward N+1), prefill mass as it is."""
-            recorder = self.vtoken_queries
-            for req_id, row in self._vtoken_rows.items():
-                if row < self._vtoken_num_contexts:
-                    self._vtoken_parked[req_id] = ("prefill", recorder.prefill.get(row))
-                elif recorder.q is not None:
-                    self._vtoken_parked[req_id] = ("decode", recorder.q[row - self._vtoken_num_contexts].clone())
-            self._vtoken_rows = {}
-
-        def _vtoken_batch_mass(self, rows: list[tuple[int, int, list[int]]]) -> np.ndarray:
-            """The batch's mass [B, max kv_len] float32, zero past each row's kv_len, for rows
-            (request id, kv_len, block ids): a prompt's as the forward summed it, the decode rows'
-            recomputed from their queries for all of them at once (one pass per pool), and one
-            copy to the host for the whole batch."""
+        def _vtoken_batch_mass(self, rows: list[tuple[int, int, list[int]]], recording, width: int) -> np.ndarray:
+            """The batch's mass [B, width] float32, zero past each row's attended length, for rows
+            (request id, positions its forward attended to, block ids): a prompt's as the forward
+            summed it, the decode rows' recomputed from their queries (``recording(req_id)``) for
+            all of them at once (one pass per pool), and one copy to the host for the batch."""
             pools = self.vtoken.step.executor.pools
-            out = torch.zeros(len(rows), max(kv_len for _, kv_len, _ in rows), dtype=torch.float32,
-                              device=pools[0].device)
+            out = torch.zeros(len(rows), width, dtype=torch.float32, device=pools[0].device)
             decode: list[tuple[int, torch.Tensor]] = []  # (row in out, the request's queries)
             for i, (req_id, kv_len, _) in enumerate(rows):
-                kind, recorded = self._vtoken_recording(req_id)
-                if kind == "decode":
+                kind, recorded = recording(req_id)
+                if kind == "decode" and recorded is not None and kv_len > 0:
                     decode.append((i, recorded))
-                elif recorded is not None:  # a prompt: its mass was summed during the forward
+                elif kind == "prefill" and recorded is not None:  # a prompt: its mass was summed during the forward
                     part = recorded[:kv_len]
                     out[i, : len(part)] = part
             if decode:
@@ -282,19 +254,6 @@ def build_manager_class(base: type) -> type:
                                                        [mapping[layer][1] for layer in local])
                     out[index, : part.shape[1]] += part
             return out.cpu().numpy()
-
-        def _vtoken_recording(self, req_id: int) -> tuple[str, torch.Tensor | None]:
-            """What the forward recorded for a request: ("prefill", its prompt's mass or None) or
-            ("decode", its queries [local layers, heads, dim]), parked or in the recorder."""
-            parked = self._vtoken_parked.get(req_id)
-            if parked is not None:
-                return parked
-            row = self._vtoken_rows.get(req_id)
-            if row is None:
-                raise RuntimeError(f"request {req_id} is updated but was not in a prepared batch")
-            if row < self._vtoken_num_contexts:
-                return "prefill", self.vtoken_queries.prefill.get(row)
-            return "decode", self.vtoken_queries.q[row - self._vtoken_num_contexts]
 
     VTokenKVCacheManager.__qualname__ = f"VTokenKVCacheManager[{base.__name__}]"
     return VTokenKVCacheManager

@@ -124,6 +124,10 @@ class QueryRecorder:
 
     The buffer is allocated by the first ``record``, which TensorRT-LLM's warm-up forwards make
     before any graph is captured; captured graphs then copy into the same memory on every replay.
+    ``max_batch_size`` is the most decode rows a batch really holds (the manager bounds it by the
+    pool's blocks, ``max_batch_size`` and ``max_num_tokens``): rows past it, the padding a
+    captured batch size adds after the real requests, are not recorded. Its size is
+    ``max_batch_size x num_layers x num_heads x head_dim`` in the queries' dtype.
     """
 
     def __init__(self, max_batch_size: int, num_layers: int, head_dim: int, device: torch.device | str) -> None:
@@ -151,5 +155,6 @@ class QueryRecorder:
                 raise RuntimeError("the query buffer must be allocated by a warm-up forward, not during capture")
             self.q = torch.zeros(self.max_batch_size, self.num_layers, num_heads, self.head_dim,
                                  dtype=q.dtype, device=self.device)
-        rows = flat[flat.shape[0] - num_generation :]
-        self.q[:num_generation, layer_idx].copy_(rows.view(num_generation, num_heads, self.head_dim))
+        kept = min(num_generation, self.max_batch_size)  # real rows come first, padding after them
+        rows = flat[flat.shape[0] - num_generation :][:kept]
+        self.q[:kept, layer_idx].copy_(rows.view(kept, num_heads, self.head_dim))

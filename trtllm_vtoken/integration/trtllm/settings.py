@@ -76,8 +76,11 @@ class VTokenSettings:
                              "no per-token mask, so holes below kv_len would be attended")
         self.make_policy()  # ValueError / KeyError for a bad policy, budget or option
 
-    def make_policy(self):
-        return make_policy(self.policy, Budget.parse(self.budget), **self.policy_options)
+    def make_policy(self, tokens_per_block: int = 1):
+        """The policy; with ``tokens_per_block``, one that gives tokens up a whole block at a time
+        (``Budget.unit``): what every TensorRT-LLM host needs, whose scheduler counts a request's
+        blocks from its logical length."""
+        return make_policy(self.policy, Budget.parse(self.budget).in_units(tokens_per_block), **self.policy_options)
 
     def with_stats_file(self) -> VTokenSettings:
         """These settings, or with a fresh temporary stats file if they have none."""
@@ -125,7 +128,6 @@ REQUIRED: tuple[tuple[str, Any, str], ...] = (
     ("kv_cache_config.sink_token_length", (None, 0), "use the streaming_llm policy instead"),
     ("max_beam_width", (None, 1), "rewind_kv_cache needs beam width 1"),
     ("speculative_config", None, "speculative decoding assumes logical = physical KV length"),
-    ("disable_overlap_scheduler", True, "batch N+1 must not be prepared before N's evictions"),
     ("scheduler_config.capacity_scheduler_policy", "MAX_UTILIZATION",
      "GUARANTEED_NO_EVICT reserves full-length blocks and never credits reclaimed ones"),
     ("kv_connector_config", None, "a KV connector forces GUARANTEED_NO_EVICT (py_executor_creator.py)"),

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
-from trtllm_vtoken.reclaim.admission import peak_blocks
 from trtllm_vtoken.reclaim.copy import TorchCopyExecutor
 from trtllm_vtoken.reclaim.rerotate import KeyRerotation
 from trtllm_vtoken.step import DecodeStep, StepConfig, StepInput, StepOutput
@@ -39,13 +38,16 @@ def make_step(settings: VTokenSettings, tokens_per_block: int, num_blocks: int,
               pools: Sequence[torch.Tensor] | None = None, rerotation: KeyRerotation | None = None,
               reduce_mass: Callable[[np.ndarray], np.ndarray] | None = None,
               shared_blocks: Callable[[], Collection[int]] | None = None) -> DecodeStep:
-    """The step a TensorRT-LLM host with these settings runs (dense: its kernels have no mask);
+    """The step a TensorRT-LLM host with these settings runs (dense: its kernels have no mask; a
+    request gives tokens up a whole block at a time, so its physical length stays congruent to
+    its logical length modulo ``tokens_per_block`` and TensorRT-LLM's scheduler, which counts
+    blocks from logical lengths, allocates exactly when the request needs a block);
     ``rerotation``: the key re-rotation pass of shift positions (the trtllm-build engine path);
     ``reduce_mass``: the cross-rank sum of the batch's mass (tensor / pipeline parallelism);
     ``shared_blocks``: the blocks that are or may become reusable (block reuse): never a source or
     destination of a move, their tokens never evicted."""
     config = StepConfig("dense", settings.fragmentation_threshold, settings.check_invariants, settings.step_impl)
-    return DecodeStep(config, num_blocks, tokens_per_block, settings.make_policy(),
+    return DecodeStep(config, num_blocks, tokens_per_block, settings.make_policy(tokens_per_block),
                       TorchCopyExecutor(pools) if pools else None, reduce_mass=reduce_mass, rerotation=rerotation,
                       is_shared=(lambda block: block in shared_blocks()) if shared_blocks else None,
                       shared_blocks=shared_blocks)
@@ -57,16 +59,16 @@ class VTokenState:
     Args:
         num_blocks: blocks in the manager's primary pool (block ids lie below it).
         pools: the manager's primary pools as 6-D HND views (``manager_pools``); None: metadata only.
-        attention_mass: rows (request id, kv_len, block ids) -> the batch's mass [B, L] per
-            position, float32, zero past each row's kv_len, for policies that observe attention;
-            None if the policy needs none.
+        attention_mass: (rows (request id, positions attended, block ids), recording, width) -> the
+            batch's mass [B, width] per position, float32, zero past each row's attended
+            positions, for policies that observe attention; None if the policy needs none.
         reduce_mass: the batch's mass [B, L] -> its sum over every rank (``RankConsistency``).
         shared_blocks: () -> the blocks vToken must leave as they are (block reuse).
     """
 
     def __init__(self, settings: VTokenSettings, tokens_per_block: int, num_blocks: int,
                  pools: Sequence[torch.Tensor] | None = None,
-                 attention_mass: Callable[[list[tuple[int, int, list[int]]]], np.ndarray] | None = None,
+                 attention_mass: Callable[..., np.ndarray] | None = None,
                  reduce_mass: Callable[[np.ndarray], np.ndarray] | None = None,
                  shared_blocks: Callable[[], Collection[int]] | None = None) -> None:
         self.settings = settings
@@ -80,23 +82,29 @@ class VTokenState:
         self.requests_seen = 0
         """Requests whose tokens the step has learnt (padding rows not counted)."""
 
-    def run(self, written: Sequence[tuple[int, Sequence[int], int]], stream: Any = None) -> StepOutput | None:
-        """After forward N: one step for the requests that wrote tokens, given as (request id,
-        TensorRT-LLM's block list now, tokens written: the prompt or 1). New requests join; padding
-        rows are skipped. ``stream``: the execution stream (CUDA), made to wait on the copy."""
-        rows = [(r, list(blocks), n) for r, blocks, n in written if r != CUDA_GRAPH_DUMMY_REQUEST_ID]
+    def run(self, written: Sequence[tuple[int, Sequence[int], int, int]], stream: Any = None,
+            recording: Callable[[int], Any] | None = None) -> StepOutput | None:
+        """After a batch's forward: one step for its requests, given as (request id, TensorRT-LLM's
+        block list now, tokens TensorRT-LLM allocated that the table does not know yet, positions
+        the batch's forward attended to in the table's layout once they join). New requests join;
+        padding rows are skipped. ``recording``: request id -> what the batch's forward recorded
+        for it (passed to ``attention_mass``). ``stream``: the execution stream (CUDA), made to
+        wait on the copy."""
+        rows = [(r, list(blocks), n, attended) for r, blocks, n, attended in written
+                if r != CUDA_GRAPH_DUMMY_REQUEST_ID]
         if not rows:
             return None
         step = self.step
-        for req_id, _, _ in rows:
+        for req_id, *_ in rows:
             if req_id not in step:
                 step.add_request(req_id)
                 self.requests_seen += 1
-        fresh = [blocks[step.num_blocks(r):] for r, blocks, _ in rows]
+        fresh = [blocks[step.num_blocks(r):] for r, blocks, _, _ in rows]
         mass = None
-        if self.needs_attention:  # the batch's, in one call: [B, L] beside the rows
-            mass = self.attention_mass([(r, step.kv_len(r) + n, blocks) for r, blocks, n in rows])
-        return step.run(StepInput.of_lists([r for r, _, _ in rows], [n for _, _, n in rows], fresh, mass=mass,
+        if self.needs_attention:  # the batch's, in one call: [B, L] beside the rows, L their lengths once joined
+            width = max(step.kv_len(r) + n for r, _, n, _ in rows)
+            mass = self.attention_mass([(r, attended, blocks) for r, blocks, _, attended in rows], recording, width)
+        return step.run(StepInput.of_lists([r for r, *_ in rows], [n for _, _, n, _ in rows], fresh, mass=mass,
                                            stream=stream))
 
     def num_evicted(self, req_id: int) -> int:
@@ -117,17 +125,3 @@ class VTokenState:
         """The request left: TensorRT-LLM frees its blocks itself."""
         if req_id in self.step:
             self.step.remove_request(req_id)
-
-    def needed_blocks(self, req_id: int, prompt_len: int, max_new_tokens: int, protected: int = 0) -> int:
-        """Blocks the request may still need beyond those it holds, until it completes: the
-        admission demand of the reference runtime (``reclaim.admission.peak_blocks``).
-        ``protected``: its tokens in shared blocks (block reuse), kept on top of the budget."""
-        step, tpb = self.step, self.step.tokens_per_block
-        known = req_id in step
-        logical = step.num_tokens(req_id) if known else prompt_len
-        live = step.num_live(req_id) if known else prompt_len
-        held = step.num_blocks(req_id) if known else 0
-        total = prompt_len + max_new_tokens
-        budget = self.policy.budget.target(total - protected) + protected
-        peak = peak_blocks(tpb, logical, live, max(total - logical, 0), budget)
-        return max(peak - held, 0)

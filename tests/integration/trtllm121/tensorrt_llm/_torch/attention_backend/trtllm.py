@@ -11,6 +11,12 @@
   physical position. It gets the fused QKV tensor ``[tokens, (heads + 2 * kv_heads) * head_dim]``
   with ``k = v = None`` (``Attention.convert_qkv`` for a backend with fused QKV).
 - ``rotated_q`` keeps the queries as the kernel finally uses them (test view of the kernel).
+- The op writes each row's new keys and values into the paged cache at the row's positions
+  ``[kv_len - seq_len, kv_len)`` (``kv_len`` from ``prepare()``: what vToken's metadata makes
+  physical), addressing blocks through ``kv_cache_block_offsets`` (entry = block *
+  layers_in_pool * kv_factor + field; the layer's pool and index in it from
+  ``kv_cache_pool_mapping``), HND inside a block (``invokeQKVPreprocessing`` for context rows,
+  the MMHA kernel for generation rows; ``thop/attentionOp.cpp``).
 
 ``TrtllmAttentionMetadata.prepare()``: ``prompt_lens`` -> the static ``prompt_lens_cpu`` /
 ``prompt_lens_cuda`` buffers (the op's ``context_lengths``), ``kv_lens = num_cached_tokens_per_seq
@@ -90,12 +96,35 @@ class TrtllmAttention:
     def forward(self, q, k, v, metadata, **kwargs) -> torch.Tensor:
         width = self.num_heads * self.head_dim
         queries = (q[..., :width] if k is None else q).reshape(q.shape[0], self.num_heads, self.head_dim)
+        positions = []
         if self.pos_embd_params is not None:  # fused RoPE: the op rotates, by physical positions
-            positions = []
             lens = metadata.seq_lens.tolist()
             for row in range(metadata.num_seqs):
                 past = int(metadata.kv_lens[row]) - lens[row]
                 positions += range(past, past + lens[row])
             queries = apply_rope(queries, torch.tensor(positions), self.pos_embd_params.rope_theta)
         self.rotated_q = queries
+        if metadata.kv_cache_block_offsets is not None and metadata.kv_cache_manager is not None:
+            kv_width = self.num_kv_heads * self.head_dim
+            keys = q[..., width : width + kv_width] if k is None else k
+            values = q[..., width + kv_width : width + 2 * kv_width] if k is None else v
+            keys = keys.reshape(q.shape[0], self.num_kv_heads, self.head_dim)
+            if self.pos_embd_params is not None:
+                keys = apply_rope(keys, torch.tensor(positions), self.pos_embd_params.rope_theta)
+            self._write_kv(metadata, keys, values.reshape(q.shape[0], self.num_kv_heads, self.head_dim))
         return torch.zeros(q.shape[0], width, dtype=q.dtype)
+
+    def _write_kv(self, metadata, keys: torch.Tensor, values: torch.Tensor) -> None:
+        manager = metadata.kv_cache_manager
+        local = manager.layer_offsets[self.layer_idx]
+        pool_index, index = manager.kv_cache_pool_mapping[local].tolist()
+        per_block = int((manager.kv_cache_pool_mapping[:, 0] == pool_index).sum()) * manager.kv_factor
+        layer = manager.get_buffers(self.layer_idx, kv_layout="HND")  # [P, kv, H, tpb, D]
+        tpb, start = manager.tokens_per_block, 0
+        for row, length in enumerate(metadata.seq_lens.tolist()):
+            kv_len = int(metadata.kv_lens[row])
+            for i, position in enumerate(range(kv_len - length, kv_len)):
+                block = int(metadata.kv_cache_block_offsets[pool_index, row, 0, position // tpb]) // per_block
+                layer[block, 0, :, position % tpb] = keys[start + i]
+                layer[block, manager.kv_factor - 1, :, position % tpb] = values[start + i]
+            start += length

@@ -1,23 +1,44 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Double of ``_torch/pyexecutor/llm_request.py`` ``LlmRequest`` (a Python wrapper of the C++
-request) with what the KV-cache manager and vToken read: ``py_request_id``, ``prompt_len`` /
-``orig_prompt_len``, ``max_new_tokens``, ``sampling_config.beam_width`` (read by
-``KVCacheManager.prepare_resources`` for every context request), ``is_first_context_chunk``,
-``py_rewind_len`` (speculative rewinds), ``state`` and ``max_beam_num_tokens``, the logical
-length the model engine takes position ids from (``past_seen_token_num``), which
-``rewind_kv_cache`` does not change; ``get_tokens(beam)``, the ids block reuse keys blocks by; ``context_current_position``, the
-prompt tokens the context forward skips (``setPrepopulatedPromptLen`` after a reuse hit; the model
-engine's ``begin_compute`` and ``num_cached_tokens_per_seq`` of the row). Keyword-only, as the binding; unknown keywords: TypeError."""
+"""Double of ``_torch/pyexecutor/llm_request.py`` ``LlmRequest``, the Python wrapper of the C++
+``LlmRequest`` (``cpp/include/tensorrt_llm/batch_manager/llmRequest.h``, 1.2-era copy, index id
+50462803), with what the executor loop, the scheduler, the sampler, the KV-cache manager and
+vToken read. Keyword-only, as the binding; unknown keywords: TypeError.
+
+Imitated, per behaviour:
+- ``py_request_id`` (= the C++ ``mRequestId``), ``prompt_len`` (``mPromptLen``), ``orig_prompt_len``
+  / ``py_orig_prompt_len``, ``max_new_tokens`` (``mMaxNewTokens``), ``py_max_new_tokens`` (the
+  Python copy the sampler's length criterion reads, never changed), ``py_end_id``,
+  ``sampling_config.beam_width``, ``max_beam_num_tokens`` (the logical length the model engine
+  takes position ids from), ``get_tokens`` / ``get_num_tokens`` / ``get_last_tokens``.
+- States ``CONTEXT_INIT`` -> ``GENERATION_IN_PROGRESS`` -> ``GENERATION_COMPLETE``;
+  ``is_finished`` is the last; ``finish_by_reason`` enters it.
+- Context chunks: ``is_first_context_chunk`` is ``context_current_position ==
+  prepopulated prompt length``; ``context_chunk_size`` the rest of the prompt (chunked prefill
+  off); ``move_to_next_context_chunk`` advances ``context_current_position`` past it;
+  ``set_prepopulated_prompt_len`` (a reuse hit) starts the context there.
+- ``pause(max_input_len)`` (beam width 1): the generated tokens join the prompt,
+  ``newPromptLen = min(maxInputLen, mPromptLen + generated)``, tokens beyond it are dropped,
+  ``mMaxNewTokens -= newPromptLen - mPromptLen``, state CONTEXT_INIT, context position 0: the
+  request is prefilled again, whole, when it is scheduled next.
+"""
 
 from __future__ import annotations
 
 import enum
 
 
-class LlmRequestState(enum.Enum):
-    CONTEXT_INIT = 1
-    GENERATION_IN_PROGRESS = 2
-    GENERATION_COMPLETE = 3
+class LlmRequestState(enum.IntEnum):
+    CONTEXT_INIT = 2
+    GENERATION_IN_PROGRESS = 4
+    GENERATION_COMPLETE = 7
+
+
+class FinishReason(enum.Enum):
+    NOT_FINISHED = 0
+    END_ID = 1
+    STOP_WORDS = 2
+    LENGTH = 3
+    CANCELLED = 5
 
 
 class SamplingConfig:
@@ -27,20 +48,29 @@ class SamplingConfig:
 
 class LlmRequest:
     def __init__(self, *, request_id: int, max_new_tokens: int, input_tokens: list[int],
-                 sampling_config: SamplingConfig, is_streaming: bool = False, client_id: int | None = None) -> None:
+                 sampling_config: SamplingConfig, is_streaming: bool = False, client_id: int | None = None,
+                 end_id: int | None = None) -> None:
         self.py_request_id = request_id
-        self.max_new_tokens = max_new_tokens
-        self.prompt_len = self.orig_prompt_len = self.py_prompt_len = len(input_tokens)
+        self.py_client_id = client_id
+        self.max_new_tokens = self.py_max_new_tokens = max_new_tokens
+        self.prompt_len = self.orig_prompt_len = self.py_prompt_len = self.py_orig_prompt_len = len(input_tokens)
+        self.py_end_id = end_id
         self.sampling_config = sampling_config
         self.is_streaming = is_streaming
         self.state = LlmRequestState.CONTEXT_INIT
-        self.is_first_context_chunk = True
+        self.finish_reason = FinishReason.NOT_FINISHED
         self.is_dummy_request = False
+        self.is_cuda_graph_dummy = False
         self.py_rewind_len = 0
+        self.py_draft_tokens: list[int] = []
+        self.py_decoding_iter = 0
+        self.py_batch_idx: int | None = None
         self.max_beam_num_tokens = len(input_tokens)
         self._tokens = list(input_tokens)
-        self.context_current_position = 0  # prompt tokens already in the KV cache (a reused prefix)
+        self.context_current_position = 0  # prompt tokens already in the KV cache
+        self._prepopulated_prompt_len = 0
 
+    # ---- tokens --------------------------------------------------------------------------------
     def add_new_token(self, token: int, beam: int) -> None:
         self.max_beam_num_tokens += 1
         self._tokens.append(token)
@@ -48,3 +78,62 @@ class LlmRequest:
     def get_tokens(self, beam: int) -> list[int]:
         """The prompt and the tokens generated so far (C++ ``getTokens`` / ``getUniqueTokens``)."""
         return list(self._tokens)
+
+    def get_num_tokens(self, beam: int) -> int:
+        return len(self._tokens)
+
+    def get_last_tokens(self, beam: int) -> int:
+        return self._tokens[-1]
+
+    @property
+    def max_num_generated_tokens(self) -> int:
+        """``getMaxNumGeneratedTokens``: tokens beyond the current prompt."""
+        return self.max_beam_num_tokens - self.prompt_len
+
+    # ---- states --------------------------------------------------------------------------------
+    def is_context_init_state(self) -> bool:
+        return self.state == LlmRequestState.CONTEXT_INIT
+
+    def is_generation_in_progress_state(self) -> bool:
+        return self.state == LlmRequestState.GENERATION_IN_PROGRESS
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state == LlmRequestState.GENERATION_COMPLETE
+
+    def finish_by_reason(self, reason: FinishReason) -> None:
+        self.state = LlmRequestState.GENERATION_COMPLETE
+        self.finish_reason = reason
+
+    # ---- context chunks ------------------------------------------------------------------------
+    @property
+    def is_first_context_chunk(self) -> bool:
+        return self.context_current_position == self._prepopulated_prompt_len
+
+    @property
+    def context_chunk_size(self) -> int:
+        return self.prompt_len - self.context_current_position
+
+    @property
+    def context_remaining_length(self) -> int:
+        return self.prompt_len - self.context_current_position
+
+    def move_to_next_context_chunk(self) -> None:
+        self.context_current_position += self.context_chunk_size
+
+    def set_prepopulated_prompt_len(self, length: int) -> None:
+        if length >= self.prompt_len:
+            raise RuntimeError(f"[TensorRT-LLM][ERROR] Assertion failed: prepopulatedPromptLen {length} < "
+                               f"promptLen {self.prompt_len}")
+        self._prepopulated_prompt_len = self.context_current_position = length
+
+    # ---- pause (MAX_UTILIZATION) -----------------------------------------------------------------
+    def pause(self, max_input_len: int) -> None:
+        new_prompt_len = min(max_input_len, self.prompt_len + self.max_num_generated_tokens)
+        del self._tokens[new_prompt_len:]
+        self.max_beam_num_tokens = len(self._tokens)
+        self.max_new_tokens -= new_prompt_len - self.prompt_len
+        self.prompt_len = self.py_prompt_len = new_prompt_len
+        self.state = LlmRequestState.CONTEXT_INIT
+        self.context_current_position = self._prepopulated_prompt_len = 0
+        self.py_batch_idx = None

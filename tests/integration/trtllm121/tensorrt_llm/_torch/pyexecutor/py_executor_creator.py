@@ -1,24 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
 """Double of ``_torch/pyexecutor/py_executor_creator.py`` ``create_py_executor(llm_args,
-checkpoint_dir, tokenizer, ...)`` in its real construction order (1.2-era copy, index id
-4285525045; the same order in the other stored versions, e.g. 3245286861, 1083207948):
+checkpoint_dir, tokenizer, ...)`` in its real construction order (1.2-era copies, index ids
+4285525045, 1083207948, 3245286861):
 
     1. PyTorchModelEngine(model_path=..., llm_args=..., mapping=...)   the model is built
     2. if llm_args.kv_connector_config: unless the capacity scheduler policy is GUARANTEED_NO_EVICT,
        NotImplementedError("KV connector is only supported with guaranteed no evict scheduler
        policy."); then importlib.import_module(connector_module) and its two classes
-    3. KvCacheCreator(...).build_managers(resources)      get_kv_cache_manager_cls -> the manager
-Returns the executor (here: its model engine and resources)."""
+    3. KvCacheCreator(...); try_prepare_estimation(); build_managers(resources, estimating)
+       (get_kv_cache_manager_cls -> the manager, a small one sized for the estimation run)
+    4. create_py_executor_instance(...)       PyExecutor.__init__ warms the model engine up
+    5. estimating: configure_kv_cache_capacity(py_executor) runs KvCacheCreator's dummy requests
+       (max_tokens=1) through the executor loop; teardown_managers; the estimation executor goes;
+       build_managers(resources, False) with the final capacity; the engine's attention metadata
+       is dropped; create_py_executor_instance again (a second warm-up)
+Returns the executor."""
 
 from __future__ import annotations
 
 import importlib
-from types import SimpleNamespace
 
 from ... import _utils
 from ...llmapi.llm_args import CapacitySchedulerPolicy
 from ...mapping import Mapping
-from ._util import KvCacheCreator
+from ._util import KvCacheCreator, create_py_executor_instance
 from .model_engine import PyTorchModelEngine
 
 
@@ -34,8 +39,23 @@ def create_py_executor(llm_args, checkpoint_dir=None, tokenizer=None, profiling_
         getattr(module, connector.connector_worker_class)
         getattr(module, connector.connector_scheduler_class)
     resources: dict = {}
-    KvCacheCreator(model_engine=model_engine, mapping=mapping, kv_cache_config=llm_args.kv_cache_config,
-                   max_seq_len=model_engine.max_seq_len, max_batch_size=llm_args.max_batch_size,
-                   tokens_per_block=llm_args.kv_cache_config.tokens_per_block, max_beam_width=llm_args.max_beam_width,
-                   max_num_tokens=model_engine.max_num_tokens, llm_args=llm_args).build_managers(resources)
-    return SimpleNamespace(model_engine=model_engine, resources=resources)
+    max_batch_size = llm_args.max_batch_size
+    creator = KvCacheCreator(model_engine=model_engine, mapping=mapping, kv_cache_config=llm_args.kv_cache_config,
+                             max_seq_len=model_engine.max_seq_len, max_batch_size=max_batch_size,
+                             tokens_per_block=llm_args.kv_cache_config.tokens_per_block,
+                             max_beam_width=llm_args.max_beam_width, max_num_tokens=model_engine.max_num_tokens,
+                             llm_args=llm_args)
+    estimating = creator.try_prepare_estimation()
+    creator.build_managers(resources, estimating)
+    instance = dict(model_engine=model_engine, mapping=mapping, llm_args=llm_args, max_seq_len=model_engine.max_seq_len,
+                    max_batch_size=max_batch_size, max_num_tokens=model_engine.max_num_tokens)
+    py_executor = create_py_executor_instance(resources=resources, **instance)
+    if estimating:
+        creator.configure_kv_cache_capacity(py_executor)
+        creator.teardown_managers(resources)
+        del py_executor
+        creator.build_managers(resources, False)
+        model_engine.attn_metadata = None
+        model_engine.padding_dummy_request = None
+        py_executor = create_py_executor_instance(resources=resources, **instance)
+    return py_executor

@@ -1,0 +1,114 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The batches TensorRT-LLM's executor has prepared and not yet updated, as vToken's manager sees
+them in each of its loops (``PyExecutor`` in ``py_executor.py``):
+
+    _executor_loop           prepare(N)  forward(N)  update(N)  prepare(N+1) ...   one in flight
+    _executor_loop_overlap   prepare(N+1)  forward(N+1)  update(N)  ...            two
+    _executor_loop_pp        prepare(N+1)  forward(N+1)  ... update(N)             up to pp_size
+
+Per batch it keeps what ``update_resources`` needs once the batch's forward has run:
+
+- the tokens TensorRT-LLM had allocated for each request once the batch was prepared (its prompt
+  at ``add_sequence``, then one per ``add_token``): the batch's forward wrote up to there, so the
+  decode queries it recorded attended to exactly that many of the request's tokens;
+- its recordings for the policy: each context row's prefill mass and each decode row's queries.
+  The query recorder is one static buffer (captured CUDA graphs write into it on replay), which
+  the next batch's forward overwrites: a batch still in flight when the next one is prepared has
+  its rows copied out first ("parked"; a copy on the stream, after its forward and before the
+  next one).
+
+The rows of a batch's recordings follow its request lists as the forward saw them: context
+requests first, then generation requests (the overlap loop sorts the generation list after
+``prepare_resources``; the lists are read when the rows are needed, not before).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from trtllm_vtoken.integration.trtllm.scores import QueryRecorder
+
+if TYPE_CHECKING:
+    import torch
+
+Recording = tuple[str, "torch.Tensor | None"]
+"""("prefill", a prompt's mass [prompt_len] or None) or ("decode", its queries [layers, heads, dim])."""
+
+
+@dataclass
+class PreparedBatch:
+    batch: object
+    """TensorRT-LLM's ``ScheduledRequests``: ``update_resources`` receives the same object."""
+    through: dict[int, int]
+    """Request -> tokens TensorRT-LLM had allocated for it once this batch was prepared."""
+    parked: dict[int, Recording] | None = None
+    """The batch's recordings, copied out of the recorder before the next forward (else None)."""
+
+    def recording_rows(self) -> tuple[list[int], int]:
+        """The batch's request ids in the forward's row order, and how many are context rows."""
+        contexts = list(self.batch.context_requests)
+        return [r.py_request_id for r in contexts + list(self.batch.generation_requests)], len(contexts)
+
+
+class PreparedBatches:
+    """The manager's batches in flight, oldest first, and the tokens TensorRT-LLM allocated per request."""
+
+    def __init__(self, recorder: QueryRecorder, records: bool) -> None:
+        self.recorder, self.records = recorder, records
+        self.allocated: dict[int, int] = {}
+        """Request -> tokens TensorRT-LLM allocated for it (logical: rewinds do not lower it)."""
+        self._batches: list[PreparedBatch] = []
+
+    def prepared(self, batch) -> None:
+        """After ``prepare_resources`` allocated the batch's tokens, before its forward runs."""
+        for earlier in self._batches:  # its forward ran; the one about to run overwrites the recorder
+            if earlier.parked is None and self.records:
+                earlier.parked = self._park(earlier)
+        for req in batch.context_requests:
+            if req.is_first_context_chunk:
+                self.allocated[req.py_request_id] = req.prompt_len
+        for req in batch.generation_requests:
+            self.allocated[req.py_request_id] = self.allocated.get(req.py_request_id, 0) + 1
+        through = {r.py_request_id: self.allocated.get(r.py_request_id, 0) for r in batch.all_requests()}
+        self._batches.append(PreparedBatch(batch, through))
+        if self.records:
+            self.recorder.start_batch()
+
+    def take(self, batch) -> PreparedBatch:
+        """The batch ``update_resources`` was called with, no longer in flight."""
+        for i, prepared in enumerate(self._batches):
+            if prepared.batch is batch:
+                return self._batches.pop(i)
+        raise RuntimeError("update_resources got a batch prepare_resources never saw")
+
+    def latest(self) -> PreparedBatch:
+        """The batch prepared last (its forward's recordings are the recorder's)."""
+        if not self._batches:
+            raise RuntimeError("no batch is in flight")
+        return self._batches[-1]
+
+    def forget(self, req_id: int) -> None:
+        """The request left TensorRT-LLM's manager (finished, cancelled or paused)."""
+        self.allocated.pop(req_id, None)
+
+    def recording(self, prepared: PreparedBatch, req_id: int) -> Recording:
+        """What the batch's forward recorded for a request (parked, or still in the recorder)."""
+        if prepared.parked is not None:
+            return prepared.parked.get(req_id, ("decode", None))
+        ids, contexts = prepared.recording_rows()
+        row = ids.index(req_id)
+        if row < contexts:
+            return "prefill", self.recorder.prefill.get(row)
+        return "decode", self.recorder.q[row - contexts] if self.recorder.q is not None else None
+
+    def _park(self, prepared: PreparedBatch) -> dict[int, Recording]:
+        recorder = self.recorder
+        ids, contexts = prepared.recording_rows()
+        parked: dict[int, Recording] = {}
+        for row, req_id in enumerate(ids):
+            if row < contexts:
+                parked[req_id] = ("prefill", recorder.prefill.get(row))
+            elif recorder.q is not None and row - contexts < recorder.q.shape[0]:
+                parked[req_id] = ("decode", recorder.q[row - contexts].clone())
+        return parked
