@@ -61,7 +61,7 @@ def key_errors(model, dtype: torch.dtype, recover: bool | None = None) -> dict[s
     keys, and the 4 sinks, which live through every pass) and of one rounding of the exact keys."""
     session = GenerationSessionDouble12(model, TPB, dtype=dtype)
     runner = ModelRunnerDouble12(session, max_batch_size=2, max_input_len=32, max_seq_len=2048)
-    settings = VTokenSettings(policy="streaming_llm", budget=BUDGET, positions="shift", step_impl="python",
+    settings = VTokenSettings(policy="streaming_llm", budget=BUDGET, positions="shift",
                               policy_options={"n_sink": 4})
     vtoken = VTokenEngineRunner(runner, settings, model.config.rope)
     original = EngineVToken.__init__
