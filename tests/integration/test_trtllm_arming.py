@@ -156,3 +156,24 @@ def test_arming_values():
     assert VTokenSettings().worker_environment("rope")["VTOKEN_TRTLLM"] == "rope"
     with pytest.raises(ValueError, match="mode must be one of"):
         VTokenSettings().worker_environment("all")
+
+
+def test_the_triton_models_llm_arms_a_worker_that_ignores_env_overrides():
+    """The serving loop makes vToken's arguments before it imports tensorrt_llm, so its worker
+    arms by the environment route too (imported first, this build's LLM would be refused)."""
+    code = """
+import json, pathlib, tempfile
+from trtllm_vtoken.integration.trtllm.arming import read_record
+from trtllm_vtoken.runtime.config import EngineConfig
+from trtllm_vtoken.serving.settings import ServingSettings
+from trtllm_vtoken.serving.trtllm_loop import make_trtllm_loop
+
+folder = pathlib.Path(tempfile.mkdtemp()); (folder / "config.json").write_text("{}")
+engine = EngineConfig(policy="sliding_window", budget=12, tokens_per_block=4, max_batch_size=4, max_seq_len=64)
+loop = make_trtllm_loop(ServingSettings(engine, model=str(folder), backend="trtllm"))
+print(json.dumps({"record": read_record(loop.stats_file), "manager": loop.llm.worker_report["manager"]}))
+loop.stop()
+"""
+    got = worker_report(run_client(code, **IGNORES_OVERRIDES))
+    assert got["manager"] == "VTokenKVCacheManager[KVCacheManager]" == got["record"]["manager"]
+    assert got["record"]["settings"]["policy"] == "sliding_window"
