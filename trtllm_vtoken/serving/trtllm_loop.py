@@ -150,9 +150,8 @@ class TRTLLMLoop:
 
 def make_trtllm_loop(settings, on_stats: Callable[[dict[str, float]], None] | None = None) -> TRTLLMLoop:
     """The LLM for the Triton model's settings, with vToken's hooks, wrapped in a started loop
-    whose metrics reach ``on_stats``."""
-    import tensorrt_llm
-
+    whose metrics reach ``on_stats``. vToken's arguments are made before ``import tensorrt_llm``,
+    so the settings reach the executor worker on every TensorRT-LLM build (``startup.py``)."""
     from trtllm_vtoken.integration.trtllm import vtoken_llm_args
     from trtllm_vtoken.runtime.checkpoint import resolve_model
 
@@ -160,10 +159,10 @@ def make_trtllm_loop(settings, on_stats: Callable[[dict[str, float]], None] | No
     if engine.variant != "vtoken" or engine.mode != "dense":
         raise ValueError("the TensorRT-LLM path serves variant 'vtoken' in mode 'dense' only")
     stats_file = Path(tempfile.mkdtemp(prefix="vtoken-trtllm-")) / "stats.json"
+    args = vtoken_llm_args(policy=engine.policy, budget=engine.budget, tokens_per_block=engine.tokens_per_block,
+                           policy_options=dict(engine.policy_options), stats_file=str(stats_file))
+    import tensorrt_llm
+
     llm = tensorrt_llm.LLM(str(resolve_model(settings.model)), max_batch_size=engine.max_batch_size,
-                           max_seq_len=engine.max_seq_len,
-                           **vtoken_llm_args(policy=engine.policy, budget=engine.budget,
-                                             tokens_per_block=engine.tokens_per_block,
-                                             policy_options=dict(engine.policy_options),
-                                             stats_file=str(stats_file)))
+                           max_seq_len=engine.max_seq_len, **args)
     return TRTLLMLoop(llm, tensorrt_llm, stats_file, on_stats).start()
