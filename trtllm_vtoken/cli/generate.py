@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                              top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), eviction=eviction)
               for eviction in request_evictions(args, len(args.prompts))]
-    llm = LLM(args.model, config)
+    llm = LLM(args.model, config, threads=args.intra_op_threads)
     start = time.perf_counter()
     if len(args.prompts) == 1:
         for snapshot in llm.stream(args.prompts[0], params[0], chat=not args.no_chat):

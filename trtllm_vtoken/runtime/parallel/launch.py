@@ -92,6 +92,11 @@ class RankProcesses:
                 self.close(graceful=False)
                 raise RuntimeError(f"rank {rank} failed to start:\n{message[2]}")
 
+    @property
+    def pids(self) -> list[int]:
+        """The rank processes' ids, in rank order (empty once closed)."""
+        return [proc.pid for proc in self._procs]
+
     def run(self, job: Job, on_step: Callable[[list[RequestDelta]], None] | None = None) -> list[RankReport]:
         """Runs ``job`` on every rank; returns their reports in rank order. ``on_step`` receives
         rank 0's outputs of each step (the job must have ``stream=True``).

@@ -36,7 +36,8 @@ def check_main_guard() -> None:
     """Raises RuntimeError (SystemExit inside a re-running rank) if starting rank processes now
     would start them again in every rank."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise SystemExit(f"vtoken: a rank process re-running {_main_file()} reached the start of the ranks at "
+        rerunning = getattr(sys.modules.get("__mp_main__"), "__file__", None) or _main_file()
+        raise SystemExit(f"vtoken: a rank process re-running {rerunning} reached the start of the ranks at "
                          f"the script's top level: create the LLM under `{IDIOM}`")
     line = unguarded_line()
     if line is not None:
