@@ -79,7 +79,8 @@ def test_sampling_params_fields_and_defaults_are_tensorrt_llms():
 
 
 @pytest.mark.parametrize("bad,error", [
-    (12, TypeError), ([], ValueError), ([[1, 2], 3], TypeError), ({"prompt": "a", "x": 1}, TypeError), ([""], ValueError),
+    (12, TypeError), ([], ValueError), ([[1, 2], 3], TypeError), ({"prompt": "a", "x": 1}, TypeError),
+    ([""], ValueError),
 ])
 def test_prompt_forms_outside_tensorrt_llms_are_refused(llm, bad, error):
     with pytest.raises(error):

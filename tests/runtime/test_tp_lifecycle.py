@@ -85,7 +85,8 @@ def test_a_rank_re_running_the_script_exits_with_the_same_one_line(tmp_path, tin
     rerun = (f"vtoken: a rank process re-running {tmp_path / 'user_script.py'} reached the start of the ranks at "
              f"the script's top level: create the LLM under `{IDIOM}`")
     assert rerun in done.stderr.splitlines()
-    assert "RuntimeError: rank 0 failed to start:" in done.stderr and "exited with code 1 before it started" in done.stderr
+    assert "RuntimeError: rank 0 failed to start:" in done.stderr
+    assert "rank 0 exited with code 1 before it started" in done.stderr
     assert "An attempt has been made to start a new process" not in done.stderr
 
 
@@ -117,7 +118,8 @@ def test_guarded_script_generates_as_one_process_and_exits_silently_without_clos
 
 
         def generate_and_drop():
-            return [o.outputs[0].token_ids for o in LLM(sys.argv[1], tensor_parallel_size=2, **SETTINGS).generate(PROMPTS, PARAMS)]
+            llm = LLM(sys.argv[1], tensor_parallel_size=2, **SETTINGS)
+            return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
 
 
         if __name__ == "__main__":

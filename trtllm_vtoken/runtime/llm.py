@@ -109,7 +109,8 @@ class LLM:
         eviction). ``chat``: wrap text prompts in the model's chat template."""
         sampling_params, use_tqdm = _renamed(renamed, sampling_params, use_tqdm)
         prompts, batched = parse_prompts(inputs)
-        per_prompt = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        shared = not isinstance(sampling_params, Sequence)
+        per_prompt = [sampling_params] * len(prompts) if shared else list(sampling_params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         per_prompt = [p or SamplingParams() for p in per_prompt]

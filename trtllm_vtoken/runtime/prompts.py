@@ -47,10 +47,10 @@ def _one(item: Any) -> Prompt:
             raise ValueError("a prompt is empty")
         return Prompt(item, None)
     if isinstance(item, dict):
-        unknown = sorted(set(item) - {"prompt", "prompt_token_ids"})
-        if unknown or len(item) != 1:
-            raise TypeError(f"a prompt dict holds 'prompt' or 'prompt_token_ids' alone, got keys {sorted(item)}")
-        return _one(item.get("prompt", item.get("prompt_token_ids")))
+        key, value = next(iter(item.items())) if len(item) == 1 else (None, None)
+        if key == "prompt" and isinstance(value, str) or key == "prompt_token_ids" and not isinstance(value, str):
+            return _one(value)
+        raise TypeError(f"a prompt dict holds a str 'prompt' or a list 'prompt_token_ids' alone, got {item!r:.60}")
     if _is_sequence(item) and all(_is_int(t) for t in item):
         if not item:
             raise ValueError("a prompt is empty")

@@ -89,7 +89,8 @@ class SamplingParams:
             (self.top_k is None or self.top_k >= 0, f"top_k must be >= 0: {self.top_k}"),
             (self.temperature is None or self.temperature >= 0, f"temperature must be >= 0: {self.temperature}"),
             (self.best_of >= self.n, f"best_of {self.best_of} < n {self.n}"),
-            (self.best_of == 1 or not self._greedy_decoding, f"greedy decoding returns one sequence: best_of {self.best_of}"),
+            (self.best_of == 1 or not self._greedy_decoding,
+             f"greedy decoding returns one sequence: best_of {self.best_of}"),
             (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
              f"truncate_prompt_tokens must be >= 1: {self.truncate_prompt_tokens}"),
         ]
