@@ -62,12 +62,21 @@ def tiny_llm_folder(tmp_path_factory, smollm2_folder) -> Path:
     return folder
 
 
+@pytest.fixture(autouse=True, scope="session")
+def runtime_threads() -> int:
+    """The suite computes with the intra-op threads the runtime chooses (``trtllm_vtoken/threads.py``):
+    with every core busy in torch's parallel operators, the other work of a shared machine stalls
+    the real-model tests many times over."""
+    from trtllm_vtoken.threads import set_threads
+
+    return set_threads()
+
+
 @pytest.fixture(autouse=True, scope="module")
-def restore_torch_threads():
-    """``LLM`` sets the process's intra-op threads (``trtllm_vtoken/threads.py``): each module
-    starts with the count the session started with."""
+def restore_torch_threads(runtime_threads):
+    """Tests and ``LLM`` may set the process's intra-op threads: each module starts with the
+    session's count."""
     import torch
 
-    before = torch.get_num_threads()
     yield
-    torch.set_num_threads(before)
+    torch.set_num_threads(runtime_threads)
