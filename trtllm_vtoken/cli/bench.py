@@ -82,13 +82,14 @@ def register(sub) -> None:
     capacity.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     add_output_options(capacity, "--scale 8 (about a minute)", run_capacity)
 
-    from trtllm_vtoken.cli import bench_experiments, bench_gpu, bench_serve, bench_step, bench_tp
+    from trtllm_vtoken.cli import bench_experiments, bench_gpu, bench_serve, bench_step, bench_threads, bench_tp
 
     bench_step.register(bench)
     bench_experiments.register(bench)
     bench_serve.register(bench)
     bench_gpu.register(bench)
     bench_tp.register(bench)
+    bench_threads.register(bench)
 
 
 def run_core(args: argparse.Namespace) -> int:

@@ -44,7 +44,7 @@ def register(bench) -> None:
     step.add_argument("--threads", type=int, default=0,
                       help="threads the C++ core's H2O pass may split a batch over (EngineConfig.step_threads; 0: "
                            "automatic, the process's cores up to 4, the default)")
-    add_output_options(step, "5 timed steps, one run per row", run_step)
+    add_output_options(step, "5 timed steps, one run per row", run_step, threads=False)
 
 
 def run_step(args: argparse.Namespace) -> int:

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from trtllm_vtoken.reclaim.step_batch import COMPACTIONS
 from trtllm_vtoken.step.core import IMPLS
+from trtllm_vtoken.threads import usable_cores
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,7 @@ class StepConfig:
         thread keeps a core busy, ``DecodeStep.start``)."""
         if self.threads:
             return self.threads
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(1, min(MAX_AUTO_THREADS, cores - beside_host))
+        return max(1, min(MAX_AUTO_THREADS, usable_cores() - beside_host))
 
 
 MAX_AUTO_THREADS = 4
