@@ -109,6 +109,9 @@ class StepOutput:
     position-shift pass rotates its surviving keys by (-lost), what TensorRT-LLM rewinds."""
     num_tokens: np.ndarray
     """[B] logical lengths (prompt + generated): the next token's position is this."""
+    changed: np.ndarray
+    """[B] true (nonzero) where the request's layout changed: it moved tokens, released blocks or
+    got shorter."""
     copy: CopyHandle | None = None
     """The submitted copy, already ordered before the host's next forward (None: no moves)."""
 
@@ -116,6 +119,10 @@ class StepOutput:
     @cached_property
     def num_evicted(self) -> int:
         return len(self.victims)
+
+    @cached_property
+    def num_changed(self) -> int:
+        return int(np.count_nonzero(self.changed))
 
     @cached_property
     def num_moves(self) -> int:
