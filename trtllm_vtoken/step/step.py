@@ -125,8 +125,8 @@ class DecodeStep(StepRequests):
             raise RuntimeError(f"the step is unusable after an earlier failure: {self._broken}")
         beside = overlap and self.impl == "cpp"
         try:
-            if beside and self._beside is not None and self._repeat(inp):  # 0. the last call again
-                return
+            if beside and self._beside is not None and self._beside.repeated is not None and self._repeat(inp):
+                return  # 0. the last call started again
             it = self._begin(inp, beside)  # 1-2. the checked batch, its decision
             if beside:  # 3. the call, on the worker (``settle`` ends the step) or here
                 self._start_beside(it, inp)
