@@ -59,8 +59,7 @@ def test_random_workloads_keep_cached_blocks_exact(model, mode, policy, ops):
         run in the background) leaves shared and cached blocks alone, and so does every release."""
         out = finish_step()
         if out is not None:
-            touched = {int(s) // TPB for s in (*out.table.move_src, *out.table.move_dst)} | set(out.table.freed.tolist())
-            touched |= step.relocating_blocks()
+            touched = out.touched_blocks(TPB) | step.relocating_blocks()
             assert not [b for b in touched if cache.is_shared(b) or cache.is_cached(b)], sorted(touched)
         return out
 

@@ -14,7 +14,7 @@ Compared, from the same pool: naive-evict with prefix caching (frees only fully 
 blocks: the step's "dead-blocks" compaction) and vtoken dense. Reported per degree: blocks in use
 at the end and on average, blocks the ideal layout would need, relocations (request-steps whose
 layout changed: tokens moved, blocks released or the length shortened; naive-evict only
-releases), those that touched a shared block (must be 0), and invariant checks.
+releases), steps whose moves or releases touched a shared block (must be 0), and invariant checks.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import torch
 from trtllm_vtoken.core import BlockPool
 from trtllm_vtoken.policies import make_policy
 from trtllm_vtoken.reclaim.copy import TorchCopyExecutor
-from trtllm_vtoken.reclaim.step_batch import StepBatchResult
 from trtllm_vtoken.runtime.simulated import SyntheticAttention
 from trtllm_vtoken.step import DecodeStep, StepConfig, StepInput
 
@@ -106,20 +105,10 @@ class _Run:
     def _run(self, req_ids: list[int], num_new: list[int], new_blocks: list[list[int]]) -> None:
         mass = self.attention.batch_mass(req_ids, num_new)
         out = self.step.run(StepInput.of_lists(req_ids, num_new, new_blocks, mass=mass))
-        self.shared_touched += self._touching_shared(out.table)
+        self.shared_touched += any(self.pool.is_shared(b) for b in out.touched_blocks(self.tpb))
         if self.variant != "vtoken":
             self.dead_released += out.num_freed
         self.pool.free(out.table.freed.tolist())
-
-    def _touching_shared(self, table: StepBatchResult) -> int:
-        """Requests whose moves or released blocks touched a shared block this step."""
-        touched = 0
-        for i in range(len(table.move_offsets) - 1):
-            lo, hi = table.move_offsets[i], table.move_offsets[i + 1]
-            blocks = {*(table.move_src[lo:hi] // self.tpb).tolist(), *(table.move_dst[lo:hi] // self.tpb).tolist(),
-                      *table.freed_of(i)}
-            touched += any(self.pool.is_shared(b) for b in blocks)
-        return touched
 
     def ideal_blocks(self) -> int:
         """Shared prefix blocks once, plus ceil(private live / tpb) per request."""

@@ -137,5 +137,12 @@ class StepOutput:
         """(``table.move_src``, ``table.move_dst``): what the copy reads."""
         return self.table.move_src, self.table.move_dst
 
+    def touched_blocks(self, tokens_per_block: int) -> set[int]:
+        """Blocks the step's moves read or wrote, and the blocks it released: none of them may be
+        shared (prefix caching) or cached."""
+        table = self.table
+        return {*(table.move_src // tokens_per_block).tolist(), *(table.move_dst // tokens_per_block).tolist(),
+                *table.freed.tolist()}
+
     def victims_of(self, i: int) -> list[int]:
         return self.victims[self.victim_offsets[i] : self.victim_offsets[i + 1]].tolist()
