@@ -52,6 +52,7 @@ def register(sub) -> None:
         description="variants, capacity, quality, core, step, overhead, sweeps, sla, sharing (and utilization "
                     "and serve, unless --quick).")
     add_output_options(every, "each benchmark's quick form (minutes on 2 CPU cores)", run_all)
+    every.set_defaults(benchmarks=bench.choices)  # every benchmark's parser, the ones added below too
 
     util = bench.add_parser(
         "utilization", help="KV utilization and retained blocks, every policy x workload (real model)",
@@ -206,13 +207,14 @@ def run_capacity(args: argparse.Namespace) -> int:
 
 
 def run_all(args: argparse.Namespace) -> int:
-    from trtllm_vtoken.cli import main
-
+    """Each benchmark in turn, parsed by its own parser as ``vtoken bench <name>`` would be; the
+    first that fails ends the run (its error reported as ``vtoken`` reports any)."""
     names = ["variants", "capacity", "quality", "core", "step", "overhead", "sweeps", "sla", "sharing", "shift"]
     names += [] if args.quick else ["utilization", "serve"]
     for name in names:
         print(f"\n== vtoken bench {name}{' --quick' if args.quick else ''} ==", flush=True)
-        code = main(["bench", name, "--out", args.out] + (["--quick"] if args.quick else []))
+        chosen = args.benchmarks[name].parse_args(["--out", args.out] + (["--quick"] if args.quick else []))
+        code = chosen.func(chosen)
         if code:
             return code
     return 0

@@ -322,7 +322,7 @@ class Engine:
     def _batch_mass(self, req_ids: list[int], masses: list, queries: list[int]):
         """The attention mass of the requests going on, as the step takes it, [B, width]: one
         forward's float32 host tensor [B, L] as a numpy view of it, no copy (the step's call
-        repeats with a new array of the same rows and dtype each step, ``step/repeat.py``);
+        repeats with a new array of the same rows and dtype each step, ``step/beside.py``);
         several forwards' (each [rows, L], in the rows' order) staged in one array rewritten in
         place (``MassStaging``); or the simulated backend's own: a function of the token layout
         (its simulated attention) or a host array, handed over as they are, a torch tensor as
