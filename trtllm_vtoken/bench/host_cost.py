@@ -5,7 +5,10 @@ work between two steps leaves them).
 
 It shows why the step's host-thread work counts numpy calls and Python objects rather than
 arithmetic: the step passes a batch's new blocks as the host's lists, makes its output's arrays
-only when read, and repeats a decode loop's call with its arguments bound once.
+only when read, and repeats a decode loop's call with its arguments bound once. Where the C++
+core is built it also times the core's registration call with the batch's arrays writeable and
+read-only: nanobind takes a read-only array by a slower path, so the step passes its reused
+arrays writeable.
 """
 
 from __future__ import annotations
@@ -72,3 +75,34 @@ def run_host_bench(rounds: int = 400, warm_calls: int = 2000) -> dict[str, Any]:
         cold_us = float(np.median(cold[name])) * 1e6
         rows.append({"operation": name, "warm_us": warm_us, "after_sleep_us": cold_us, "ratio": cold_us / warm_us})
     return {"rows": rows, "config": {"batch": BATCH, "rounds": rounds, "warm_calls": warm_calls}}
+
+
+def time_registration(calls: int = 20000) -> list[dict[str, Any]] | None:
+    """The C++ core's registration call (``slots_register``: five int64 arrays, ``BATCH`` requests,
+    no new tokens) with its arrays writeable and read-only, microseconds per call, best of 5 x
+    ``calls``; None where the C++ core is not built."""
+    from trtllm_vtoken.core.native import load
+    from trtllm_vtoken.step import DecodeStep, StepConfig, StepInput
+
+    native = load()
+    if native is None:
+        return None
+    req_ids = list(range(BATCH))
+    step = DecodeStep(StepConfig("dense", impl="cpp"), 4 * BATCH, 32)
+    for req in req_ids:
+        step.add_request(req)
+    step.run(StepInput(req_ids, [32] * BATCH, list(range(BATCH + 1)), req_ids))  # one full block each
+    arrays = {"req_ids": np.arange(BATCH, dtype=np.int64), "rows": step.slots.rows(req_ids).copy(),
+              "offsets": np.zeros(BATCH + 1, dtype=np.int64), "blocks": np.zeros(0, dtype=np.int64),
+              "num_new": np.zeros(BATCH, dtype=np.int64)}
+    layout, table = step.slots.native_layout(), step.core.table
+    rows = []
+    for writeable in (True, False):
+        args = {name: values.copy() for name, values in arrays.items()}
+        for values in args.values():
+            values.flags.writeable = writeable
+        call = lambda: native.slots_register(layout, args["req_ids"], args["rows"], args["offsets"],  # noqa: E731
+                                             args["blocks"], args["num_new"], 4 * BATCH, table)
+        best = min(timeit.repeat(call, number=calls, repeat=5)) / calls
+        rows.append({"arrays": "writeable" if writeable else "read-only", "call_us": best * 1e6})
+    return rows

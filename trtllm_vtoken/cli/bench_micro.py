@@ -17,7 +17,8 @@ def register(bench) -> None:
         "host", help="what one numpy or Python operation costs the host's thread, warm and after 1 ms asleep",
         description="Each operation warm (best of 5 x 2,000 calls) and right after the thread slept 1 ms (median "
                     "over rounds, operations in alternating order), as an engine's own work between two steps "
-                    "leaves the thread's caches: why the step's host work counts calls and objects.")
+                    "leaves the thread's caches: why the step's host work counts calls and objects. Then the "
+                    "C++ core's registration call with its arrays writeable and read-only (where it is built).")
     host.add_argument("--rounds", type=int, default=400, help="timed rounds after a 1 ms sleep (default 400)")
     add_output_options(host, "40 rounds", run_host)
 
@@ -34,15 +35,23 @@ def register(bench) -> None:
 
 
 def run_host(args: argparse.Namespace) -> int:
-    from trtllm_vtoken.bench.host_cost import BATCH, run_host_bench
+    from trtllm_vtoken.bench.host_cost import BATCH, run_host_bench, time_registration
     from trtllm_vtoken.report import format_table
 
     result = run_host_bench(rounds=40 if args.quick else args.rounds)
+    result["registration"] = time_registration(calls=2000 if args.quick else 20000)
     print(f"vtoken bench host: one operation at batch {BATCH}, warm (best of 5 x {result['config']['warm_calls']:,}) "
           f"and after 1 ms asleep (median of {result['config']['rounds']})")
     print(format_table(["operation", "warm us", "after 1 ms asleep us", "ratio"],
                        [[r["operation"], f"{r['warm_us']:.2f}", f"{r['after_sleep_us']:.1f}", f"{r['ratio']:.0f}x"]
                         for r in result["rows"]]))
+    if result["registration"] is None:
+        print("the C++ core is not built: its registration call is not timed")
+    else:
+        print(f"the C++ core's registration call (slots_register, {BATCH} requests, five int64 arrays), "
+              "best of 5:")
+        print(format_table(["arrays", "us per call"], [[r["arrays"], f"{r['call_us']:.2f}"]
+                                                        for r in result["registration"]]))
     publish(args.out, "host", result)
     return 0
 
