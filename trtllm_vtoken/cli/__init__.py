@@ -4,8 +4,8 @@
     vtoken info                         versions, active implementation, registries
     vtoken generate "prompt" ... [--tp N]   text generation on the reference runtime (N rank processes)
     vtoken serve                        Triton Inference Server on triton_model_repo
-    vtoken bench all | core | step | variants | capacity | utilization | quality | overhead |
-                 sweeps | sla | sharing | shift | serve | gpu | tp | threads
+    vtoken bench all | core | step | host | variants | capacity | utilization | quality | overhead |
+                 sweeps | sla | sharing | shift | serve | gpu | tp | threads | trtllm-mass
                                         benchmarks (tables, JSON/PNG under --out)
 """
 

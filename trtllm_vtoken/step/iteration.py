@@ -166,7 +166,7 @@ class LastList:
     list equal to the last one converted gets the same array and the same list. The step never
     writes them, and hands a host only read-only views (``StepOutput.req_ids``): the native calls
     take a writeable array faster (nanobind takes a read-only one by a slower path:
-    ``benchmarks/step/host_phases/read_only.txt``)."""
+    ``vtoken bench host``, ``benchmarks/RESULTS.md``)."""
 
     def __init__(self) -> None:
         self._last: tuple[list | tuple, np.ndarray, list[int], np.ndarray] | None = None
