@@ -15,7 +15,7 @@ import pytest
 from tests.integration.test_trtllm_startup import run_client, worker_report
 from trtllm_vtoken.integration.trtllm.arming import RECORD_KEY, read_record, worker_problem, write_record
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
-from trtllm_vtoken.integration.trtllm.startup import arm_mode
+from trtllm_vtoken.integration.trtllm.environment import arm_mode
 from trtllm_vtoken.integration.trtllm.stats import read_stats
 
 IGNORES_OVERRIDES = {"TLLM_DOUBLE_WORKER_APPLIES_ENV_OVERRIDES": "0"}  # worker_main without the update

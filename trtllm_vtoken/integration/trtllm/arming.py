@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
-from trtllm_vtoken.integration.trtllm.startup import ARM_VAR, SETTINGS_VAR, arm_mode
+from trtllm_vtoken.integration.trtllm.environment import ARM_VAR, SETTINGS_VAR, arm_mode
 
 RECORD_KEY = "vtoken_worker"
 

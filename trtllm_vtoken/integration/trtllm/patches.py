@@ -27,7 +27,7 @@ import importlib
 from types import ModuleType
 
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings, check_llm_args
-from trtllm_vtoken.integration.trtllm.startup import arm_mode
+from trtllm_vtoken.integration.trtllm.environment import arm_mode
 
 _installed: list[str] = []
 

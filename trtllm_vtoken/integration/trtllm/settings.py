@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from trtllm_vtoken.config_base import from_dict
-from trtllm_vtoken.integration.trtllm.startup import ARM_VALUES, ARM_VAR, SETTINGS_VAR, armed
+from trtllm_vtoken.integration.trtllm.environment import ARM_VALUES, ARM_VAR, SETTINGS_VAR, armed
 from trtllm_vtoken.policies import Budget, make_policy
 from trtllm_vtoken.reclaim.config import ReclaimConfig
 from trtllm_vtoken.step.core import IMPLS

@@ -54,14 +54,10 @@ import functools
 import importlib.abc
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-ARM_VAR = "VTOKEN_TRTLLM"
-SETTINGS_VAR = "VTOKEN_TRTLLM_SETTINGS"
-ARM_VALUES = {"1": "vtoken", "rope": "rope"}
-"""$VTOKEN_TRTLLM values that arm a worker, and what they install: "vtoken" (everything) or "rope"
-(unfused RoPE only: TensorRT-LLM's own KV-cache manager, a baseline that differs from vToken by
-vToken alone)."""
+from trtllm_vtoken.integration.trtllm.environment import ARM_VAR, SETTINGS_VAR, armed
+
 CREATOR_MODULE = "tensorrt_llm._torch.pyexecutor.py_executor_creator"
 """Where TensorRT-LLM's worker finds ``create_py_executor`` (the same path from 1.0 to 2026 main)."""
 LLM_MODULE = "tensorrt_llm.llmapi.llm"
@@ -70,22 +66,6 @@ LLM_MODULE = "tensorrt_llm.llmapi.llm"
 import_environ: dict[str, str] = {}
 """vToken's variables as this process's environment held them when ``LLM_MODULE`` was imported,
 i.e. during ``import tensorrt_llm``, when MPI initialised: what a spawned worker inherits."""
-
-
-def arm_mode(environ: Mapping[str, str] | None = None) -> str | None:
-    """"vtoken", "rope" or None (off). ValueError for any other value of $VTOKEN_TRTLLM."""
-    value = (os.environ if environ is None else environ).get(ARM_VAR, "")
-    if value in ("", "0"):
-        return None
-    if value not in ARM_VALUES:
-        raise ValueError(f"${ARM_VAR} must be 1 (vToken on), rope (unfused RoPE only) or 0 / unset (off), "
-                         f"got {value!r}")
-    return ARM_VALUES[value]
-
-
-def armed(environ: Mapping[str, str] | None = None) -> bool:
-    """Is vToken (or its RoPE-only baseline) armed in this process?"""
-    return arm_mode(environ) is not None
 
 
 def wrap_creator(create):
