@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A trtllm-build engine run by TensorRT-LLM's Python runner with vToken. Needs a TensorRT-LLM 1.2.x
 install and a GPU (the 1.2 line and the 1.3.0rc pre-releases up to the removal still ship the
-TensorRT-engine path; see the README).
+TensorRT-engine path; see docs/trtllm_engine.md).
 
 Build the engine from a Hugging Face Llama checkpoint with TensorRT-LLM 1.2's own tools (paged KV
 cache, GPT attention plugin and packed inputs are the defaults of trtllm-build). The recommended
