@@ -322,7 +322,7 @@ class KVCacheManager:
     def next_position(self, req_id: int) -> int:
         """RoPE position of the request's next token: its logical position in "keep" mode, its
         physical one (kv_len) in "shift" mode, where the step re-rotates the cached keys."""
-        cached = self.writes.cached_tokens(req_id)
+        cached = self.writes.cached_tokens(req_id) + self.writes.earlier_tokens(req_id)
         if self.config.positions == "shift":
             return self.layout.kv_len(req_id) + cached
         return self.layout.num_tokens(req_id) + cached
