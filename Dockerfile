@@ -62,7 +62,7 @@ COPY trtllm_vtoken/ trtllm_vtoken/
 # The install puts trtllm_vtoken_startup.pth into site-packages; check that interpreters run it.
 RUN VTOKEN_CUDA=ON CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=80-real;90-real;100-real" \
     pip install --no-cache-dir --no-deps . && vtoken info \
- && python3 -c "import sys; assert any(type(f).__name__ == 'CreatorHook' for f in sys.meta_path), sys.meta_path"
+ && python3 -c "import sys; assert any(type(f).__name__ == 'StartupHook' for f in sys.meta_path), sys.meta_path"
 COPY triton_model_repo/ triton_model_repo/
 COPY examples/ examples/
 # hadolint ignore=DL3064

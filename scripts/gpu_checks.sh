@@ -15,7 +15,7 @@
 #      (the C++ core is built in place when nanobind is there), then the step alone with caches
 #      warm and flushed and H2O's pass alone; again with H2O's pass over up to 4 threads
 #   6. the TensorRT-LLM manager's decode mass on the GPU: one padded pass for the batch against
-#      one call and one copy to the host per request (benchmarks/step/trtllm_mass/run.py)
+#      one call and one copy to the host per request (vtoken bench trtllm-mass)
 #   7. where tensorrt_llm imports and the package is installed (the gpu Docker image) and
 #      $VTOKEN_TRTLLM_MODEL names a model folder: examples/trtllm/run_llm.py --check
 # Uses the machine's python3 and its torch; the repository is put on PYTHONPATH, nothing is
@@ -84,8 +84,8 @@ timeout 120 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --impl cp
 
 banner "TensorRT-LLM manager's decode mass"
 for context in 1024 4096; do
-  timeout 120 $py benchmarks/step/trtllm_mass/run.py --device cuda --batch 64 --context $context --rounds 6 \
-    2>&1 | tee -a "$out/trtllm_mass.jsonl" || status=1
+  timeout 120 $py -m trtllm_vtoken.cli bench trtllm-mass --device cuda --batch 64 --context $context --rounds 6 \
+    --out "$out/trtllm_mass_$context" 2>&1 | tee -a "$out/bench_trtllm_mass.txt" || status=1
 done
 
 banner "TensorRT-LLM check"

@@ -34,3 +34,49 @@ def smollm2_tokenizer(smollm2_folder):
     from trtllm_vtoken.runtime.tokenizer import Tokenizer
 
     return Tokenizer(smollm2_folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_folder(tmp_path_factory, smollm2_folder) -> Path:
+    """A model folder ``LLM`` loads in a second: SmolLM2's tokenizer and chat template over a tiny
+    random Llama (2 layers, hidden 64, 4 query and 2 KV heads, SmolLM2's vocabulary), seeded."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llm")
+    config = json.loads((smollm2_folder / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16)
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_folder / name, folder / name)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.from_hf(folder / "config.json"))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+              str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(autouse=True, scope="session")
+def runtime_threads() -> int:
+    """The suite computes with the intra-op threads the runtime chooses (``trtllm_vtoken/threads.py``):
+    with every core busy in torch's parallel operators, the other work of a shared machine stalls
+    the real-model tests many times over."""
+    from trtllm_vtoken.threads import set_threads
+
+    return set_threads()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def restore_torch_threads(runtime_threads):
+    """Tests and ``LLM`` may set the process's intra-op threads: each module starts with the
+    session's count."""
+    import torch
+
+    yield
+    torch.set_num_threads(runtime_threads)

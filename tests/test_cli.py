@@ -108,22 +108,22 @@ def test_bench_step_with_a_mass_buffer_repeats_the_h2o_call(tmp_path, capsys):
 
 
 @pytest.mark.skipif(native.load() is None, reason="the C++ core is not built")
-def test_bench_step_times_the_fused_call_against_the_general_path(tmp_path, capsys):
-    """--impl cpp,cpp-general: the C++ core with and without its fused decode call, in one
-    alternating run; the same evictions, moves and freed blocks either way, and each row's in-step
-    time with its range over the runs."""
+def test_bench_step_times_the_call_beside_sampling_against_the_call_at_once(tmp_path, capsys):
+    """--impl cpp,cpp-at-once: the C++ core's call on the step's worker beside the engine's
+    sampling and on the engine's thread, in one alternating run; the same evictions, moves and
+    freed blocks either way, and each row's in-step time with its range over the runs."""
     assert main(["bench", "step", "--batches", "4", "--context", "96", "--tokens-per-block", "8", "--steps", "3",
-                 "--repeats", "2", "--impl", "cpp,cpp-general", "--out", str(tmp_path)]) == 0
+                 "--repeats", "2", "--impl", "cpp,cpp-at-once", "--out", str(tmp_path)]) == 0
     assert "step runs min-max" in capsys.readouterr().out
     rows = json.loads((tmp_path / "step.json").read_text())
     by = {(r["variant"], r["mode"], r["policy"], r.get("boundary", False), r["impl"]): r for r in rows}
-    pairs = [(key[:4], by[key], by[key[:4] + ("cpp-general",)]) for key in by if key[4] == "cpp" and
-             key[:4] + ("cpp-general",) in by]
+    pairs = [(key[:4], by[key], by[key[:4] + ("cpp-at-once",)]) for key in by if key[4] == "cpp" and
+             key[:4] + ("cpp-at-once",) in by]
     assert len(pairs) == 5
-    for _, fused, general in pairs:
+    for _, beside, at_once in pairs:
         for name in ("evicted_per_step", "moves_per_step", "blocks_freed_per_step"):
-            assert fused[name] == general[name], name
-        assert 0 < fused["step_us_min"] <= fused["step_us"] <= fused["step_us_max"]
+            assert beside[name] == at_once[name], name
+        assert 0 < beside["step_us_min"] <= beside["step_us"] <= beside["step_us_max"]
     # H2O's native pass alone at the batch's shape, on one and two threads, caches warm and flushed
     passes = json.loads((tmp_path / "step_pass.json").read_text())
     assert sorted((r["placement"], r["caches"], r["threads"]) for r in passes) == [
@@ -134,7 +134,7 @@ def test_bench_step_times_the_fused_call_against_the_general_path(tmp_path, caps
 def test_bench_step_refuses_an_unknown_core(capsys):
     assert main(["bench", "step", "--impl", "cpp,rust", "--out", "/tmp/unused"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "vtoken: error: --impl must list cores among cpp, python, cpp-general, cpp-at-once or be both, got "
+        "vtoken: error: --impl must list cores among cpp, python, cpp-at-once or be both, got "
         "'cpp,rust'")
 
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 C = TypeVar("C")
@@ -14,8 +16,17 @@ def from_dict(cls: type[C], values: dict[str, Any]) -> C:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; known: {sorted(known)}")
+        raise ValueError(f"unknown {cls.__name__} key(s) {unknown}{did_you_mean(unknown, known)}; "
+                         f"known: {sorted(known)}")
     return cls(**values)
+
+
+def did_you_mean(unknown: Iterable[str], known: Iterable[str]) -> str:
+    """" (did you mean 'top_p'?)" for the known names closest to the unknown ones; "" if none is
+    close."""
+    known = sorted(known)
+    close = [m for name in unknown for m in difflib.get_close_matches(name, known, n=1)]
+    return f" (did you mean {', '.join(repr(m) for m in close)}?)" if close else ""
 
 
 def require_positive(config: Any, *names: str) -> None:

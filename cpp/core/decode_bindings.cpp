@@ -43,6 +43,7 @@ struct DecodeCall {
   std::optional<Stat32> stat;
   std::optional<Mass> mass;
   std::optional<Mask> may_plan;
+  std::optional<Ids> victim_index, victim_pos;  // the kGiven selector's victims (the decision points into them)
   vtoken::Decision decision;
   vtoken::Compaction mode = vtoken::Compaction::kDense;
   int64_t fragmentation_threshold = 1;
@@ -88,6 +89,31 @@ int64_t first_narrower_row(const vtoken::SlotArrays& a, const Ids& rows, const i
   return -1;
 }
 
+// The victims the host decided (the kGiven selector), checked against the layout before anything
+// changes: the host registered the batch (the call does not), each victim is (batch index,
+// ascending; physical position below its row's length, holding a live token).
+void bind_given(vtoken::Decision& d, const vtoken::SlotArrays& a, const Ids& rows, bool registers,
+                const std::optional<Ids>& index, const std::optional<Ids>& positions) {
+  if (!index || !positions || index->shape(0) != positions->shape(0) || registers) {
+    throw std::invalid_argument("slots_decide_step: the given selector needs victim_index and victim_pos of one "
+                                "length, and a batch registered before the call");
+  }
+  const int64_t batch = static_cast<int64_t>(rows.shape(0)), n = static_cast<int64_t>(index->shape(0));
+  const int64_t *at = index->data(), *pos = positions->data(), tpb = a.tokens_per_block;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t i = at[k];
+    if (i < 0 || i >= batch || (k && i < at[k - 1])) {
+      throw std::invalid_argument("slots_decide_step: victim_index must ascend within the batch");
+    }
+    const int64_t row = rows.data()[i], p = pos[k];
+    if (p < 0 || p >= a.kv_len[row] ||
+        a.tokens[static_cast<int64_t>(a.block_table[row * a.block_stride + p / tpb]) * tpb + p % tpb] < 0) {
+      throw std::invalid_argument("slots_decide_step: a victim's position holds no live token of its request");
+    }
+  }
+  d.given_index = at, d.given_positions = pos, d.num_given = n;
+}
+
 // The call's arguments checked, or (std::nullopt) the block-table columns it needs first in
 // `columns_needed`: with num_blocks > 0 it registers the batch, checked here as slots_register
 // checks it (num_blocks: the pool's blocks), and the rows' lists with their new blocks must fit.
@@ -96,7 +122,8 @@ std::optional<DecodeCall> checked_call(BoundLayout& layout, vtoken::TokenTable& 
                                        int64_t compaction, int64_t fragmentation_threshold, bool pressure,
                                        std::optional<Stat32> stat, std::optional<Mass> mass, bool skip_shared,
                                        int64_t threads, std::optional<Mask> may_plan, int64_t num_blocks,
-                                       int64_t& columns_needed) {
+                                       int64_t& columns_needed, std::optional<Ids> victim_index = std::nullopt,
+                                       std::optional<Ids> victim_pos = std::nullopt) {
   vtoken::SlotArrays& a = layout.arrays();
   const size_t batch = rows.shape(0);
   const bool registers = num_blocks != 0;
@@ -117,8 +144,8 @@ std::optional<DecodeCall> checked_call(BoundLayout& layout, vtoken::TokenTable& 
     throw std::invalid_argument("slots_decide_step: a bounds rule is (tokens >= 0 or -1, ratio in (0, 1], unit >= 1, "
                                 "n_sink >= 0, recent_window >= 0, recent_ratio in [0, 1])");
   }
-  if (selector < 0 || selector > 2 || compaction < 0 || compaction > 3) {
-    throw std::invalid_argument("slots_decide_step: selector must be 0-2 and compaction 0-3 (dense, lazy, "
+  if (selector < 0 || selector > 3 || compaction < 0 || compaction > 3) {
+    throw std::invalid_argument("slots_decide_step: selector must be 0-3 and compaction 0-3 (dense, lazy, "
                                 "dead-blocks, lazy-deferred)");
   }
   if (may_plan && (may_plan->shape(0) != batch || compaction != 3)) {
@@ -141,13 +168,19 @@ std::optional<DecodeCall> checked_call(BoundLayout& layout, vtoken::TokenTable& 
                                   std::to_string(req_ids.data()[narrower]) + "'s length");
     }
   }
+  if (d.selector == vtoken::Selector::kGiven) {
+    bind_given(d, a, rows, registers, victim_index, victim_pos);
+  } else if (victim_index || victim_pos) {
+    throw std::invalid_argument("slots_decide_step: victims are given with the given selector (3) only");
+  }
   return DecodeCall{nb::find(&layout), nb::find(&table), &layout, &a, &table, req_ids, rows, num_new,
-                    std::move(added), stat, mass, may_plan, d, static_cast<vtoken::Compaction>(compaction),
-                    fragmentation_threshold, pressure, registers, num_blocks};
+                    std::move(added), stat, mass, may_plan, victim_index, victim_pos, d,
+                    static_cast<vtoken::Compaction>(compaction), fragmentation_threshold, pressure, registers,
+                    num_blocks};
 }
 
 // The call's result packed in one int64 buffer, for one numpy array Python takes views of
-// (step/fused.py FusedResult.of): one array made per call instead of one per part, each of which
+// (step/fused.py FusedOutput): one array made per call instead of one per part, each of which
 // costs the host's thread a Python object's making. The worker packs it; the host only wraps it.
 //
 //     [3, B + 1]  victim_offsets, move_offsets, freed_offsets
@@ -215,7 +248,7 @@ nb::tuple result_tuple(PackedResult&& p) {
                         size, nb::make_tuple(p.decide_seconds, p.plan_seconds, p.commit_seconds));
 }
 
-// A call's arguments bound once for a batch that repeats them (step/repeat.py RepeatedCall): each
+// A call's arguments bound once for a batch that repeats them (step/beside.py RepeatedCall): each
 // repetition converts only its new blocks and pressure, where a call's own conversion of its
 // other arguments (three arrays, the layout, the table, the rule) costs the host's thread more
 // than the rest of the call's work there. The mass, where bound, is read when the call runs: the
@@ -324,15 +357,16 @@ void bind_decode(nb::module_& m) {
       [](BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new,
          std::optional<Ids> offsets, nb::handle blocks, int64_t selector, Rule rule, int64_t compaction,
          int64_t fragmentation_threshold, bool pressure, std::optional<Stat32> stat, std::optional<Mass> mass,
-         std::optional<nb::callable> on_victims, bool skip_shared, int64_t threads, std::optional<Mask> may_plan, int64_t num_blocks) -> nb::object {
+         std::optional<nb::callable> on_victims, bool skip_shared, int64_t threads, std::optional<Mask> may_plan,
+         int64_t num_blocks, std::optional<Ids> victim_index, std::optional<Ids> victim_pos) -> nb::object {
         int64_t columns_needed = 0;
         const std::optional<DecodeCall> call =
             checked_call(layout, table, req_ids, rows, num_new, new_blocks_of(offsets, blocks), selector, rule,
                          compaction, fragmentation_threshold, pressure, stat, mass, skip_shared, threads, may_plan,
-                         num_blocks, columns_needed);
+                         num_blocks, columns_needed, victim_index, victim_pos);
         if (!call) return nb::int_(columns_needed);
         vtoken::VictimsHook hook;
-        if (on_victims) {  // with numpy copies of the victims, as the general path hands them over
+        if (on_victims) {  // with numpy copies of the victims, as the Python core hands them over
           hook = [&](const std::vector<int64_t>& victim_offsets, const std::vector<int64_t>& victim_ids) {
             (*on_victims)(vtoken::to_numpy(std::vector<int64_t>(victim_offsets)),
                           vtoken::to_numpy(std::vector<int64_t>(victim_ids)));
@@ -343,7 +377,8 @@ void bind_decode(nb::module_& m) {
       "layout"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
       "rule"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a,
       "stat"_a.noconvert() = nb::none(), "mass"_a = nb::none(), "on_victims"_a = nb::none(), "skip_shared"_a = false,
-      "threads"_a = 1, "may_plan"_a = nb::none(), "num_blocks"_a = 0,
+      "threads"_a = 1, "may_plan"_a = nb::none(), "num_blocks"_a = 0, "victim_index"_a = nb::none(),
+      "victim_pos"_a = nb::none(),
       "The batch's registration (num_blocks > 0: the pool's blocks; 0: slots_register made it), decision, the "
       "token table's step and the layout's update in one call (cpp/core/decode_step.h). With num_blocks the "
       "batch is checked first as slots_register checks it (BatchRefused, nothing changed), and if the rows' "
@@ -352,7 +387,8 @@ void bind_decode(nb::module_& m) {
       "recent_window, recent_ratio), applied to the layout's counters here (budget.h); skip_shared: the id "
       "selector passes over tokens in shared blocks; threads: the statistic's pass may split its rows over that "
       "many threads (select.h); lazy-deferred plans only the rows may_plan allows and commits nothing "
-      "(decode_step.h). Returns (one int64 buffer (a PackedBuffer), batch, victims, moves, number changed, the "
+      "(decode_step.h); selector 3 takes the victims the host decided, (victim_index ascending, victim_pos) "
+      "int64 arrays of (batch index, physical position), after the host registered the batch. Returns (one int64 buffer (a PackedBuffer), batch, victims, moves, number changed, the "
       "buffer's length, the seconds of (decide, plan, commit) inside the call): victim_offsets, "
       "victim_ids, the table's step as step_batch returns it, lost, num_tokens and changed, laid out as "
       "result_tuple says (step/fused.py FusedOutput takes it apart). The batch's new blocks: CSR (offsets, "
@@ -379,19 +415,20 @@ void bind_decode(nb::module_& m) {
           [](DecodeWorker& w, BoundLayout& layout, vtoken::TokenTable& table, Ids req_ids, Ids rows, Ids num_new,
              std::optional<Ids> offsets, nb::handle blocks, int64_t selector, Rule rule, int64_t compaction,
              int64_t fragmentation_threshold, bool pressure, std::optional<Stat32> stat, std::optional<Mass> mass,
-             bool skip_shared, int64_t threads, std::optional<Mask> may_plan, int64_t num_blocks) {
+             bool skip_shared, int64_t threads, std::optional<Mask> may_plan, int64_t num_blocks,
+             std::optional<Ids> victim_index, std::optional<Ids> victim_pos) {
             int64_t columns_needed = 0;
             std::optional<DecodeCall> call =
                 checked_call(layout, table, req_ids, rows, num_new, new_blocks_of(offsets, blocks), selector, rule,
                              compaction, fragmentation_threshold, pressure, stat, mass, skip_shared, threads, may_plan,
-                             num_blocks, columns_needed);
+                             num_blocks, columns_needed, victim_index, victim_pos);
             if (call) w.start(std::move(*call));
             return columns_needed;
           },
           "layout"_a, "table"_a, "req_ids"_a, "rows"_a, "num_new"_a, "offsets"_a, "blocks"_a, "selector"_a,
           "rule"_a, "compaction"_a, "fragmentation_threshold"_a, "pressure"_a, "stat"_a.noconvert() = nb::none(),
           "mass"_a = nb::none(), "skip_shared"_a = false, "threads"_a = 1, "may_plan"_a = nb::none(),
-          "num_blocks"_a = 0,
+          "num_blocks"_a = 0, "victim_index"_a = nb::none(), "victim_pos"_a = nb::none(),
           "slots_decide_step's arguments, less the victims hook (the worker runs no Python); num_blocks > 0: "
           "the call registers the batch first, checked here (BatchRefused, nothing started). Returns 0 "
           "(started), or the block-table columns the rows' lists need with their new blocks when the table "

@@ -32,6 +32,10 @@ RowBounds rule_bounds(const SlotArrays& a, const TokenTable& table, const int64_
 Selection decide(const SlotArrays& a, const TokenTable& table, const int64_t* req_ids, const int64_t* rows,
                  int64_t batch, const Decision& d) {
   if (d.selector == Selector::kNone) return {};
+  if (d.selector == Selector::kGiven) {
+    return {std::vector<int64_t>(d.given_index, d.given_index + d.num_given),
+            std::vector<int64_t>(d.given_positions, d.given_positions + d.num_given)};
+  }
   const RowBounds bounds = rule_bounds(a, table, rows, batch, d);
   const int64_t *lo = bounds.lo.data(), *hi = bounds.hi.data(), *excess = bounds.excess.data();
   const SlotLayout layout{a.tokens, a.block_table, a.block_stride, a.tokens_per_block, a.scratch + 1};

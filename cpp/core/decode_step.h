@@ -1,16 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
-// The common decode step after its registration call, in one call: the batch's decision, the
-// token table's step and the batch layout's update (DecodeStep.run's steps 2 and 3 for a batch one
-// natively decided policy serves; trtllm_vtoken/step/fused.py says when). The same effects, in the
-// same order, as the four calls the general path makes:
+// The decode step after its registration, in one call: the batch's decision, the token table's
+// step and the batch layout's update (DecodeStep's call with the C++ core, trtllm_vtoken/step/fused.py).
+// Mirrors trtllm_vtoken/step/spec.py decode_step, the Python core's call, step by step:
 //
-//     select_lowest / lowest_live_ids (select.h)   the victims, (batch row, position) pairs
-//     victims -> slots, logical ids, CSR offsets    what DecodeStep.run computes in numpy
+//     select_lowest / lowest_live_ids (select.h),   the victims, (batch row, position) pairs
+//       or the victims the host decided (kGiven)
+//     victims -> slots, logical ids, CSR offsets
 //     step_batch (batch.h)                          append, evict, plan, commit
 //     apply_step (slots.h)                          evictions, moves, released blocks, lengths
 //
 // plus what the step's output reports per request: the length lost, the logical length, and
-// whether its layout changed. The step parity test runs both paths on the same batches.
+// whether its layout changed. The step parity tests run both cores on the same batches.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +27,7 @@ enum class Selector : int64_t {
   kNone = 0,        // nothing over budget and nothing to learn: no victims
   kLowestIds = 1,   // the lowest live ids in [lo, hi) (StreamingLLM, sliding window)
   kLowestStat = 2,  // the lowest per-slot statistic in [lo, hi), after adding the mass (H2O)
+  kGiven = 3,       // the victims the host decided (policies decided in Python, several policies)
 };
 
 struct Decision {
@@ -42,6 +43,11 @@ struct Decision {
   int64_t mass_stride = 0;
   bool skip_shared = false;  // tokens in shared blocks are no candidates (select.h)
   int64_t threads = 1;       // kLowestStat: threads its pass may split the rows over (select.h)
+  // kGiven: [num_given] batch indices, ascending, and each victim's physical position (live,
+  // below the row's length; ids ascending per request), read from the layout as it is.
+  const int64_t* given_index = nullptr;
+  const int64_t* given_positions = nullptr;
+  int64_t num_given = 0;
 };
 
 struct DecodeResult {
@@ -62,7 +68,7 @@ using VictimsHook = std::function<void(const std::vector<int64_t>&, const std::v
 // Request i is req_ids[i] at layout row rows[i], whose new blocks and tokens the registration
 // call (register_new) wrote into the layout; the table has not seen them yet. Throws what the
 // calls it makes throw (the hook's throw before the table changed); a throw from the table's step
-// leaves the step half done (the caller then refuses further steps, as for the general path).
+// leaves the step half done (the caller then refuses further steps, as for the Python core).
 // kLazyDeferred (background compaction): the table plans the requests may_plan allows (nullptr:
 // all) and commits nothing; the layout takes the evictions and lengths only, and the result's
 // moves and released blocks are the plans, which the caller copies and commits later

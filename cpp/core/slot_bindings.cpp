@@ -49,35 +49,6 @@ void bind_slots(nb::module_& m) {
       "want_slots), or (the block-table columns needed, None) with nothing written when the table must grow "
       "first.");
   m.def(
-      "slots_apply_step",
-      [](BoundLayout& layout, Ids victim_rows, Ids victim_slots, Ids move_src, Ids move_dst, Ids rows, Ids req_ids,
-         Ids kv_lens, Ids freed_offsets, bool tail_only, const vtoken::TokenTable& table) {
-        vtoken::SlotArrays& a = layout.arrays();
-        const size_t batch = rows.shape(0), slots = layout.slots();
-        check_batch(rows, layout.rows(), batch, "rows");
-        check_batch(victim_rows, layout.rows(), victim_slots.shape(0), "victim_rows");
-        if (req_ids.shape(0) != batch || kv_lens.shape(0) != batch || freed_offsets.shape(0) != batch + 1 ||
-            move_src.shape(0) != move_dst.shape(0)) {
-          throw std::invalid_argument("slots_apply_step: req_ids and kv_lens need one entry per row, freed_offsets "
-                                      "one more, moves a destination per source");
-        }
-        for (const Ids* s : {&victim_slots, &move_src, &move_dst}) {
-          for (size_t k = 0; k < s->shape(0); ++k) {
-            if (s->data()[k] < 0 || static_cast<size_t>(s->data()[k]) >= slots) {
-              throw std::invalid_argument("slots_apply_step: slot " + std::to_string(s->data()[k]) + " is outside the layout");
-            }
-          }
-        }
-        vtoken::apply_step(a, victim_rows.data(), victim_slots.data(), static_cast<int64_t>(victim_slots.shape(0)),
-                           move_src.data(), move_dst.data(), static_cast<int64_t>(move_src.shape(0)), rows.data(),
-                           req_ids.data(), static_cast<int64_t>(batch), kv_lens.data(), freed_offsets.data(), tail_only,
-                           table);
-      },
-      "layout"_a, "victim_rows"_a, "victim_slots"_a, "move_src"_a, "move_dst"_a, "rows"_a, "req_ids"_a,
-      "kv_lens"_a, "freed_offsets"_a, "tail_only"_a, "table"_a,
-      "SlotMap.evict + move + set_rows after the table's step, in one call (cpp/core/slots.h).");
-
-  m.def(
       "slots_protected_live",
       [](BoundLayout& layout, Ids rows, const vtoken::TokenTable& table) {
         const vtoken::SlotArrays& a = layout.arrays();

@@ -34,7 +34,7 @@ struct SlotArrays {
   std::vector<SlotStat> stats;
 };
 
-// The step's checks of a batch's new blocks and tokens (InputChecks.check_new, step/input_checks.py, the
+// The step's checks of a batch's new blocks and tokens (InputChecks.check_new, step/iteration.py, the
 // specification; same order, same words): "" when they fit, else what is wrong. Reads only.
 // Request i is req_ids[i] at row rows[i]; offsets has one entry per request and one more (the
 // caller checked the sizes); new block ids lie in [0, num_blocks); a block may be given twice only

@@ -13,11 +13,10 @@
 // for the next job after each, for up to kNapWindow after its last one; only then does it block
 // until woken. A host that submits while the worker naps makes no system call: waking a thread
 // blocked on a condition variable costs the waking thread a futex call, and on a VM the idle
-// core's wake-up too (4-16 us at the median, up to ~110 us at p90 on the 2-core VM), where a nap
-// notices the job within kNap. A decode loop that starts a call every few milliseconds at most
-// always finds the worker napping. After a slower host's call (a forward of hundreds of
-// milliseconds) the worker naps 5 ms and then blocks. The naps take about 5% of a core
-// (benchmarks/step/worker_nap/).
+// core's wake-up too, where a nap notices the job within kNap. A decode loop that starts a call
+// every few milliseconds at most always finds the worker napping. After a slower host's call (a
+// forward of hundreds of milliseconds) the worker naps 5 ms and then blocks. The naps cost the
+// worker's core a timed wake-up every kNap while a decode loop runs, and nothing once it blocks.
 #pragma once
 
 #include <chrono>

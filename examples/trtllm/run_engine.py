@@ -1,14 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 """A trtllm-build engine run by TensorRT-LLM's Python runner with vToken. Needs a TensorRT-LLM 1.2.x
-install (the last release line with the TensorRT-engine path) and a GPU.
+install and a GPU (the 1.2 line and the 1.3.0rc pre-releases up to the removal still ship the
+TensorRT-engine path; see the README).
 
 Build the engine from a Hugging Face Llama checkpoint with TensorRT-LLM 1.2's own tools (paged KV
-cache, GPT attention plugin and packed inputs are the defaults of trtllm-build):
+cache, GPT attention plugin and packed inputs are the defaults of trtllm-build). The recommended
+build for vToken keeps the KV cache in float16, not quantized, and without --streamingllm:
 
     python TensorRT-LLM/examples/models/core/llama/convert_checkpoint.py \\
-        --model_dir /models/Llama-3.1-8B-Instruct --output_dir /tmp/llama-ckpt --dtype bfloat16
+        --model_dir /models/Llama-3.1-8B-Instruct --output_dir /tmp/llama-ckpt --dtype float16
     trtllm-build --checkpoint_dir /tmp/llama-ckpt --output_dir /tmp/llama-engine --gemm_plugin auto \\
         --max_batch_size 8 --max_input_len 2048 --max_seq_len 4096
+
+Why: the GPT attention plugin rotates each new token by its physical position, so vToken turns
+the surviving keys back whenever a sequence loses tokens (a block's worth at a time), and every
+turn rounds to the cache dtype. Recovered re-rotation keeps a key within about 2 roundings of its
+exact value over 512 steps, and a float16 rounding is 8x finer than a bfloat16 one
+(tests/integration/test_engine_drift.py). A quantized KV cache (int8/fp8 codes) and a StreamingLLM
+engine (keys cached unrotated, rotated by cache slot when read) are refused.
 
 Then generate with a bounded KV cache (score-free policies only: streaming_llm, sliding_window,
 random), or check the path (--check):
@@ -45,7 +54,8 @@ def main() -> int:
     except ImportError as exc:
         print(f"error: {exc} (needs tensorrt_llm 1.2.x, e.g. the gpu Docker target)", file=sys.stderr)
         return 2
-    from trtllm_vtoken.integration.trtllm.engine_runner import VTokenEngineRunner, engine_rope
+    from trtllm_vtoken.integration.trtllm.engine_config import engine_rope
+    from trtllm_vtoken.integration.trtllm.engine_runner import VTokenEngineRunner
     from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
@@ -62,8 +72,12 @@ def main() -> int:
             rows.append(row[: row.index(end_id)] if end_id in row else row)
         return rows
 
+    try:
+        rope = engine_rope(args.engine_dir)  # ValueError for an engine vToken refuses, and why
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     engine = ModelRunner.from_dir(args.engine_dir)  # one engine: vToken wraps this runner's session
-    rope = engine_rope(args.engine_dir)
 
     def vtoken(budget) -> VTokenEngineRunner:
         return VTokenEngineRunner(engine, VTokenSettings(policy=args.policy, budget=budget, positions="shift"), rope)
@@ -81,7 +95,8 @@ def main() -> int:
         print(f"--- {prompt}\n{tokenizer.decode(row)}")
     stats = runner.stats()
     print(f"vToken ({args.policy}, budget {args.budget}): {stats['tokens_evicted']} tokens evicted, "
-          f"{stats['blocks_freed']} blocks freed, {stats['keys_rerotated']} keys re-rotated in "
+          f"{stats['blocks_freed']} blocks freed ({stats['blocks_trimmed']} more trimmed from the longest prompt's), "
+          f"{stats['keys_rerotated']} keys re-rotated in "
           f"{stats['rerotation_passes']} passes, peak {stats['peak_blocks']} blocks")
     return status
 

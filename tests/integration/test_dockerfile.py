@@ -59,7 +59,7 @@ def test_gpu_target_runs_on_tensorrt_llm_1_2_1():
     assert "${TENSORRT_LLM_VERSION}" in version_check and "sys.exit(" in version_check
     assert ("ARG", "TENSORRT_LLM_VERSION") in gpu  # the stage sees the global value
     install = next(r for r in runs if "pip install --no-cache-dir --no-deps ." in r)
-    assert "VTOKEN_CUDA=ON" in install and "CreatorHook" in install  # kernel built, start-up hook active
+    assert "VTOKEN_CUDA=ON" in install and "StartupHook" in install  # kernel built, start-up hook active
     assert not any("torch==" in r or " torch " in r for r in runs)  # never a second torch
     entry = json.loads(next(rest for word, rest in gpu if word == "ENTRYPOINT"))
     assert entry == ["vtoken", "serve", "--device", "cuda"]

@@ -79,10 +79,15 @@ def test_a_refused_request_fails_only_its_client():
 
 
 def test_sampling_parameters_map_onto_tensorrt_llm_names():
-    greedy = trtllm_sampling(SamplingParams(max_tokens=9, stop=("END",), ignore_eos=True), TensorrtLlmApiDouble121)
-    assert (greedy.max_tokens, greedy.top_k, greedy.temperature, greedy.stop, greedy.ignore_eos) == (9, 1, None, ["END"], True)
+    """The same names and meanings: every field passes as it is (None, "not specified", included)."""
+    greedy = trtllm_sampling(SamplingParams(max_tokens=9, stop="END", ignore_eos=True, logprobs=2),
+                             TensorrtLlmApiDouble121)
+    assert (greedy.max_tokens, greedy.top_k, greedy.temperature, greedy.stop, greedy.ignore_eos, greedy.logprobs) \
+        == (9, None, None, ["END"], True, 2)
+    assert greedy._greedy_decoding  # TensorRT-LLM decodes it greedily, as the reference runtime does
     sampled = trtllm_sampling(SamplingParams(temperature=0.7, top_p=0.9, seed=3), TensorrtLlmApiDouble121)
     assert (sampled.temperature, sampled.top_p, sampled.top_k, sampled.seed) == (0.7, 0.9, None, 3)
+    assert not sampled._greedy_decoding
 
 
 def test_backend_setting_is_validated():

@@ -131,8 +131,8 @@ def test_two_running_requests_share_the_system_prompt_while_evicting(policy):
     """The second request arrives while the first decodes: ``add_sequence`` hands it the first's
     stored system-prompt blocks, both hold them at once, and both evict (down to the budget, which
     applies to the tokens outside the protected prompt blocks, never inside them) without the
-    tree ever lying. StreamingLLM's batches take the C++ core's fused call (its
-    selection passes over the protected blocks), Random's the general path."""
+    tree ever lying. StreamingLLM's batches are decided inside the C++ core's call (its
+    selection passes over the protected blocks), Random's in Python before it."""
     manager = make_reuse_manager(policy, budget=4)
     drive = Driver(manager)
     first = make_request(0, 0, 12)
@@ -167,8 +167,8 @@ def test_two_running_requests_share_the_system_prompt_while_evicting(policy):
     for request in (first, second):
         assert manager.vtoken.num_evicted(request.py_request_id) > 0
         assert set(range(8)) <= set(step.live_tokens(request.py_request_id).tolist())  # the shared prefix kept
-    fused = step.stats.fused_steps
-    assert fused > 0 if policy != "random" and step.impl == "cpp" else fused == 0
+    decided = step.stats.native_decisions
+    assert decided > 0 if policy != "random" and step.impl == "cpp" else decided == 0
     manager.free_resources(first)
     manager.free_resources(second)
     drive.check_tree()
@@ -214,8 +214,8 @@ def test_a_prompt_recovered_from_the_tree_is_scored_from_its_computed_part():
     assert live.tolist() == list(range(n))
     np.testing.assert_allclose(mass[8:], full[8:].numpy(), rtol=1e-4)  # every computed token as a full prefill
     assert (mass[:8] < full[:8].numpy()).all()  # the prefix: only what the computed queries give
-    # Both prefills took the C++ core's fused call, the second with its reused blocks protected.
-    assert step.stats.fused_steps == (2 if step.impl == "cpp" else 0)
+    # Both prefills were decided in the C++ core's call, the second with its reused blocks protected.
+    assert step.stats.native_decisions == (2 if step.impl == "cpp" else 0)
 
 
 def keys_of(tokens: list[int]) -> torch.Tensor:

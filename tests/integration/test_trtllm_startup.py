@@ -150,7 +150,9 @@ def test_vtoken_reaches_the_mpi_worker_before_the_model_is_built():
     assert report["environ"]["VTOKEN_TRTLLM"] == "1" and report["pool_dtype"] == "torch.bfloat16"
 
 
-def test_armed_without_settings_is_a_clear_error_in_the_worker():
+def test_armed_without_settings_is_a_clear_error():
+    """In the client, which checks an armed LLM's settings before any worker starts (a worker that
+    sees only the variable raises the same, ``VTokenSettings.from_env``)."""
     code = """
 from tensorrt_llm import LLM
 from trtllm_vtoken.integration.trtllm import llm_args_dict

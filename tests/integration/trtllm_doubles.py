@@ -4,11 +4,11 @@
 The PyTorch-backend classes vToken hooks into live in ``trtllm121/tensorrt_llm/`` under their real
 module paths and class names (each module's docstring cites the real file and function per
 behaviour it imitates); they are re-exported here for in-process tests. Below them: the LLM-API
-streaming surface ``TRTLLMLoop`` reads (``LLM.generate_async`` results), ``*Double121``."""
+streaming surface ``TRTLLMLoop`` reads (``LLM.generate_async`` results), ``*Double121``, over the
+double of ``executor/result.py``'s ``CompletionOutput``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 from tests.integration.trtllm121 import ROOT as TRTLLM121_ROOT  # noqa: F401
 from tests.integration.trtllm121.tensorrt_llm.bindings import CacheType, DataType  # noqa: F401
@@ -18,7 +18,9 @@ from tests.integration.trtllm121.tensorrt_llm.llmapi.llm_args import (  # noqa: 
     SchedulerConfig,
     TorchLlmArgs,
 )
+from tests.integration.trtllm121.tensorrt_llm.executor.result import CompletionOutput
 from tests.integration.trtllm121.tensorrt_llm.mapping import Mapping  # noqa: F401
+from tests.integration.trtllm121.tensorrt_llm.sampling_params import SamplingParams
 from tests.integration.trtllm121.tensorrt_llm._torch.attention_backend.interface import (  # noqa: F401
     KVCacheParams,
     apply_rope,
@@ -41,33 +43,12 @@ def make_request(req_id: int, prompt_len: int, max_new_tokens: int) -> LlmReques
                       sampling_config=SamplingConfig(beam_width=1))
 
 
-@dataclass
-class CompletionOutputDouble121:
-    """``tensorrt_llm.executor.result.CompletionOutput``: cumulative text and ids plus the diffs."""
-
-    token_ids: list = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    cumulative_logprob: float | None = None
-    _last_text_len: int = 0
-    _last_token_ids_len: int = 0
-
-    @property
-    def text_diff(self) -> str:
-        return self.text[self._last_text_len:]
-
-    @property
-    def token_ids_diff(self) -> list:
-        return self.token_ids[self._last_token_ids_len:]
-
-
 class GenerationResultDouble121:
     """``generate_async(..., streaming=True)``'s result: async-iterable chunks, ``abort()``."""
 
     def __init__(self, pieces: list[tuple[int, str]], delay_s: float = 0.0) -> None:
         self.pieces, self.delay_s = pieces, delay_s
-        self.output = CompletionOutputDouble121()
+        self.output = CompletionOutput(0)
         self.outputs = [self.output]
         self.finished = False
         self.aborted = False
@@ -116,14 +97,7 @@ class LLMDouble121:
         self.shut_down = True
 
 
-class SamplingParamsDouble121:
-    """``tensorrt_llm.SamplingParams`` (keyword fields only)."""
-
-    def __init__(self, **fields) -> None:
-        self.__dict__.update(fields)
-
-
 class TensorrtLlmApiDouble121:
     """The ``tensorrt_llm`` module surface ``TRTLLMLoop`` reads."""
 
-    SamplingParams = SamplingParamsDouble121
+    SamplingParams = SamplingParams

@@ -9,7 +9,9 @@ What each imitates (read, not copied):
   HuiGao-NV/TensorRT-LLM@195839a73571888fc1236254c12fa6db7a815920): ``_get_num_paged_blocks``
   (batch x beam x ceil(window / tpb) blocks), ``setup`` (max_seq_length = context + new tokens;
   the window defaults to it and is capped by it; the pool is allocated with
-  ``_get_num_paged_blocks``), ``decode`` (one PoolsKVCacheManager per call, every sequence added
+  ``_get_num_paged_blocks``, in ``torch.int8`` when the engine quantizes its KV cache
+  (``quant_mode.has_kv_cache_quant()``), else in the session's dtype: ``generation.py`` ``setup``,
+  index id 680446581), ``decode`` (one PoolsKVCacheManager per call, every sequence added
   with the *longest* context length), ``handle_per_step`` (context tensors at step 0; run; if
   not the last step: manager ``step([False] * batch)``, ``get_block_offsets``,
   ``_get_next_step_shape_buffer``, ``_set_tensors`` on the other ping-pong context; then the
@@ -29,7 +31,15 @@ What each imitates (read, not copied):
   recorded in shared/reference/trtllm.md section 2.2); context phase: prompt token j at position j;
   blocks addressed through ``kv_cache_block_offsets`` (entry = block * layers_in_pool * 2 + field,
   the layer's own offset added from ``host_kv_cache_pool_mapping``). The maths is the reference
-  runtime's Llama (weights and RoPE), so outputs can be compared with it.
+  runtime's Llama (weights and RoPE), so outputs can be compared with it. An engine built with
+  StreamingLLM (``position_shift``: the plugin's ``pos_shift_enabled``, from
+  ``plugin_config.streamingllm`` in ``functional.py`` ``gpt_attention``, index id 32556461248)
+  caches every key WITHOUT RoPE (``applyBiasRopeUpdateKVCache``: ``k_to_cache = POS_SHIFT ?
+  k_wo_pos : k``, index id 6090785109; the generation kernel stores ``k_wo_pos`` too, index id
+  159071672) and, before attending, rotates each cached key by its index in the cache into a
+  buffer of the cache dtype (``shiftKCache``: ``token_pos_idx = blockIdx.x``, index id
+  569973755; launched from ``gptAttentionCommon.cpp`` when ``mPosShiftEnabled``, index id
+  441861056), which the kernel reads instead of the cache.
 * ``ModelRunnerDouble12`` - ``tensorrt_llm/runtime/model_runner.py`` at commit
   0243026ffeb359ec54dba338fd6545692a5a722d: ``_check_inputs`` (RuntimeError when the longest
   input + max_new_tokens exceeds ``max_seq_len``), ``generate`` (packed inputs, ``setup`` with
@@ -72,8 +82,8 @@ class RuntimeTensorDouble12:
 class EngineDouble12:
     """A Llama engine with the GPT attention plugin and a paged KV cache, on the CPU."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        self.model, self.cfg = model, model.config
+    def __init__(self, model: LlamaForCausalLM, position_shift: bool = False) -> None:
+        self.model, self.cfg, self.position_shift = model, model.config, position_shift
         self.pools: list[torch.Tensor] = []
 
     def run(self, bound: dict[str, RuntimeTensorDouble12]) -> torch.Tensor:
@@ -110,11 +120,15 @@ class EngineDouble12:
                     q, k, v = self._project(layer, h)
                     cos, sin = rotation_at(positions, self.cfg.rope)
                     q = apply_rotation(q, cos[:, None], sin[:, None], self.cfg.rope)
-                    k = apply_rotation(k, cos[:, None], sin[:, None], self.cfg.rope)
+                    cached = k if self.position_shift else apply_rotation(k, cos[:, None], sin[:, None], self.cfg.rope)
                     row = 2 * layer_idx  # the layer's K half inside a block (pool mapping: one pool)
-                    pool[k_rows + row, :, positions % tpb] = k[0].to(pool.dtype)
+                    pool[k_rows + row, :, positions % tpb] = cached[0].to(pool.dtype)
                     pool[k_rows + row + 1, :, positions % tpb] = v[0].to(pool.dtype)
                     keys = pool[all_rows + row, :, torch.arange(end) % tpb].float()      # [end, heads, dim]
+                    if self.position_shift:  # each key turned by its slot in the cache, in the cache dtype
+                        slot_cos, slot_sin = rotation_at(torch.arange(end), self.cfg.rope)
+                        keys = apply_rotation(keys, slot_cos[:, None], slot_sin[:, None], self.cfg.rope)
+                        keys = keys.to(pool.dtype).float()
                     values = pool[all_rows + row + 1, :, torch.arange(end) % tpb].float()
                     out = self._attend(q[0], keys, values, positions)
                     x = x + layer.self_attn.o_proj(out.flatten(1))[None]
@@ -166,9 +180,11 @@ class SamplingConfigDouble12:
 
 
 class GenerationSessionDouble12:
-    def __init__(self, model: LlamaForCausalLM, tokens_per_block: int) -> None:
-        self.runtime = _RuntimeDouble12(EngineDouble12(model))
+    def __init__(self, model: LlamaForCausalLM, tokens_per_block: int, dtype: torch.dtype = torch.float32,
+                 kv_cache_quant: bool = False, position_shift: bool = False) -> None:
+        self.runtime = _RuntimeDouble12(EngineDouble12(model, position_shift))
         self.tokens_per_block, self.device = tokens_per_block, torch.device("cpu")
+        self.dtype, self.kv_cache_quant = dtype, kv_cache_quant
         self.num_attn_layers, self.cfg = model.config.num_hidden_layers, model.config
         self.bound_history: list[dict[str, torch.Tensor]] = []  # what each next step was bound to
         self.generation_logits: list[torch.Tensor] = []
@@ -186,7 +202,8 @@ class GenerationSessionDouble12:
         self.sink_token_length = sink_token_length or 0
         num_blocks, _ = self._get_num_paged_blocks(self.max_attention_window_size, self.sink_token_length)
         self._memory_pool_allocator = MemoryPoolsAllocatorDouble12(num_blocks, self.tokens_per_block, self.cfg.head_dim)
-        self._memory_pool_allocator.allocate(torch.float32, MemoryPoolsAllocatorDouble12.prepare_num_kv_heads_per_layer(
+        kv_cache_type = torch.int8 if self.kv_cache_quant else self.dtype
+        self._memory_pool_allocator.allocate(kv_cache_type, MemoryPoolsAllocatorDouble12.prepare_num_kv_heads_per_layer(
             self.cfg.num_key_value_heads, self.num_attn_layers))
         self.runtime.engine.pools = self._memory_pool_allocator._pool_pointers
         self.sequence_length_buffer = torch.ones(batch_size, dtype=torch.int32)

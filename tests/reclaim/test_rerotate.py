@@ -289,3 +289,45 @@ def test_rerotation_uses_the_kernel_on_cuda():
     KeyRerotation([by_torch], spec, kernel="torch").rotate_slots(slots, shifts)
     torch.cuda.synchronize()
     assert float((by_kernel.float() - by_torch.float()).abs().max()) <= 2.0 ** -7 * float(by_torch.float().abs().max())
+
+
+def test_recovering_keeps_roundings_from_adding_up():
+    """bfloat16, Llama-3.1 RoPE, head_dim 128: 16 passes of 16 positions. Turned from the last
+    pass's value, a key collects a rounding per pass; recovered first (turned forward by what it has
+    been turned back since it was written, rounded to the pool's grid: the value written, wherever
+    the roundings stayed within half a unit), it is one rotation from the value written. Keys
+    written between passes (at that time's shift) are recovered from their own shift."""
+    spec = RopeSpec.from_scaling(128, 500000.0, {**LLAMA3, "original_max_position_embeddings": 8192})
+    errors = {}
+    for recover in (False, True):
+        block_pool, table = make_table(num_blocks=40, tokens_per_block=TPB)
+        pool = torch.zeros(40, 1, 2, 2, TPB, 128, dtype=torch.bfloat16)
+        gen = torch.Generator().manual_seed(5)
+        raw = torch.randn(160, 1, 2, 128, generator=gen, dtype=torch.float64)
+        rotation, shift, written = KeyRerotation([pool], spec, recover=recover), 0, 0
+
+        def write(count):  # keys of ids [written, written + count) at their position minus the shift
+            nonlocal written
+            ids = torch.arange(written, written + count)
+            slots = torch.as_tensor(table.slots_of(0, ids.tolist()))
+            pool[slots // TPB, :, 0, :, slots % TPB] = rope_at(raw[ids], ids - shift, spec, torch.float64).to(
+                torch.bfloat16)
+            written += count
+
+        add_sequence(block_pool, table, 0, 96)
+        write(96)
+        for step in range(16):
+            if step % 4 == 1:  # four new keys, as decoding adds them
+                table.append_tokens(0, block_pool.allocate(1), 4)
+                write(4)
+            rotation.shift_requests(table, {0: 16})
+            shift += 16
+        ids = torch.arange(written)
+        slots = torch.as_tensor(table.slots_of(0, ids.tolist()))
+        exact = rope_at(raw[ids], ids - shift, spec, torch.float64)
+        stored = pool[slots // TPB, :, 0, :, slots % TPB].double()
+        single = exact.to(torch.bfloat16).double()
+        errors[recover] = float(((stored - exact).norm(dim=-1) / exact.norm(dim=-1)).mean())
+        errors["single"] = float(((single - exact).norm(dim=-1) / exact.norm(dim=-1)).mean())
+    assert errors[False] > 4 * errors["single"]
+    assert errors[True] < 0.6 * errors[False] and errors[True] < 3 * errors["single"], errors

@@ -42,6 +42,7 @@ def test_breaking_out_of_the_loop_cancels_the_request(llm):
     gc.collect()  # CPython closes the dropped generator at once; other interpreters on collection
     assert_engine_empty(llm)
     # The engine serves the next caller as if nothing happened.
-    [whole] = llm.generate(PROMPT, SamplingParams(max_tokens=6))
-    assert "".join(llm.stream(PROMPT, SamplingParams(max_tokens=6))) == whole.text
+    whole = llm.generate(PROMPT, SamplingParams(max_tokens=6)).outputs[0]
+    streamed = llm.stream(PROMPT, SamplingParams(max_tokens=6))
+    assert "".join(s.outputs[0].text_diff for s in streamed) == whole.text
     assert_engine_empty(llm)

@@ -52,18 +52,18 @@ OPS = st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "step", "step", "s
 def test_random_workloads_keep_cached_blocks_exact(model, mode, policy, ops):
     engine = Engine(model, EngineConfig(policy=policy, budget=10, mode=mode, tokens_per_block=TPB, num_blocks=40,
                                         max_batch_size=4, max_seq_len=64, check_invariants=True))
-    cache, core = engine.kv.prefix.cache, engine.kv.step.core
-    table_step = core.step
+    cache, step, finish_step = engine.kv.prefix.cache, engine.kv.step, engine.kv.finish_step
 
-    def checked_step(*args):
-        """Every move the token table plans (dense, or lazy ones whose copies run in the
-        background) leaves shared and cached blocks alone, and so does every release."""
-        result = table_step(*args)
-        touched = {int(s) // TPB for s in (*result.move_src, *result.move_dst)} | set(result.freed.tolist())
-        assert not [b for b in touched if cache.is_shared(b) or cache.is_cached(b)], sorted(touched)
-        return result
+    def checked_step():
+        """Every move the step commits and every plan it leaves in flight (lazy ones whose copies
+        run in the background) leaves shared and cached blocks alone, and so does every release."""
+        out = finish_step()
+        if out is not None:
+            touched = out.touched_blocks(TPB) | step.relocating_blocks()
+            assert not [b for b in touched if cache.is_shared(b) or cache.is_cached(b)], sorted(touched)
+        return out
 
-    core.step = checked_step
+    engine.kv.finish_step = checked_step
     written: dict[int, list[int]] = {}
     for op, arg in ops:
         if op == "arrive":

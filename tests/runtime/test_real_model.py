@@ -87,11 +87,15 @@ def test_vtoken_agrees_with_naive_evict_on_sharegpt(smollm2_tokenizer, model):
 def test_streamed_pieces_join_to_the_generated_text(smollm2_folder):
     llm = LLM(smollm2_folder, variant="vtoken", policy="streaming_llm", budget=64, num_blocks=64)
     params = SamplingParams(max_tokens=24)
-    [whole] = llm.generate(OPEN_ENDED[1], params)
-    pieces = list(llm.stream(OPEN_ENDED[1], params))
-    assert len(pieces) > 3 and "".join(pieces) == whole.text
+    whole = llm.generate(OPEN_ENDED[1], params).outputs[0]
+    snapshots = list(llm.stream(OPEN_ENDED[1], params))
+    assert len(snapshots) > 3 and "".join(s.outputs[0].text_diff for s in snapshots) == whole.text
+    last = snapshots[-1].outputs[0]
+    assert snapshots[-1].finished and (last.text, last.token_ids) == (whole.text, whole.token_ids)
     cut = whole.text.split()[3]
-    [stopped] = llm.generate(OPEN_ENDED[1], SamplingParams(max_tokens=24, stop=(cut,)))
+    stopped = llm.generate(OPEN_ENDED[1], SamplingParams(max_tokens=24, stop=(cut,))).outputs[0]
     assert stopped.finish_reason == "stop" and stopped.text == whole.text[: whole.text.index(cut)]
-    assert "".join(llm.stream(OPEN_ENDED[1], SamplingParams(max_tokens=24, stop=(cut,)))) == stopped.text
+    assert stopped.stop_reason == cut
+    streamed = llm.stream(OPEN_ENDED[1], SamplingParams(max_tokens=24, stop=(cut,)))
+    assert "".join(s.outputs[0].text_diff for s in streamed) == stopped.text
     assert llm.engine.kv.num_available == 64

@@ -122,11 +122,14 @@ def test_without_the_protocol_ranks_diverge_and_the_check_stops_them_that_step(l
 def test_llm_generate_and_stream_at_tp2_match_one_process(llm, whole_model, smollm2_tokenizer, prompts):
     expected = run_one_process(whole_model, smollm2_tokenizer, EngineConfig(**BASE), prompts)
     outputs = llm.generate(PROMPTS, PARAMS)
-    assert [o.token_ids for o in outputs] == [r.output_ids for r in expected]
-    assert [o.text for o in outputs] == [r.text for r in expected]
+    assert [o.outputs[0].token_ids for o in outputs] == [r.output_ids for r in expected]
+    assert [o.outputs[0].text for o in outputs] == [r.text for r in expected]
+    assert [(o.prompt, o.prompt_token_ids, o.finished) for o in outputs] == list(zip(PROMPTS, prompts, [True] * 2))
     # Alone, the first prompt shares its blocks with no one: it evicts as a request alone does.
     alone = run_one_process(whole_model, smollm2_tokenizer, EngineConfig(**BASE), prompts[:1])
-    assert "".join(llm.stream(PROMPTS[0], PARAMS)) == alone[0].text
+    snapshots = list(llm.stream(PROMPTS[0], PARAMS))
+    assert "".join(s.outputs[0].text_diff for s in snapshots) == alone[0].text
+    assert snapshots[-1].outputs[0].token_ids == alone[0].output_ids and snapshots[-1].finished
     assert llm.last_reports[0].tokens_evicted > 0
 
 

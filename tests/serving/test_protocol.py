@@ -62,7 +62,7 @@ def test_fields_map_to_sampling_params():
     ({"text_input": "hi", "sampling_param_max_tokens": 101}, r"must lie in \[1, 100\], got 101"),
     ({"text_input": "hi", "sampling_param_max_tokens": np.array([1, 2], dtype=np.int32)}, "must hold one value"),
     ({"text_input": "hi", "sampling_param_max_tokens": 2.5}, "must be integer"),
-    ({"text_input": "hi", "sampling_param_top_p": 0.0}, "top_p must lie in"),
+    ({"text_input": "hi", "sampling_param_top_p": 1.5}, "top_p must lie in"),
     ({"text_input": "hi", "streaming": 3}, "'streaming' must be bool"),
     ({"text_input": "hi", "vtoken_policy": "lru"}, "unknown eviction policy 'lru'; known: native, h2o"),
     ({"text_input": "hi", "sampling_param_best_of": 2}, "'sampling_param_best_of' must be 1"),

@@ -34,16 +34,23 @@ class Host:
 
 
 def make_step(host: Host, impl: str, compaction: str, threshold: int = 1, policy=None,
-              fused: bool = True, checks: bool = True, on_victims=None, reduce_mass=None) -> DecodeStep:
+              checks: bool = True, on_victims=None, reduce_mass=None) -> DecodeStep:
     """``compaction`` "lazy-background": lazy compaction committing a step later (StepConfig.background);
-    ``fused``: StepConfig.fused (the C++ core's one-call decode step where a batch allows it);
     ``checks``: StepConfig.check_invariants (I1/I2 around every step); ``on_victims``: the victims hook;
     ``reduce_mass``: the step's (as tensor / pipeline parallelism's)."""
     background = compaction == "lazy-background"
     config = StepConfig("lazy" if background else compaction, threshold, check_invariants=checks, impl=impl,
-                        background=background, fused=fused)
+                        background=background)
     return DecodeStep(config, host.num_blocks, host.tpb, policy, TorchCopyExecutor([host.kv]),
                       host.shared.__contains__, lambda: host.shared, reduce_mass=reduce_mass, on_victims=on_victims)
+
+
+def decided_in_python(policy):
+    """The policy without a bounds rule: the step decides for it in Python and hands the victims to
+    its call, as for a policy only Python decides (``BatchDecision.native_decision``)."""
+    if policy is not None:
+        policy.__class__ = type(f"InPython{type(policy).__name__}", (type(policy),), {"bounds_rule": lambda self: None})
+    return policy
 
 
 def join_some(rng: np.random.Generator, steps, first_id: int) -> list[int]:

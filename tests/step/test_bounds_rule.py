@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fused decode call's bounds rule (``cpp/core/budget.h``) against the policies' own numpy
+"""The C++ core's decode call's bounds rule (``cpp/core/budget.h``) against the policies' own numpy
 (``Budget.targets``, ``ScorePolicy.candidate_bounds``, H2O's recent share): the same integers for
 count and ratio budgets, sinks, windows and protected tokens, over lengths where the float
 arithmetic rounds (ratios like 0.1 and 1/3 of lengths up to 2^40)."""
@@ -46,13 +46,13 @@ def test_the_rule_gives_the_policys_bounds(name, budget):
         for got, expected, what in zip((excess, lo, hi), want, ("excess", "lo", "hi")):
             np.testing.assert_array_equal(got, expected, err_msg=f"{what} of {policy}")
         np.testing.assert_array_equal(target, budget.targets(num_tokens))
-        # Over budget exactly where the policy wants to evict (the fused call's filter without mass).
+        # Over budget exactly where the policy wants to evict (the native decision's filter without mass).
         np.testing.assert_array_equal(num_live > target, policy.wants_to_evict(num_tokens, num_live))
 
 
-def test_a_policy_that_sizes_its_window_its_own_way_has_no_rule_and_takes_the_general_path():
-    """No rule, no fused call: the step decides by the policy's own bounds (the general path), and
-    keeps the window the subclass asked for."""
+def test_a_policy_that_sizes_its_window_its_own_way_has_no_rule_and_is_decided_in_python():
+    """No rule, no native decision: the step decides by the policy's own bounds in Python and
+    hands the victims to the call, keeping the window the subclass asked for."""
     from trtllm_vtoken.core import BlockPool
     from trtllm_vtoken.step import DecodeStep, StepConfig, StepInput
 
@@ -62,19 +62,19 @@ def test_a_policy_that_sizes_its_window_its_own_way_has_no_rule_and_takes_the_ge
 
     assert Wider(budget=Budget(ratio=0.5)).bounds_rule() is None
     assert H2OPolicy(budget=Budget(ratio=0.5), recent_ratio=0.25).bounds_rule() == (-1, 0.5, 0, 0, 0.25, 1)
-    for policy, fused in ((H2OPolicy(budget=Budget(tokens=6)), 1), (Wider(budget=Budget(tokens=6)), 0)):
+    for policy, native in ((H2OPolicy(budget=Budget(tokens=6)), 1), (Wider(budget=Budget(tokens=6)), 0)):
         pool = BlockPool(num_blocks=16, tokens_per_block=4)
         step = DecodeStep(StepConfig(compaction="dense"), pool.num_blocks, 4, policy)
         step.add_request(0)
         mass = np.arange(8, dtype=np.float32)[::-1].copy()[None, :]  # the oldest tokens weigh most
         out = step.run(StepInput([0], num_new=[8], new_block_offsets=[0, 2], new_blocks=pool.allocate(2), mass=mass))
-        assert step.stats.fused_steps == fused
+        assert step.stats.native_decisions == native
         # Budget 6 keeps 6 of 8; H2O's window (half the budget, 3) protects ids 5-7, Wider's 4 ids 4-7:
         # the two lightest candidates go (ids 3 and 4, or 2 and 3).
-        assert list(out.victims_of(0)) == ([3, 4] if fused else [2, 3])
+        assert list(out.victims_of(0)) == ([3, 4] if native else [2, 3])
 
 
-def test_the_fused_call_checks_its_rule():
+def test_the_native_call_checks_its_rule():
     """A rule out of range is refused before anything changes; the rule is required."""
     from trtllm_vtoken.step.slots import SlotMap
 

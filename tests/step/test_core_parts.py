@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Where the fused native call's time goes (``StepStats.core_parts``): the call's own clocks time
+"""Where the C++ core's call's time goes (``StepStats.core_parts``): the call's own clocks time
 its decision pass always, and, inside ``compaction_timed``, the planning and committing of each
 request that has holes to compact (``cpp/core/batch.h`` StepResult). The parts lie inside "core";
-outside the switch, or in a step with no holes, no compaction is timed; the general path and the
-Python core time none of them."""
+outside the switch, or in a step with no holes, no compaction is timed; the Python core times
+none of them."""
 
 from __future__ import annotations
 
@@ -41,14 +41,14 @@ def decode(step, host: Host, steps: int, observes: bool, overlap: bool = False) 
 
 @needs_cpp
 @pytest.mark.parametrize("overlap", [False, True])
-def test_an_evicting_fused_step_times_its_decision_plan_and_commit_inside_core(overlap):
+def test_an_evicting_step_times_its_decision_plan_and_commit_inside_core(overlap):
     host = Host(64, 8)
     step = make_step(host, "cpp", "dense", policy=make_policy("h2o", 16), checks=False)
     with compaction_timed():
         decode(step, host, 12, observes=True, overlap=overlap)
     stats = step.stats
     parts = stats.core_parts
-    assert stats.fused_steps == 13 and stats.tokens_evicted > 0
+    assert stats.native_decisions == 13 and stats.tokens_evicted > 0
     assert set(parts) == set(CORE_PARTS)
     assert parts["decide"] > 0 and parts["plan"] > 0 and parts["commit"] > 0
     assert sum(parts.values()) <= stats.seconds["core"]
@@ -70,17 +70,14 @@ def test_a_step_with_no_holes_times_no_compaction():
     step = make_step(host, "cpp", "dense", policy=make_policy("streaming_llm", 1.0), checks=False)
     with compaction_timed():
         decode(step, host, 8, observes=False)
-    assert step.stats.fused_steps == 9 and step.stats.tokens_evicted == 0
+    assert step.stats.native_decisions == 9 and step.stats.tokens_evicted == 0
     assert step.stats.core_parts["plan"] == 0.0 and step.stats.core_parts["commit"] == 0.0
 
 
-@pytest.mark.parametrize("impl, fused", [("python", True), ("cpp", False)])
-def test_the_general_path_times_no_parts(impl, fused):
-    if impl == "cpp" and load() is None:
-        pytest.skip("the C++ core is not built")
+def test_the_python_core_times_no_parts():
     host = Host(64, 8)
-    step = make_step(host, impl, "dense", policy=make_policy("h2o", 16), fused=fused, checks=False)
+    step = make_step(host, "python", "dense", policy=make_policy("h2o", 16), checks=False)
     with compaction_timed():
         decode(step, host, 6, observes=True)
-    assert step.stats.tokens_evicted > 0 and step.stats.fused_steps == 0
+    assert step.stats.tokens_evicted > 0 and step.stats.native_decisions == 0
     assert step.stats.core_parts == dict.fromkeys(CORE_PARTS, 0.0)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fused call on the step's worker thread (``DecodeStep.start`` with overlap, then
-``finish``) equals the call made at once (``run``): the same random batches under each natively
-decided policy and each compaction give the same victims, moves, freed blocks, lengths, tables,
+"""The C++ core's call on the step's worker thread (``DecodeStep.start`` with overlap, then
+``finish``) equals the call made at once (``run``): the same random batches under each policy
+(decided natively or in Python) and each compaction give the same victims, moves, freed blocks, lengths, tables,
 layouts and KV, with I1/I2 checked around every step, whether the host waits in ``finish`` or a
 query or a request leaving waits for it first. Misuse and a failing call raise as ``run`` does; an
 engine overlapping its sampling with the step produces what it produces without."""
@@ -24,17 +24,14 @@ from trtllm_vtoken.step import DecodeStep, StepConfig, StepInput
 
 pytestmark = pytest.mark.skipif(load() is None, reason="the C++ core is not built")
 
-NATIVE_SPECS = [spec for spec in POLICY_SPECS if spec[0] in ("h2o", "streaming_llm", "sliding_window")] + [None]
-
-
 @settings(max_examples=40, deadline=None)
 @given(compaction=st.sampled_from(["dense", "lazy", "dead-blocks", "lazy-background"]), tpb=st.sampled_from([2, 4, 8]),
-       spec=st.sampled_from(NATIVE_SPECS), steps=st.integers(1, 16), seed=st.integers(0, 2**31),
+       spec=st.sampled_from(POLICY_SPECS + [None]), steps=st.integers(1, 16), seed=st.integers(0, 2**31),
        checks=st.booleans())
 def test_the_call_on_the_worker_equals_the_call_at_once(compaction, tpb, spec, steps, seed, checks):
-    """``checks`` off, the call on the worker registers the batch too (the invariant checks read
-    the registered layout before it, so with them the host's thread registers it); the step at once
-    keeps its checks."""
+    """``checks`` off, the call on the worker registers the batch too where it decides itself (the
+    invariant checks, and a decision made in Python, read the registered layout before it, so then
+    the host's thread registers it); the step at once keeps its checks."""
     rng = np.random.default_rng(seed)
     hosts = [Host(256, tpb, 1) for _ in range(2)]
     policies = [None if spec is None else make_policy(spec[0], spec[1], **spec[2]) for _ in hosts]
@@ -64,14 +61,15 @@ def test_the_call_on_the_worker_equals_the_call_at_once(compaction, tpb, spec, s
         tables_equal(at_once, beside)
         assert torch.equal(hosts[0].kv, hosts[1].kv)
         assert beside.stats.compactions == at_once.stats.compactions
-    assert beside.stats.overlapped_steps == beside.stats.fused_steps == at_once.stats.fused_steps
+    assert beside.stats.overlapped_steps == beside.stats.steps == at_once.stats.steps
+    assert beside.stats.native_decisions == at_once.stats.native_decisions
     assert at_once.stats.overlapped_steps == 0
-    if not checks:  # the host's thread registered only the batches the general path took
-        assert registered_here[0] == beside.stats.steps - beside.stats.fused_steps
+    if not checks:  # the host's thread registered only the batches decided in Python
+        assert registered_here[0] == beside.stats.steps - beside.stats.native_decisions
 
 
-def test_the_fused_call_registers_a_batch_checked_first():
-    """Registration in the fused call, at once and on the worker (no invariant checks, no mass
+def test_the_call_registers_a_batch_checked_first():
+    """Registration in the native call, at once and on the worker (no invariant checks, no mass
     function): lists outgrowing the block table widen it before the call; a bad batch raises
     ValueError at ``start`` in the Python core's words, nothing changed, and the step goes on."""
     outs, messages, counters = {}, {}, {}
@@ -151,7 +149,7 @@ def test_the_worker_binding_checks_at_start_and_raises_at_wait():
     ids = np.array([0], dtype=np.int64)
     args = (step.slots.native_layout(), step.core.table, ids, np.array([0], dtype=np.int64), np.ones(1, np.int64),
             np.zeros(2, np.int64), np.zeros(0, np.int64), 1, (6, 1.0, 2, 0, 0.0, 1), 0, 1, False)
-    with pytest.raises(ValueError, match="selector must be 0-2"):
+    with pytest.raises(ValueError, match="selector must be 0-3"):
         worker.start(*args[:7], 7, *args[8:])
     assert not worker.busy
     with pytest.raises(RuntimeError, match="no step in flight"):
@@ -209,7 +207,7 @@ def test_an_engine_sampling_beside_the_step_produces_the_same(policy, mode):
     step counters and free blocks with the call on the worker as without; only there is it
     overlapped.
     With prefix caching its cut runs after the call on the worker, with the block lists the decision
-    saw: the same results, every fused step overlapped."""
+    saw: the same results, every step overlapped."""
     from trtllm_vtoken.runtime.config import EngineConfig
     from trtllm_vtoken.runtime.engine import Engine
     from trtllm_vtoken.runtime.sampling import SamplingParams
@@ -229,7 +227,7 @@ def test_an_engine_sampling_beside_the_step_produces_the_same(policy, mode):
         assert engine.kv.num_available == free  # every block back (or cached, free-able)
         stats = engine.kv.step_stats
         return ([(engine.requests[r].output_ids, engine.requests[r].evictions) for r in ids],
-                (stats.steps, stats.tokens_evicted, stats.moves, stats.blocks_freed, stats.fused_steps),
+                (stats.steps, stats.tokens_evicted, stats.moves, stats.blocks_freed, stats.native_decisions),
                 stats.overlapped_steps, engine.kv.num_available,
                 engine.kv.prefix.cache.stats if prefix_caching else None)
 
@@ -239,7 +237,7 @@ def test_an_engine_sampling_beside_the_step_produces_the_same(policy, mode):
         if prefix_caching:  # shared prefixes were hit and chains cut
             assert beside[4].hit_tokens > 0 and beside[4].dropped_keys > 0
         assert without[1][1] > 0 and without[2] == 0
-        assert beside[2] == beside[1][4] > 0  # every fused step overlapped, prefix caching's cut after it
+        assert beside[2] == beside[1][0] == beside[1][4] > 0  # every step overlapped, prefix caching's cut after it
 
 
 def test_a_decode_loop_passing_the_same_lists_is_checked_as_any():

@@ -12,7 +12,7 @@ import pytest
 from trtllm_vtoken.policies import make_policy
 from trtllm_vtoken.step import StepInput
 
-from tests.step.drive import Host, make_step
+from tests.step.drive import Host, decided_in_python, make_step
 from trtllm_vtoken.core.native import load
 
 TPB = 4
@@ -64,20 +64,22 @@ def test_native_and_python_cores_pick_the_same_victims_with_shared_blocks():
     assert run("python") == run("cpp")
 
 
-PATHS = [("python", False), ("cpp", False), ("cpp", True)]  # the Python core, the C++ general path, the fused call
+# the Python core; the C++ core's call with the victims decided in Python; the call deciding itself
+PATHS = [("python", False), ("cpp", False), ("cpp", True)]
 
 
-def sliding_window_step(impl: str, fused: bool):
+def sliding_window_step(impl: str, native: bool):
     if impl == "cpp" and load() is None:
         pytest.skip("the C++ core is not built")
     host = Host(16, TPB)
-    return host, make_step(host, impl, "dense", policy=make_policy("sliding_window", 4), fused=fused)
+    policy = make_policy("sliding_window", 4)
+    return host, make_step(host, impl, "dense", policy=policy if native else decided_in_python(policy))
 
 
-@pytest.mark.parametrize("impl, fused", PATHS)
-def test_on_victims_runs_between_the_decision_and_the_table(impl, fused):
-    """On the general path and inside the C++ core's fused call alike."""
-    host, step = sliding_window_step(impl, fused)
+@pytest.mark.parametrize("impl, native", PATHS)
+def test_on_victims_runs_between_the_decision_and_the_table(impl, native):
+    """With the Python core and inside the C++ core's call alike."""
+    host, step = sliding_window_step(impl, native)
     seen = []
 
     def on_victims(req_ids, offsets, victims, block_ids):
@@ -91,12 +93,12 @@ def test_on_victims_runs_between_the_decision_and_the_table(impl, fused):
     step.run(StepInput([7], [10], [0, 3], blocks))
     assert seen == [([7], [0, 6], [0, 1, 2, 3, 4, 5], 0, blocks)]  # the blocks as the decision saw them
     assert step.num_live(7) == 4
-    assert step.stats.fused_steps == int(fused)
+    assert step.stats.native_decisions == int(native)
 
 
-@pytest.mark.parametrize("impl, fused", PATHS)
-def test_a_failing_victims_hook_leaves_the_step_unusable_with_its_own_error(impl, fused):
-    host, step = sliding_window_step(impl, fused)
+@pytest.mark.parametrize("impl, native", PATHS)
+def test_a_failing_victims_hook_leaves_the_step_unusable_with_its_own_error(impl, native):
+    host, step = sliding_window_step(impl, native)
 
     def on_victims(req_ids, offsets, victims, block_ids):
         raise LookupError("the prefix cache lost request 7")
@@ -122,14 +124,15 @@ def test_a_shared_block_may_join_several_requests_of_one_batch_only_if_shared():
     step.check_integrity()
 
 
-@pytest.mark.parametrize("impl, fused", PATHS)
-def test_a_shared_slot_gets_the_h2o_mass_of_every_request_holding_it(impl, fused):
+@pytest.mark.parametrize("impl, native", PATHS)
+def test_a_shared_slot_gets_the_h2o_mass_of_every_request_holding_it(impl, native):
     """Two requests share a prefix block; one step's mass is added to its slots once per holder,
     row after row, on every path (the native pass adds in place; the Python path as it does)."""
     if impl == "cpp" and load() is None:
         pytest.skip("the C++ core is not built")
     host = Host(16, TPB)
-    step = make_step(host, impl, "dense", policy=make_policy("h2o", 64), fused=fused)
+    policy = make_policy("h2o", 64)
+    step = make_step(host, impl, "dense", policy=policy if native else decided_in_python(policy))
     prefix = host.allocate(1)
     host.shared.update(prefix)
     step.add_request(1), step.add_request(2)
@@ -139,4 +142,4 @@ def test_a_shared_slot_gets_the_h2o_mass_of_every_request_holding_it(impl, fused
     assert step.slots.stats["mass"][slots].tolist() == [0.75] * TPB  # each holder's mass
     own = step.block_ids(1)[1] * TPB
     assert step.slots.stats["mass"][own : own + 2].tolist() == [0.5, 0.5]
-    assert step.stats.fused_steps == int(fused)
+    assert step.stats.native_decisions == int(native)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.step.drive import Host
+from tests.step.drive import Host, decided_in_python
 from trtllm_vtoken.core.native import load
 from trtllm_vtoken.policies import make_policy
 from trtllm_vtoken.runtime.config import EngineConfig
@@ -81,20 +81,21 @@ def test_threads_must_be_positive():
     assert EngineConfig().step_threads == StepConfig().threads == 0  # automatic by default
 
 
-def h2o_step(host: Host, threads: int, fused: bool) -> DecodeStep:
-    config = StepConfig("dense", check_invariants=False, impl="cpp", fused=fused, threads=threads)
-    return DecodeStep(config, host.num_blocks, host.tpb, make_policy("h2o", 3600), None, host.shared.__contains__,
-                      lambda: host.shared)
+def h2o_step(host: Host, threads: int, native: bool) -> DecodeStep:
+    config = StepConfig("dense", check_invariants=False, impl="cpp", threads=threads)
+    policy = make_policy("h2o", 3600)
+    return DecodeStep(config, host.num_blocks, host.tpb, policy if native else decided_in_python(policy), None,
+                      host.shared.__contains__, lambda: host.shared)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_a_large_h2o_batch_steps_alike_on_one_and_on_several_threads(fused):
-    """40 requests of ~4k tokens (the fused call and the general path's native pass): the
-    threaded steps' outputs, tables and statistics equal the one-threaded step's; while a block
-    is shared, the pass keeps one thread and still agrees."""
+@pytest.mark.parametrize("native", [True, False])
+def test_a_large_h2o_batch_steps_alike_on_one_and_on_several_threads(native):
+    """40 requests of ~4k tokens (the pass inside the call, and the one a decision made in Python
+    runs): the threaded steps' outputs, tables and statistics equal the one-threaded step's; while
+    a block is shared, the pass keeps one thread and still agrees."""
     batch, prompt = 40, 4000
     hosts = [Host(batch * (prompt // TPB + 3), TPB) for _ in range(3)]
-    steps = [h2o_step(host, threads, fused) for host, threads in zip(hosts, (1, 2, 4))]
+    steps = [h2o_step(host, threads, native) for host, threads in zip(hosts, (1, 2, 4))]
     rng = np.random.default_rng(3)
     for step in steps:
         for req in range(batch):
@@ -128,4 +129,4 @@ def test_a_large_h2o_batch_steps_alike_on_one_and_on_several_threads(fused):
         assert step.slots.stats["mass"].tobytes() == steps[0].slots.stats["mass"].tobytes()
         for req in range(batch):
             assert step.block_ids(req) == steps[0].block_ids(req)
-    assert all(step.stats.fused_steps == (6 if fused else 0) for step in steps)
+    assert all(step.stats.native_decisions == (6 if native else 0) for step in steps)

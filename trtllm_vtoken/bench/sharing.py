@@ -4,14 +4,17 @@
 Groups of ``degree`` requests share a prompt prefix whose full blocks are shared in the block
 pool (reference counted, as prefix caching shares them); each request adds a private suffix and
 then decodes with H2O at a retention ratio, attention from the synthetic generator of the
-simulated backend. Tokens in shared blocks are protected: no policy may evict them, and no
-relocation may read, write or free a shared block (every plan is validated in full, I4, and I1/I2
-run after every relocation on a small random KV pool, so conservation is checked on real bytes).
+simulated backend. Every iteration, the prompts' and then each decode token's, is one batched
+step (``DecodeStep``, the one every host runs): the policy decides, the table evicts and plans,
+one copy, commit. Tokens in shared blocks are protected: no policy may evict them, and no
+relocation may read, write or free a shared block (I1/I2 run around every step on a small random
+KV pool, so conservation is checked on real bytes; the plans' I4 inside the token table).
 
 Compared, from the same pool: naive-evict with prefix caching (frees only fully dead private
-blocks) and vtoken dense. Reported per degree: blocks in use at the end and on average, blocks
-the ideal layout would need, relocations, plans that touched a shared block (must be 0), and
-invariant checks.
+blocks: the step's "dead-blocks" compaction) and vtoken dense. Reported per degree: blocks in use
+at the end and on average, blocks the ideal layout would need, relocations (request-steps whose
+layout changed: tokens moved, blocks released or the length shortened; naive-evict only
+releases), steps whose moves or releases touched a shared block (must be 0), and invariant checks.
 """
 
 from __future__ import annotations
@@ -22,12 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from trtllm_vtoken.core import BlockPool, TokenTable
-from trtllm_vtoken.policies import make_policy, policy_view
-from trtllm_vtoken.reclaim import ReclaimBackend, ReclaimConfig
+from trtllm_vtoken.core import BlockPool
+from trtllm_vtoken.policies import make_policy
 from trtllm_vtoken.reclaim.copy import TorchCopyExecutor
-from trtllm_vtoken.reclaim.dead_blocks import release_dead_blocks
 from trtllm_vtoken.runtime.simulated import SyntheticAttention
+from trtllm_vtoken.step import DecodeStep, StepConfig, StepInput
 
 VARIANTS = ("naive-evict", "vtoken")
 
@@ -52,74 +54,72 @@ class SharingBenchConfig:
 
 
 class _Run:
-    """One variant at one sharing degree, on its own pool and table."""
+    """One variant at one sharing degree, on its own pool and step."""
 
     def __init__(self, cfg: SharingBenchConfig, degree: int, variant: str) -> None:
         tpb = cfg.tokens_per_block
         per_request = -(-(cfg.prefix_tokens + cfg.suffix_tokens + cfg.decode_tokens) // tpb)
         self.cfg, self.variant, self.tpb = cfg, variant, tpb
         self.pool = BlockPool(cfg.requests * per_request + 8, tpb)
-        self.table = TokenTable(tpb, self.pool.is_shared)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.kv = torch.zeros(self.pool.num_blocks, 1, 2, 1, tpb, 4)
-        self.backend = ReclaimBackend(self.table, self.pool, TorchCopyExecutor([self.kv]),
-                                      ReclaimConfig("dense", check_invariants=True)) if variant == "vtoken" else None
-        self.policy = make_policy("h2o", cfg.budget)
         self.attention = SyntheticAttention(seed=cfg.seed)
+        compaction = "dense" if variant == "vtoken" else "dead-blocks"
+        self.step = DecodeStep(StepConfig(compaction, check_invariants=True), self.pool.num_blocks, tpb,
+                               make_policy("h2o", cfg.budget), TorchCopyExecutor([self.kv]), self.pool.is_shared,
+                               lambda: self.pool.shared)
         self.dead_released = 0
         self.shared_touched = 0
-        for group in range(cfg.requests // degree):
-            prefix: list[int] = []
-            for member in range(degree):
-                self._arrive(group * degree + member, prefix)
+        self._arrive(degree)
 
-    def _write(self, req: int, token_ids) -> None:
-        for token in token_ids:
-            block, offset = self.table.lookup(req, token)
-            self.kv[block, :, :, :, offset] = torch.randn(1, 2, 1, 4, generator=self.gen)
+    def _write(self, blocks: list[int], start: int, end: int) -> None:
+        """The forward's KV for the tokens at positions [start, end) of a block list."""
+        for position in range(start, end):
+            self.kv[blocks[position // self.tpb], :, :, :, position % self.tpb] = \
+                torch.randn(1, 2, 1, 4, generator=self.gen)
 
-    def _arrive(self, req: int, prefix: list[int]) -> None:
-        """The first member writes the prefix; the others share its blocks (prefix caching)."""
+    def _arrive(self, degree: int) -> None:
+        """Every request's prompt, in one step: in each group the first member writes the prefix,
+        the others share its blocks (prefix caching: shared before the step, so protected)."""
         cfg, tpb = self.cfg, self.tpb
         length = cfg.prefix_tokens + cfg.suffix_tokens
-        if prefix:
+        req_ids, lists = list(range(cfg.requests)), []
+        for req in req_ids:
+            prefix = lists[req - req % degree][: cfg.prefix_tokens // tpb] if req % degree else []
             self.pool.share(prefix)
-        fresh = self.pool.allocate(-(-length // tpb) - len(prefix))
-        self.table.add_request(req)
-        new = self.table.sync_new_tokens(req, prefix + fresh, length)
-        self._write(req, new[len(prefix) * tpb:])
-        if not prefix:
-            prefix.extend(self.table.block_ids(req)[: cfg.prefix_tokens // tpb])
+            blocks = prefix + self.pool.allocate(-(-length // tpb) - len(prefix))
+            self._write(blocks, len(prefix) * tpb, length)
+            self.step.add_request(req)
+            lists.append(blocks)
+        self._run(req_ids, [length] * len(req_ids), lists)
 
-    def step(self) -> None:
-        for req in self.table.request_ids():
-            blocks, kv_len = self.table.block_ids(req), self.table.kv_len(req)
-            if kv_len == len(blocks) * self.tpb:
-                blocks += self.pool.allocate(1)
-            self._write(req, self.table.sync_new_tokens(req, blocks, kv_len + 1))
-            seq = self.table.seq(req)
-            live = self.table.live_ids(req)
-            self.policy.observe(req, live, self.attention.scores(req, live, seq.num_tokens, 1))
-            doomed = self.policy.select(policy_view(self.table, req))
-            if len(doomed):
-                self.table.evict_tokens(req, doomed)
-            if self.backend is None:
-                self.dead_released += release_dead_blocks(self.table, self.pool, req)
-                continue
-            plan = self.backend.plan(req)
-            if plan is None:
-                continue
-            self.shared_touched += any(self.pool.is_shared(b) for b in plan.touched_blocks(self.tpb))
-            self.backend.submit(plan)
-            self.backend.commit_blocking(req)
+    def decode(self) -> None:
+        """One decode step of every request: a block where the last is full, the new token's KV."""
+        req_ids, fresh = self.step.request_ids(), []
+        for req in req_ids:
+            blocks, kv_len = self.step.block_ids(req), self.step.kv_len(req)
+            fresh.append(self.pool.allocate(1) if kv_len == len(blocks) * self.tpb else [])
+            self._write(blocks + fresh[-1], kv_len, kv_len + 1)
+        self._run(req_ids, [1] * len(req_ids), fresh)
+
+    def _run(self, req_ids: list[int], num_new: list[int], new_blocks: list[list[int]]) -> None:
+        mass = self.attention.batch_mass(req_ids, num_new)
+        out = self.step.run(StepInput.of_lists(req_ids, num_new, new_blocks, mass=mass))
+        self.shared_touched += any(self.pool.is_shared(b) for b in out.touched_blocks(self.tpb))
+        if self.variant != "vtoken":
+            self.dead_released += out.num_freed
+        self.pool.free(out.table.freed.tolist())
 
     def ideal_blocks(self) -> int:
         """Shared prefix blocks once, plus ceil(private live / tpb) per request."""
-        shared = {b for r in self.table.request_ids() for b in self.table.block_ids(r) if self.pool.is_shared(b)}
+        step, tpb = self.step, self.tpb
+        shared = {b for r in step.request_ids() for b in step.block_ids(r) if self.pool.is_shared(b)}
         private = 0
-        for req in self.table.request_ids():
-            protected = len(self.table.protected_ids(req))
-            private += -(-(self.table.num_live(req) - protected) // self.tpb)
+        for req in step.request_ids():
+            blocks = step.block_ids(req)
+            held = step.batch_tokens([req])[0, : len(blocks) * tpb].reshape(len(blocks), tpb) >= 0
+            protected = int(sum(held[k].sum() for k, b in enumerate(blocks) if b in shared))
+            private += -(-(step.num_live(req) - protected) // tpb)
         return len(shared) + private
 
 
@@ -130,20 +130,20 @@ def run_sharing_bench(cfg: SharingBenchConfig, progress=None) -> dict[str, Any]:
             run = _Run(cfg, degree, variant)
             used = []
             for _ in range(cfg.decode_tokens):
-                run.step()
+                run.decode()
                 used.append(run.pool.num_used)
                 if progress is not None:
                     progress.update(1)
-            run.table.check_integrity()
+            run.step.check_integrity()
             run.pool.check_integrity()
-            stats = run.backend.stats if run.backend else None
+            stats = run.step.stats
             rows.append({
                 "degree": degree, "variant": variant, "blocks_end": run.pool.num_used,
                 "blocks_mean": float(np.mean(used)), "ideal_blocks_end": run.ideal_blocks(),
                 "shared_blocks": sum(1 for b in range(run.pool.num_blocks) if run.pool.is_shared(b)),
-                "relocations": stats.plans if stats else 0, "moves": stats.moves if stats else 0,
-                "plans_touching_shared": run.shared_touched, "invariant_checks": stats.invariant_checks if stats else 0,
-                "dead_blocks_released": run.dead_released, "blocks_per_step": used,
+                "relocations": stats.compactions, "moves": stats.moves, "plans_touching_shared": run.shared_touched,
+                "invariant_checks": stats.invariant_checks, "dead_blocks_released": run.dead_released,
+                "blocks_per_step": used,
             })
     for row in rows:
         if row["variant"] == "vtoken":

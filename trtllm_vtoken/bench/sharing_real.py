@@ -100,18 +100,18 @@ def run_one(cfg: RealSharingConfig, model, prompts: list[list[int]], variant: st
     engine = Engine(model, cfg.engine_config(variant, mode))
     kv, cache = engine.kv, engine.kv.prefix.cache
     touched_pinned = 0
-    if kv.step is not None:  # every step's token-table call: moves and releases it plans
-        table_step = kv.step.core.step
+    if kv.step is not None:  # every step: its moves and releases, and the plans it leaves in flight
+        finish_step = kv.finish_step
 
-        def checked_step(*args):
+        def checked_finish():
             nonlocal touched_pinned
-            result = table_step(*args)
-            tpb = cfg.tokens_per_block
-            touched = {int(s) // tpb for s in (*result.move_src, *result.move_dst)} | set(result.freed.tolist())
-            touched_pinned += any(cache.is_shared(b) or cache.is_cached(b) for b in touched)
-            return result
+            out = finish_step()
+            if out is not None:
+                touched = out.touched_blocks(cfg.tokens_per_block) | kv.step.relocating_blocks()
+                touched_pinned += any(cache.is_shared(b) or cache.is_cached(b) for b in touched)
+            return out
 
-        kv.step.core.step = checked_step
+        kv.finish_step = checked_finish
     ids = [engine.add_request(p, SamplingParams(max_tokens=cfg.decode_tokens, ignore_eos=True)) for p in prompts]
     blocks, live, slots = [], [], []
     start = time.perf_counter()

@@ -45,22 +45,20 @@ the default: the host only receives a buffer, as from a GPU's attention, but the
 the batch on the engine's thread to give the function its layout), as one buffer [batch,
 max_seq_len rounded up to blocks] handed over every step (``mass="buffer"``: a CUDA-graph host's
 static output staged to one host buffer; the call on the worker registers the batch and repeats,
-``step/repeat.py``), as one such torch tensor per batch, a forward's output on the host, which
+``step/beside.py``), as one such torch tensor per batch, a forward's output on the host, which
 the engine hands to the step as a numpy view, as it hands over the real model's decode forward
 (``mass="forward"``: a new array object each step, no copy; the call repeats with it), or from
 the simulated attention (``mass="synthetic"``), whose per-request
 numpy work runs on the host's cores; its time is subtracted, but it leaves the caches cold for
 what runs after it, the paired native step included, so it narrows the difference in vToken's
-favour. Each row runs with the C++ core and with the Python core
-(``step_impl``); "cpp-general" rows run the C++ core with its fused decode call off
-(``step_fused``), for comparing the two paths.
+favour. Each row runs with the C++ core and with the Python core (``step_impl``).
 
 The engine begins its step before sampling the batch and finishes it after: with the C++ core a
-fused call runs on the step's worker thread meanwhile (``EngineConfig.step_overlap``), on the
+native call runs on the step's worker thread meanwhile (``EngineConfig.step_overlap``), on the
 core sampling leaves free, so the host waits only for what outlasts the sampling. "cpp-at-once"
 rows run it on the engine's thread instead, before sampling: the same work, nothing beside it.
 "step us" counts the step's own work wherever it ran (the worker's call as "core"); "waited us"
-is the part of it the engine's thread waited for. Of "core", the fused call's own clock says how
+is the part of it the engine's thread waited for. Of "core", the C++ call's own clock says how
 much went to the decision's pass ("decide", ``StepStats.core_parts``); the step alone
 (``bench/step_alone.py``, "warm, timed") splits the compaction into plan and commit too, with
 per-request marks the engine's rows run without.
@@ -84,10 +82,10 @@ from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.step.config import CORE_PARTS
 
 SPLIT = ("table", "policy", "core", "copy")
-IMPLS = ("cpp", "python", "cpp-general", "cpp-at-once")
-"""The step's core: C++ (its fused call where a batch allows, on the step's worker thread beside
-the engine's sampling), Python, C++ on the general path only, C++ with the fused call on the
-engine's thread before sampling (``EngineConfig.step_overlap`` off)."""
+IMPLS = ("cpp", "python", "cpp-at-once")
+"""The step's core: C++ (its native call on the step's worker thread beside the engine's
+sampling), Python, C++ with the native call on the engine's thread before sampling
+(``EngineConfig.step_overlap`` off)."""
 MASSES = ("fixed", "buffer", "forward", "synthetic")
 NATIVE = dict(variant="native", mode="-", policy="-", impl="-")
 """The baseline row: plain block lists, no token table (also every run's paired partner)."""
@@ -160,7 +158,7 @@ class StepBenchConfig:
             variant="native" if row["variant"] == "native" else "vtoken")
         if row["variant"] != "native":
             values.update(mode=row["mode"], policy=row["policy"], step_impl=row["impl"].split("-")[0],
-                          step_fused=row["impl"] != "cpp-general", step_overlap=row["impl"] != "cpp-at-once",
+                          step_overlap=row["impl"] != "cpp-at-once",
                           step_threads=self.threads,
                           budget="1.0" if row["variant"] == "indirection-only" else self.budget(row))
         return EngineConfig(**values)
@@ -222,7 +220,7 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
             "native_us_p50": float(np.median(theirs)), "added_us_p50": float(np.median(mine - theirs)),
             "added_pct": float(100.0 * (np.median(mine / theirs) - 1.0)),
             "host_us_steps_min": float(np.min(mine)), "split_us": split,
-            "core_parts_us": core_parts,  # of split_us["core"]: the fused call's decide, plan, commit
+            "core_parts_us": core_parts,  # of split_us["core"]: the C++ call's decide, plan, commit
             "step_us": sum(split.values()),  # the step's own time, timed inside it (not the glue around it)
             "waited_us": waited,  # of it, the engine's thread waiting for the call on the worker
             "evicted_per_step": evicted / cfg.steps, "moves_per_step": moves / cfg.steps,
@@ -316,7 +314,7 @@ def plot_step(result: dict[str, Any], path) -> None:
         added = np.array([max(r["added_us_p50"], 1.0) for r in mine])
         low = np.array([max(r["added_us_p50_min"], 1.0) for r in mine])
         high = np.array([max(r["added_us_p50_max"], 1.0) for r in mine])
-        colors = [{"cpp": "tab:blue", "cpp-general": "tab:green", "cpp-at-once": "tab:purple"}.get(r["impl"], "tab:orange")
+        colors = [{"cpp": "tab:blue", "cpp-at-once": "tab:purple"}.get(r["impl"], "tab:orange")
                   for r in mine]
         ax.barh(labels, added, color=colors, xerr=[np.maximum(added - low, 0), np.maximum(high - added, 0)],
                 capsize=3)
@@ -333,7 +331,7 @@ def plot_step(result: dict[str, Any], path) -> None:
     c = result["config"]
     fig.suptitle(f"vtoken bench step ({c['mass']} mass): {c['context']} tokens of context, "
                  f"tokens_per_block {c['tokens_per_block']}, one eviction per request per step "
-                 "(blue: C++ core beside sampling, purple: at once, green: general path only, orange: Python)")
+                 "(blue: C++ core beside sampling, purple: at once, orange: Python)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -11,7 +11,7 @@ the step costs by itself and what cold caches add to it:
     warm      step  step  step  ...            the step's own work, its state in the caches
     flushed   [64 MB] step  [64 MB] step  ...  the same work, everything fetched from memory
     warm, timed                                warm, the compaction's plan and commit timed
-                                               (the fused call's split of "core")
+                                               (the C++ call's split of "core")
 """
 
 from __future__ import annotations

@@ -41,9 +41,11 @@ class TpBenchConfig:
     repeats: int = 3
     probe_repeats: int = 200
     seed: int = 0
+    threads: int = 1
+    """Intra-op threads of TP=1 and of each rank of TP=2: one core per rank, as TP=N uses N devices."""
 
     def __post_init__(self) -> None:
-        require_positive(self, "requests", "max_prompt_tokens", "max_output_tokens",
+        require_positive(self, "threads", "requests", "max_prompt_tokens", "max_output_tokens",
                          "tokens_per_block", "repeats", "probe_repeats")
 
     def engine_config(self, tensor_parallel_size: int) -> EngineConfig:
@@ -141,8 +143,8 @@ def run_tp_bench(cfg: TpBenchConfig, folder, tokenizer, progress=None) -> dict[s
     outputs: dict[int, dict] = {}
     # One core per rank: TP=1 computes on one core, TP=2 on two (as TP=N uses N devices).
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with RankProcesses(folder, 2) as ranks:
+    torch.set_num_threads(cfg.threads)
+    with RankProcesses(folder, 2, threads=cfg.threads) as ranks:
         def run(label: str, tp: int) -> dict[str, Any]:
             job = Job(cfg.engine_config(tp), prompts, params, timings=True)
             start = time.perf_counter()

@@ -35,6 +35,9 @@ class VariantsBenchConfig:
     num_blocks: int = 160
     max_batch_size: int = 32
     check_invariants: bool = True
+    prefix_caching: bool = True
+    """The engine's prefix caching (its default). A token of a block that another running request
+    holds is kept on top of the budget, so with it the evictions follow the schedule."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -46,7 +49,7 @@ class VariantsBenchConfig:
             tokens_per_block=self.tokens_per_block, num_blocks=self.num_blocks,
             max_batch_size=self.max_batch_size,
             max_seq_len=self.max_prompt_tokens + self.max_output_tokens + 64,  # + chat template
-            check_invariants=self.check_invariants, seed=self.seed,
+            check_invariants=self.check_invariants, prefix_caching=self.prefix_caching, seed=self.seed,
         )
 
 

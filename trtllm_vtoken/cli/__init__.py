@@ -4,8 +4,9 @@
     vtoken info                         versions, active implementation, registries
     vtoken generate "prompt" ... [--tp N]   text generation on the reference runtime (N rank processes)
     vtoken serve                        Triton Inference Server on triton_model_repo
-    vtoken bench all | core | step | variants | capacity | utilization | quality | overhead |
-                 sweeps | sla | sharing | shift | serve | gpu | tp    benchmarks (tables, JSON/PNG under --out)
+    vtoken bench all | core | step | host | variants | capacity | utilization | quality | overhead |
+                 sweeps | sla | sharing | shift | serve | gpu | tp | threads | trtllm-mass
+                                        benchmarks (tables, JSON/PNG under --out)
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if hasattr(args, "intra_op_threads"):  # a command that runs a model (trtllm_vtoken/threads.py)
+            from trtllm_vtoken.threads import set_threads
+
+            set_threads(args.intra_op_threads)
         return args.func(args)
     except (ValueError, KeyError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error

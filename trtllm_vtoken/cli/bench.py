@@ -44,6 +44,9 @@ def register(sub) -> None:
     variants.add_argument("--max-batch-size", type=int, default=32,
                           help="requests running at once, at most (default 32)")
     variants.add_argument("--no-check", action="store_true", help="skip I1/I2/I4 checks per relocation")
+    variants.add_argument("--no-prefix-caching", action="store_true",
+                          help="turn the engine's prefix caching off (on by default): a token of a block that "
+                               "another running request holds is then no longer kept on top of the budget")
     variants.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     add_output_options(variants, "16 requests, prompts <= 256, outputs <= 48 tokens, 80 blocks", run_variants)
 
@@ -52,6 +55,7 @@ def register(sub) -> None:
         description="variants, capacity, quality, core, step, overhead, sweeps, sla, sharing (and utilization "
                     "and serve, unless --quick).")
     add_output_options(every, "each benchmark's quick form (minutes on 2 CPU cores)", run_all)
+    every.set_defaults(benchmarks=bench.choices)  # every benchmark's parser, the ones added below too
 
     util = bench.add_parser(
         "utilization", help="KV utilization and retained blocks, every policy x workload (real model)",
@@ -82,13 +86,16 @@ def register(sub) -> None:
     capacity.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     add_output_options(capacity, "--scale 8 (about a minute)", run_capacity)
 
-    from trtllm_vtoken.cli import bench_experiments, bench_gpu, bench_serve, bench_step, bench_tp
+    from trtllm_vtoken.cli import (bench_experiments, bench_gpu, bench_micro, bench_serve, bench_step, bench_threads,
+                                   bench_tp)
 
     bench_step.register(bench)
+    bench_micro.register(bench)
     bench_experiments.register(bench)
     bench_serve.register(bench)
     bench_gpu.register(bench)
     bench_tp.register(bench)
+    bench_threads.register(bench)
 
 
 def run_core(args: argparse.Namespace) -> int:
@@ -154,7 +161,8 @@ def run_variants(args: argparse.Namespace) -> int:
         sizes = dict(requests=16, max_prompt_tokens=256, max_output_tokens=48, num_blocks=80)
     cfg = VariantsBenchConfig(
         workload=args.workload, policy=args.policy, budget=args.budget, tokens_per_block=args.tokens_per_block,
-        max_batch_size=args.max_batch_size, check_invariants=not args.no_check, seed=args.seed, **sizes)
+        max_batch_size=args.max_batch_size, check_invariants=not args.no_check,
+        prefix_caching=not args.no_prefix_caching, seed=args.seed, **sizes)
     folder, model, tokenizer = load_model(args.model)
     with tqdm(total=cfg.requests * len(VARIANT_RUNS), desc="bench variants", unit="req",
               disable=None, file=sys.stderr) as bar:
@@ -169,7 +177,8 @@ def run_variants(args: argparse.Namespace) -> int:
             for r in result["runs"]]
     print(f"vtoken bench variants: {folder.name}, {cfg.workload} x {cfg.requests} requests (prompts <= "
           f"{cfg.max_prompt_tokens}, outputs <= {cfg.max_output_tokens} tokens), {cfg.policy} budget "
-          f"{cfg.budget}, pool {cfg.num_blocks} blocks x {cfg.tokens_per_block} tokens, CPU")
+          f"{cfg.budget}, pool {cfg.num_blocks} blocks x {cfg.tokens_per_block} tokens, prefix caching "
+          f"{'on' if cfg.prefix_caching else 'off'}, CPU")
     print(format_table(headers, rows))
     publish(args.out, "variants", result, plot_variants)
     return 0
@@ -205,13 +214,14 @@ def run_capacity(args: argparse.Namespace) -> int:
 
 
 def run_all(args: argparse.Namespace) -> int:
-    from trtllm_vtoken.cli import main
-
+    """Each benchmark in turn, parsed by its own parser as ``vtoken bench <name>`` would be; the
+    first that fails ends the run (its error reported as ``vtoken`` reports any)."""
     names = ["variants", "capacity", "quality", "core", "step", "overhead", "sweeps", "sla", "sharing", "shift"]
     names += [] if args.quick else ["utilization", "serve"]
     for name in names:
         print(f"\n== vtoken bench {name}{' --quick' if args.quick else ''} ==", flush=True)
-        code = main(["bench", name, "--out", args.out] + (["--quick"] if args.quick else []))
+        chosen = args.benchmarks[name].parse_args(["--out", args.out] + (["--quick"] if args.quick else []))
+        code = chosen.func(chosen)
         if code:
             return code
     return 0

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import argparse
 
+from trtllm_vtoken.cli.engine_args import add_threads_option
 from trtllm_vtoken.cli.info import machine
 
 
-def add_output_options(parser: argparse.ArgumentParser, quick_help: str, run) -> None:
-    """The options every benchmark takes: its quick form and the output folder; ``run`` runs it."""
+def add_output_options(parser: argparse.ArgumentParser, quick_help: str, run, threads: bool = True) -> None:
+    """The options every benchmark takes: its quick form and the output folder; ``run`` runs it.
+    ``threads``: also ``--threads``, the intra-op CPU threads (``bench step``'s ``--threads`` is
+    its C++ pass's own)."""
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--out", default="out", help="folder for the JSON (and PNG) results (default ./out)")
+    if threads:
+        add_threads_option(parser)
     parser.set_defaults(func=run)
 
 

@@ -52,7 +52,7 @@ def run_serve(args: argparse.Namespace) -> int:
         cfg = ServeBenchConfig(concurrency=(1, 8), requests_per_client=1, max_tokens=16)
     max_batch = max(cfg.concurrency)
     overrides = {"policy": args.policy, "budget": args.budget, "num_blocks": str(args.num_blocks),
-                 "max_batch_size": str(max_batch)}
+                 "max_batch_size": str(max_batch), "threads": str(args.intra_op_threads or 0)}
     ensure_default_model()
     scratch = Path(tempfile.mkdtemp(prefix="vtoken-bench-serve-"))
     repository = prepare_repository(default_repository(), scratch / "repo", overrides)

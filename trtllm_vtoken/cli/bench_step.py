@@ -28,9 +28,8 @@ def register(bench) -> None:
                       help="runs per row in alternating order, each paired step by step with a native engine of "
                            "its own; the median run (by added time) is reported with the runs' range (default 3)")
     step.add_argument("--impl", default="both",
-                      help="comma-separated cores among cpp, python, cpp-general (the C++ core without its fused "
-                           "decode call: the general path for every batch), cpp-at-once (the fused call on the "
-                           "engine's thread before sampling, not on the step's worker beside it), or both (= "
+                      help="comma-separated cores among cpp, python, cpp-at-once (the C++ core's native call on "
+                           "the engine's thread before sampling, not on the step's worker beside it), or both (= "
                            "cpp,python; the default; cpp is skipped where it is not built)")
     step.add_argument("--mass", choices=["fixed", "buffer", "forward", "synthetic"], default="fixed",
                       help="the attention mass: one fixed random array per layout shape, from a function of the "
@@ -44,7 +43,7 @@ def register(bench) -> None:
     step.add_argument("--threads", type=int, default=0,
                       help="threads the C++ core's H2O pass may split a batch over (EngineConfig.step_threads; 0: "
                            "automatic, the process's cores up to 4, the default)")
-    add_output_options(step, "5 timed steps, one run per row", run_step)
+    add_output_options(step, "5 timed steps, one run per row", run_step, threads=False)
 
 
 def run_step(args: argparse.Namespace) -> int:
@@ -98,9 +97,10 @@ def run_step(args: argparse.Namespace) -> int:
           "native (what identical code differs by here). step: the step's own time per decode step, timed "
           "inside it (the sum of the split; the engine's glue around it is not in it); waited: of it, what the "
           "engine's thread waited for the call on the step's worker beside its sampling; table: the step's batch "
-          "layout; policy: mass, observe, select (vectorised); core: the one token-table call (append, evict, "
-          "plan, commit; a fused step's one native call); of core: the fused call's decision pass (its own "
-          "clock; '-' where the general path ran; the step alone below splits the rest); copy: the one copy of all "
+          "layout outside the call; policy: mass, observe, select made before the call (vectorised); core: the "
+          "step's one call (decision where the C++ core makes it, append, evict, plan, commit, the layout); of "
+          "core: the C++ call's decision pass (its own clock; '-' for the Python core; the step alone below "
+          "splits the rest); copy: the one copy of all "
           "moves (metadata only here); "
           "repeated: the timed steps the call on the worker repeated with the last one's bound arguments")
     where = machine()
@@ -114,8 +114,8 @@ def run_step(args: argparse.Namespace) -> int:
 
 
 def core_parts(row: dict, names: tuple[str, ...] = ("decide", "plan", "commit")) -> str:
-    """A row's "of core" cell: the fused call's parts (``StepStats.core_parts``), microseconds
-    per step, joined by " / ", or "-" where no fused call ran (the Python core, the general path)."""
+    """A row's "of core" cell: the C++ core's call's parts (``StepStats.core_parts``), microseconds
+    per step, joined by " / ", or "-" where none ran (the Python core)."""
     parts = row["core_parts_us"]
     if not any(parts.values()):
         return "-"
@@ -127,7 +127,7 @@ def print_step_alone(cfg, where: dict, out) -> None:
     from trtllm_vtoken.bench.step_alone import time_step_alone
     from trtllm_vtoken.report import format_table
 
-    impls = [i for i in cfg.impls if i not in ("cpp-general", "cpp-at-once")]  # run() makes its call at once
+    impls = [i for i in cfg.impls if i != "cpp-at-once"]  # run() makes its call at once
     rows = [r for batch in cfg.batches for impl in impls for r in time_step_alone(cfg, batch, impl)]
     print(f"vToken's step alone (no engine): DecodeStep.run at the rows' settings, one token per request per "
           f"step; median of {cfg.steps} steps, caches as the last step left them (warm) or after 64 MB were "

@@ -26,6 +26,9 @@ def register(bench) -> None:
     tp.add_argument("--probe-repeats", type=int, default=200, help="calls per collective timed alone (default 200)")
     tp.add_argument("--quick", action="store_true", help="4 requests, prompts <= 64, 16 tokens, one run each")
     tp.add_argument("--out", default="out", help="folder for tp.json and tp.png (default ./out)")
+    tp.add_argument("--threads", type=int, default=1, metavar="N",
+                    help="intra-op CPU threads of TP=1 and of each rank of TP=2 (default 1: one core per rank, "
+                         "as TP=N uses N devices)")
     tp.set_defaults(func=run_tp)
 
 
@@ -42,7 +45,7 @@ def run_tp(args: argparse.Namespace) -> int:
                  max_output_tokens=args.max_output_tokens, repeats=args.repeats, probe_repeats=args.probe_repeats)
     if args.quick:
         sizes = dict(requests=4, max_prompt_tokens=64, max_output_tokens=16, repeats=1, probe_repeats=50)
-    cfg = TpBenchConfig(policy=args.policy, budget=args.budget, **sizes)
+    cfg = TpBenchConfig(policy=args.policy, budget=args.budget, threads=args.threads, **sizes)
     folder = resolve_model(None)
     with tqdm(total=2 * cfg.repeats, desc="bench tp", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_tp_bench(cfg, folder, Tokenizer(folder), progress=bar)

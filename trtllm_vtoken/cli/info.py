@@ -29,11 +29,11 @@ def run(args: argparse.Namespace) -> int:
     print("the step each host runs once per iteration (its token table):")
     for host, impl in step_implementations():
         print(f"  {host}: {impl}")
-    print("  (cpp: a batch that one of h2o, streaming_llm, sliding_window or no policy serves takes one fused "
-          "native call for its decision, table step and layout update; with background compaction the call "
-          "plans and the plans commit later; the reference engine and the simulated backend run that call on the "
-          "step's worker thread while they sample the batch (EngineConfig.step_overlap), the TensorRT-LLM "
-          "manager at once)")
+    print("  (cpp: every batch takes one native call for its table step and layout update, which also decides "
+          "a batch that one of h2o, streaming_llm, sliding_window or no policy serves (others are decided in "
+          "Python first); with background compaction the call plans and the plans commit later; the reference "
+          "engine and the simulated backend run that call on the step's worker thread while they sample the "
+          "batch (EngineConfig.step_overlap), the TensorRT-LLM manager at once)")
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
     print(f"CUDA relocation kernel: {cuda_kernel.describe()}")
     print(f"numpy {numpy.__version__}")

@@ -51,13 +51,16 @@ def register(sub) -> None:
     g.add_argument("--max-seq-len", type=int, help="prompt plus output tokens of one request, at most")
     g.add_argument("--max-tokens-limit", type=int, help="the largest max_tokens a request may ask for")
     g.add_argument("--device", help="torch device of the reference engine: cpu or cuda")
+    g.add_argument("--threads", type=int,
+                   help="intra-op CPU threads of the reference engine (0 or unset: the cores the model's "
+                        "process may use but one)")
     g.add_argument("--backend", choices=["auto", "reference", "trtllm"],
                    help="reference engine, TensorRT-LLM with vToken's hooks, or auto (trtllm where it runs)")
     parser.set_defaults(func=run)
 
 
 OVERRIDES = ("model", "variant", "mode", "policy", "budget", "tokens_per_block", "num_blocks",
-             "max_batch_size", "max_seq_len", "max_tokens_limit", "device", "backend")
+             "max_batch_size", "max_seq_len", "max_tokens_limit", "device", "threads", "backend")
 
 
 def run(args: argparse.Namespace) -> int:

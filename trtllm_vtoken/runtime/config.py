@@ -69,16 +69,13 @@ class EngineConfig:
     step_impl: Literal["auto", "cpp", "python"] = "auto"
     """The step's token table (naive-evict, vtoken): "cpp" (the C++ core), "python" (the
     specification), or "auto" (cpp where it is built). ``vtoken info`` shows what auto picks."""
-    step_fused: bool = True
-    """C++ core: batches one natively decided policy serves take the fused native call
-    (``StepConfig.fused``); False: the general path (for comparing both)."""
     step_threads: int = 0
     """C++ core: threads H2O's pass over the slots may split a batch over (``StepConfig.threads``;
     0, the default: automatic, the process's cores up to 4, one fewer beside sampling)."""
     step_overlap: bool = True
-    """C++ core, fused batches: the step's native call (decision, token table, layout) runs on the
-    step's worker thread while the engine samples the batch (``DecodeStep.start``); False: it runs
-    before sampling, on the engine's thread (for comparing both)."""
+    """C++ core: the step's native call (decision, token table, layout) runs on the step's worker
+    thread while the engine samples the batch (``DecodeStep.start``); False: it runs before
+    sampling, on the engine's thread (for comparing both)."""
     overlap_scheduler: bool = True
     """The step of iteration N runs beside the forward of N+1, as TensorRT-LLM's overlap scheduler
     orders it (``runtime/overlap.py``, docs/overlap.md): its evictions take effect one iteration

@@ -32,11 +32,12 @@ import torch
 from trtllm_vtoken.consistency import RankConsistency, RankGroup, SingleRank
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.kv_manager import KVCacheManager
+from trtllm_vtoken.runtime.logprobs import token_logprobs
 from trtllm_vtoken.runtime.forward import Forwards
 from trtllm_vtoken.runtime.model import LlamaForCausalLM
 from trtllm_vtoken.runtime.overlap import DeferredStep, layout_ids, remap_mass
 from trtllm_vtoken.runtime.parallel.layers import check_shard
-from trtllm_vtoken.runtime.request import Request, RequestOutput, Status
+from trtllm_vtoken.runtime.request import Request, RequestDelta, Status
 from trtllm_vtoken.runtime.sampling import SamplingParams, sample
 from trtllm_vtoken.runtime.tokenizer import StreamText, Tokenizer
 
@@ -114,7 +115,7 @@ class Engine:
         self._generators: dict[int, torch.Generator] = {}
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._ids = itertools.count()
-        self._reported: list[RequestOutput] = []
+        self._reported: list[RequestDelta] = []
         self._specs: dict = {}  # request -> the PolicySpec it runs with (None: it evicts nothing)
         self._prefill_from: dict[int, int] = {}  # admitted this step -> cached prompt tokens
         self._deferred: DeferredStep | None = None  # overlap scheduler: rows waiting for their step
@@ -144,7 +145,7 @@ class Engine:
         name = "native" if spec is None else spec.name
         self.stats.requests_by_policy[name] = self.stats.requests_by_policy.get(name, 0) + 1
         if self.tokenizer is not None:
-            self._texts[req_id] = StreamText(self.tokenizer, params.stop)
+            self._texts[req_id] = StreamText(self.tokenizer, params.stop or ())
         if params.seed is not None:
             self._generators[req_id] = torch.Generator().manual_seed(params.seed)
         self.waiting.append(req_id)
@@ -176,7 +177,7 @@ class Engine:
         return self.requests.pop(req_id)
 
     # ---- the step ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
         """Runs one iteration; returns what each request that changed produced."""
         reported, self._reported = self._reported, []
         decode = self._schedule_decode()
@@ -198,7 +199,7 @@ class Engine:
         self._end_step(rows, self.kv.finish_step(), reported)
         return reported
 
-    def _step_overlapped(self, reported: list[RequestOutput], decode: list[int], prefill: list[int]):
+    def _step_overlapped(self, reported: list[RequestDelta], decode: list[int], prefill: list[int]):
         """The overlap scheduler's iteration (``runtime/overlap.py``): the previous iteration's
         step starts once this iteration's first forward has its layout, runs beside it, and
         finishes after the forwards; this iteration's rows wait for the next one."""
@@ -255,7 +256,7 @@ class Engine:
             self.stats.cached_prompt_tokens += cached
         return results, masses
 
-    def _end_step(self, rows: list[int], out, reported: list[RequestOutput]) -> None:
+    def _end_step(self, rows: list[int], out, reported: list[RequestDelta]) -> None:
         """After a step of ``rows``: the eviction trace, admission, the prefix cache's keys and the
         ranks' comparison, for the requests still running."""
         continuing = [r for r in rows if self.requests[r].status is Status.RUNNING]
@@ -320,17 +321,20 @@ class Engine:
         self.stats.preemptions += 1
         self.waiting.appendleft(req_id)
 
-    def _advance(self, request: Request, logits: torch.Tensor) -> RequestOutput:
+    def _advance(self, request: Request, logits: torch.Tensor) -> RequestDelta:
         req_id, params = request.req_id, request.params
         if self.record_trace:
             request.logits.append(logits)
         token = sample(logits, params, self._generators.get(req_id, self._generator), request.output_ids)
-        request.cumulative_logprob += float(torch.log_softmax(logits.float(), -1)[token])
+        logprobs = torch.log_softmax(logits.float(), -1)
+        request.cumulative_logprob += float(logprobs[token])
+        if params.logprobs:
+            request.logprobs.append(token_logprobs(logprobs, token, params.logprobs))
         request.output_ids.append(token)
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()
         reason = None
-        if token in params.stop_token_ids:
+        if token in (params.stop_token_ids or ()):
             reason, request.stop_reason = "stop", token
         elif token in self.eos_token_ids and not params.ignore_eos:
             reason = "stop"
@@ -359,7 +363,8 @@ class Engine:
         self._generators.pop(request.req_id, None)
 
     @staticmethod
-    def _output(request: Request, new_ids: list[int], text: str) -> RequestOutput:
-        return RequestOutput(request.req_id, tuple(new_ids), text, request.status is Status.FINISHED,
-                             request.finish_reason, len(request.output_ids), request.stop_reason,
-                             request.cumulative_logprob)
+    def _output(request: Request, new_ids: list[int], text: str) -> RequestDelta:
+        new_logprobs = tuple(request.logprobs[-len(new_ids):]) if new_ids and request.logprobs else ()
+        return RequestDelta(request.req_id, tuple(new_ids), text, request.status is Status.FINISHED,
+                            request.finish_reason, len(request.output_ids), request.stop_reason,
+                            request.cumulative_logprob, new_logprobs, request.num_preemptions)

@@ -22,7 +22,7 @@ def make_step(config: EngineConfig, num_blocks: int, pool: BlockPool, executor,
     is_shared, shared = (prefix.cache.is_shared, lambda: prefix.cache.shared) if prefix else (pool.is_shared,
                                                                                               lambda: pool.shared)
     step = DecodeStep(StepConfig(compaction, config.fragmentation_threshold, config.check_invariants, config.step_impl,
-                                 background, config.step_fused, config.step_threads),
+                                 background, threads=config.step_threads),
                       num_blocks, config.tokens_per_block, policy or config.make_policy(), executor, is_shared,
                       shared, rerotation=rerotation)
     if prefix is not None:

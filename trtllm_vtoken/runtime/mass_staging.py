@@ -3,7 +3,7 @@
 
 The step takes the mass as one ``[B, >= L]`` array. An iteration with one forward (a decode
 batch, or one prefill) hands that forward's host array over as it is; the step's call on the
-worker repeats with it (``step/repeat.py``: a new array of the same rows and dtype each step,
+worker repeats with it (``step/beside.py``: a new array of the same rows and dtype each step,
 its width checked by the C++ core). An iteration whose rows come from several forwards (the
 decode rows', then each prefill's) needs them in one array: the engine copies each forward's mass
 into one float32 array, one copy per forward, and hands over its first B rows, one view object

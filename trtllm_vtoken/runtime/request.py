@@ -44,6 +44,9 @@ class Request:
     num_preemptions: int = 0
     arrival: float = 0.0
     first_token_time: float | None = None
+    logprobs: list = field(default_factory=list, repr=False)
+    """With ``SamplingParams.logprobs``: per output token, its and the top tokens' log-probabilities
+    (``runtime/logprobs.py``)."""
     logits: list = field(default_factory=list, repr=False)
     """Logits [vocab] behind each output token, if the engine records a trace."""
     evictions: list = field(default_factory=list, repr=False)
@@ -64,8 +67,9 @@ class Request:
 
 
 @dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request (only requests that changed are reported)."""
+class RequestDelta:
+    """What one step produced for one request (only requests that changed are reported). The
+    caller-facing result of a whole request is ``runtime.outputs.RequestDelta``."""
 
     req_id: int
     new_token_ids: tuple[int, ...]
@@ -75,3 +79,6 @@ class RequestOutput:
     num_output_tokens: int
     stop_reason: str | int | None = None
     cumulative_logprob: float = 0.0
+    new_logprobs: tuple = ()
+    """With ``SamplingParams.logprobs``: the log-probabilities of ``new_token_ids``, one dict each."""
+    num_preemptions: int = 0

@@ -78,6 +78,22 @@ class SyntheticAttention:
         s = w * (1.0 + self.recency / (1.0 + age))
         return num_queries * s / s.sum()
 
+    def batch_mass(self, req_ids: list[int], num_queries: list[int], dtype: type = np.float64):
+        """The step's ``Mass`` function for a batch: attention per physical position of the
+        batch's token layout (tokens [B, L], -1 where no live token), from ``num_queries`` queries
+        of each request. A request's logical length is read off its layout: its newest token was
+        written this step and is live, so it is the row's highest id + 1."""
+
+        def mass(tokens: np.ndarray) -> np.ndarray:
+            out = np.zeros(tokens.shape, dtype=dtype)
+            num_tokens = tokens.max(axis=1) + 1
+            for i, req_id in enumerate(req_ids):
+                live = np.flatnonzero(tokens[i] >= 0)
+                out[i, live] = self.scores(req_id, tokens[i, live].astype(np.int64), int(num_tokens[i]), num_queries[i])
+            return out
+
+        return mass
+
     def forget(self, req_id: int) -> None:
         self._weights.pop(req_id, None)
 
@@ -99,20 +115,7 @@ class SimulatedModel(torch.nn.Module):
         self.mass_dtype = mass_dtype
 
     def batch_mass(self, req_ids: list[int], num_queries: list[int]):
-        """The step's ``Mass`` function for a batch: attention per physical position of the
-        batch's token layout (tokens [B, L], -1 where no live token), from ``num_queries`` queries
-        of each request. A request's logical length is read off its layout: its newest token was
-        written this step and is live, so it is the row's highest id + 1. Stands in for the
-        attention of a forward, so the step does not count its time (nor this per-request work,
-        which a real forward does not do on the host) as its own."""
-
-        def mass(tokens: np.ndarray) -> np.ndarray:
-            out = np.zeros(tokens.shape, dtype=self.mass_dtype)
-            num_tokens = tokens.max(axis=1) + 1
-            for i, req_id in enumerate(req_ids):
-                live = np.flatnonzero(tokens[i] >= 0)
-                out[i, live] = self.attention.scores(req_id, tokens[i, live].astype(np.int64), int(num_tokens[i]),
-                                                     num_queries[i])
-            return out
-
-        return mass
+        """The step's ``Mass`` function for a batch (``SyntheticAttention.batch_mass``, in
+        ``mass_dtype``). Stands in for the attention of a forward, so the step does not count its
+        time (nor this per-request work, which a real forward does not do on the host) as its own."""
+        return self.attention.batch_mass(req_ids, num_queries, self.mass_dtype)

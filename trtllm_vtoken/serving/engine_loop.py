@@ -7,7 +7,7 @@
                                         step() --> sink(output) per request, in order
                                         sink.is_cancelled() polled every step (client gone)
 
-A sink receives every ``RequestOutput`` of its request, in order, then nothing more; an error
+A sink receives every ``RequestDelta`` of its request, in order, then nothing more; an error
 (bad request, shutdown, or an engine failure) is delivered as ``sink.fail(message)`` instead.
 ``stop()`` cancels what is left, fails it with "server is shutting down" and joins the thread.
 """
@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from trtllm_vtoken.runtime.engine import Engine
-from trtllm_vtoken.runtime.request import RequestOutput
+from trtllm_vtoken.runtime.request import RequestDelta
 from trtllm_vtoken.runtime.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
-    def emit(self, output: RequestOutput) -> None: ...
+    def emit(self, output: RequestDelta) -> None: ...
 
     def fail(self, message: str) -> None: ...
 
@@ -43,12 +43,12 @@ class CollectingSink:
     many outputs have arrived."""
 
     def __init__(self, cancel_after: int | None = None) -> None:
-        self.outputs: list[RequestOutput] = []
+        self.outputs: list[RequestDelta] = []
         self.error: str | None = None
         self.done = threading.Event()
         self.cancel_after = cancel_after
 
-    def emit(self, output: RequestOutput) -> None:
+    def emit(self, output: RequestDelta) -> None:
         self.outputs.append(output)
         if output.finished:
             self.done.set()
@@ -154,7 +154,7 @@ class EngineLoop:
         if self.on_step is not None:
             self.on_step(engine)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestDelta]) -> None:
         for out in outputs:
             sink = self._sinks.get(out.req_id)
             if sink is None:

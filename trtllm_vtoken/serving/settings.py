@@ -24,6 +24,9 @@ class ServingSettings:
     """Wrap ``text_input`` as one user turn of the model's chat template."""
     max_tokens_limit: int = 1024
     default_max_tokens: int = 64
+    threads: int = 0
+    """Intra-op CPU threads of the reference engine's process; 0: the cores the process may use but
+    one (``trtllm_vtoken/threads.py``)."""
     backend: str = "auto"
     """"reference": vToken's torch engine. "trtllm": TensorRT-LLM's LLM API with vToken installed
     (needs tensorrt_llm and a GPU). "auto": trtllm where both are present, else reference."""
@@ -31,6 +34,8 @@ class ServingSettings:
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "reference", "trtllm"):
             raise ValueError(f"backend must be auto, reference or trtllm, got {self.backend!r}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: chosen from the cores), got {self.threads}")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError(f"default_max_tokens must lie in [1, max_tokens_limit={self.max_tokens_limit}]")
 

@@ -5,7 +5,7 @@ vToken installed through ``vtoken_llm_args``) instead of the reference engine.
 ``TRTLLMLoop`` has ``EngineLoop``'s interface (start, submit, cancel, stop, in_flight), so the
 Triton model does not care which one runs. One asyncio event loop in a thread drives every
 request's ``generate_async(prompt_ids, sampling_params, streaming=True)``; TensorRT-LLM's executor
-batches them in flight. Each streamed chunk becomes a ``RequestOutput`` for the request's sink; a
+batches them in flight. Each streamed chunk becomes a ``RequestDelta`` for the request's sink; a
 sink that reports ``is_cancelled()`` has its request aborted, freeing its KV.
 
 Metrics: the executor worker publishes vToken's counters to ``stats_file``
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trtllm_vtoken.integration.trtllm.stats import read_stats
-from trtllm_vtoken.runtime.request import RequestOutput
+from trtllm_vtoken.runtime.request import RequestDelta
 from trtllm_vtoken.runtime.sampling import SamplingParams
 from trtllm_vtoken.serving.engine_loop import Sink
 
@@ -41,14 +41,14 @@ def trtllm_available() -> bool:
 
 
 def trtllm_sampling(params: SamplingParams, api: Any) -> Any:
-    """TensorRT-LLM's ``SamplingParams`` for ours (``api`` is ``tensorrt_llm``). Greedy is top_k=1."""
-    greedy = params.temperature == 0.0
+    """TensorRT-LLM's ``SamplingParams`` for ours (``api`` is ``tensorrt_llm``): the same names
+    and meanings (``runtime/sampling.py``), so every field passes as it is."""
     return api.SamplingParams(
-        max_tokens=params.max_tokens, temperature=None if greedy else params.temperature,
-        top_k=1 if greedy else (params.top_k or None), top_p=None if greedy else params.top_p,
-        seed=params.seed, stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
-        presence_penalty=params.presence_penalty or None, frequency_penalty=params.frequency_penalty or None,
-        ignore_eos=params.ignore_eos,
+        max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        seed=params.seed, stop=None if params.stop is None else list(params.stop),
+        stop_token_ids=None if params.stop_token_ids is None else list(params.stop_token_ids),
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        ignore_eos=params.ignore_eos, logprobs=params.logprobs,
     )
 
 
@@ -131,14 +131,14 @@ class TRTLLMLoop:
             async for chunk in result:
                 if sink.is_cancelled():
                     result.abort()
-                    sink.emit(RequestOutput(req_id, (), "", True, "cancelled", produced))
+                    sink.emit(RequestDelta(req_id, (), "", True, "cancelled", produced))
                     return
                 self._started.add(req_id)
                 out = chunk.outputs[0]
                 produced = len(out.token_ids)
                 finished = bool(chunk.finished)
                 self.finished += finished
-                sink.emit(RequestOutput(req_id, tuple(out.token_ids_diff), out.text_diff, finished,
+                sink.emit(RequestDelta(req_id, tuple(out.token_ids_diff), out.text_diff, finished,
                                        (out.finish_reason or "stop") if finished else None, produced,
                                        out.stop_reason, float(getattr(out, "cumulative_logprob", None) or 0.0)))
         except Exception as exc:
@@ -150,9 +150,8 @@ class TRTLLMLoop:
 
 def make_trtllm_loop(settings, on_stats: Callable[[dict[str, float]], None] | None = None) -> TRTLLMLoop:
     """The LLM for the Triton model's settings, with vToken's hooks, wrapped in a started loop
-    whose metrics reach ``on_stats``."""
-    import tensorrt_llm
-
+    whose metrics reach ``on_stats``. vToken's arguments are made before ``import tensorrt_llm``,
+    so the settings reach the executor worker on every TensorRT-LLM build (``startup.py``)."""
     from trtllm_vtoken.integration.trtllm import vtoken_llm_args
     from trtllm_vtoken.runtime.checkpoint import resolve_model
 
@@ -160,10 +159,10 @@ def make_trtllm_loop(settings, on_stats: Callable[[dict[str, float]], None] | No
     if engine.variant != "vtoken" or engine.mode != "dense":
         raise ValueError("the TensorRT-LLM path serves variant 'vtoken' in mode 'dense' only")
     stats_file = Path(tempfile.mkdtemp(prefix="vtoken-trtllm-")) / "stats.json"
+    args = vtoken_llm_args(policy=engine.policy, budget=engine.budget, tokens_per_block=engine.tokens_per_block,
+                           policy_options=dict(engine.policy_options), stats_file=str(stats_file))
+    import tensorrt_llm
+
     llm = tensorrt_llm.LLM(str(resolve_model(settings.model)), max_batch_size=engine.max_batch_size,
-                           max_seq_len=engine.max_seq_len,
-                           **vtoken_llm_args(policy=engine.policy, budget=engine.budget,
-                                             tokens_per_block=engine.tokens_per_block,
-                                             policy_options=dict(engine.policy_options),
-                                             stats_file=str(stats_file)))
+                           max_seq_len=engine.max_seq_len, **args)
     return TRTLLMLoop(llm, tensorrt_llm, stats_file, on_stats).start()

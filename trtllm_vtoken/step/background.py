@@ -20,6 +20,9 @@ serves the step, it keeps the plans itself (``NativeBackgroundCompaction``, ``cp
 A request has one plan in flight at most. On a CPU the copy is synchronous: a plan commits at the
 next step of its request. A block a plan in flight reads or writes must not become shared (prefix
 caching) before it commits: ``DecodeStep.relocating_blocks`` names them.
+
+In the step, after its call: ``finish`` (the plans whose copies finished commit), ``start`` (the
+call's new plans, their copy submitted), ``output`` (what the step did, what committed).
 """
 
 from __future__ import annotations
@@ -30,11 +33,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from trtllm_vtoken.reclaim.invariants import LiveSnapshot, check_conservation, snapshot_slots
+from trtllm_vtoken.reclaim.copy import CopyExecutor
+from trtllm_vtoken.reclaim.invariants import LiveSnapshot, check_conservation
 from trtllm_vtoken.reclaim.step_batch import StepBatchResult
+from trtllm_vtoken.step.checks import live_snapshot
+from trtllm_vtoken.step.io import StepOutput
 
 if TYPE_CHECKING:
-    from trtllm_vtoken.step.step import DecodeStep
+    from trtllm_vtoken.step.core import TableCore
+    from trtllm_vtoken.step.slots import SlotMap
 
 
 @dataclass
@@ -54,10 +61,11 @@ EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class BackgroundCompaction:
-    """The lazy plans of one step whose copies are in flight, by request."""
+    """The lazy plans of one step whose copies are in flight, by request (``core``, ``slots``,
+    ``executor``: the step's token tables, batch layout and copy executor)."""
 
-    def __init__(self, step: DecodeStep) -> None:
-        self.step = step
+    def __init__(self, core: TableCore, slots: SlotMap, executor: CopyExecutor | None) -> None:
+        self.core, self.slots, self.executor = core, slots, executor
         self.in_flight: dict[int, Flight] = {}
 
     def may_plan(self, req_ids: np.ndarray) -> np.ndarray:
@@ -70,7 +78,7 @@ class BackgroundCompaction:
         planned = np.flatnonzero(np.diff(plans.move_offsets) | np.diff(plans.freed_offsets))
         if not len(planned):
             return None
-        executor = self.step.executor
+        executor = self.executor
         handle = executor.submit_slots(plans.move_src, plans.move_dst) if executor is not None else None
         moves, freed = plans.move_offsets.tolist(), plans.freed_offsets.tolist()
         for i in planned.tolist():
@@ -86,7 +94,7 @@ class BackgroundCompaction:
         the table and then, all at once, in the slot layout. Returns what they did, row by row
         (kv_lens: the lengths after them). Only the batch's requests with a plan in flight are
         visited one by one. RuntimeError if a plan no longer applies (the step is then unusable)."""
-        step, slots, flying = self.step, self.step.slots, self.in_flight
+        core, slots, flying = self.core, self.slots, self.in_flight
         ready = []  # (batch index, request, flight), ascending
         for i, req_id in enumerate(req_ids.tolist()) if flying else ():
             flight = flying.get(req_id)
@@ -96,17 +104,17 @@ class BackgroundCompaction:
         for i, req_id, flight in ready:
             del flying[req_id]
             try:
-                step.core.commit_lazy(req_id, flight.tokens.tolist(), flight.src.tolist(), flight.dst.tolist(),
-                                      flight.blocks.tolist())
+                core.commit_lazy(req_id, flight.tokens.tolist(), flight.src.tolist(), flight.dst.tolist(),
+                                 flight.blocks.tolist())
             except (KeyError, ValueError) as exc:  # its copy moved KV the table no longer expects there
                 raise RuntimeError(f"request {req_id}: a background compaction could not commit: {exc}") from exc
-            lengths[i] = step.core.kv_len(req_id)
+            lengths[i] = core.kv_len(req_id)
             if flight.before is not None:  # I1 across the whole flight (counted with the step's checks)
                 check_conservation(req_id, flight.before, self._snapshot(req_id))
         committed = _as_result(len(rows), ready, lengths)
         if ready:
             slots.apply_step(EMPTY, EMPTY, committed.move_src, committed.move_dst, rows, req_ids, lengths,
-                             committed.freed_offsets, False, step.core.table)
+                             committed.freed_offsets, False, core.table)
         return committed
 
     def blocks(self, tokens_per_block: int) -> set[int]:
@@ -128,7 +136,7 @@ class BackgroundCompaction:
         return self.in_flight.get(req_id)
 
     def _snapshot(self, req_id: int) -> LiveSnapshot:
-        return live_snapshot(self.step, req_id)
+        return live_snapshot(self.core, self.executor, req_id)
 
 
 class NativeBackgroundCompaction:
@@ -137,9 +145,9 @@ class NativeBackgroundCompaction:
     native call each. The same effects (the step's parity and fused tests run both); the copies'
     handles and, with the step's checks, each plan's live KV before its flight stay here."""
 
-    def __init__(self, step: DecodeStep) -> None:
-        self.step = step
-        self.flights = step.slots.native.LazyFlights()
+    def __init__(self, core: TableCore, slots: SlotMap, executor: CopyExecutor | None) -> None:
+        self.core, self.slots, self.executor = core, slots, executor
+        self.flights = slots.native.LazyFlights()
         self._handles: dict[int, Any] = {}  # submission -> its copy (None: no executor)
         self._before: dict[int, LiveSnapshot] = {}  # with the step's checks: request -> live KV at its plan
         self._submissions = 0
@@ -152,7 +160,7 @@ class NativeBackgroundCompaction:
         """Submits ONE copy of the table call's new plans; records them. Returns the copy (or None)."""
         if not len(plans.move_src) and not len(plans.freed):
             return None
-        executor = self.step.executor
+        executor = self.executor
         handle = executor.submit_slots(plans.move_src, plans.move_dst) if executor is not None else None
         submission, self._submissions = self._submissions, self._submissions + 1
         planned = self.flights.record(req_ids, plans.move_offsets, plans.move_tokens, plans.move_src, plans.move_dst,
@@ -160,20 +168,20 @@ class NativeBackgroundCompaction:
         self._handles[submission] = handle
         if snapshot:
             for i in planned.tolist():
-                self._before[int(req_ids[i])] = live_snapshot(self.step, int(req_ids[i]))
+                self._before[int(req_ids[i])] = live_snapshot(self.core, self.executor, int(req_ids[i]))
         return handle
 
     def finish(self, req_ids: np.ndarray, rows: np.ndarray) -> StepBatchResult:
         """``BackgroundCompaction.finish`` in one native call: the batch's plans whose copies have
         finished commit in the table, then in the layout; what they did, row by row."""
-        step, slots = self.step, self.step.slots
         ready = [s for s, handle in self._handles.items() if handle is None or handle.done()]
-        committed, result = self.flights.commit_ready(step.core.table, slots.native_layout(), req_ids, rows, ready)
+        committed, result = self.flights.commit_ready(self.core.table, self.slots.native_layout(), req_ids, rows,
+                                                      ready)
         if ready:
             self._forget_finished()
         for i in committed.tolist() if self._before else ():  # I1 across the whole flight
             req_id = int(req_ids[i])
-            check_conservation(req_id, self._before.pop(req_id), live_snapshot(step, req_id))
+            check_conservation(req_id, self._before.pop(req_id), live_snapshot(self.core, self.executor, req_id))
         return StepBatchResult(*result)
 
     def blocks(self, tokens_per_block: int) -> set[int]:
@@ -207,9 +215,18 @@ class NativeBackgroundCompaction:
         self._handles = {s: h for s, h in self._handles.items() if s in live}
 
 
-def background_for(step: DecodeStep) -> BackgroundCompaction | NativeBackgroundCompaction:
+def background_for(core: TableCore, slots: SlotMap,
+                   executor: CopyExecutor | None) -> BackgroundCompaction | NativeBackgroundCompaction:
     """The step's background compaction: kept by the C++ core where it serves the step."""
-    return NativeBackgroundCompaction(step) if step.impl == "cpp" else BackgroundCompaction(step)
+    return (NativeBackgroundCompaction if core.impl == "cpp" else BackgroundCompaction)(core, slots, executor)
+
+
+def output(call: StepOutput, committed: StepBatchResult) -> StepOutput:
+    """What a step with background compaction did: its call's victims (the call planned, committed
+    nothing) and what committed now (``finish``): moves, released blocks, the lengths after them."""
+    lost = call.lost + call.table.kv_lens - committed.kv_lens  # from the length after the new tokens
+    changed = np.diff(committed.move_offsets) + np.diff(committed.freed_offsets) + lost > 0
+    return StepOutput(call.req_ids, call.victim_offsets, call.victims, committed, lost, call.num_tokens, changed)
 
 
 def blocks_of(flights: Iterable[Flight], tokens_per_block: int) -> set[int]:
@@ -219,13 +236,6 @@ def blocks_of(flights: Iterable[Flight], tokens_per_block: int) -> set[int]:
         out.update((np.concatenate([f.src, f.dst]) // tokens_per_block).tolist())
         out.update(f.blocks.tolist())
     return out
-
-
-def live_snapshot(step: DecodeStep, req_id: int) -> LiveSnapshot:
-    """The request's live tokens and their KV in the step's pools (I1's before and after)."""
-    core = step.core
-    ids, slots = core.live_slots(req_id)
-    return snapshot_slots(core.num_tokens(req_id), ids, slots, list(getattr(step.executor, "pools", ()) or ()))
 
 
 def _as_result(batch: int, ready: list[tuple[int, int, Flight]], kv_lens: np.ndarray) -> StepBatchResult:

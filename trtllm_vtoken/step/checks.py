@@ -12,28 +12,29 @@ A check, never the decode hot path: it reads tables and KV back to the host.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection
 
 import numpy as np
 
+from trtllm_vtoken.reclaim.copy import CopyExecutor
 from trtllm_vtoken.reclaim.invariants import LiveSnapshot, check_conservation, snapshot_slots
+from trtllm_vtoken.step.config import StepStats
+from trtllm_vtoken.step.core import TableCore
 from trtllm_vtoken.step.io import StepOutput
-
-if TYPE_CHECKING:
-    from trtllm_vtoken.step.step import DecodeStep
+from trtllm_vtoken.step.slots import SlotMap
 
 
 class StepChecks:
-    def __init__(self, step: DecodeStep) -> None:
-        self.step = step
+    """The checks over a step's token tables (``core``), batch layout (``slots``) and KV pools
+    (``executor``'s); ``stats``: where they are counted."""
 
-    def _pools(self) -> list:
-        return list(getattr(self.step.executor, "pools", ()) or ())
+    def __init__(self, core: TableCore, slots: SlotMap, executor: CopyExecutor | None,
+                 is_shared: Callable[[int], bool], stats: StepStats) -> None:
+        self.core, self.slots, self.executor, self.is_shared, self.stats = core, slots, executor, is_shared, stats
 
     def before(self, req_ids: np.ndarray, new_slots: np.ndarray, num_new: np.ndarray) -> list[LiveSnapshot]:
         """Snapshots of the batch after the new tokens were written, before the table call."""
-        core, pools = self.step.core, self._pools()
+        core, pools = self.core, pools_of(self.executor)
         out, start = [], 0
         for req_id, n in zip(req_ids.tolist(), num_new.tolist()):
             ids, slots = core.live_slots(req_id)
@@ -44,33 +45,35 @@ class StepChecks:
             out.append(snapshot_slots(first + n, ids, slots, pools))
         return out
 
-    def after(self, out: StepOutput, before: list[LiveSnapshot], changed: np.ndarray) -> None:
+    def after(self, out: StepOutput, before: list[LiveSnapshot]) -> None:
         """I1 for the requests that changed (after their copy completed), I2 for the batch."""
+        changed = out.changed.astype(bool)
         if out.copy is not None:
             out.copy.synchronize()
-        core, pools = self.step.core, self._pools()
+        core, pools = self.core, pools_of(self.executor)
         for i in np.flatnonzero(changed).tolist():
             req_id = int(out.req_ids[i])
             ids, slots = core.live_slots(req_id)
             check_conservation(req_id, before[i], snapshot_slots(core.num_tokens(req_id), ids, slots, pools))
         self.layout(out.req_ids.tolist())
-        self.step.stats.invariant_checks += int(changed.sum())
+        self.stats.invariant_checks += int(changed.sum())
 
     def layout(self, req_ids: Collection[int]) -> None:
         """I2 and the batch layout against the table. Raises RuntimeError naming what differs."""
-        step = self.step
-        step.core.check_integrity(req_ids, step.is_shared)
-        slots = step.slots
+        core, slots = self.core, self.slots
+        core.check_integrity(req_ids, self.is_shared)
         for req_id in req_ids:
-            seq, row = step.core.sequence(req_id), slots.row_of[req_id]
+            seq, row = core.sequence(req_id), slots.row_of[req_id]
             counters = (int(slots.kv_len[row]), int(slots.num_tokens[row]), int(slots.num_live[row]))
             if counters != (seq.kv_len, seq.num_tokens, seq.num_live):
                 raise RuntimeError(f"request {req_id}: the step counts (kv_len, tokens, live) {counters}, "
                                    f"the table {(seq.kv_len, seq.num_tokens, seq.num_live)}")
-            if step.block_ids(req_id) != list(seq.block_ids):
-                raise RuntimeError(f"request {req_id}: the step's block row {step.block_ids(req_id)} is not "
+            listed = slots.block_table[row, : slots.num_blocks_of[row]].tolist()
+            if listed != list(seq.block_ids):
+                raise RuntimeError(f"request {req_id}: the step's block row {listed} is not "
                                    f"the table's {list(seq.block_ids)}")
-            tokens = step.batch_tokens([req_id])[0, : len(seq.block_ids) * step.tokens_per_block]
+            tokens = slots.gather(slots.tokens, slots.block_rows(slots.rows([req_id])))[0]
+            tokens = tokens[: len(seq.block_ids) * slots.tokens_per_block]
             held = seq.token_at[: len(tokens)].astype(np.int64)
             expected = np.where(held >= 0, held, -1)
             expected[held >= 0] = np.where(seq.live[held[held >= 0]] > 0, held[held >= 0], -1)
@@ -78,3 +81,14 @@ class StepChecks:
                 bad = int(np.flatnonzero(tokens != expected)[0])
                 raise RuntimeError(f"request {req_id}: position {bad} holds live token {expected[bad]} in the "
                                    f"table but {tokens[bad]} in the step's slots")
+
+
+def live_snapshot(core: TableCore, executor: CopyExecutor | None, req_id: int) -> LiveSnapshot:
+    """The request's live tokens and their KV in the executor's pools (I1's before and after)."""
+    ids, slots = core.live_slots(req_id)
+    return snapshot_slots(core.num_tokens(req_id), ids, slots, pools_of(executor))
+
+
+def pools_of(executor: CopyExecutor | None) -> list:
+    """The KV pools the executor copies in (none for a metadata-only host)."""
+    return list(getattr(executor, "pools", ()) or ())

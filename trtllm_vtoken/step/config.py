@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from trtllm_vtoken.reclaim.step_batch import COMPACTIONS
 from trtllm_vtoken.step.core import IMPLS
+from trtllm_vtoken.threads import usable_cores
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,6 @@ class StepConfig:
     background: bool = False
     """Lazy only: a request's compaction copies in the background (the next forward does not wait
     for it) and commits at a later step, once its copy has finished (``step/background.py``)."""
-    fused: bool = True
-    """C++ core: a batch that one natively decided policy (or none) serves takes the decision, the
-    table's step and the layout's update in one native call (``step/fused.py`` says which
-    batches). False: every batch takes the general path (for comparing both)."""
     threads: int = 0
     """C++ core: threads H2O's pass over the slots (adding the mass, finding the victims) may split
     a batch's rows over (``cpp/core/select.h``; the same victims; one thread while blocks are
@@ -57,8 +53,7 @@ class StepConfig:
         thread keeps a core busy, ``DecodeStep.start``)."""
         if self.threads:
             return self.threads
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(1, min(MAX_AUTO_THREADS, cores - beside_host))
+        return max(1, min(MAX_AUTO_THREADS, usable_cores() - beside_host))
 
 
 MAX_AUTO_THREADS = 4
@@ -75,33 +70,35 @@ class StepStats:
     blocks_freed: int = 0
     bytes_copied: int = 0
     invariant_checks: int = 0
-    fused_steps: int = 0
-    """Steps that took the fused native call (``step/fused.py``)."""
+    native_decisions: int = 0
+    """Steps whose decision the C++ core's call made itself (one natively decided policy, or none,
+    for the whole batch: ``BatchDecision.native_decision``); the rest were decided in Python."""
     overlapped_steps: int = 0
-    """Fused steps whose native call ran on the worker thread beside the host (``DecodeStep.start``)."""
+    """Steps whose native call ran on the worker thread beside the host (``DecodeStep.start``)."""
     repeated_steps: int = 0
     """Of those, steps whose call repeated the last one's for the same batch, started with no
-    check or decision in Python (``RepeatedCall``; its host time counted as "table")."""
+    check or decision in Python (``step/beside.py`` ``RepeatedCall``; its host time counted as "table")."""
     waited_seconds: float = 0.0
     """Time the host's thread waited for those calls (their own time is counted as "core")."""
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("table", "policy", "core", "copy", "checks", "rerotate"), 0.0))
-    """Host time: "table" the batch layout's upkeep (slots, block rows, counters); "policy" mass
-    reduction, observation and selection; "core" the one token-table call (append, evict, plan,
-    commit); "copy" submitting the copy and ordering it; "checks" invariant checks; "rerotate"
-    turning the surviving keys back (shift positions, ``reclaim/rerotate.py``). A fused step
-    counts its native call (the native decision, the table's step, the layout's update) as
-    "core" and what prepares the decision (bounds, mass) as "policy"."""
+    """Host time: "table" the batch layout's upkeep outside the call (registration on the host's
+    thread, background compaction's commits); "policy" mass reduction, observation and selection
+    made before the call; "core" the step's call (``step/fused.py`` or ``step/spec.py``: the
+    decision where the C++ core makes it, the victims' slots and ids, the token table's append,
+    evict, plan and commit, the layout's update, the output's parts); "copy" submitting the copy
+    and ordering it; "checks" invariant checks; "rerotate" turning the surviving keys back (shift
+    positions, ``reclaim/rerotate.py``)."""
     core_parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CORE_PARTS, 0.0))
-    """Of "core", where the fused native call's time went (the C++ core's clocks, inside the
-    call): "decide" the decision's pass (H2O's statistic, the lowest ids), every call; "plan" and
+    """Of "core", where the C++ core's call's time went (its own clocks, inside the call):
+    "decide" the decision's pass (H2O's statistic, the lowest ids), every call; "plan" and
     "commit" the compaction of the requests with holes, only inside ``core.native.compaction_timed``
     (a diagnostic; ``cpp/core/batch.h`` StepResult: a single hole is filled in one operation,
     counted as "commit"). The rest of "core" is the table's upkeep: registration, append, evict,
-    the layout's update and the output. The general path times its table call as "core" alone."""
+    the layout's update and the output. The Python core's call times no parts."""
     mass_seconds: float = 0.0
     """Time in a ``Mass`` function (the simulated attention): not host work of the step."""
 
 
 CORE_PARTS = ("decide", "plan", "commit")
-"""The parts of the fused call's time ``StepStats.core_parts`` holds."""
+"""The parts of the C++ core's call's time ``StepStats.core_parts`` holds."""

@@ -1,14 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """The token table behind the step, in one of two implementations with the same behaviour:
 
-    "cpp"     the C++ core (``trtllm_vtoken._native._core.TokenTable``): the whole batch's table
-              work (append, evict, plan, commit) in one native call
-    "python"  ``core.TokenTable`` with ``reclaim.step_batch``: the specification, and the
-              fallback where the C++ core is not built
+    "cpp"     the C++ core (``trtllm_vtoken._native._core.TokenTable``): the step's one native
+              call (``step/fused.py``) runs the whole batch's table work (append, evict, plan,
+              commit) with the decision and the layout's update
+    "python"  ``core.TokenTable``, which the Python core's call (``step/spec.py``) drives through
+              ``reclaim.step_batch``: the specification, and the fallback where the C++ core is
+              not built
 
-"auto" picks "cpp" when it is built. Both are driven through ``TableCore``: the step's calls plus
-the few queries hosts make (lengths, block lists) and what the invariant checks read. A parity
-test drives both with the same batches (``tests/step/test_step_parity.py``).
+"auto" picks "cpp" when it is built. ``TableCore`` holds either table: the few queries hosts make
+(lengths, block lists), what the invariant checks read, and background compaction's late commit.
+A parity test drives both with the same batches (``tests/step/test_step_parity.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from trtllm_vtoken.core.sequence import Sequence
 from trtllm_vtoken.core.token_table import TokenTable
 from trtllm_vtoken.reclaim.plan import RelocationPlan
 from trtllm_vtoken.reclaim.planner import commit_plan
-from trtllm_vtoken.reclaim.step_batch import COMPACTIONS, StepBatchResult, step_batch
 
 IMPLS = ("auto", "cpp", "python")
 
@@ -46,19 +47,13 @@ class TableCore(ABC):
     """The token tables of one step. Not thread-safe (one host thread drives a step).
 
     Both implementations' tables answer the same queries (``TokenTable``'s names), so they are
-    forwarded as they are; what differs is the batch call and reading a request's arrays."""
+    forwarded as they are; what differs is a lazy plan's late commit and reading a request's arrays."""
 
     impl: str
     table: Any
 
     def __init__(self, tokens_per_block: int) -> None:
         self.tokens_per_block = tokens_per_block
-
-    @abstractmethod
-    def step(self, req_ids: np.ndarray, num_new: np.ndarray, new_block_offsets: np.ndarray,
-             new_blocks: np.ndarray, evict_offsets: np.ndarray, evict_ids: np.ndarray, compaction: str,
-             fragmentation_threshold: int, pressure: bool, may_plan: np.ndarray | None = None) -> StepBatchResult:
-        """``reclaim.step_batch`` (int64 arrays in, ``StepBatchResult`` out)."""
 
     @abstractmethod
     def commit_lazy(self, req_id: int, token_ids: list[int], src_slots: list[int], dst_slots: list[int],
@@ -124,12 +119,6 @@ class PythonCore(TableCore):
         super().__init__(tokens_per_block)
         self.table = TokenTable(tokens_per_block, is_shared)
 
-    def step(self, req_ids, num_new, new_block_offsets, new_blocks, evict_offsets, evict_ids, compaction,
-             fragmentation_threshold, pressure, may_plan=None) -> StepBatchResult:
-        return step_batch(self.table, req_ids, num_new, new_block_offsets, new_blocks, evict_offsets, evict_ids,
-                          compaction, fragmentation_threshold, pressure,
-                          None if may_plan is None else may_plan.astype(bool).tolist())
-
     def commit_lazy(self, req_id, token_ids, src_slots, dst_slots, blocks_to_free) -> list[int]:
         table = self.table
         plan = RelocationPlan(req_id, "lazy", table.version(req_id), tuple(token_ids), tuple(src_slots),
@@ -150,14 +139,6 @@ class NativeCore(TableCore):
             raise RuntimeError("the C++ core is not built (install the package with its cpp/ build)")
         self.table = core.TokenTable(tokens_per_block)
         self._shared: frozenset[int] = frozenset()  # what the table was told is shared
-
-    def step(self, req_ids, num_new, new_block_offsets, new_blocks, evict_offsets, evict_ids, compaction,
-             fragmentation_threshold, pressure, may_plan=None) -> StepBatchResult:
-        if compaction not in COMPACTIONS:
-            raise ValueError(f"step_batch: compaction must be one of {COMPACTIONS}, got {compaction!r}")
-        out = self.table.step_batch(req_ids, num_new, new_block_offsets, new_blocks, evict_offsets, evict_ids,
-                                    COMPACTIONS.index(compaction), fragmentation_threshold, pressure, may_plan)
-        return StepBatchResult(*out)
 
     def commit_lazy(self, req_id, token_ids, src_slots, dst_slots, blocks_to_free) -> list[int]:
         return list(self.table.commit_lazy(req_id, token_ids, src_slots, dst_slots, blocks_to_free))

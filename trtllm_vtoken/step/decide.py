@@ -1,22 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The batch's eviction decision, step 2 of ``DecodeStep.run``: every policy of the batch decides
-for its rows at once, from the step's slot layout.
+"""The batch's eviction decision, the step's second stage: every policy of the batch decides for
+its rows at once, from the step's slot layout. What comes out is a ``Decision``, which the step's
+call (``step/fused.py``, ``step/spec.py``) evicts by:
 
-    rows of policy p  --+-- p's score lives in the slot layout and the C++ core is built:
-                        |     H2O: one native pass over the slots (``cpp/core/select.h``);
-                        |     id-scored (StreamingLLM, sliding window): the lowest live ids,
-                        |     walked in the C++ table's liveness; the tokens of shared
-                        |     (protected) blocks kept on top of the budget, passed over
-                        +-- otherwise: BatchView [rows, positions] -> p.observe_batch ->
-                              p.select_batch, shared blocks' tokens masked (H2O's observe: its
-                              mass added slot by slot, row after row, as the native pass adds it,
-                              so a shared slot gets every holder's mass)
+    C++ core, one policy (or none) for the whole batch, decided natively:
+        the call decides itself (``native_decision``): H2O: one native pass over the slots
+        (``cpp/core/select.h``); id-scored (StreamingLLM, sliding window): the lowest live ids,
+        walked in the C++ table's liveness; the tokens of shared (protected) blocks kept on top
+        of the budget, passed over
+    otherwise (the Python core, several policies, a policy decided in Python):
+        the victims, decided here (``victims``) and handed to the call (``given``), per policy p:
+          p's score lives in the slot layout and the C++ core is built: the native pass for p's rows
+          else: BatchView [rows, positions] -> p.observe_batch -> p.select_batch, shared blocks'
+                tokens masked (H2O's observe: its mass added slot by slot, row after row, as the
+                native pass adds it, so a shared slot gets every holder's mass)
 
-The victims come back as (batch index, position) pairs sorted by index, then logical id.
-
-Where the C++ core serves the step and one natively decided policy (or none) serves every row
-of the batch, ``native_decision`` instead describes the decision for the fused native call
-(``step/fused.py``), which selects the same victims, shared blocks' tokens protected alike."""
+Both give the same victims: (batch index, position) pairs sorted by index, then logical id.
+"""
 
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ from trtllm_vtoken.step.config import StepStats
 from trtllm_vtoken.step.slots import SlotMap
 
 
-class NativeDecision(NamedTuple):
-    """A batch's decision as the fused native call takes it (``cpp/core/decode_step.h``)."""
+class Decision(NamedTuple):
+    """A batch's decision as the step's call takes it (``cpp/core/decode_step.h`` Decision)."""
 
     selector: int
-    """0: no victims; 1: the lowest live ids among the candidates; 2: the lowest ``stat``."""
+    """0: no victims; 1: the lowest live ids among the candidates; 2: the lowest ``stat``;
+    ``GIVEN``: the victims decided here (``victim_index``, ``victim_pos``)."""
     rule: BoundsRule
     """The policy's ``bounds_rule``: the native call sizes each request's candidates from the
     layout's counters itself (``cpp/core/budget.h``), no numpy over the batch's rows here."""
@@ -50,10 +51,26 @@ class NativeDecision(NamedTuple):
     """Tokens in shared blocks are no candidates (the bounds keep them on top of the budget)."""
     threads: int = 1
     """Selector 2: threads the pass may split the rows over (``cpp/core/select.h``)."""
+    victim_index: np.ndarray | None = None
+    """``GIVEN``: [V] int64 batch index of each victim, ascending."""
+    victim_pos: np.ndarray | None = None
+    """``GIVEN``: [V] int64 physical position of each victim in its request (ids ascending per request)."""
+
+    @property
+    def repeats(self) -> bool:
+        """The call may repeat with this decision (``step/beside.py``): the call decides itself."""
+        return self.selector in (1, 2)
 
 
-NO_DECISION = NativeDecision(0, BoundsRule.of(Budget(ratio=1.0), 0, 0), None, None)
+GIVEN = 3
+NO_RULE = BoundsRule.of(Budget(ratio=1.0), 0, 0)
+NO_DECISION = Decision(0, NO_RULE, None, None)
 """No victims and nothing to observe (a batch no request of which evicts)."""
+
+
+def given(victim_index: np.ndarray, victim_pos: np.ndarray) -> Decision:
+    """The decision ``BatchDecision.victims`` made, as the call takes it."""
+    return Decision(GIVEN, NO_RULE, None, None, victim_index=victim_index, victim_pos=victim_pos)
 
 
 class BadMass(RuntimeError):
@@ -82,7 +99,7 @@ class BatchDecision:
         self.native_table = native_table
         self.native, self.reduce_mass, self.stats = native_table is not None, reduce_mass, stats
         self._selectors: dict[int, int] = {}  # policy index -> native_selector's answer
-        self._last: NativeDecision | None = None  # the last decision without mass, to reuse
+        self._last: Decision | None = None  # the last decision without mass, to reuse
 
     def victims(self, req_ids: np.ndarray, rows: np.ndarray, mass: Any,
                 shared: Collection[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -161,10 +178,10 @@ class BatchDecision:
         return victim_index, victim_pos
 
     def native_decision(self, rows: np.ndarray, mass: Any, shared: Collection[int],
-                        sole_policy: int | None = None, beside_host: bool = False) -> NativeDecision | None:
-        """The batch's decision for the fused native call, or None where it takes ``victims``: the
-        Python core, several policies in the batch, a policy the C++ core cannot decide or whose
-        bounds have no ``bounds_rule``. The same victims as ``victims``: the call applies the
+                        sole_policy: int | None = None, beside_host: bool = False) -> Decision | None:
+        """The batch's decision for the C++ core's call to make itself, or None where ``victims``
+        decides it here: the Python core, several policies in the batch, a policy the C++ core
+        cannot decide or whose bounds have no ``bounds_rule``. The same victims as ``victims``: the call applies the
         policy's rule (``candidate_bounds``, zero excess where ``wants_to_evict`` says no; with
         shared blocks, their live tokens kept on top of the budget and never candidates, as the
         Python path's protected mask), the mass is this step's as ``batch_mass`` gives it. ``sole_policy``: the
@@ -186,7 +203,7 @@ class BatchDecision:
             selector = self._selectors[first] = self.native_selector(self.policies[first])
         policy = self.policies[first]
         rule = policy.bounds_rule() if selector else None  # each step: a budget may change between steps
-        if rule is None:  # a policy whose bounds only its own code knows takes the general path
+        if rule is None:  # a policy whose bounds only its own code knows decides here (``victims``)
             return None
         slots, batch_mass = self.slots, None
         if selector == 2 and policy.observes_attention():  # as wide as it came
@@ -197,7 +214,7 @@ class BatchDecision:
         if batch_mass is None and last is not None and last.rule is rule and last.stat is stat and \
                 last.selector == selector and last.skip_shared == skip_shared and last.threads == threads:
             return last  # nothing observed and nothing changed since the last step: its decision
-        decision = NativeDecision(selector, rule, stat, batch_mass, skip_shared, threads)
+        decision = Decision(selector, rule, stat, batch_mass, skip_shared, threads)
         self._last = decision if batch_mass is None else None
         return decision
 
@@ -237,8 +254,8 @@ class BatchDecision:
         return slots.gather(stat, blocks)
 
     def native_selector(self, policy: EvictionPolicy) -> int:
-        """The fused call's selector for a policy: 1 (lowest live ids), 2 (lowest statistic), or
-        0 where the policy takes ``victims`` (not decided natively, or an id-scored policy that
+        """The call's selector for a policy: 1 (lowest live ids), 2 (lowest statistic), or 0
+        where ``victims`` decides for it (not decided natively, or an id-scored policy that
         observes attention)."""
         if not self.native_selection(policy):
             return 0

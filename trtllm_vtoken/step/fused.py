@@ -1,41 +1,39 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The common decode step in two native calls (C++ core): after the registration call
-(``SlotMap.add_tokens``), one call decides, runs the token table's step and updates the batch
-layout (``cpp/core/decode_step.h``), where the general path makes three more native calls with
-numpy work between them. The one call can also register the batch first (checked before anything
-changes), so the host's thread makes one call:
+"""The step's call with the C++ core: one native call (``cpp/core/decode_step.h``) registers the
+batch (unless the host's thread did), decides (or takes the victims decided in Python), runs the
+token table's step and updates the batch layout, in the order of its specification, the Python
+core's call (``step/spec.py``):
 
-    general path                                   fused (one call)
-    BatchDecision.victims  -> select (native)      select_lowest / lowest_live_ids
-    victims -> slots, ids, CSR offsets (numpy)     the same, read from the layout
-    TableCore.step         -> step_batch           step_batch
-    SlotMap.apply_step     -> slots_apply_step     apply_step
-    lost, num_tokens, "changed" (numpy)            the same, per request
+    register     the new blocks and tokens join the layout (checked first; nothing changed if refused)
+    decide       select_lowest / lowest_live_ids, or the given victims (``step/decide.py``)
+    victims      -> their slots, logical ids, CSR offsets; the victims hook (prefix caching's cut)
+    table        step_batch: append, evict, plan (dense / lazy), commit
+    layout       apply_step: evictions, moves, released blocks, lengths
+    output       lost lengths, logical lengths, which requests changed (``FusedOutput``)
 
-A batch fuses when the C++ core serves the step (``StepConfig.fused``) and one natively decided
-policy or none serves all its requests (``DecodeStep`` checks that; ``BatchDecision.native_decision``
-the rest). With background compaction the call plans without committing ("lazy-deferred"), and
-the step then commits the plans whose copies finished and starts the new ones' copies, as on the
-general path (``step/background.py``). Tokens in shared blocks are kept on top of the
-budget and passed over, as the Python path's protected mask does. The victims hook
-(prefix caching's cut) runs inside the call, between the decision and the table's step, as on
-the general path; the call on the step's worker takes no hook (the step runs it after the call,
-with the block lists copied before it). Otherwise, and for the Python core, the general path runs; the parity test
-holds both to the same outputs, tables and layouts (``tests/step/test_step_fused.py``).
+It runs at once (``decode_step``) or on the step's worker thread beside the host's own work
+(``start_decode_step``, ``step/beside.py``), which takes no victims hook (the step runs it after
+the call, with the block lists copied before it). With background compaction it plans without
+committing ("lazy-deferred"): the layout loses the victims and takes the lengths, the plans
+commit later (``step/background.py``). Tokens in shared blocks are kept on top of the budget and
+passed over, as the Python decision's protected mask does. The parity tests hold both cores to
+the same outputs, tables and layouts (``tests/step/test_step_parity.py``, ``test_step_fused.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from trtllm_vtoken.reclaim.step_batch import COMPACTIONS, StepBatchResult
-from trtllm_vtoken.step.decide import NativeDecision
 from trtllm_vtoken.step.io import StepOutput
 from trtllm_vtoken.step.slots import SlotMap
+
+if TYPE_CHECKING:
+    from trtllm_vtoken.step.iteration import Iteration
 
 NONE = np.zeros(0, dtype=np.int64)
 NONE.flags.writeable = False
@@ -114,57 +112,50 @@ class FusedOutput(StepOutput):
         return self._flat[begin : begin + self._batch]
 
 
-def decide_and_step(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray,
-                    offsets: np.ndarray, blocks: np.ndarray, decision: NativeDecision, compaction: str,
-                    fragmentation_threshold: int, pressure: bool,
-                    on_victims: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
-                    may_plan: np.ndarray | None = None, registers: bool = False) -> FusedOutput:
-    """The decision, the table's step and the layout's update of a batch (``table``: the C++
-    token table; ``compaction``: one of ``COMPACTIONS``); ``registers``: its registration first, in
-    the same call (as ``SlotMap.add_tokens`` would; the block table widened here first where the
-    lists outgrow it), else ``add_tokens`` made it. ``on_victims(req_ids, victim_offsets,
-    victim_ids)`` runs between the decision and the table's step when there are victims
-    (``DecodeStep.on_victims``). "lazy-deferred" (background compaction) plans the rows
-    ``may_plan`` ([B] uint8; None: all) allows and commits nothing: the result's table step holds
-    the plans, the layout only lost the victims and took the lengths (``cpp/core/decode_step.h``).
+def decode_step(slots: SlotMap, table: Any, it: Iteration, compaction: str, fragmentation_threshold: int,
+                pressure: bool, on_victims: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
+                may_plan: np.ndarray | None = None) -> FusedOutput:
+    """The call for the iteration's batch and decision (``table``: the C++ token table;
+    ``compaction``: one of ``COMPACTIONS``), registering the batch first unless the host's thread
+    did (``it.registered``; the block table widened here first where the lists outgrow it).
+    ``on_victims(req_ids, victim_offsets, victim_ids)`` runs between the decision and the table's
+    step when there are victims (``DecodeStep.on_victims``). "lazy-deferred" (background
+    compaction) plans the rows ``may_plan`` ([B] uint8; None: all) allows and commits nothing: the
+    result's table step holds the plans, the layout only lost the victims and took the lengths.
     ``BatchRefused`` (``core/native.py``) for a batch the registration's checks refuse, nothing
     changed; other ValueError/KeyError from the table's step may leave it half done: the caller
     stops the step then."""
+    req_ids = it.req_ids
     hook = None if on_victims is None else (lambda offsets, ids: on_victims(req_ids, offsets, ids))
     while True:
-        result = slots.native.slots_decide_step(
-            *fused_arguments(slots, table, req_ids, rows, num_new, offsets, blocks, decision, compaction,
-                             fragmentation_threshold, pressure), hook, decision.skip_shared, decision.threads,
-            may_plan, slots.num_blocks if registers else 0)
+        arguments = call_arguments(slots, table, it, compaction, fragmentation_threshold, pressure, may_plan)
+        result = slots.native.slots_decide_step(*arguments[:14], hook, *arguments[14:])
         if type(result) is not int:
             return FusedOutput(result)
         slots.fit_columns(result)  # the rows' lists outgrow the block table: widen it, then call again
 
 
-def start_decide_and_step(worker: Any, slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray,
-                          num_new: np.ndarray, offsets: np.ndarray, blocks: np.ndarray, decision: NativeDecision,
-                          compaction: str, fragmentation_threshold: int, pressure: bool,
-                          may_plan: np.ndarray | None = None, registers: bool = False) -> tuple:
-    """``decide_and_step`` (no victims hook) started on ``worker`` (the C++ core's
-    ``DecodeWorker``), ``registers`` as there. The worker checks the arguments and the batch at
-    once (ValueError, ``BatchRefused`` for the batch, nothing started); its
-    ``wait()`` returns (what ``FusedOutput`` takes, the call's seconds on the worker). Until
-    then nothing may touch the layout, the table or these arrays. Returns the call's arguments
-    (``step/repeat.py`` keeps them)."""
+def start_decode_step(worker: Any, slots: SlotMap, table: Any, it: Iteration, compaction: str,
+                      fragmentation_threshold: int, pressure: bool, may_plan: np.ndarray | None = None) -> tuple:
+    """``decode_step`` (no victims hook) started on ``worker`` (the C++ core's ``DecodeWorker``).
+    The worker checks the arguments and the batch at once (ValueError, ``BatchRefused`` for the
+    batch, nothing started); its ``wait()`` returns (what ``FusedOutput`` takes, the call's seconds
+    on the worker). Until then nothing may touch the layout, the table or these arrays. Returns
+    the call's arguments (``RepeatedCall`` keeps them)."""
     while True:
-        arguments = (*fused_arguments(slots, table, req_ids, rows, num_new, offsets, blocks, decision, compaction,
-                                      fragmentation_threshold, pressure),
-                     decision.skip_shared, decision.threads, may_plan, slots.num_blocks if registers else 0)
+        arguments = call_arguments(slots, table, it, compaction, fragmentation_threshold, pressure, may_plan)
         needed = worker.start(*arguments)
         if not needed:
             return arguments
-        slots.fit_columns(needed)  # as in decide_and_step
+        slots.fit_columns(needed)  # as in decode_step
 
 
-def fused_arguments(slots: SlotMap, table: Any, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray,
-                    offsets: np.ndarray, blocks: np.ndarray, decision: NativeDecision, compaction: str,
-                    fragmentation_threshold: int, pressure: bool) -> tuple:
-    """The native call's leading arguments, as both of its forms take them (layout ... mass)."""
-    return (slots.native_layout(), table, req_ids, rows, num_new, offsets, blocks, decision.selector,
-            tuple(decision.rule), COMPACTIONS.index(compaction), fragmentation_threshold, pressure, decision.stat,
-            decision.mass)
+def call_arguments(slots: SlotMap, table: Any, it: Iteration, compaction: str, fragmentation_threshold: int,
+                   pressure: bool, may_plan: np.ndarray | None) -> tuple:
+    """The native call's arguments, as ``DecodeWorker.start`` takes them (``slots_decide_step``
+    takes its victims hook after the first 14): layout ... mass, skip_shared, threads, may_plan,
+    num_blocks (0: the host registered the batch), victim_index, victim_pos."""
+    d = it.decision
+    return (slots.native_layout(), table, it.req_ids, it.rows, it.num_new, it.offsets, it.blocks, d.selector,
+            tuple(d.rule), COMPACTIONS.index(compaction), fragmentation_threshold, pressure, d.stat, d.mass,
+            d.skip_shared, d.threads, may_plan, 0 if it.registered else slots.num_blocks, d.victim_index, d.victim_pos)

@@ -109,6 +109,9 @@ class StepOutput:
     position-shift pass rotates its surviving keys by (-lost), what TensorRT-LLM rewinds."""
     num_tokens: np.ndarray
     """[B] logical lengths (prompt + generated): the next token's position is this."""
+    changed: np.ndarray
+    """[B] true (nonzero) where the request's layout changed: it moved tokens, released blocks or
+    got shorter."""
     copy: CopyHandle | None = None
     """The submitted copy, already ordered before the host's next forward (None: no moves)."""
 
@@ -116,6 +119,10 @@ class StepOutput:
     @cached_property
     def num_evicted(self) -> int:
         return len(self.victims)
+
+    @cached_property
+    def num_changed(self) -> int:
+        return int(np.count_nonzero(self.changed))
 
     @cached_property
     def num_moves(self) -> int:
@@ -129,6 +136,13 @@ class StepOutput:
     def moved_slots(self) -> tuple[np.ndarray, np.ndarray]:
         """(``table.move_src``, ``table.move_dst``): what the copy reads."""
         return self.table.move_src, self.table.move_dst
+
+    def touched_blocks(self, tokens_per_block: int) -> set[int]:
+        """Blocks the step's moves read or wrote, and the blocks it released: none of them may be
+        shared (prefix caching) or cached."""
+        table = self.table
+        return {*(table.move_src // tokens_per_block).tolist(), *(table.move_dst // tokens_per_block).tolist(),
+                *table.freed.tolist()}
 
     def victims_of(self, i: int) -> list[int]:
         return self.victims[self.victim_offsets[i] : self.victim_offsets[i + 1]].tolist()

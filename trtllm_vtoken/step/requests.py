@@ -11,6 +11,7 @@ from typing import Any
 
 from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.step.checks import StepChecks
+from trtllm_vtoken.step.config import StepStats
 from trtllm_vtoken.step.queries import TableQueries
 
 DEFAULT = object()
@@ -22,6 +23,8 @@ class StepRequests(TableQueries):
 
     policy: EvictionPolicy | None
     background: Any
+    executor: Any
+    stats: StepStats
     is_shared: Callable[[int], bool]
     tokens_per_block: int
     _policies: list[EvictionPolicy]
@@ -81,7 +84,7 @@ class StepRequests(TableQueries):
     def check_integrity(self) -> None:
         """I2 over every request, and the batch layout against the table. RuntimeError if broken."""
         self.settle()
-        StepChecks(self).layout(self.request_ids())
+        StepChecks(self.core, self.slots, self.executor, self.is_shared, self.stats).layout(self.request_ids())
 
     def policy_index(self, policy: EvictionPolicy) -> int:
         """The policy's index in this step, registered (its per-slot statistics kept) the first time."""

@@ -37,44 +37,13 @@ def copied(values: list | tuple) -> list | tuple:
     return values if type(values) is tuple else list(values)
 
 
-class LastList:
-    """A host's list (of request ids, token counts) as an int64 array and as a list of ints; a
-    list equal to the last one converted gets the same array and the same list. The step never
-    writes them, and hands a host only read-only views (``StepOutput.req_ids``): the native calls
-    take a writeable array faster (nanobind takes a read-only one by a slower path:
-    ``benchmarks/step/host_phases/read_only.txt``)."""
-
-    def __init__(self) -> None:
-        self._last: tuple[list | tuple, np.ndarray, list[int], np.ndarray] | None = None
-
-    def convert(self, listed: Any) -> tuple[np.ndarray, list[int]]:
-        last = self._last
-        if last is not None and type(listed) in LISTS and last[0] == listed:
-            return last[1], last[2]
-        values = np.asarray(listed, dtype=np.int64).reshape(-1)
-        ints = values.tolist()
-        if type(listed) in LISTS:
-            self._last = (copied(listed), values, ints, read_only(values))
-        return values, ints
-
-    def read_only(self, values: np.ndarray) -> np.ndarray:
-        """A read-only view of an array ``convert`` returned, made once for the reused one."""
-        last = self._last
-        return last[3] if last is not None and values is last[1] else read_only(values)
-
-
-def read_only(values: np.ndarray) -> np.ndarray:
-    view = values.view()
-    view.flags.writeable = False
-    return view
-
-
 class SlotMap:
     """Batch-layout state of one step over a pool of ``num_blocks`` blocks."""
 
     def __init__(self, num_blocks: int, tokens_per_block: int, native: Any = None) -> None:
-        """``native``: the C++ core's module, which then applies ``add_tokens`` and ``apply_step``
-        in one call each (``cpp/core/slots.h``, the same effects as the methods they combine)."""
+        """``native``: the C++ core's module, which then registers a batch (``add_tokens``) in one
+        call (``cpp/core/slots.h``, the same effects as the methods it combines); the rest of the
+        layout's updates are then made by the step's native call (``step/fused.py``)."""
         if num_blocks <= 0 or tokens_per_block <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and tokens_per_block ({tokens_per_block}) must be positive")
         self.num_blocks, self.tokens_per_block = num_blocks, tokens_per_block
@@ -174,15 +143,11 @@ class SlotMap:
                    move_dst: np.ndarray, rows: np.ndarray, req_ids: np.ndarray, kv_lens: np.ndarray,
                    freed_offsets: np.ndarray, tail_only: bool, table: Any) -> None:
         """``evict``, ``move`` and ``set_rows`` after the table's step; a row that released a block
-        in the middle is rebuilt from ``table``'s block list of its request."""
-        if self.native is None:
-            self.evict(victim_rows, victim_slots)
-            self.move(move_src, move_dst)
-            self.set_rows(rows, kv_lens, lambda i: table.block_ids(int(req_ids[i])), np.diff(freed_offsets),
-                          tail_only)
-            return
-        self.native.slots_apply_step(self.native_layout(), victim_rows, victim_slots, move_src, move_dst, rows,
-                                     req_ids, kv_lens, freed_offsets, tail_only, table)
+        in the middle is rebuilt from ``table``'s block list of its request (the specification of
+        ``cpp/core/slots.h`` ``apply_step``, which the C++ core's call makes)."""
+        self.evict(victim_rows, victim_slots)
+        self.move(move_src, move_dst)
+        self.set_rows(rows, kv_lens, lambda i: table.block_ids(int(req_ids[i])), np.diff(freed_offsets), tail_only)
 
     def append_blocks(self, rows: np.ndarray, offsets: np.ndarray, blocks: np.ndarray) -> None:
         """Appends CSR ``blocks`` (request i: blocks[offsets[i]:offsets[i + 1]]) to the rows."""

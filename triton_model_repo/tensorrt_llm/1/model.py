@@ -218,6 +218,9 @@ class TritonPythonModel:
             self.loop = make_trtllm_loop(self.settings, on_stats=self.metrics.update)
             self.per_request_eviction = False
         else:
+            from trtllm_vtoken.threads import set_threads
+
+            set_threads(self.settings.threads or None)
             engine = Engine(load_llama(folder), self.settings.engine, self.tokenizer)
             self.metrics.update(snapshot(engine), snapshot_by_policy(engine))
             self.loop = EngineLoop(engine, on_step=lambda e: self.metrics.update(snapshot(e), snapshot_by_policy(e))).start()

@@ -1,15 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """vToken inside TensorRT-LLM's PyTorch backend (1.2.1): one entry for users.
 
-    from tensorrt_llm import LLM
     from trtllm_vtoken.integration.trtllm import vtoken_llm_args
 
-    llm = LLM(model, **vtoken_llm_args(policy="h2o", budget=0.5))
+    args = vtoken_llm_args(policy="h2o", budget=0.5)  # before `import tensorrt_llm`: every build
+    from tensorrt_llm import LLM
 
-``vtoken_llm_args`` returns the LLM arguments vToken needs, with ``env_overrides`` that arm vToken
-in TensorRT-LLM's executor worker and carry its settings there; the package's start-up hook
-(``startup.py``) installs the patches in that worker before the model is built. ``llm_args_dict``
-is the same as plain values, for a Triton ``model.yaml``.
+    llm = LLM(model, **args)
+
+``vtoken_llm_args`` returns the LLM arguments vToken needs and sends its settings to TensorRT-LLM's
+executor worker (``env_overrides`` and this process's environment: call it before ``import
+tensorrt_llm`` to cover builds whose worker ignores ``env_overrides``); the package's start-up hook
+(``startup.py``) installs the patches in that worker before the model is built, and in this
+process makes the ``LLM`` fail if its worker did not arm (``arming.py``). ``baseline_llm_args``:
+the same LLM with RoPE unfused only. ``llm_args_dict`` is the same as plain values, for a Triton
+``model.yaml``.
 
 Importing this package is cheap (the start-up hook imports ``startup`` in every interpreter):
 the names below load their modules on first use.
@@ -21,6 +26,7 @@ import importlib
 
 _EXPORTS = {
     "VTokenSettings": "trtllm_vtoken.integration.trtllm.settings",
+    "baseline_llm_args": "trtllm_vtoken.integration.trtllm.llm_args",
     "check_llm_args": "trtllm_vtoken.integration.trtllm.settings",
     "llm_args_dict": "trtllm_vtoken.integration.trtllm.llm_args",
     "vtoken_llm_args": "trtllm_vtoken.integration.trtllm.llm_args",

@@ -18,7 +18,10 @@ and before anything is bound:
               block manager's free list
     shift     every surviving key of a shortened sequence is turned back by the tokens it lost
               (``reclaim/rerotate.py``): the GPT attention plugin has no position input and
-              rotates each new token by its physical position, sequence_length - 1
+              rotates each new token by its physical position, sequence_length - 1. A request
+              gives tokens up a block at a time (``Budget.unit``), so a pass per block's worth;
+              in a 16-bit pool each pass starts from the value the key was written with
+              (``recover``), so roundings do not add up (test_engine_drift.py has the numbers)
     fit       each sequence holds exactly the blocks for its tokens plus the next one; the
               manager's length becomes the physical length + 1
     rewrite   kv_cache_block_offsets and its host twin from the block manager; sequence_length
@@ -31,7 +34,6 @@ generate past the engine's ``max_seq_len`` as long as its physical KV fits the e
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +41,7 @@ from typing import Any
 
 import torch
 
+from trtllm_vtoken.integration.trtllm.engine_config import check_pool, engine_rope
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
 from trtllm_vtoken.integration.trtllm.state import make_step
 from trtllm_vtoken.reclaim.rerotate import KeyRerotation
@@ -57,13 +60,6 @@ def check_engine_settings(settings: VTokenSettings) -> None:
     if settings.positions != "shift":
         raise ValueError("the engine path needs positions='shift': the GPT attention plugin rotates each new "
                          "token by its physical position (sequence_length - 1) and takes no position input")
-
-
-def engine_rope(engine_dir: str | Path) -> RopeSpec:
-    """The RoPE of a trtllm-build engine, from its ``config.json`` (``pretrained_config``).
-    ValueError if the engine's positions cannot be shifted (``rope.check_shiftable``)."""
-    config = json.loads((Path(engine_dir) / "config.json").read_text())
-    return RopeSpec.from_trtllm_config(config["pretrained_config"])
 
 
 def physical_bound(settings: VTokenSettings, longest_prompt: int, max_new_tokens: int) -> int:
@@ -87,8 +83,11 @@ class EngineVToken:
         if len(pools) != 1:
             raise ValueError(f"engines with {len(pools)} KV pools (layers with different KV head counts) "
                              "are not supported")
+        check_pool(pools[0])
         self.tokens_per_block = tokens_per_block
-        self.rerotation = KeyRerotation(pools, rope)
+        # 16-bit pools: each pass turns a key from the value it was written with (rerotate.py), so
+        # roundings do not add up over the passes a long-lived key (a sink) goes through.
+        self.rerotation = KeyRerotation(pools, rope, recover=pools[0].element_size() == 2)
         self.step = make_step(settings, tokens_per_block, pools[0].shape[0], pools, self.rerotation)
         self.blocks_trimmed = 0
         self.peak_blocks = 0
@@ -97,17 +96,30 @@ class EngineVToken:
         """vToken's work after the engine wrote ``written[b]`` tokens of each sequence b: one step
         for the batch. Leaves the manager's block lists and lengths physical; returns each
         sequence's physical length. RuntimeError if a sequence would need more than ``window``
-        positions."""
+        positions.
+
+        A sequence's block list in the session's manager, around the step::
+
+            before   [ table's blocks | new blocks of the written tokens | allocated ahead ]
+                                       `-- fresh: the step learns them --'   (the next token's
+                                                                             block, or at the
+                                                                             first step the
+                                                                             longest prompt's)
+            after    [ table's blocks (the tail the step freed released) | allocated ahead ]
+                     then cut or grown to the blocks of kv_len + 1 tokens (the next token's slot)
+        """
         manager = pools_manager.get_single_kv_cache_manager()
         blocks, step, tpb = manager.blocks_manager, self.step, self.tokens_per_block
         owners = {seq.get_batch_idx(): seq for seq in manager.sequences}
-        fresh = []
+        fresh, needed = [], {}
         for b, seq in owners.items():
             if b not in step:
                 step.add_request(b)
-            known, need = step.num_blocks(b), -(-(step.kv_len(b) + written[b]) // tpb)
-            self.blocks_trimmed += self._release_tail(blocks, seq, need)  # e.g. the longest prompt's blocks
-            fresh.append([block.idx for block in blocks.allocated_blocks[seq][0]][known:need])
+            held = blocks.allocated_blocks[seq][0]
+            needed[b] = -(-(step.kv_len(b) + written[b]) // tpb)
+            if len(held) < needed[b]:
+                raise RuntimeError(f"sequence {b}: the session holds {len(held)} blocks for {needed[b]} blocks of KV")
+            fresh.append([block.idx for block in held[step.num_blocks(b) : needed[b]]])
         req_ids = list(owners)
         step.run(StepInput.of_lists(req_ids, [written[b] for b in req_ids], fresh, stream=stream))
         lengths = []
@@ -116,34 +128,38 @@ class EngineVToken:
             if kv_len + 1 > window:
                 raise RuntimeError(f"sequence {b} needs {kv_len + 1} KV positions, more than the attention window "
                                    f"{window}: use a budget whose physical bound fits the engine")
-            self._release_tail(blocks, seq, step.num_blocks(b))  # the tail the step freed
-            while len(blocks.allocated_blocks[seq][0]) < kv_len // tpb + 1:  # the next token's slot
+            held = blocks.allocated_blocks[seq][0]
+            self._release(blocks, held, held[step.num_blocks(b) : needed[b]])  # counted by the step
+            next_blocks = kv_len // tpb + 1  # up to the next token's slot
+            self.blocks_trimmed += self._release(blocks, held, held[next_blocks:])
+            while len(held) < next_blocks:
                 blocks.allocate(seq)
             manager.lens[b] = kv_len + 1
-            held = [block.idx for block in blocks.allocated_blocks[seq][0]]
-            if held[: step.num_blocks(b)] != step.block_ids(b):
+            if [block.idx for block in held[: step.num_blocks(b)]] != step.block_ids(b):
                 raise RuntimeError(f"sequence {b}: the block manager and the token table disagree on its blocks")
             lengths.append(kv_len)
         self.peak_blocks = max(self.peak_blocks, blocks.num_blocks - len(blocks.free_blocks))
         return lengths
 
     @staticmethod
-    def _release_tail(blocks: Any, seq: Any, keep: int) -> int:
-        """Returns a sequence's blocks past the first ``keep`` to the free list (as BlocksManager.free
-        does for a whole sequence: unlink, free when no one else holds it); how many it released."""
-        held, released = blocks.allocated_blocks[seq][0], 0
-        while len(held) > keep:
-            block = held.pop()
+    def _release(blocks: Any, held: list, victims: Sequence[Any]) -> int:
+        """Takes ``victims`` out of a sequence's block list ``held`` and returns them to the free
+        list (as ``BlocksManager.free`` does for a whole sequence: unlink, free when no one else
+        holds it); how many it released."""
+        victims = list(victims)
+        for block in victims:
+            held.remove(block)
             block.remove_link()
             if not block.has_link():
                 blocks.free_blocks.append(block)
-            released += 1
-        return released
+        return len(victims)
 
     def stats(self) -> dict[str, int]:
+        """``blocks_freed``: blocks compaction emptied; ``blocks_trimmed``: blocks the session had
+        allocated beyond a sequence's need (every sequence gets the longest prompt's at the start)."""
         stats = self.step.stats
-        return {"tokens_evicted": stats.tokens_evicted, "moves": stats.moves,
-                "blocks_freed": stats.blocks_freed + self.blocks_trimmed, "peak_blocks": self.peak_blocks,
+        return {"tokens_evicted": stats.tokens_evicted, "moves": stats.moves, "blocks_freed": stats.blocks_freed,
+                "blocks_trimmed": self.blocks_trimmed, "peak_blocks": self.peak_blocks,
                 "keys_rerotated": self.rerotation.stats.tokens, "rerotation_passes": self.rerotation.stats.passes}
 
 

@@ -9,8 +9,10 @@
     max_beam_width             1 (rewind_kv_cache removes tokens of beam 0 only)
     enable_chunked_prefill     off: one context chunk per request
     attn_backend               "TRTLLM", the backend the hooks patch
-    env_overrides              {$VTOKEN_TRTLLM: "1", $VTOKEN_TRTLLM_SETTINGS: json}: applied by the
-                               executor worker before it builds the executor (startup.py)
+    env_overrides              {$VTOKEN_TRTLLM: "1", $VTOKEN_TRTLLM_SETTINGS: json} where
+                               TorchLlmArgs has the field (1.2 on); the same variables are also
+                               exported in this process, for workers that do not apply it
+                               (startup.py: the routes per TensorRT-LLM version)
 
 No KV connector: a configured ``kv_connector_config`` makes ``create_py_executor`` refuse any
 policy but GUARANTEED_NO_EVICT, and its module is imported after the model is built.
@@ -50,15 +52,31 @@ def vtoken_llm_args(policy: str = "h2o", budget: int | float | str = 0.5, tokens
     """Keyword arguments for ``tensorrt_llm.LLM`` with vToken's settings (policy, budget,
     ``policy_options``, ``check_invariants``, ``stats_file``, ...) bound for the executor worker.
 
-    The settings also go into this process's environment: an executor built in this process, or
-    by workers of an MPI initialised later, sees them there. ValueError for bad settings;
-    RuntimeError if tensorrt_llm is not importable, or if it lacks ``env_overrides`` and was
-    imported (MPI initialised) before this call, since the worker could not get the settings.
+    The settings go to the worker by both routes ``startup.py`` describes: this process's
+    environment (seen by workers of an MPI initialised after this call: call it before
+    ``import tensorrt_llm`` and every TensorRT-LLM gets them) and ``env_overrides`` where
+    ``TorchLlmArgs`` has that field. Without a ``stats_file`` the worker's record goes to a fresh
+    temporary file: the ``LLM`` built with these arguments fails if its worker did not arm
+    (``arming.py``). ValueError for bad settings; RuntimeError if tensorrt_llm is not importable,
+    or if it lacks ``env_overrides`` and was imported (MPI initialised) before this call.
     """
-    chosen = VTokenSettings(policy=policy, budget=budget, **settings)
-    environment = chosen.worker_environment()
+    return armed_llm_args(VTokenSettings(policy=policy, budget=budget, **settings), tokens_per_block)
+
+
+def baseline_llm_args(tokens_per_block: int = 32, stats_file: str = "") -> dict[str, Any]:
+    """``vtoken_llm_args``' LLM arguments for TensorRT-LLM's own KV-cache manager with RoPE unfused
+    (mode "rope"): a baseline that differs from vToken's LLM by vToken alone. Its worker records
+    that it armed too."""
+    return armed_llm_args(VTokenSettings(stats_file=stats_file), tokens_per_block, mode="rope")
+
+
+def armed_llm_args(settings: VTokenSettings, tokens_per_block: int = 32, mode: str = "vtoken") -> dict[str, Any]:
+    """The LLM arguments that arm the executor worker in ``mode`` ("vtoken" or "rope") with
+    ``settings`` (given a fresh stats file if they have none)."""
     if importlib.util.find_spec("tensorrt_llm") is None:
         raise RuntimeError("tensorrt_llm is not importable: no module named 'tensorrt_llm'")
+    settings = settings.with_stats_file()
+    environment = settings.worker_environment(mode)
     mpi_initialised = "tensorrt_llm" in sys.modules
     os.environ.update(environment)
     try:

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from trtllm_vtoken.consistency import RankConsistency
+from trtllm_vtoken.integration.trtllm.arming import RECORD_KEY, worker_record
 from trtllm_vtoken.integration.trtllm.batches import PreparedBatches
 from trtllm_vtoken.integration.trtllm.pools import layer_offsets, manager_pools
 from trtllm_vtoken.integration.trtllm.ranks import parallel_layout_problem, worker_ranks
@@ -108,6 +109,7 @@ def build_manager_class(base: type) -> type:
             self._vtoken_batches = PreparedBatches(self.vtoken_queries, self.vtoken.needs_attention)
             self.vtoken_stats = StatsFile(settings.stats_file, settings.stats_interval_s) \
                 if settings.stats_file else None
+            self._vtoken_publish(force=True)  # the worker's record: vToken armed here (arming.py)
 
         # ---- iteration hooks -----------------------------------------------------------------
         def prepare_resources(self, scheduled_batch) -> None:
@@ -200,7 +202,11 @@ def build_manager_class(base: type) -> type:
         def _vtoken_publish(self, force: bool) -> None:
             if self.vtoken_stats is not None:
                 self.vtoken_stats.maybe_write(
-                    lambda: state_snapshot(self.vtoken, self.get_num_free_blocks(), self.get_max_resource_count()),
+                    lambda: {**state_snapshot(self.vtoken, self.get_num_free_blocks(), self.get_max_resource_count()),
+                             RECORD_KEY: worker_record("vtoken", self.vtoken.settings, base.__module__,
+                                                       manager=type(self).__qualname__,
+                                                       steps=self._vtoken_steps,
+                                                       requests_seen=self.vtoken.requests_seen)},
                     force)
 
         def _vtoken_release(self, req_id: int, num_tokens: int) -> None:

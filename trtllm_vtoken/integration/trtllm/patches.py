@@ -15,6 +15,10 @@ it (the module layout moved in 2026 releases: ``attention_backend`` -> ``attenti
                                      (scores.py)
     PyTorchModelEngine.__init__      after the model is built: every attention module must have
                                      RoPE unfused, else RuntimeError naming them
+
+Armed as "rope" ($VTOKEN_TRTLLM=rope, ``baseline_llm_args``) only the two RoPE patches go in:
+TensorRT-LLM's own KV-cache manager runs, and the model engine's check writes the worker's record
+(``arming.py``; armed as vToken the manager writes it).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import importlib
 from types import ModuleType
 
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings, check_llm_args
+from trtllm_vtoken.integration.trtllm.environment import arm_mode
 
 _installed: list[str] = []
 
@@ -117,24 +122,35 @@ def unfused_rope_required(settings: VTokenSettings) -> bool:
 
 
 def activate(llm_args=None) -> list[str]:
-    """What the start-up hook runs in the worker when vToken is armed, before the executor is
-    created: the settings (RuntimeError if missing), the LLM arguments' check, then ``install``."""
+    """What the start-up hook runs in the worker when armed, before the executor is created: the
+    settings (RuntimeError if missing), the LLM arguments' check, then ``install`` in the armed
+    mode."""
     settings = VTokenSettings.from_env()
     if llm_args is not None:
         check_llm_args(llm_args)
-    return install(settings)
+    return install(settings, arm_mode() or "vtoken")
 
 
-def install(settings: VTokenSettings | None = None) -> list[str]:
-    """Applies the patches once per process; returns what was patched. RuntimeError if TensorRT-LLM
-    is absent or lacks a hook, or if no settings are given and none are in the environment."""
+def install(settings: VTokenSettings | None = None, mode: str = "vtoken") -> list[str]:
+    """Applies the patches of ``mode`` ("vtoken", or "rope": unfused RoPE only) once per process;
+    returns what was patched. RuntimeError if TensorRT-LLM is absent or lacks a hook, if no
+    settings are given and none are in the environment, or if the other mode is installed."""
     if _installed:
+        if _installed[0] != f"mode {mode}":
+            raise RuntimeError(f"this process has vToken installed as {_installed[0]!r}, not as mode {mode!r}")
         return list(_installed)
     try:
         import tensorrt_llm
     except ImportError as exc:
         raise RuntimeError(f"tensorrt_llm is not importable: {exc}") from None
     settings = settings if settings is not None else VTokenSettings.from_env()
+    if mode == "rope":
+        done = [f"mode {mode}", f"tensorrt_llm {getattr(tensorrt_llm, '__version__', '?')}",
+                *_unfuse_rope(settings, record=True)]
+        _installed.extend(done)
+        return list(_installed)
+    if mode != "vtoken":
+        raise ValueError(f"mode must be 'vtoken' or 'rope', got {mode!r}")
     from trtllm_vtoken.integration.trtllm.manager import build_manager_class
     from trtllm_vtoken.integration.trtllm.metadata import build_metadata_class
 
@@ -162,23 +178,37 @@ def install(settings: VTokenSettings | None = None) -> list[str]:
 
     backend.forward = forward
     done = [
+        f"mode {mode}",
         f"tensorrt_llm {getattr(tensorrt_llm, '__version__', '?')}",
         f"{util.__name__}.get_kv_cache_manager_cls -> {manager_cls.__qualname__}",
         f"{backend.__name__}.Metadata -> {backend.Metadata.__qualname__}",
         f"{backend.__name__}.forward records decode queries and prefill attention mass",
     ]
     if unfused_rope_required(settings):
-        _require(backend, "support_fused_rope")
-        backend.support_fused_rope = classmethod(lambda cls: False)
-        engine = _require(model_engine, "PyTorchModelEngine")
-        original_init = engine.__init__
-
-        def __init__(self, *args, **kwargs):
-            original_init(self, *args, **kwargs)
-            check_rope_unfused(self.model)
-
-        engine.__init__ = __init__
-        done += [f"{backend.__name__}.support_fused_rope -> False",
-                 f"{engine.__qualname__}.__init__ checks that every attention module has RoPE unfused"]
+        done += _unfuse_rope(settings, record=False)
     _installed.extend(done)
     return list(_installed)
+
+
+def _unfuse_rope(settings: VTokenSettings, record: bool) -> list[str]:
+    """``support_fused_rope`` -> False before the model is built, and the check after it; with
+    ``record``, the check also writes the worker's record (mode "rope")."""
+    backend = _require(_module("trtllm_attention"), "TrtllmAttention")
+    engine = _require(_module("model_engine"), "PyTorchModelEngine")
+    _require(backend, "support_fused_rope")
+    backend.support_fused_rope = classmethod(lambda cls: False)
+    original_init = engine.__init__
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        check_rope_unfused(self.model)
+        if record and settings.stats_file:
+            from trtllm_vtoken.integration.trtllm.arming import worker_record, write_record
+
+            unfused = sum(1 for _, m in self.model.named_modules() if hasattr(m, "rope_fusion"))
+            write_record(settings.stats_file, worker_record("rope", settings, engine.__module__,
+                                                            rope_unfused_modules=unfused))
+
+    engine.__init__ = __init__
+    return [f"{backend.__name__}.support_fused_rope -> False",
+            f"{engine.__qualname__}.__init__ checks that every attention module has RoPE unfused"]

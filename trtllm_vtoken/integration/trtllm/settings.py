@@ -2,10 +2,21 @@
 """vToken's settings for the TensorRT-LLM path, and the LLM-API settings vToken requires.
 
 ``VTokenSettings`` travel from the client process to the executor worker (which TensorRT-LLM
-spawns with MPI even at TP=1) as two environment variables, $VTOKEN_TRTLLM=1 (armed) and
-$VTOKEN_TRTLLM_SETTINGS (JSON), carried by the ``env_overrides`` LLM argument that
-``worker_main`` applies inside the worker (``startup.py`` draws the whole route). In the worker,
-armed without settings is an error, never a default.
+spawns with MPI even at TP=1) as two environment variables, $VTOKEN_TRTLLM (armed: "1" for vToken,
+"rope" for its RoPE-only baseline) and $VTOKEN_TRTLLM_SETTINGS (JSON). Two routes carry them, and
+which one works depends on the TensorRT-LLM build (``startup.py`` draws both, with the sources):
+
+    TensorRT-LLM                    env_overrides field   worker applies it   route that works
+    1.1 (TorchLlmArgs)              no                    -                   exported before import
+    1.2 worker without the update   yes                   no                  exported before import
+    1.2 as stored (1.2-era copies)  yes                   yes (worker_main)   both
+    2026 main                       yes                   yes (and MPI env)   both
+
+"Exported before import" means in the environment when ``import tensorrt_llm`` initialises MPI:
+``vtoken_llm_args`` exports them itself, so calling it before that import works everywhere. Since
+no installed TensorRT-LLM can be inspected here, the client does not rely on the table: every
+``LLM`` built while armed reads the worker's record and fails if the worker did not arm
+(``arming.py``). In the worker, armed without settings is an error, never a default.
 
 ``check_llm_args`` validates the LLM arguments (a ``TorchLlmArgs``-like object or a plain mapping,
 e.g. a Triton ``model.yaml``) against what the hooks need, naming every violation at once; the
@@ -16,12 +27,14 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from trtllm_vtoken.config_base import from_dict
-from trtllm_vtoken.integration.trtllm.startup import ARM_VAR, SETTINGS_VAR, armed
+from trtllm_vtoken.integration.trtllm.environment import ARM_VALUES, ARM_VAR, SETTINGS_VAR, armed
 from trtllm_vtoken.policies import Budget, make_policy
 from trtllm_vtoken.reclaim.config import ReclaimConfig
 from trtllm_vtoken.step.core import IMPLS
@@ -44,7 +57,8 @@ class VTokenSettings:
     fragmentation_threshold: int = 1
     check_invariants: bool = False
     stats_file: str = ""
-    """Where the worker publishes vToken's counters for the Triton model's metrics ("" = nowhere)."""
+    """Where the worker publishes its record (proof that it armed, ``arming.py``) and vToken's
+    counters for the Triton model's metrics ("" = nowhere; ``vtoken_llm_args`` always gives one)."""
     stats_interval_s: float = 0.5
     step_impl: str = "auto"
     """The step's token table: "cpp" (the C++ core), "python", or "auto" (cpp where built)."""
@@ -68,12 +82,22 @@ class VTokenSettings:
         blocks from its logical length."""
         return make_policy(self.policy, Budget.parse(self.budget).in_units(tokens_per_block), **self.policy_options)
 
+    def with_stats_file(self) -> VTokenSettings:
+        """These settings, or with a fresh temporary stats file if they have none."""
+        if self.stats_file:
+            return self
+        return replace(self, stats_file=str(Path(tempfile.mkdtemp(prefix="vtoken-worker-")) / "stats.json"))
+
     def to_env(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
-    def worker_environment(self) -> dict[str, str]:
-        """The variables that arm vToken in the executor worker and carry these settings there."""
-        return {ARM_VAR: "1", SETTINGS_VAR: self.to_env()}
+    def worker_environment(self, mode: str = "vtoken") -> dict[str, str]:
+        """The variables that arm the executor worker and carry these settings there. ``mode``:
+        "vtoken", or "rope" (unfused RoPE only, TensorRT-LLM's own KV-cache manager: a baseline)."""
+        values = {m: v for v, m in ARM_VALUES.items()}
+        if mode not in values:
+            raise ValueError(f"mode must be one of {sorted(values)}, got {mode!r}")
+        return {ARM_VAR: values[mode], SETTINGS_VAR: self.to_env()}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> VTokenSettings:
@@ -82,7 +106,7 @@ class VTokenSettings:
         env = os.environ if environ is None else environ
         raw = env.get(SETTINGS_VAR)
         if not raw:
-            state = "armed ($" + ARM_VAR + "=1)" if armed(env) else "installed"
+            state = f"armed (${ARM_VAR}={env.get(ARM_VAR)})" if armed(env) else "installed"
             raise RuntimeError(
                 f"vToken is {state} in process {os.getpid()} but ${SETTINGS_VAR} is not set: pass the LLM "
                 "arguments vtoken_llm_args(...) returns (their env_overrides carry the settings into "

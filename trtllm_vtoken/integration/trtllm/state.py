@@ -79,6 +79,8 @@ class VTokenState:
         if self.needs_attention and attention_mass is None:
             raise ValueError(f"policy {settings.policy!r} observes attention: pass attention_mass")
         self.attention_mass = attention_mass
+        self.requests_seen = 0
+        """Requests whose tokens the step has learnt (padding rows not counted)."""
 
     def run(self, written: Sequence[tuple[int, Sequence[int], int, int]], stream: Any = None,
             recording: Callable[[int], Any] | None = None) -> StepOutput | None:
@@ -96,6 +98,7 @@ class VTokenState:
         for req_id, *_ in rows:
             if req_id not in step:
                 step.add_request(req_id)
+                self.requests_seen += 1
         fresh = [blocks[step.num_blocks(r):] for r, blocks, _, _ in rows]
         mass = None
         if self.needs_attention:  # the batch's, in one call: [B, L] beside the rows, L their lengths once joined

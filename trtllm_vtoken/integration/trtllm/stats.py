@@ -14,6 +14,8 @@ the worker, and the write is atomic (a temporary file renamed over the old one).
 
 What only the client knows (requests finished, waiting) it adds itself; preemptions happen in
 TensorRT-LLM's scheduler, where vToken has no hook, so that metric is not exported on this path.
+Beside the numbers, a snapshot may carry the worker's record (an object under
+``arming.RECORD_KEY``: proof that vToken armed), which ``read_stats`` leaves out.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def state_snapshot(state, free_blocks: int, total_blocks: int) -> dict[str, float]:
@@ -64,7 +67,7 @@ class StatsFile:
         self.writes = 0
         self._last: float | None = None
 
-    def maybe_write(self, snapshot: Callable[[], dict[str, float]], force: bool = False) -> bool:
+    def maybe_write(self, snapshot: Callable[[], dict[str, Any]], force: bool = False) -> bool:
         """Writes ``snapshot()`` if forced or ``interval_s`` has passed; returns whether it did."""
         now = self.clock()
         if not force and self._last is not None and now - self._last < self.interval_s:

@@ -9,7 +9,8 @@ the caller if asked; every rank ends a job with a ``RankReport``.
 
 from __future__ import annotations
 
-import os
+import faulthandler
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -20,7 +21,9 @@ import torch
 
 from trtllm_vtoken.consistency import ProtocolStats, RankDivergenceError, step_digest
 from trtllm_vtoken.runtime.config import EngineConfig
+from trtllm_vtoken.runtime.outputs import RequestOutput, finished_output
 from trtllm_vtoken.runtime.sampling import SamplingParams
+from trtllm_vtoken.threads import set_threads
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,8 @@ class RankReport:
     rank: int
     outputs: dict[int, list[int]] = field(default_factory=dict)
     """Request id -> output token ids."""
-    texts: dict[int, str] = field(default_factory=dict)
-    finish_reasons: dict[int, str | None] = field(default_factory=dict)
-    preemptions: dict[int, int] = field(default_factory=dict)
+    results: dict[int, RequestOutput] = field(default_factory=dict)
+    """Request id -> its output as ``LLM.generate`` returns it (``prompt`` None, set by the caller)."""
     evictions: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
     """Request id -> the logical ids evicted after each output token (``trace``)."""
     logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
@@ -69,11 +71,15 @@ class RankReport:
     """The job's failure on this rank (the report then holds what happened before it)."""
 
 
-def rank_main(rank: int, world_size: int, init_method: str, model_path: str, device: str, conn: Any) -> None:
-    """The entry point of a rank's process (``torch.multiprocessing``, spawn)."""
+def rank_main(rank: int, world_size: int, init_method: str, model_path: str, device: str, threads: int | None,
+              conn: Any) -> None:
+    """The entry point of a rank's process (``torch.multiprocessing``, spawn). It leaves silently
+    when told to close or when the caller's process is gone (its pipe closed)."""
+    faulthandler.enable()  # a fatal signal (a crash in native code) still prints this rank's stack
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it stops the ranks
     try:
-        # Ranks share the machine's cores: each takes its share so they do not oversubscribe.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        # Ranks share the machine's cores: each takes its share (trtllm_vtoken/threads.py).
+        set_threads(threads, processes=world_size)
         from trtllm_vtoken.runtime.model import load_llama
         from trtllm_vtoken.runtime.parallel.layers import shard_model
         from trtllm_vtoken.runtime.parallel.torch_ranks import init_rank
@@ -88,7 +94,10 @@ def rank_main(rank: int, world_size: int, init_method: str, model_path: str, dev
         conn.send(("failed", rank, traceback.format_exc()))
         return
     while True:
-        message = conn.recv()
+        try:
+            message = conn.recv()
+        except EOFError:  # the caller's process ended without closing us
+            return
         if message[0] == "close":
             break
         if message[0] == "call":  # a function of (ranks, *args), run on every rank at once
@@ -142,9 +151,7 @@ def run_job(job: Job, model, tokenizer, ranks, conn) -> RankReport:
 def summarize(engine, job: Job, report: RankReport) -> None:
     for req_id, request in engine.requests.items():
         report.outputs[req_id] = list(request.output_ids)
-        report.texts[req_id] = request.text
-        report.finish_reasons[req_id] = request.finish_reason
-        report.preemptions[req_id] = request.num_preemptions
+        report.results[req_id] = finished_output(request, None)
         if job.trace:
             report.evictions[req_id] = list(request.evictions)
             if job.logits:

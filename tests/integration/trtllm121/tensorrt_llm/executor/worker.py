@@ -4,7 +4,11 @@
 
 - ``worker_main`` applies ``llm_args.env_overrides`` with ``os.environ.update`` before anything
   else (the real comment: MPI caches the client's environment at ``import tensorrt_llm``, so
-  overrides set later reach the worker only this way);
+  overrides set later reach the worker only this way). Every stored copy with this ``worker_main``
+  has that update (also index ids 65785603142, 66326986617), but no copy tied to a release tag
+  was found, and ``env_overrides`` first arrived as a client-side update in ``llm.py`` (PR #9104).
+  A worker of a build with the field but without the update is modelled too: with
+  ``TLLM_DOUBLE_WORKER_APPLIES_ENV_OVERRIDES=0`` in the worker's environment it skips the update;
 - ``setup_engine`` imports ``create_py_executor`` inside the function
   (``from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor``), i.e.
   reads the module attribute at call time, and calls it with ``llm_args``, ``checkpoint_dir``,
@@ -45,6 +49,8 @@ class GenerationExecutorWorker:
 
 
 def worker_main(llm_args=None) -> dict:
-    if llm_args is not None and llm_args.env_overrides:
-        os.environ.update(llm_args.env_overrides)
+    applies = os.environ.get("TLLM_DOUBLE_WORKER_APPLIES_ENV_OVERRIDES", "1") == "1"
+    overrides = getattr(llm_args, "env_overrides", None)  # an older TorchLlmArgs has no such field
+    if applies and overrides:
+        os.environ.update(overrides)
     return describe(GenerationExecutorWorker(llm_args).engine)

@@ -15,11 +15,15 @@ What it imitates:
 - pydantic's coercion of nested dicts (``kv_cache_config={...}``) and enum names ("MAX_UTILIZATION").
 - ``coerce_env_overrides_to_str``: ``env_overrides`` values become strings.
 - ``TorchLlmArgs.model_fields``, the pydantic v2 class attribute listing the fields.
+An older build is modelled too: with ``TLLM_DOUBLE_TORCH_LLM_ARGS_WITHOUT_ENV_OVERRIDES=1`` in the
+environment at import, ``BaseLlmArgs`` has no ``env_overrides`` field (the 1.1-era copy, index id
+1090804222: ``orchestrator_type`` is its last public field), so passing it is an unknown key.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 from typing import Any, ClassVar
 
 
@@ -111,6 +115,8 @@ _BASE_LLM_ARGS = {
     "otlp_traces_endpoint": None, "backend": None, "return_perf_metrics": False, "perf_metrics_max_requests": 0,
     "orchestrator_type": None, "env_overrides": None,
 }
+if os.environ.get("TLLM_DOUBLE_TORCH_LLM_ARGS_WITHOUT_ENV_OVERRIDES") == "1":
+    del _BASE_LLM_ARGS["env_overrides"]
 _TORCH_LLM_ARGS = {
     "garbage_collection_gen0_threshold": 20000, "cuda_graph_config": CudaGraphConfig, "attention_dp_config": None,
     "disable_overlap_scheduler": False, "moe_config": None, "nvfp4_gemm_config": None, "attn_backend": "TRTLLM",

@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vtoken bench host`` and ``vtoken bench trtllm-mass`` (``bench/host_cost.py``,
+``bench/trtllm_mass.py``), and ``vtoken bench variants --no-prefix-caching``'s engine setting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trtllm_vtoken.bench.host_cost import OPERATIONS, run_host_bench, time_registration
+from trtllm_vtoken.bench.trtllm_mass import TrtllmMassBenchConfig
+from trtllm_vtoken.bench.variants import VariantsBenchConfig
+from trtllm_vtoken.cli import main
+from trtllm_vtoken.core.native import load
+
+
+def test_host_bench_times_every_operation_warm_and_after_a_sleep():
+    result = run_host_bench(rounds=3, warm_calls=5)
+    assert [r["operation"] for r in result["rows"]] == list(OPERATIONS)
+    for row in result["rows"]:
+        assert row["warm_us"] > 0 and row["after_sleep_us"] > 0
+        assert row["ratio"] == pytest.approx(row["after_sleep_us"] / row["warm_us"])
+    with pytest.raises(ValueError, match="rounds"):
+        run_host_bench(rounds=0)
+
+
+def test_registration_is_timed_with_writeable_and_read_only_arrays_where_the_core_is_built():
+    rows = time_registration(calls=10)
+    if load() is None:
+        assert rows is None
+        return
+    assert [r["arrays"] for r in rows] == ["writeable", "read-only"] and all(r["call_us"] > 0 for r in rows)
+
+
+def test_the_cli_writes_both_micro_benches_and_the_batched_mass_equals_the_per_request_one(tmp_path, capsys):
+    assert main(["bench", "host", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "trtllm-mass", "--quick", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "after 1 ms asleep" in printed and "torch operators" in printed
+    assert len(json.loads((tmp_path / "host.json").read_text())["rows"]) == len(OPERATIONS)
+    mass = json.loads((tmp_path / "trtllm_mass.json").read_text())
+    assert mass["config"]["batch"] == 8 and mass["max_abs_difference"] == 0.0  # the same mass both ways
+    assert mass["operators"]["batched"] < mass["operators"]["per_request"]
+    assert mass["copies_to_host"] == {"per_request": 8, "batched": 1}
+    assert [r["round"] for r in mass["rounds"]] == [0, 1]
+    with pytest.raises(ValueError, match="batch"):
+        TrtllmMassBenchConfig(batch=0)
+
+
+def test_variants_can_run_without_prefix_caching():
+    assert VariantsBenchConfig().engine_config("vtoken", "dense").prefix_caching
+    assert not VariantsBenchConfig(prefix_caching=False).engine_config("vtoken", "dense").prefix_caching
