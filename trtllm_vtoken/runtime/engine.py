@@ -121,6 +121,7 @@ class Engine:
         self._deferred: DeferredStep | None = None  # overlap scheduler: rows waiting for their step
         self._layout_now: np.ndarray | None = None  # this iteration's layout as its forwards see it (logical ids)
         self._stepped: list[int] = []
+        self._checked_steps = 0  # steps the ranks compared (the overlap scheduler's first iteration runs none)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -214,8 +215,10 @@ class Engine:
             reported.append(self._advance(request, logits))
         rows = [request.req_id for request, *_ in results]
         if rows:
-            self._deferred = DeferredStep(rows, self.forwards.batch_mass(rows, masses, [r[2] for r in results]), self._layout_now)
-        self._end_step(self._stepped, out, reported)
+            queries = [r[2] for r in results]
+            mass = None if self.simulated else self.forwards.batch_mass(rows, masses, queries)
+            self._deferred = DeferredStep(rows, mass, self._layout_now, queries)
+        self._end_step(self._stepped, out, reported, stepped=deferred is not None)
         return reported
 
     def _launch_deferred(self, deferred: DeferredStep | None, rows_now: list[int], prefill: list[int]) -> None:
@@ -228,11 +231,13 @@ class Engine:
         if deferred is None:
             return
         keep = [i for i, r in enumerate(deferred.rows)
-                if self.requests[r].status is Status.RUNNING and r not in prefill]
+                if r in self.requests and self.requests[r].status is Status.RUNNING and r not in prefill]
         rows, mass = [deferred.rows[i] for i in keep], deferred.mass
-        if remaps and rows and isinstance(mass, np.ndarray) and deferred.ids is not None:
+        if self.simulated:  # its attention is a function of the layout the step sees
+            mass = self.forwards.batch_mass(rows, [], [deferred.queries[i] for i in keep])
+        elif remaps and rows and isinstance(mass, np.ndarray) and deferred.ids is not None:
             mass = remap_mass(mass[keep], deferred.ids[keep], layout_ids(kv.layout, kv.writes, rows))
-        kv.start_step(rows, mass, overlap=self.config.step_overlap)
+        kv.start_step(rows, mass, overlap=self.config.step_overlap, forward_between=True)
         self._stepped = rows
 
     def _run_forwards(self, decode: list[int], prefill: list[int]):
@@ -256,7 +261,7 @@ class Engine:
             self.stats.cached_prompt_tokens += cached
         return results, masses
 
-    def _end_step(self, rows: list[int], out, reported: list[RequestDelta]) -> None:
+    def _end_step(self, rows: list[int], out, reported: list[RequestDelta], stepped: bool = True) -> None:
         """After a step of ``rows``: the eviction trace, admission, the prefix cache's keys and the
         ranks' comparison, for the requests still running."""
         continuing = [r for r in rows if self.requests[r].status is Status.RUNNING]
@@ -266,9 +271,10 @@ class Engine:
                     self.requests[req_id].evictions.append(tuple(out.victims_of(i)) if out is not None else ())
         self.kv.update(continuing, [self.requests[r].remaining for r in continuing])
         self.kv.store_written(continuing, lambda r: self.requests[r].prefill_ids())
-        if self.config.check_invariants:  # every rank: same table, same free blocks, same tokens
+        if self.config.check_invariants and stepped:  # every rank: same table, same free blocks, same tokens
             sampled = [t for out in reported for t in (out.req_id, *out.new_token_ids)]
-            self.consistency.check(self.stats.steps, self.kv.layout, [self.kv.pool.num_free, *sampled])
+            self.consistency.check(self._checked_steps, self.kv.layout, [self.kv.pool.num_free, *sampled])
+            self._checked_steps += 1
         self.stats.steps += 1
 
     def _schedule_decode(self) -> list[int]:

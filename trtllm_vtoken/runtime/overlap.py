@@ -40,6 +40,8 @@ class DeferredStep:
     backend's attention, evaluated when the step runs), or None."""
     ids: np.ndarray | None
     """[B, W] int64: the logical id at each position the forward saw (-1: none)."""
+    queries: list[int]
+    """Each row's new tokens (the queries whose attention the mass is)."""
 
 
 def layout_ids(layout: Any, writes: Any, req_ids: list[int]) -> np.ndarray:
