@@ -63,9 +63,10 @@ def generated(output_ids: torch.Tensor, batch: list[torch.Tensor]) -> list[list[
 
 def keep_mode_reference(model, policy: str, budget, batch, new: int = NEW) -> list:
     """The reference runtime, keep positions, same policy and budget, giving tokens up a block at a
-    time as every TensorRT-LLM host does (one prompt each, as ids 0..n-1)."""
+    time as every TensorRT-LLM host does (one prompt each, as ids 0..n-1), each iteration's step
+    before the next forward as the engine path's runner orders them."""
     engine = Engine(model, EngineConfig(policy=policy, budget=budget, tokens_per_block=TPB, num_blocks=256,
-                                        eviction_unit=TPB,
+                                        eviction_unit=TPB, overlap_scheduler=False,
                                         max_batch_size=4, max_seq_len=256, policy_options=OPTIONS.get(policy, {})),
                     eos_token_ids=frozenset({END_ID}), record_trace=True)
     ids = [engine.add_request(p.tolist(), SamplingParams(max_tokens=new)) for p in batch]

@@ -44,7 +44,7 @@ class Mix:
     max_batch_size: int = 6
 
 
-def build_executor(policy: str, mix: Mix, overlap: bool = False):
+def build_executor(policy: str, mix: Mix, overlap: bool = False, block_reuse: bool = True):
     """The executor the worker builds, vToken armed through the environment."""
     import os
 
@@ -56,6 +56,7 @@ def build_executor(policy: str, mix: Mix, overlap: bool = False):
 
     args = llm_args_dict(tokens_per_block=TPB)
     args["kv_cache_config"]["max_tokens"] = mix.num_blocks * TPB
+    args["kv_cache_config"]["enable_block_reuse"] = block_reuse
     llm_args = TorchLlmArgs(model="tiny", max_batch_size=mix.max_batch_size, max_num_tokens=256, max_seq_len=96,
                             max_input_len=96, disable_overlap_scheduler=not overlap, **args)
     return create_py_executor(llm_args=llm_args)

@@ -36,7 +36,7 @@ def model() -> LlamaForCausalLM:
 def fresh_block_kv(model, tokens: list[int]) -> torch.Tensor:
     """KV [layers, 2, heads, tpb, dim] a fresh prefill of ``tokens`` writes into its last block."""
     engine = Engine(model, EngineConfig(variant="native", prefix_caching=False, tokens_per_block=TPB,
-                                        num_blocks=16, max_seq_len=64))
+                                        num_blocks=16, max_seq_len=64, overlap_scheduler=False))  # joined at step()
     req_id = engine.add_request(tokens, SamplingParams(max_tokens=2, ignore_eos=True))
     engine.step()
     block = engine.kv.layout.block_ids(req_id)[len(tokens) // TPB - 1]

@@ -16,12 +16,13 @@ from trtllm_vtoken.runtime.simulated import MODEL_SHAPES, SimulatedModel
 TPB = 8
 
 
-def prefilled(variant: str, num_blocks: int, prefix_caching: bool = False) -> Engine:
+def prefilled(variant: str, num_blocks: int, prefix_caching: bool = False, overlap: bool = False) -> Engine:
     """Eight requests of 13..16 tokens, two of each length (two fill their last block together),
-    admitted and prefilled."""
+    admitted and prefilled; ``overlap``: with the overlap scheduler, whose prefill's step has not
+    run yet (its tokens are still reserved when the next reservation comes)."""
     engine = Engine(SimulatedModel(MODEL_SHAPES["llama-3.1-8b"]), EngineConfig(
         variant=variant, policy="streaming_llm", budget=1.0, tokens_per_block=TPB, num_blocks=num_blocks,
-        max_seq_len=64, admission="greedy", prefix_caching=prefix_caching))
+        max_seq_len=64, admission="greedy", prefix_caching=prefix_caching, overlap_scheduler=overlap))
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     for i in range(8):
         engine.add_request([1] * (13 + i % 4), params)
@@ -35,9 +36,10 @@ def state(engine: Engine) -> tuple:
     return dict(kv.writes.staged), list(kv.pool.free_ids), list(kv.pool.ref_counts), kv.stats.peak_blocks_used
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("variant", ["native", "vtoken"])
-def test_batch_reservation_hands_out_what_one_reservation_per_request_would(variant):
-    batch, single = prefilled(variant, 64), prefilled(variant, 64)
+def test_batch_reservation_hands_out_what_one_reservation_per_request_would(variant, overlap):
+    batch, single = prefilled(variant, 64, overlap=overlap), prefilled(variant, 64, overlap=overlap)
     rows = list(batch.running)
     for _ in range(TPB + 1):  # every request crosses a block boundary on one of these steps
         assert batch.kv.reserve_decode(rows)

@@ -116,7 +116,9 @@ def test_without_the_protocol_ranks_diverge_and_the_check_stops_them_that_step(l
         k for req_id in reports[0].evictions
         for k, (a, b) in enumerate(zip(reports[0].evictions[req_id], reports[1].evictions[req_id])) if a != b)
     assert step == first_difference
-    assert reports[0].digests == reports[1].digests and len(reports[0].digests) == step  # equal before it
+    # One digest per iteration, equal before it: the overlap scheduler's first iteration runs no
+    # step, so the iteration that raised at step k was the (k + 2)-th.
+    assert reports[0].digests == reports[1].digests and len(reports[0].digests) == step + 1
 
 
 def test_llm_generate_and_stream_at_tp2_match_one_process(llm, whole_model, smollm2_tokenizer, prompts):

@@ -32,9 +32,9 @@ def recorded(monkeypatch):
     calls, started = [], {}
     start, finish = DecodeStep.start, DecodeStep.finish
 
-    def spy_start(step, inp, overlap=False):
+    def spy_start(step, inp, overlap=False, forward_between=False):
         started[step] = (list(inp.req_ids), list(inp.num_new), inp.new_blocks_csr()[1].tolist())
-        start(step, inp, overlap)
+        start(step, inp, overlap, forward_between)
 
     def spy_finish(step):
         out = finish(step)
@@ -50,7 +50,8 @@ def recorded(monkeypatch):
 def serve_engine(model) -> None:
     engine = Engine(model, EngineConfig(tokens_per_block=TPB, num_blocks=64, max_batch_size=4, max_seq_len=64,
                                         check_invariants=True, prefix_caching=False, eviction_unit=TPB,
-                                        **POLICY))  # as the manager, which gives tokens up a block at a time
+                                        overlap_scheduler=False, **POLICY))
+    # as the manager is driven below: a block at a time, each iteration's step before the next forward
     for n in PROMPTS:
         engine.add_request([1] * n, SamplingParams(max_tokens=STEPS + 2, ignore_eos=True))
     for _ in range(STEPS + 1):  # the prefill iteration, then decode iterations

@@ -155,6 +155,7 @@ class StepBenchConfig:
             tokens_per_block=tpb, num_blocks=batch * (-(-length // tpb) + 1) + 8, max_batch_size=batch,
             max_seq_len=length, seed=self.seed, admission="greedy",  # the pool holds every request
             prefix_caching=False,  # identical placeholder prompts must not share blocks
+            overlap_scheduler=False,  # each iteration's step before the next forward (docs/overlap.md)
             variant="native" if row["variant"] == "native" else "vtoken")
         if row["variant"] != "native":
             values.update(mode=row["mode"], policy=row["policy"], step_impl=row["impl"].split("-")[0],

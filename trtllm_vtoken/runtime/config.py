@@ -76,6 +76,10 @@ class EngineConfig:
     """C++ core: the step's native call (decision, token table, layout) runs on the step's worker
     thread while the engine samples the batch (``DecodeStep.start``); False: it runs before
     sampling, on the engine's thread (for comparing both)."""
+    overlap_scheduler: bool = True
+    """The step of iteration N runs beside the forward of N+1, as TensorRT-LLM's overlap scheduler
+    orders it (``runtime/overlap.py``, docs/overlap.md): its evictions take effect one iteration
+    later (naive-evict and vtoken alike). False: each iteration's step ends it (beside sampling)."""
     synchronous_copies: bool = False
     """On CUDA: wait on the host for every relocation instead of ordering the compute stream
     after its event (the ablation of the asynchronous side-stream copy)."""

@@ -26,14 +26,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from trtllm_vtoken.consistency import RankConsistency, RankGroup, SingleRank
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.kv_manager import KVCacheManager
 from trtllm_vtoken.runtime.logprobs import token_logprobs
-from trtllm_vtoken.runtime.mass_staging import MassStaging
+from trtllm_vtoken.runtime.forward import Forwards
 from trtllm_vtoken.runtime.model import LlamaForCausalLM
+from trtllm_vtoken.runtime.overlap import DeferredStep, layout_ids, remap_mass
 from trtllm_vtoken.runtime.parallel.layers import check_shard
 from trtllm_vtoken.runtime.request import Request, RequestDelta, Status
 from trtllm_vtoken.runtime.sampling import SamplingParams, sample
@@ -102,8 +104,9 @@ class Engine:
             self.graphs = DecodeGraphs(self.model, self.kv.cache, self.config.max_batch_size,
                                        masked=self.kv.masks_positions, return_mass=self.kv.needs_attention)
         self.stats = EngineStats()
-        self.mass_staging = MassStaging(self.config.max_batch_size,
-                                        self.config.max_blocks_per_seq * self.config.tokens_per_block)
+        self.forwards = Forwards(self.model, self.kv, self.graphs, self.consistency, self.stats, self.config.device,
+                                 self.config.max_batch_size,
+                                 self.config.max_blocks_per_seq * self.config.tokens_per_block)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[int] = deque()
         self.running: list[int] = []  # admission order
@@ -115,6 +118,10 @@ class Engine:
         self._reported: list[RequestDelta] = []
         self._specs: dict = {}  # request -> the PolicySpec it runs with (None: it evicts nothing)
         self._prefill_from: dict[int, int] = {}  # admitted this step -> cached prompt tokens
+        self._deferred: DeferredStep | None = None  # overlap scheduler: rows waiting for their step
+        self._layout_now: np.ndarray | None = None  # this iteration's layout as its forwards see it (logical ids)
+        self._stepped: list[int] = []
+        self._checked_steps = 0  # steps the ranks compared (the overlap scheduler's first iteration runs none)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -176,21 +183,9 @@ class Engine:
         reported, self._reported = self._reported, []
         decode = self._schedule_decode()
         prefill = self._admit()
-        results: list[tuple[Request, torch.Tensor, int]] = []
-        masses: list[torch.Tensor | None] = []  # each forward's [rows, L], its rows in results in order
-        if decode:
-            forwarded, mass = self._forward(decode, [[self.requests[r].pending] for r in decode])
-            results += forwarded
-            masses.append(mass)
-            self.stats.decode_tokens += len(decode)
-        for req_id in prefill:
-            cached = self._prefill_from.pop(req_id)
-            ids = self.requests[req_id].prefill_ids()[cached:]  # the cached prefix is not recomputed
-            forwarded, mass = self._forward([req_id], [ids], prefill=True)
-            results += forwarded
-            masses.append(mass)
-            self.stats.prefill_tokens += len(ids)
-            self.stats.cached_prompt_tokens += cached
+        if self.config.overlap_scheduler:
+            return self._step_overlapped(reported, decode, prefill)
+        results, masses = self._run_forwards(decode, prefill)
         # One step for every row the forwards ran, begun before sampling: its new tokens join the
         # table, the policy decides for the whole batch (a request's cached chain is cut before
         # its KV can move), one copy relocates every request's KV. Its native call runs beside the
@@ -198,11 +193,77 @@ class Engine:
         # after it. Then admission learns what each request going on holds, and the prefix cache
         # keys the blocks that filled.
         rows = [request.req_id for request, *_ in results]
-        self.kv.start_step(rows, self._batch_mass(rows, masses, [r[2] for r in results]),
+        self.kv.start_step(rows, self.forwards.batch_mass(rows, masses, [r[2] for r in results]),
                            overlap=self.config.step_overlap)
         for request, logits, _ in results:
             reported.append(self._advance(request, logits))
+        self._end_step(rows, self.kv.finish_step(), reported)
+        return reported
+
+    def _step_overlapped(self, reported: list[RequestDelta], decode: list[int], prefill: list[int]):
+        """The overlap scheduler's iteration (``runtime/overlap.py``): the previous iteration's
+        step starts once this iteration's first forward has its layout, runs beside it, and
+        finishes after the forwards; this iteration's rows wait for the next one."""
+        deferred, self._deferred = self._deferred, None
+        self.forwards.before_model = lambda: self._launch_deferred(deferred, decode + prefill, prefill)
+        results, masses = self._run_forwards(decode, prefill)
+        if self.forwards.before_model is not None:  # no forward ran
+            self._launch_deferred(deferred, [], prefill)
+            self.forwards.before_model = None
         out = self.kv.finish_step()
+        for request, logits, _ in results:
+            reported.append(self._advance(request, logits))
+        rows = [request.req_id for request, *_ in results]
+        if rows:
+            queries = [r[2] for r in results]
+            mass = None if self.simulated else self.forwards.batch_mass(rows, masses, queries)
+            self._deferred = DeferredStep(rows, mass, self._layout_now, queries)
+        self._end_step(self._stepped, out, reported, stepped=deferred is not None)
+        return reported
+
+    def _launch_deferred(self, deferred: DeferredStep | None, rows_now: list[int], prefill: list[int]) -> None:
+        """Starts the previous iteration's step for its requests still running (not preempted and
+        admitted again); keeps this iteration's layout for its mass first."""
+        kv = self.kv
+        remaps = kv.needs_attention and not self.simulated
+        self._layout_now = layout_ids(kv.layout, kv.writes, rows_now) if remaps and rows_now else None
+        self._stepped = []
+        if deferred is None:
+            return
+        keep = [i for i, r in enumerate(deferred.rows)
+                if r in self.requests and self.requests[r].status is Status.RUNNING and r not in prefill]
+        rows, mass = [deferred.rows[i] for i in keep], deferred.mass
+        if self.simulated:  # its attention is a function of the layout the step sees
+            mass = self.forwards.batch_mass(rows, [], [deferred.queries[i] for i in keep])
+        elif remaps and rows and isinstance(mass, np.ndarray) and deferred.ids is not None:
+            mass = remap_mass(mass[keep], deferred.ids[keep], layout_ids(kv.layout, kv.writes, rows))
+        kv.start_step(rows, mass, overlap=self.config.step_overlap, forward_between=True)
+        self._stepped = rows
+
+    def _run_forwards(self, decode: list[int], prefill: list[int]):
+        """This iteration's forwards: the decode rows at once, each prefill on its own. Returns
+        their rows (request, last logits, new tokens) and each forward's mass."""
+        results: list[tuple[Request, torch.Tensor, int]] = []
+        masses: list[torch.Tensor | None] = []  # each forward's [rows, L], its rows in results in order
+        if decode:
+            tokens = [[self.requests[r].pending] for r in decode]
+            logits, mass = self.forwards.run(decode, tokens)
+            results += [(self.requests[r], logits[i], 1) for i, r in enumerate(decode)]
+            masses.append(mass)
+            self.stats.decode_tokens += len(decode)
+        for req_id in prefill:
+            cached = self._prefill_from.pop(req_id)
+            ids = self.requests[req_id].prefill_ids()[cached:]  # the cached prefix is not recomputed
+            logits, mass = self.forwards.run([req_id], [ids], prefill=True)
+            results.append((self.requests[req_id], logits[0], len(ids)))
+            masses.append(mass)
+            self.stats.prefill_tokens += len(ids)
+            self.stats.cached_prompt_tokens += cached
+        return results, masses
+
+    def _end_step(self, rows: list[int], out, reported: list[RequestDelta], stepped: bool = True) -> None:
+        """After a step of ``rows``: the eviction trace, admission, the prefix cache's keys and the
+        ranks' comparison, for the requests still running."""
         continuing = [r for r in rows if self.requests[r].status is Status.RUNNING]
         if self.record_trace:
             for i, req_id in enumerate(rows):
@@ -210,11 +271,11 @@ class Engine:
                     self.requests[req_id].evictions.append(tuple(out.victims_of(i)) if out is not None else ())
         self.kv.update(continuing, [self.requests[r].remaining for r in continuing])
         self.kv.store_written(continuing, lambda r: self.requests[r].prefill_ids())
-        if self.config.check_invariants:  # every rank: same table, same free blocks, same tokens
+        if self.config.check_invariants and stepped:  # every rank: same table, same free blocks, same tokens
             sampled = [t for out in reported for t in (out.req_id, *out.new_token_ids)]
-            self.consistency.check(self.stats.steps, self.kv.layout, [self.kv.pool.num_free, *sampled])
+            self.consistency.check(self._checked_steps, self.kv.layout, [self.kv.pool.num_free, *sampled])
+            self._checked_steps += 1
         self.stats.steps += 1
-        return reported
 
     def _schedule_decode(self) -> list[int]:
         """Reserves the decode rows' slots. Usually the free blocks cover every row: one batch
@@ -265,81 +326,6 @@ class Engine:
         request.num_preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(req_id)
-
-    def _forward(self, req_ids: list[int], tokens: list[list[int]], prefill: bool = False):
-        """One forward over rows of new tokens; returns its rows, (request, last logits, new
-        tokens) each, and its mass [rows, L] (None without one). ``prefill``: one request's prompt
-        (after its cached prefix)."""
-        if self.simulated:
-            return self._simulate(req_ids, tokens)
-        kv, device = self.kv, self.config.device
-        longest = max(len(t) for t in tokens)
-        input_ids = torch.zeros(len(req_ids), longest, dtype=torch.long)
-        positions = torch.zeros_like(input_ids)
-        slots = torch.full_like(input_ids, -1)
-        for i, (req_id, row) in enumerate(zip(req_ids, tokens)):
-            first = kv.next_position(req_id)  # logical ("keep") or physical ("shift")
-            input_ids[i, : len(row)] = torch.tensor(row)
-            positions[i, : len(row)] = torch.arange(first, first + len(row))
-            slots[i, : len(row)] = torch.tensor(kv.staged_slots(req_id))
-        valid = kv.set_batch(req_ids)
-        # A prefill that stores prompt blocks also cuts its mass at their ends (prefix caching
-        # keeps what a cached prefix's queries paid, see runtime/prefix_caching.py).
-        cuts = kv.mass_cuts(req_ids[0]) if prefill and kv.needs_attention else []
-        start = time.perf_counter()
-        # Graphs captured without the mass serve no batch once a request's own policy needs it.
-        if self.graphs is not None and longest == 1 and (self.graphs.return_mass or not kv.needs_attention):
-            logits, mass = self.graphs.run(input_ids, positions, slots, valid)
-        else:
-            q_lens = torch.tensor([len(t) for t in tokens]).to(device)
-            mass_cuts = torch.tensor([cuts + [len(tokens[0])]]) if cuts else None
-            logits, mass = self.model(
-                input_ids.to(device), positions.to(device), slots.to(device), q_lens,
-                kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1,
-                carry_mass=self.consistency.carry, mass_cuts=mass_cuts,
-            )
-        mass = self.consistency.reduce_mass(mass)  # every rank's heads: identical decisions
-        # One device-to-host copy per forward for all rows (the policy reads each row on the host);
-        # it also takes the graph's reused output buffers out of the way of the next replay.
-        last = logits.float().cpu()
-        mass = None if mass is None else mass.float().cpu()
-        self.stats.forward_seconds += time.perf_counter() - start
-        cut_mass = None
-        if cuts:
-            mass, cut_mass = mass[:, -1], mass[0, :-1]
-        if prefill and mass is not None:
-            mass = kv.prefill_mass(req_ids[0], mass[0], cut_mass)[None]
-        rows = [(self.requests[r], last[i], len(row)) for i, (r, row) in enumerate(zip(req_ids, tokens))]
-        return rows, None if mass is None else mass[: len(req_ids)]  # a graph's padding rows left out
-
-    def _simulate(self, req_ids: list[int], tokens: list[list[int]]):
-        """The simulated backend's forward: no model runs (token 1 always); the attention mass is
-        computed at the step from the batch's token layout (``SimulatedModel.batch_mass``)."""
-        self.kv.set_batch(req_ids)
-        logits = torch.tensor([0.0, 1.0])
-        return [(self.requests[r], logits, len(row)) for r, row in zip(req_ids, tokens)], None
-
-    def _batch_mass(self, req_ids: list[int], masses: list, queries: list[int]):
-        """The attention mass of the requests going on, as the step takes it, [B, width]: one
-        forward's float32 host tensor [B, L] as a numpy view of it, no copy (the step's call
-        repeats with a new array of the same rows and dtype each step, ``step/beside.py``);
-        several forwards' (each [rows, L], in the rows' order) staged in one array rewritten in
-        place (``MassStaging``); or the simulated backend's own: a function of the token layout
-        (its simulated attention) or a host array, handed over as they are, a torch tensor as
-        the model's."""
-        if not self.kv.needs_attention or not req_ids:
-            return None
-        if self.simulated:
-            mass = self.model.batch_mass(req_ids, queries)
-            if not isinstance(mass, torch.Tensor):
-                return mass
-            masses = [mass]
-        if len(masses) == 1:
-            return masses[0].detach().numpy()  # [B, L] float32 on the host (the forward's rows)
-        # The step on the worker reads the staged array until it finishes: none is in flight
-        # now (each iteration finishes its own), unless an iteration raised between the two.
-        self.kv.finish_step()
-        return self.mass_staging.stage(masses)
 
     def _advance(self, request: Request, logits: torch.Tensor) -> RequestDelta:
         req_id, params = request.req_id, request.params

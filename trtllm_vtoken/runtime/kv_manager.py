@@ -235,11 +235,13 @@ class KVCacheManager:
         self.start_step(req_ids, mass)
         return self.finish_step()
 
-    def start_step(self, req_ids: list[int], mass=None, overlap: bool = False) -> None:
+    def start_step(self, req_ids: list[int], mass=None, overlap: bool = False, forward_between: bool = False) -> None:
         """The iteration's end for the requests the forward ran: their written tokens join
         (native: the block lists); the step evicts and compacts (one copy for all). ``overlap``:
         the step's native call may run beside the engine's next work (``DecodeStep.start``)
         until ``finish_step``, which frees the released blocks; a release in between waits for it.
+        ``forward_between``: a forward runs before ``finish_step`` that writes the batch's newest
+        tokens; the step's copy waits for ``finish_step`` (``DecodeStep.start``).
 
         Args:
             mass: attention per physical position [B, >= L] (or the step's ``Mass`` function),
@@ -259,7 +261,7 @@ class KVCacheManager:
         pressure = self.pool.num_free < len(req_ids) + self.config.evacuation_headroom
         self.step.start(StepInput.of_lists(req_ids, num_new, fresh_lists, mass=mass if self.needs_attention else None,
                                            pressure=pressure, stream=torch.cuda.current_stream() if on_cuda else None),
-                        overlap=overlap)
+                        overlap=overlap, forward_between=forward_between)
         self._stepping = True
 
     def finish_step(self) -> StepOutput | None:
@@ -322,7 +324,7 @@ class KVCacheManager:
     def next_position(self, req_id: int) -> int:
         """RoPE position of the request's next token: its logical position in "keep" mode, its
         physical one (kv_len) in "shift" mode, where the step re-rotates the cached keys."""
-        cached = self.writes.cached_tokens(req_id)
+        cached = self.writes.cached_tokens(req_id) + self.writes.earlier_tokens(req_id)
         if self.config.positions == "shift":
             return self.layout.kv_len(req_id) + cached
         return self.layout.num_tokens(req_id) + cached

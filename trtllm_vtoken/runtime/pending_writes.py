@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """What each request has written, or will write this iteration, beyond its layout (the step's
-tables or native's block lists), until the iteration's step takes it in:
+tables or native's block lists), until a step takes it in:
 
     prefix   a cached prefix taken at admission: its blocks and tokens, written already (their KV
              is reused), joining the layout with the request's first step
-    staged   the blocks and token count reserved for this iteration's forward
+    staged   the blocks and tokens reserved for forwards whose step has not run yet: this
+             iteration's, and with the overlap scheduler the previous iteration's too (its step
+             runs beside this iteration's forward); ``latest`` then says how many are this
+             iteration's
 
-    request's KV   = layout (blocks, kv_len) + prefix (if any) + staged (this forward's tokens)
+    request's KV   = layout (blocks, kv_len) + prefix (if any) + staged (earlier, then this forward's)
 
 The KV manager (``runtime/kv_manager.py``) reserves through it, names the forward's slots from it,
 hands ``take``'s batch to the step and frees whatever a leaving request still had here.
@@ -41,6 +44,7 @@ class PendingWrites:
                  num_free: Callable[[], int]) -> None:
         self.tokens_per_block, self.layout, self.allocate, self.num_free = tokens_per_block, layout, allocate, num_free
         self.staged: dict[int, tuple[list[int], int]] = {}  # req -> (new blocks, new tokens)
+        self.latest: dict[int, int] = {}  # req -> this iteration's tokens, where earlier ones are staged too
         self.prefix: dict[int, tuple[list[int], int]] = {}  # req -> (cached blocks, cached tokens)
 
     def add_prefix(self, req_id: int, blocks: list[int]) -> None:
@@ -56,13 +60,17 @@ class PendingWrites:
         """Room for ``num_new`` tokens after the request's KV, allocating blocks as needed. False,
         changing nothing, if there are not enough blocks."""
         tpb, (held, start) = self.tokens_per_block, self.written_counts(req_id)
+        fresh_before, earlier = self.staged.get(req_id, NOTHING)
+        held, start = held + len(fresh_before), start + earlier
         missing = -(-(start + num_new) // tpb) - held
         fresh: list[int] = []
         if missing > 0:
             fresh = self.allocate(missing)
             if fresh is None:
                 return False
-        self.staged[req_id] = (fresh, num_new)
+        self.staged[req_id] = (fresh_before + fresh, earlier + num_new)
+        if earlier:
+            self.latest[req_id] = num_new
         return True
 
     def reserve_decode(self, req_ids: list[int]) -> bool:
@@ -74,18 +82,29 @@ class PendingWrites:
         if self.prefix and any(r in self.prefix for r in req_ids):
             return False  # a cached prefix not yet joined: ``reserve`` counts it
         held, written = self.layout.held(req_ids)
+        staged = self.staged
+        earlier = [staged.get(r, NOTHING) for r in req_ids] if staged else None
+        if earlier is not None:  # the previous forward's tokens, whose step has not run (overlap)
+            held = held + np.fromiter((len(e[0]) for e in earlier), dtype=held.dtype, count=len(req_ids))
+            written = written + np.fromiter((e[1] for e in earlier), dtype=written.dtype, count=len(req_ids))
         missing = np.maximum(written // self.tokens_per_block + 1 - held, 0)  # ceil((written + 1) / tpb) - held
         total = int(missing.sum())
         if total > self.num_free():
             return False
-        staged = self.staged
-        staged.update(zip(req_ids, repeat(ONE_TOKEN)))
+        if earlier is None:
+            staged.update(zip(req_ids, repeat(ONE_TOKEN)))
+        else:
+            for req_id, (fresh_before, tokens) in zip(req_ids, earlier):
+                staged[req_id] = (fresh_before, tokens + 1)
+                if tokens:
+                    self.latest[req_id] = 1
         if total:  # split in request order, as one ``allocate`` per request would take them
             fresh = self.allocate(total)
             takers = np.flatnonzero(missing)
             ends = np.cumsum(missing[takers]).tolist()
             for i, start, end in zip(takers.tolist(), [0, *ends], ends):
-                staged[req_ids[i]] = (fresh[start:end], 1)
+                before, tokens = staged[req_ids[i]]
+                staged[req_ids[i]] = (before + fresh[start:end], tokens)
         return True
 
     # ---- what a forward writes -----------------------------------------------------------------
@@ -107,16 +126,25 @@ class PendingWrites:
         return blocks + fresh, start + num_new
 
     def staged_slots(self, req_id: int) -> list[int]:
-        """The flat slots ``reserve`` handed out for the request's pending write."""
+        """The flat slots the latest ``reserve`` handed out (this iteration's forward writes them)."""
         blocks, total = self.staged_blocks(req_id)
-        tpb, start = self.tokens_per_block, self.written(req_id)[1]
+        tpb, start = self.tokens_per_block, total - self.latest.get(req_id, self.staged[req_id][1])
         return [blocks[p // tpb] * tpb + p % tpb for p in range(start, total)]
+
+    def earlier_tokens(self, req_id: int) -> int:
+        """Tokens reserved before the latest reservation and not taken yet (the overlap scheduler:
+        the previous forward's, whose step has not run)."""
+        latest = self.latest.get(req_id)
+        return 0 if latest is None else self.staged[req_id][1] - latest
 
     # ---- leaving -------------------------------------------------------------------------------
     def take(self, req_ids: list[int]) -> tuple[tuple[list[int], ...], tuple[int, ...]]:
         """The batch's blocks and tokens that join the layouts this step (request i: ``blocks[i]``,
         ``num_new[i]``): what ``reserve`` staged, after a cached prefix the first time (it joins
         as written tokens). Forgets them here."""
+        if self.latest:
+            for req_id in req_ids:
+                self.latest.pop(req_id, None)
         if not self.prefix:
             return tuple(zip(*map(self.staged.pop, req_ids)))  # type: ignore[return-value]
         return tuple(zip(*map(self._take_one, req_ids)))  # type: ignore[return-value]
@@ -124,6 +152,7 @@ class PendingWrites:
     def drop(self, req_id: int) -> list[int]:
         """Forgets the request; returns the blocks it still had here (prefix, then reserved)."""
         fresh = self.staged.pop(req_id, NOTHING)[0]
+        self.latest.pop(req_id, None)
         return self.prefix.pop(req_id, NOTHING)[0] + fresh
 
     def num_blocks(self) -> tuple[int, int]:

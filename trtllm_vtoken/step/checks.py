@@ -2,7 +2,8 @@
 """The step's invariant checks (``StepConfig.check_invariants``), around each ``run``:
 
 - I1: the live ids of every request that changed, and their KV bytes, hash the same before the
-  table call and after the copy (new tokens, moved ones included; evicted ones leave).
+  copy (the places found before the table call) and after it (new tokens, moved ones included;
+  evicted ones leave).
 - I2: every live id maps to one slot, no slot twice, counters agree (``core.integrity``), for the
   batch's requests; and the step's batch layout agrees with the table: per position, the live
   logical id (or -1), block rows, lengths, counts.
@@ -23,6 +24,9 @@ from trtllm_vtoken.step.core import TableCore
 from trtllm_vtoken.step.io import StepOutput
 from trtllm_vtoken.step.slots import SlotMap
 
+Located = tuple[int, np.ndarray, np.ndarray]
+"""A request's token count, its live logical ids and their slots."""
+
 
 class StepChecks:
     """The checks over a step's token tables (``core``), batch layout (``slots``) and KV pools
@@ -32,18 +36,23 @@ class StepChecks:
                  is_shared: Callable[[int], bool], stats: StepStats) -> None:
         self.core, self.slots, self.executor, self.is_shared, self.stats = core, slots, executor, is_shared, stats
 
-    def before(self, req_ids: np.ndarray, new_slots: np.ndarray, num_new: np.ndarray) -> list[LiveSnapshot]:
-        """Snapshots of the batch after the new tokens were written, before the table call."""
-        core, pools = self.core, pools_of(self.executor)
-        out, start = [], 0
+    def before(self, req_ids: np.ndarray, new_slots: np.ndarray, num_new: np.ndarray) -> list[Located]:
+        """Where the batch's live tokens are, the new ones included, before the table call. Their
+        KV is read by ``snapshots`` just before the copy: a host may launch a forward between the
+        call and the copy (the overlap scheduler) that writes some new tokens' KV only then."""
+        core, out, start = self.core, [], 0
         for req_id, n in zip(req_ids.tolist(), num_new.tolist()):
             ids, slots = core.live_slots(req_id)
             first = core.num_tokens(req_id)
-            ids = np.concatenate([ids, np.arange(first, first + n)])
-            slots = np.concatenate([slots, new_slots[start : start + n]])
+            out.append((first + n, np.concatenate([ids, np.arange(first, first + n)]),
+                        np.concatenate([slots, new_slots[start : start + n]])))
             start += n
-            out.append(snapshot_slots(first + n, ids, slots, pools))
         return out
+
+    def snapshots(self, located: list[Located]) -> list[LiveSnapshot]:
+        """I1's before: the KV at the places ``before`` found, read now."""
+        pools = pools_of(self.executor)
+        return [snapshot_slots(num_tokens, ids, slots, pools) for num_tokens, ids, slots in located]
 
     def after(self, out: StepOutput, before: list[LiveSnapshot]) -> None:
         """I1 for the requests that changed (after their copy completed), I2 for the batch."""

@@ -95,6 +95,7 @@ class DecodeStep(StepRequests):
         self._broken: str | None = None
         self._flight: Iteration | None = None  # started on the worker thread, not yet waited for
         self._landed: StepOutput | None = None  # completed, not yet handed over by finish()
+        self._called: tuple[StepOutput, float] | None = None  # made here, its copy waiting for settle
         if policy is not None:
             self.policy_index(policy)
 
@@ -106,7 +107,7 @@ class DecodeStep(StepRequests):
         self.start(inp)
         return self.finish()
 
-    def start(self, inp: StepInput, overlap: bool = False) -> None:
+    def start(self, inp: StepInput, overlap: bool = False, forward_between: bool = False) -> None:
         """Begins an iteration: checks the input (errors as ``run``, nothing changed), decides
         and makes the call. ``overlap``: with the C++ core the call runs on the step's worker
         thread (the victims hook right after it), registering the new tokens first as it does at
@@ -117,8 +118,11 @@ class DecodeStep(StepRequests):
             worker        └── register, decide, table step, layout ┘
 
         Any other use of the step in between (a query, a request added or removed) waits for the
-        call first. Otherwise the whole step runs here. RuntimeError if a step started before
-        has not been finished."""
+        call first. Otherwise the whole step runs here. ``forward_between``: the host launches a
+        forward between ``start`` and ``finish`` that writes the batch's newest tokens (the
+        overlap scheduler's, ``runtime/overlap.py``): the copy, and I1's reading of the KV, wait
+        for ``finish`` wherever the call runs. RuntimeError if a step started before has not been
+        finished."""
         if self._flight is not None or self._landed is not None:
             raise RuntimeError("the step started last has not been finished")
         if self._broken:
@@ -130,6 +134,8 @@ class DecodeStep(StepRequests):
             it = self._begin(inp, beside)  # 1-2. the checked batch, its decision
             if beside:  # 3. the call, on the worker (``settle`` ends the step) or here
                 self._start_beside(it, inp)
+            elif forward_between:  # the call here, its copy after the host's forward
+                self._called, self._flight = self._call_here(it, inp.pressure), it
             else:
                 self._landed = self._end(it, self._call_here(it, inp.pressure))
         except batch_refused() as exc:  # the C++ core's checks of the batch, before anything changed
@@ -151,7 +157,8 @@ class DecodeStep(StepRequests):
         if it is None:
             return
         self._flight = None
-        self._landed = self._end(it, self._guarded(self._beside.wait))
+        called, self._called = self._called, None
+        self._landed = self._end(it, called if called is not None else self._guarded(self._beside.wait))
 
     def _begin(self, inp: StepInput, beside: bool) -> Iteration:
         """1. The input's checks (``step/iteration.py``); 2. the decision (``step/decide.py``):
@@ -238,6 +245,9 @@ class DecodeStep(StepRequests):
         out, seconds["core"] = called[0], seconds["core"] + called[1]
         req_ids, background = it.req_ids, self.background
         t4 = clock()
+        if it.before is not None:  # I1's before: the KV as the copy will find it
+            it.before = self.checks.snapshots(it.before)
+            seconds["checks"], t4 = seconds["checks"] + clock() - t4, clock()
         if self.impl == "cpp":  # of "core": the call's own clocks
             for name, part in zip(CORE_PARTS, out.seconds):
                 stats.core_parts[name] += part

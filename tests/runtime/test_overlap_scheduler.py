@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine's overlap scheduler (``EngineConfig.overlap_scheduler``, ``runtime/overlap.py``):
+the step of iteration N starts once forward N+1's tables are written, runs beside it, and its
+copy comes after it. Proved by the order of the calls, by the one-step lag it gives the policies
+(naive-evict and vtoken alike, so they still decide alike), and by native's outputs, which it
+does not change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_vtoken.runtime.config import EngineConfig
+from trtllm_vtoken.runtime.engine import Engine
+from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
+from trtllm_vtoken.runtime.sampling import SamplingParams
+from trtllm_vtoken.step import DecodeStep
+
+TPB = 4
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [1, 4, 1, 4, 2, 1]]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig.tiny()).eval()
+
+
+def config(**overrides) -> EngineConfig:
+    values = dict(variant="vtoken", policy="h2o", budget=10, tokens_per_block=TPB, num_blocks=64, max_batch_size=4,
+                  max_seq_len=64, check_invariants=True)
+    return EngineConfig(**{**values, **overrides})
+
+
+def generate(model, cfg: EngineConfig, prompts=PROMPTS, max_tokens: int = 20, tokenizer=None) -> list:
+    engine = Engine(model, cfg, tokenizer, record_trace=True)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.num_available == cfg.num_blocks, "blocks left after all finished"
+    return [engine.pop_finished(i) for i in ids]
+
+
+def test_overlap_is_the_default():
+    assert EngineConfig().overlap_scheduler
+
+
+@pytest.mark.parametrize("step_impl", ["cpp", "python"])
+def test_step_n_starts_after_forward_n_plus_1_has_its_tables_and_copies_after_its_model(tiny, step_impl, monkeypatch):
+    """The calls of one iteration in order: set_batch (forward N+1's tables), step N's start,
+    the model (forward N+1), step N's finish; step N's rows are forward N's."""
+    events: list[tuple] = []
+    start, finish, forward = DecodeStep.start, DecodeStep.finish, LlamaForCausalLM.forward
+
+    def spy_start(step, inp, overlap=False, forward_between=False):
+        events.append(("start", tuple(inp.req_ids), forward_between))
+        start(step, inp, overlap, forward_between)
+
+    def spy_finish(step):
+        events.append(("finish",))
+        return finish(step)
+
+    def spy_forward(model, input_ids, *args, **kwargs):
+        events.append(("model", input_ids.shape[0]))
+        return forward(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeStep, "start", spy_start)
+    monkeypatch.setattr(DecodeStep, "finish", spy_finish)
+    monkeypatch.setattr(LlamaForCausalLM, "forward", spy_forward)
+    engine = Engine(tiny, config(step_impl=step_impl))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in PROMPTS]
+    engine.step()  # three prefills, no step yet
+    assert events == [("model", 1)] * 3
+    events.clear()
+    engine.step()  # decode forward 2, beside it the prefills' step
+    assert events == [("start", tuple(ids), True), ("model", 3), ("finish",)]
+
+
+def test_native_outputs_do_not_change_with_overlap(tiny):
+    plain = generate(tiny, config(variant="native", overlap_scheduler=False))
+    overlapped = generate(tiny, config(variant="native"))
+    assert [r.output_ids for r in plain] == [r.output_ids for r in overlapped]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streaming_llm", "sliding_window", "scissorhands", "random"])
+@pytest.mark.parametrize("mode", ["dense", "lazy"])
+def test_vtoken_decides_and_decodes_as_naive_evict_with_the_same_lag(tiny, policy, mode):
+    """Both variants see each decision one iteration late: the same victims at every step and
+    the same tokens. Against the plain order the decisions move (the lag is real)."""
+    opts = {"streaming_llm": {"n_sink": 2}, "scissorhands": {"history_window": 4, "recent_window": 2}}.get(policy, {})
+    naive = generate(tiny, config(variant="naive-evict", policy=policy, policy_options=opts))
+    vtoken = generate(tiny, config(policy=policy, mode=mode, policy_options=opts))
+    for a, b in zip(naive, vtoken):
+        assert a.evictions == b.evictions, f"request {a.req_id} evicted differently"
+        assert a.output_ids == b.output_ids
+    assert any(any(e) for r in vtoken for e in r.evictions), "nothing was evicted"
+
+
+def test_the_lag_shows_in_the_decisions(tiny):
+    """With the overlap scheduler the step of iteration N registers forward N+1's token too, so
+    a request's k-th decision counts one more token than in the plain order."""
+    plain = generate(tiny, config(overlap_scheduler=False, budget=8))
+    overlapped = generate(tiny, config(budget=8))
+    assert [r.evictions for r in plain] != [r.evictions for r in overlapped]
+
+
+@pytest.mark.slow
+def test_real_model_vtoken_equals_naive_evict_under_overlap_and_native_is_unchanged(smollm2_folder, smollm2_tokenizer):
+    """SmolLM2-135M-Instruct on ShareGPT prompts: with the overlap scheduler, vtoken (dense) and
+    naive-evict make the same decisions and the same greedy tokens; native's tokens are those of
+    the plain order."""
+    from trtllm_vtoken.runtime.model import load_llama
+    from trtllm_vtoken.workloads import make_workload
+
+    model = load_llama(smollm2_folder)
+    items = make_workload("sharegpt", 8, smollm2_tokenizer, max_prompt_tokens=200)
+    prompts = [smollm2_tokenizer.encode(item.prompt, chat=True) for item in items]
+    real = dict(tokens_per_block=16, num_blocks=256, max_batch_size=8, max_seq_len=512, budget=0.5)
+    naive = generate(model, config(variant="naive-evict", **real), prompts, 24, smollm2_tokenizer)
+    vtoken = generate(model, config(**real), prompts, 24, smollm2_tokenizer)
+    assert [r.evictions for r in naive] == [r.evictions for r in vtoken]
+    assert [r.output_ids for r in naive] == [r.output_ids for r in vtoken]
+    assert sum(len(e) for r in vtoken for e in r.evictions) > 0
+    plain = generate(model, config(variant="native", overlap_scheduler=False, **real), prompts, 24, smollm2_tokenizer)
+    overlapped = generate(model, config(variant="native", **real), prompts, 24, smollm2_tokenizer)
+    assert [r.output_ids for r in plain] == [r.output_ids for r in overlapped]

@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine's forwards: one over rows of new tokens (a decode batch, or one prefill), on the
+model, its captured CUDA graphs, or the simulated backend, and the batch's attention mass as the
+step takes it.
+
+    run(rows, tokens)   positions (logical or physical), slots (the KV manager's reservations),
+                        set_batch (the static tables), then ``before_model`` (the overlap
+                        scheduler starts the previous iteration's step here: the layout this
+                        forward reads is fixed), then the model; one copy of the logits and the
+                        mass to the host
+    batch_mass(...)     the mass of the rows going on, [B, width], as ``DecodeStep`` takes it
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trtllm_vtoken.runtime.mass_staging import MassStaging
+
+
+class Forwards:
+    """Runs the engine's forwards over its KV manager (``kv``) and model.
+
+    Args:
+        graphs: Captured decode graphs (None: eager).
+        consistency: The ranks' agreement (``RankConsistency``): the mass is summed over them.
+        stats: The engine's stats (``forward_seconds`` grows).
+    """
+
+    def __init__(self, model: Any, kv: Any, graphs: Any, consistency: Any, stats: Any, device: str,
+                 max_batch_size: int, max_positions: int) -> None:
+        self.model, self.kv, self.graphs, self.consistency, self.stats = model, kv, graphs, consistency, stats
+        self.device = device
+        self.simulated = getattr(model, "simulated", False)
+        self.mass_staging = MassStaging(max_batch_size, max_positions)
+        self.before_model: Callable[[], None] | None = None
+        """Called once, after the next forward's tables are written and before its model runs."""
+
+    def _layout_fixed(self) -> None:
+        if self.before_model is not None:
+            hook, self.before_model = self.before_model, None
+            hook()
+
+    def run(self, req_ids: list[int], tokens: list[list[int]], prefill: bool = False):
+        """One forward over rows of new tokens; returns its rows' last logits (one row each, on the
+        host) and its mass [rows, L] (None without one). ``prefill``: one request's prompt (after
+        its cached prefix)."""
+        if self.simulated:  # no model runs (token 1 always); the mass comes at the step
+            self.kv.set_batch(req_ids)
+            self._layout_fixed()
+            return torch.tensor([[0.0, 1.0]]).expand(len(req_ids), 2), None
+        kv, device = self.kv, self.device
+        longest = max(len(t) for t in tokens)
+        input_ids = torch.zeros(len(req_ids), longest, dtype=torch.long)
+        positions = torch.zeros_like(input_ids)
+        slots = torch.full_like(input_ids, -1)
+        for i, (req_id, row) in enumerate(zip(req_ids, tokens)):
+            first = kv.next_position(req_id)  # logical ("keep") or physical ("shift")
+            input_ids[i, : len(row)] = torch.tensor(row)
+            positions[i, : len(row)] = torch.arange(first, first + len(row))
+            slots[i, : len(row)] = torch.tensor(kv.staged_slots(req_id))
+        valid = kv.set_batch(req_ids)
+        self._layout_fixed()
+        # A prefill that stores prompt blocks also cuts its mass at their ends (prefix caching
+        # keeps what a cached prefix's queries paid, see runtime/prefix_caching.py).
+        cuts = kv.mass_cuts(req_ids[0]) if prefill and kv.needs_attention else []
+        start = time.perf_counter()
+        # Graphs captured without the mass serve no batch once a request's own policy needs it.
+        if self.graphs is not None and longest == 1 and (self.graphs.return_mass or not kv.needs_attention):
+            logits, mass = self.graphs.run(input_ids, positions, slots, valid)
+        else:
+            q_lens = torch.tensor([len(t) for t in tokens]).to(device)
+            mass_cuts = torch.tensor([cuts + [len(tokens[0])]]) if cuts else None
+            logits, mass = self.model(
+                input_ids.to(device), positions.to(device), slots.to(device), q_lens,
+                kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1,
+                carry_mass=self.consistency.carry, mass_cuts=mass_cuts,
+            )
+        mass = self.consistency.reduce_mass(mass)  # every rank's heads: identical decisions
+        # One device-to-host copy per forward for all rows (the policy reads each row on the host);
+        # it also takes the graph's reused output buffers out of the way of the next replay.
+        last = logits.float().cpu()
+        mass = None if mass is None else mass.float().cpu()
+        self.stats.forward_seconds += time.perf_counter() - start
+        cut_mass = None
+        if cuts:
+            mass, cut_mass = mass[:, -1], mass[0, :-1]
+        if prefill and mass is not None:
+            mass = kv.prefill_mass(req_ids[0], mass[0], cut_mass)[None]
+        return last[: len(req_ids)], None if mass is None else mass[: len(req_ids)]  # a graph's padding rows left out
+
+    def batch_mass(self, req_ids: list[int], masses: list, queries: list[int]):
+        """The attention mass of the requests going on, as the step takes it, [B, width]: one
+        forward's float32 host tensor [B, L] as a numpy view of it, no copy (the step's call
+        repeats with a new array of the same rows and dtype each step, ``step/beside.py``);
+        several forwards' (each [rows, L], in the rows' order) staged in one array rewritten in
+        place (``MassStaging``); or the simulated backend's own: a function of the token layout
+        (its simulated attention) or a host array, handed over as they are, a torch tensor as
+        the model's."""
+        if not self.kv.needs_attention or not req_ids:
+            return None
+        if self.simulated:
+            mass = self.model.batch_mass(req_ids, queries)
+            if not isinstance(mass, torch.Tensor):
+                return mass
+            masses = [mass]
+        if len(masses) == 1:
+            return masses[0].detach().numpy()  # [B, L] float32 on the host (the forward's rows)
+        # The step on the worker reads the staged array until it finishes: none is in flight
+        # now (each iteration finishes its own), unless an iteration raised between the two.
+        self.kv.finish_step()
+        return self.mass_staging.stage(masses)

@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine's overlap scheduler: the step of iteration N runs beside the forward of N+1.
+
+With ``EngineConfig.overlap_scheduler`` the engine orders one iteration as TensorRT-LLM's
+``_executor_loop_overlap`` does (docs/overlap.md):
+
+    iteration N+1   reserve N+1's slots (after N's tokens, which no step has taken in yet)
+                    set_batch(N+1)          forward N+1's layout is fixed here
+                    start step N            its decision and tables beside the forward
+                    forward N+1             reads the layout as it was before step N
+                    finish step N           its copy after forward N+1 (CPU: the forward has
+                                            returned; CUDA: the side stream waits for it)
+                    sample N+1, release the requests that finished, defer step N+1
+
+Step N registers every token reserved for its rows, N+1's included, so its plan counts them as
+present; its decision reads forward N's attention mass; its evictions take effect in forward
+N+2: a one-step lag, the same for naive-evict and vtoken, which therefore still decode alike.
+
+Forward N's mass is laid out by the positions forward N saw, and step N-1 may have moved tokens
+since (compaction, or a dead block dropped): ``DeferredStep`` keeps the logical id at each of
+forward N's positions (``layout_ids``), and ``remap_mass`` lays the mass out again by the layout
+step N sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class DeferredStep:
+    """A forward's rows, waiting for their step beside the next forward."""
+
+    rows: list[int]
+    mass: Any
+    """[B, L] by the forward's positions (a host array), a function of the layout (the simulated
+    backend's attention, evaluated when the step runs), or None."""
+    ids: np.ndarray | None
+    """[B, W] int64: the logical id at each position the forward saw (-1: none)."""
+    queries: list[int]
+    """Each row's new tokens (the queries whose attention the mass is)."""
+
+
+def layout_ids(layout: Any, writes: Any, req_ids: list[int]) -> np.ndarray:
+    """[B, W] int64: the logical id at each position of each request's KV as a forward over it
+    sees it now: the step's table (``batch_tokens``: live ids, -1 where none), then the tokens
+    reserved and not yet taken in (a cached prefix, earlier forwards', this one's), in order."""
+    table = layout.batch_tokens(req_ids).astype(np.int64)
+    rows = []
+    for i, req_id in enumerate(req_ids):
+        kv_len, num_tokens = layout.kv_len(req_id), layout.num_tokens(req_id)
+        pending = (writes.staged_blocks(req_id)[1] if req_id in writes.staged else
+                   kv_len + writes.cached_tokens(req_id)) - kv_len
+        rows.append((kv_len, num_tokens, pending))
+    width = max([table.shape[1]] + [kv_len + pending for kv_len, _, pending in rows])
+    ids = np.full((len(req_ids), width), -1, dtype=np.int64)
+    ids[:, : table.shape[1]] = table
+    for i, (kv_len, num_tokens, pending) in enumerate(rows):
+        ids[i, kv_len : kv_len + pending] = np.arange(num_tokens, num_tokens + pending)
+    return ids
+
+
+def remap_mass(mass: np.ndarray, old_ids: np.ndarray, new_ids: np.ndarray) -> np.ndarray:
+    """``mass`` [B, >= W_old] laid out by ``old_ids`` [B, W_old], laid out again by ``new_ids``
+    [B, W_new]: each token's mass moves to its position now; positions of tokens the old layout
+    did not have (or of no token) get 0. float32 [B, W_new]."""
+    rows, width = new_ids.shape
+    out = np.zeros((rows, width), dtype=np.float32)
+    top = int(max(old_ids.max(initial=-1), new_ids.max(initial=-1))) + 1
+    if top == 0:
+        return out
+    where = np.full((rows, top), -1, dtype=np.int64)  # logical id -> its position in the old layout
+    r, c = np.nonzero(old_ids >= 0)
+    where[r, old_ids[r, c]] = c
+    r, c = np.nonzero(new_ids >= 0)
+    source = where[r, new_ids[r, c]]
+    found = (source >= 0) & (source < mass.shape[1])
+    out[r[found], c[found]] = mass[r[found], source[found]]
+    return out
