@@ -214,3 +214,18 @@ def test_every_option_of_every_command_has_help():
 
     walk(build_parser(), ["vtoken"])
     assert not missing, f"options without help: {missing}"
+
+
+@pytest.mark.skipif(native.load() is None, reason="the C++ core is not built")
+def test_bench_step_overlap_rows_run_under_the_overlap_scheduler_with_the_device_time(tmp_path, capsys):
+    """--impl ...-overlap: the rows and their native partners run the overlap scheduler; with
+    --forward-us every paired step waits for the simulated device at least that long."""
+    assert main(["bench", "step", "--batches", "4", "--context", "96", "--tokens-per-block", "8", "--steps", "3",
+                 "--repeats", "1", "--impl", "cpp-at-once,cpp-at-once-overlap", "--forward-us", "3000",
+                 "--out", str(tmp_path)]) == 0
+    assert "3000 us of simulated device time" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "step.json").read_text())
+    assert [r["label"] for r in rows[:2]] == ["native", "native overlap"]
+    assert {r.get("overlap", False) for r in rows if r["impl"].endswith("-overlap")} == {True}
+    assert all(r["native_us_p50"] >= 3000 and r["host_us_p50"] >= 3000 for r in rows)
+    assert all(r["evicted_per_step"] == 4 for r in rows if r["variant"] == "vtoken")

@@ -104,6 +104,30 @@ def test_the_lag_shows_in_the_decisions(tiny):
     assert [r.evictions for r in plain] != [r.evictions for r in overlapped]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_simulated_device_forward_is_waited_for_after_the_step_only_under_overlap(overlap, monkeypatch):
+    """The simulated backend's device time: the engine waits for it before the step reads the
+    forward (plain order) or after the step, before sampling (overlap: the step in its shadow)."""
+    import time
+
+    from trtllm_vtoken.runtime.forward import Forwards
+    from trtllm_vtoken.runtime.simulated import MODEL_SHAPES, SimulatedModel
+
+    events: list[str] = []
+    start, wait = DecodeStep.start, Forwards.wait
+    monkeypatch.setattr(DecodeStep, "start", lambda step, *a, **k: (events.append("step"), start(step, *a, **k))[1])
+    monkeypatch.setattr(Forwards, "wait", lambda forwards: (events.append("wait"), wait(forwards))[1])
+    engine = Engine(SimulatedModel(MODEL_SHAPES["smollm2-135m"], device_forward_us=20_000),
+                    config(overlap_scheduler=overlap, prefix_caching=False))
+    engine.add_request([1] * 9, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    events.clear()
+    begun = time.perf_counter()
+    engine.step()
+    assert time.perf_counter() - begun >= 0.02  # one forward's device time
+    assert events == (["step", "wait"] if overlap else ["wait", "step"])
+
+
 @pytest.mark.slow
 def test_real_model_vtoken_equals_naive_evict_under_overlap_and_native_is_unchanged(smollm2_folder, smollm2_tokenizer):
     """SmolLM2-135M-Instruct on ShareGPT prompts: with the overlap scheduler, vtoken (dense) and

@@ -65,6 +65,16 @@ per-request marks the engine's rows run without.
 
     engine thread   forward | start: checks, registration | sampling ........ | finish: wait, copy, output
     worker                                               | decide, table step, layout |
+
+"-overlap" rows run the engine's overlap scheduler (``docs/overlap.md``), the order of TensorRT-LLM's
+overlap loop: the step of iteration N starts after forward N+1 was launched and ends before N+1 is
+sampled. With ``forward_us`` the simulated forward takes that much device time, as a GPU's: it is
+launched and returns at once, and the engine's thread waits for it only when it samples, so the
+step's host work (on the engine's thread "at once", as TensorRT-LLM's ``update_resources``, or on
+the worker) runs in its shadow; their native partners run the same order and device time.
+
+    device          | forward N+1 ...................... |
+    engine thread   launch | step N (at once) | finish N | wait | sample N+1
 """
 
 from __future__ import annotations
@@ -82,13 +92,18 @@ from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.step.config import CORE_PARTS
 
 SPLIT = ("table", "policy", "core", "copy")
-IMPLS = ("cpp", "python", "cpp-at-once")
+IMPLS = ("cpp", "python", "cpp-at-once", "cpp-overlap", "cpp-at-once-overlap")
 """The step's core: C++ (its native call on the step's worker thread beside the engine's
 sampling), Python, C++ with the native call on the engine's thread before sampling
-(``EngineConfig.step_overlap`` off)."""
+(``EngineConfig.step_overlap`` off); "-overlap": the same under the overlap scheduler."""
 MASSES = ("fixed", "buffer", "forward", "synthetic")
 NATIVE = dict(variant="native", mode="-", policy="-", impl="-")
 """The baseline row: plain block lists, no token table (also every run's paired partner)."""
+
+
+def native_partner(overlap: bool) -> dict[str, Any]:
+    """The native row a row is paired with: in the same order (the overlap scheduler or not)."""
+    return dict(NATIVE, overlap=True) if overlap else NATIVE
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,8 @@ class StepBenchConfig:
     attention)."""
     threads: int = 0
     """The step's native H2O pass threads (``EngineConfig.step_threads``; 0: automatic, the default)."""
+    forward_us: float = 0.0
+    """Device time of the simulated forward (see the module); 0: none."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -124,20 +141,26 @@ class StepBenchConfig:
             raise ValueError(f"mass must be one of {MASSES}, got {self.mass!r}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0: automatic), got {self.threads}")
+        if self.forward_us < 0:
+            raise ValueError(f"forward_us must be >= 0, got {self.forward_us}")
 
     def rows(self) -> list[tuple[str, dict[str, Any]]]:
         """(label, the row's settings) for one batch size, in run order."""
         rows: list[tuple[str, dict[str, Any]]] = [("native", NATIVE)]
+        if any(impl.endswith("-overlap") for impl in self.impls):
+            rows.append(("native overlap", native_partner(True)))
         for impl in self.impls:
+            overlap = impl.endswith("-overlap")
             rows.append((f"indirection-only {impl}", dict(variant="indirection-only", mode="dense",
-                                                          policy="streaming_llm", impl=impl)))
+                                                          policy="streaming_llm", impl=impl, overlap=overlap)))
             for policy in ("h2o", "streaming_llm"):
                 for mode in ("dense", "lazy"):
                     rows.append((f"vtoken {mode} {policy} {impl}",
-                                 dict(variant="vtoken", mode=mode, policy=policy, impl=impl)))
+                                 dict(variant="vtoken", mode=mode, policy=policy, impl=impl, overlap=overlap)))
             if impl == self.impls[0]:  # the bracket's other end, once
                 rows.append((f"vtoken dense h2o at a block boundary {impl}",
-                             dict(variant="vtoken", mode="dense", policy="h2o", impl=impl, boundary=True)))
+                             dict(variant="vtoken", mode="dense", policy="h2o", impl=impl, boundary=True,
+                                  overlap=overlap)))
         return rows
 
     def budget(self, row: dict[str, Any]) -> int:
@@ -155,11 +178,11 @@ class StepBenchConfig:
             tokens_per_block=tpb, num_blocks=batch * (-(-length // tpb) + 1) + 8, max_batch_size=batch,
             max_seq_len=length, seed=self.seed, admission="greedy",  # the pool holds every request
             prefix_caching=False,  # identical placeholder prompts must not share blocks
-            overlap_scheduler=False,  # each iteration's step before the next forward (docs/overlap.md)
+            overlap_scheduler=row.get("overlap", False),  # else each iteration's step before the next forward
             variant="native" if row["variant"] == "native" else "vtoken")
         if row["variant"] != "native":
             values.update(mode=row["mode"], policy=row["policy"], step_impl=row["impl"].split("-")[0],
-                          step_overlap=row["impl"] != "cpp-at-once",
+                          step_overlap="at-once" not in row["impl"],
                           step_threads=self.threads,
                           budget="1.0" if row["variant"] == "indirection-only" else self.budget(row))
         return EngineConfig(**values)
@@ -181,7 +204,7 @@ def _run(cfg: StepBenchConfig, batch: int, row: dict[str, Any]) -> dict[str, Any
     alternating order; the medians of the row's and native's host microseconds per timed decode
     step and of their per-step difference and ratio."""
     engine = _prefilled(cfg, batch, row)
-    native = _prefilled(cfg, batch, NATIVE)
+    native = _prefilled(cfg, batch, native_partner(row.get("overlap", False)))
     stats = engine.kv.step_stats
     host_us, native_us, evicted, moves, freed, waited, repeated = [], [], 0, 0, 0, 0.0, 0
     split, core_parts = dict.fromkeys(SPLIT, 0.0), dict.fromkeys(CORE_PARTS, 0.0)
@@ -238,7 +261,7 @@ def _prefilled(cfg: StepBenchConfig, batch: int, row: dict[str, Any]):
     from trtllm_vtoken.runtime.simulated import MODEL_SHAPES, SimulatedModel, SyntheticAttention
 
     # float32 mass, as attention kernels hand it to a host
-    model = SimulatedModel(MODEL_SHAPES["llama-3.1-8b"], SyntheticAttention(cfg.seed), np.float32)
+    model = SimulatedModel(MODEL_SHAPES["llama-3.1-8b"], SyntheticAttention(cfg.seed), np.float32, cfg.forward_us)
     if cfg.mass == "fixed":
         model.batch_mass = fixed_mass(cfg.seed)
     elif cfg.mass in ("buffer", "forward"):

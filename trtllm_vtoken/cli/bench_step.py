@@ -29,8 +29,10 @@ def register(bench) -> None:
                            "its own; the median run (by added time) is reported with the runs' range (default 3)")
     step.add_argument("--impl", default="both",
                       help="comma-separated cores among cpp, python, cpp-at-once (the C++ core's native call on "
-                           "the engine's thread before sampling, not on the step's worker beside it), or both (= "
-                           "cpp,python; the default; cpp is skipped where it is not built)")
+                           "the engine's thread before sampling, not on the step's worker beside it), cpp-overlap "
+                           "and cpp-at-once-overlap (the same under the engine's overlap scheduler: the step of "
+                           "iteration N after forward N+1's launch), or both (= cpp,python; the default; cpp is "
+                           "skipped where it is not built)")
     step.add_argument("--mass", choices=["fixed", "buffer", "forward", "synthetic"], default="fixed",
                       help="the attention mass: one fixed random array per layout shape, from a function of the "
                            "layout (the host only receives a buffer, as from a GPU; the default), one array per "
@@ -43,6 +45,9 @@ def register(bench) -> None:
     step.add_argument("--threads", type=int, default=0,
                       help="threads the C++ core's H2O pass may split a batch over (EngineConfig.step_threads; 0: "
                            "automatic, the process's cores up to 4, the default)")
+    step.add_argument("--forward-us", type=float, default=0.0,
+                      help="device time of the simulated forward, in microseconds: launched, it returns at once and "
+                           "the engine waits for it when it samples, as for a GPU's (default 0: none)")
     add_output_options(step, "5 timed steps, one run per row", run_step, threads=False)
 
 
@@ -70,7 +75,7 @@ def run_step(args: argparse.Namespace) -> int:
     cfg = StepBenchConfig(batches=batches, context=args.context, tokens_per_block=args.tokens_per_block,
                           steps=5 if args.quick else args.steps, warmup=2 if args.quick else 3,
                           repeats=1 if args.quick else args.repeats, impls=tuple(impls), mass=args.mass,
-                          threads=args.threads)
+                          threads=args.threads, forward_us=args.forward_us)
     total = len(cfg.batches) * len(cfg.rows()) * cfg.repeats
     with tqdm(total=total, desc="bench step", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_step_bench(cfg, progress=bar)
@@ -80,7 +85,8 @@ def run_step(args: argparse.Namespace) -> int:
     print(f"vtoken bench step: engine + {source}, {cfg.context} tokens of context, "
           f"tokens_per_block {cfg.tokens_per_block}, one eviction per request per step; {cfg.steps} timed "
           f"steps per run, each paired step by step with a native engine; the median of {cfg.repeats} "
-          f"alternating runs per row; H2O pass threads: {cfg.threads or 'automatic'}")
+          f"alternating runs per row; H2O pass threads: {cfg.threads or 'automatic'}"
+          + (f"; each forward {cfg.forward_us:g} us of simulated device time" if cfg.forward_us else ""))
     headers = ["batch", "row", "impl", "host us/step", "native us/step", "added us", "added runs min-max",
                "added %", "added % runs", "step us", "step runs min-max", "waited us", "table us", "policy us",
                "core us", "of core: decide us", "copy us", "evicted/step", "moves/step", "freed/step", "repeated"]
@@ -127,7 +133,9 @@ def print_step_alone(cfg, where: dict, out) -> None:
     from trtllm_vtoken.bench.step_alone import time_step_alone
     from trtllm_vtoken.report import format_table
 
-    impls = [i for i in cfg.impls if i != "cpp-at-once"]  # run() makes its call at once
+    impls = [i for i in cfg.impls if i in ("cpp", "python")]  # run() makes its call at once, in no engine
+    if not impls:
+        return
     rows = [r for batch in cfg.batches for impl in impls for r in time_step_alone(cfg, batch, impl)]
     print(f"vToken's step alone (no engine): DecodeStep.run at the rows' settings, one token per request per "
           f"step; median of {cfg.steps} steps, caches as the last step left them (warm) or after 64 MB were "

@@ -186,6 +186,7 @@ class Engine:
         if self.config.overlap_scheduler:
             return self._step_overlapped(reported, decode, prefill)
         results, masses = self._run_forwards(decode, prefill)
+        self.forwards.wait()  # the step reads the forwards' attention
         # One step for every row the forwards ran, begun before sampling: its new tokens join the
         # table, the policy decides for the whole batch (a request's cached chain is cut before
         # its KV can move), one copy relocates every request's KV. Its native call runs beside the
@@ -211,6 +212,7 @@ class Engine:
             self._launch_deferred(deferred, [], prefill)
             self.forwards.before_model = None
         out = self.kv.finish_step()
+        self.forwards.wait()  # sampling reads the forwards' logits
         for request, logits, _ in results:
             reported.append(self._advance(request, logits))
         rows = [request.req_id for request, *_ in results]

@@ -38,7 +38,10 @@ class Forwards:
         self.simulated = getattr(model, "simulated", False)
         self.mass_staging = MassStaging(max_batch_size, max_positions)
         self.before_model: Callable[[], None] | None = None
-        """Called once, after the next forward's tables are written and before its model runs."""
+        """Called once, after the next forward's tables are written and before its model runs
+        (the simulated backend: after its forward was launched on the simulated device)."""
+        self.device_ready = 0.0
+        """The simulated backend with device time: when the device finishes the forwards launched."""
 
     def _layout_fixed(self) -> None:
         if self.before_model is not None:
@@ -51,6 +54,9 @@ class Forwards:
         its cached prefix)."""
         if self.simulated:  # no model runs (token 1 always); the mass comes at the step
             self.kv.set_batch(req_ids)
+            if self.model.device_forward_us:  # launched: the device computes, this thread goes on
+                now = time.perf_counter()
+                self.device_ready = max(now, self.device_ready) + 1e-6 * self.model.device_forward_us
             self._layout_fixed()
             return torch.tensor([[0.0, 1.0]]).expand(len(req_ids), 2), None
         kv, device = self.kv, self.device
@@ -92,6 +98,13 @@ class Forwards:
         if prefill and mass is not None:
             mass = kv.prefill_mass(req_ids[0], mass[0], cut_mass)[None]
         return last[: len(req_ids)], None if mass is None else mass[: len(req_ids)]  # a graph's padding rows left out
+
+    def wait(self) -> None:
+        """Waits for the forwards launched to finish: the simulated device's time (a real
+        forward has returned its logits to the host already)."""
+        remaining = self.device_ready - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
 
     def batch_mass(self, req_ids: list[int], masses: list, queries: list[int]):
         """The attention mass of the requests going on, as the step takes it, [B, width]: one

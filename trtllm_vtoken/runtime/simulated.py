@@ -105,10 +105,15 @@ class SimulatedModel(torch.nn.Module):
     simulated = True
 
     def __init__(self, shape: ModelShape, attention: SyntheticAttention | None = None,
-                 mass_dtype: type = np.float64) -> None:
+                 mass_dtype: type = np.float64, device_forward_us: float = 0.0) -> None:
         """``mass_dtype``: what the batch's mass arrives as; float32 is what attention kernels
-        (and the TensorRT-LLM adapter's recorded queries) return."""
+        (and the TensorRT-LLM adapter's recorded queries) return. ``device_forward_us``: the
+        device time of one forward, as a GPU's: the forward is launched and returns at once, and
+        the engine's thread waits for the device only when it samples (``Forwards.wait``)."""
         super().__init__()
+        if device_forward_us < 0:
+            raise ValueError(f"device_forward_us must be >= 0, got {device_forward_us}")
+        self.device_forward_us = device_forward_us
         self.shape = shape
         self.config = shape.as_llama_config()
         self.attention = attention or SyntheticAttention()
