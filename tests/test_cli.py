@@ -134,7 +134,8 @@ def test_bench_step_times_the_call_beside_sampling_against_the_call_at_once(tmp_
 def test_bench_step_refuses_an_unknown_core(capsys):
     assert main(["bench", "step", "--impl", "cpp,rust", "--out", "/tmp/unused"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "vtoken: error: --impl must list cores among cpp, python, cpp-at-once or be both, got "
+        "vtoken: error: --impl must list cores among cpp, python, cpp-at-once, cpp-overlap, cpp-at-once-overlap or be "
+        "both, got "
         "'cpp,rust'")
 
 

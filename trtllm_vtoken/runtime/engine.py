@@ -15,6 +15,11 @@ One ``step()``:
                      with one copy for the whole batch; admission is updated
     6. leaving       finished requests release every block
 
+1-2 are the scheduler's (``runtime/scheduler.py``), 3 the forwards' (``runtime/forward.py``). With
+the overlap scheduler (``EngineConfig.overlap_scheduler``, the default; ``runtime/overlap.py``) the
+step of 5 waits for the next iteration: it starts once that iteration's first forward has its
+tables, runs beside it, and ends before its sampling.
+
 A request that could never fit (too long for ``max_seq_len`` or for the whole pool) is refused by
 ``add_request`` with a ValueError; everything else eventually runs to completion.
 """
@@ -24,39 +29,23 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from trtllm_vtoken.consistency import RankConsistency, RankGroup, SingleRank
 from trtllm_vtoken.runtime.config import EngineConfig
+from trtllm_vtoken.runtime.engine_stats import EngineStats
+from trtllm_vtoken.runtime.forward import Forwards
 from trtllm_vtoken.runtime.kv_manager import KVCacheManager
 from trtllm_vtoken.runtime.logprobs import token_logprobs
-from trtllm_vtoken.runtime.forward import Forwards
 from trtllm_vtoken.runtime.model import LlamaForCausalLM
 from trtllm_vtoken.runtime.overlap import DeferredStep, layout_ids, remap_mass
 from trtllm_vtoken.runtime.parallel.layers import check_shard
 from trtllm_vtoken.runtime.request import Request, RequestDelta, Status
 from trtllm_vtoken.runtime.sampling import SamplingParams, sample
+from trtllm_vtoken.runtime.scheduler import Scheduler
 from trtllm_vtoken.runtime.tokenizer import StreamText, Tokenizer
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prefill_tokens: int = 0
-    """Prompt tokens the model computed (a cached prefix is not computed)."""
-    cached_prompt_tokens: int = 0
-    """Prompt tokens found in the prefix cache at admission: their KV was reused, not prefilled."""
-    decode_tokens: int = 0
-    preemptions: int = 0
-    finished: int = 0
-    cancelled: int = 0
-    requests_by_policy: dict[str, int] = field(default_factory=dict)
-    """Requests added, by the eviction policy each runs with ("native": none)."""
-    forward_seconds: float = 0.0
-    """Wall time of model forwards (logits copied to the host included)."""
 
 
 class Engine:
@@ -117,7 +106,8 @@ class Engine:
         self._ids = itertools.count()
         self._reported: list[RequestDelta] = []
         self._specs: dict = {}  # request -> the PolicySpec it runs with (None: it evicts nothing)
-        self._prefill_from: dict[int, int] = {}  # admitted this step -> cached prompt tokens
+        self.scheduler = Scheduler(self.requests, self.waiting, self.running, self.kv, self._specs,
+                                   self.config.max_batch_size, self.stats)
         self._deferred: DeferredStep | None = None  # overlap scheduler: rows waiting for their step
         self._layout_now: np.ndarray | None = None  # this iteration's layout as its forwards see it (logical ids)
         self._stepped: list[int] = []
@@ -181,8 +171,8 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """Runs one iteration; returns what each request that changed produced."""
         reported, self._reported = self._reported, []
-        decode = self._schedule_decode()
-        prefill = self._admit()
+        decode = self.scheduler.schedule_decode()
+        prefill = self.scheduler.admit()
         if self.config.overlap_scheduler:
             return self._step_overlapped(reported, decode, prefill)
         results, masses = self._run_forwards(decode, prefill)
@@ -254,7 +244,7 @@ class Engine:
             masses.append(mass)
             self.stats.decode_tokens += len(decode)
         for req_id in prefill:
-            cached = self._prefill_from.pop(req_id)
+            cached = self.scheduler.prefill_from.pop(req_id)
             ids = self.requests[req_id].prefill_ids()[cached:]  # the cached prefix is not recomputed
             logits, mass = self.forwards.run([req_id], [ids], prefill=True)
             results.append((self.requests[req_id], logits[0], len(ids)))
@@ -278,56 +268,6 @@ class Engine:
             self.consistency.check(self._checked_steps, self.kv.layout, [self.kv.pool.num_free, *sampled])
             self._checked_steps += 1
         self.stats.steps += 1
-
-    def _schedule_decode(self) -> list[int]:
-        """Reserves the decode rows' slots. Usually the free blocks cover every row: one batch
-        reservation. Otherwise one by one in admission order, the newest request preempted while
-        the pool is dry (a preempted request leaves the batch; older ones keep their slots)."""
-        running = list(self.running)
-        if self.kv.reserve_decode(running):
-            return running
-        scheduled: list[int] = []
-        preempted: set[int] = set()
-        for req_id in running:
-            if req_id in preempted:  # preempted below to make room for an older request
-                continue
-            while not self.kv.reserve(req_id, 1):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.add(victim)
-                if victim == req_id:
-                    break
-            else:
-                scheduled.append(req_id)
-        return [r for r in scheduled if r not in preempted]
-
-    def _admit(self) -> list[int]:
-        joined: list[int] = []
-        while self.waiting and len(self.running) < self.config.max_batch_size:
-            request = self.requests[self.waiting[0]]
-            ids = request.prefill_ids()
-            cached = self.kv.admit(request.req_id, ids, request.remaining, self._specs[request.req_id])
-            if cached is None:
-                break
-            if not self.kv.reserve(request.req_id, len(ids) - cached):  # greedy admission raced the pool
-                self.kv.release(request.req_id)
-                break
-            self.kv.store_prompt(request.req_id, ids)
-            self._prefill_from[request.req_id] = cached
-            self.waiting.popleft()
-            request.status = Status.RUNNING
-            self.running.append(request.req_id)
-            joined.append(request.req_id)
-        return joined
-
-    def _preempt(self, req_id: int) -> None:
-        request = self.requests[req_id]
-        self.running.remove(req_id)
-        self.kv.release(req_id)
-        request.status = Status.WAITING
-        request.num_preemptions += 1
-        self.stats.preemptions += 1
-        self.waiting.appendleft(req_id)
 
     def _advance(self, request: Request, logits: torch.Tensor) -> RequestDelta:
         req_id, params = request.req_id, request.params
