@@ -230,3 +230,15 @@ def test_bench_step_overlap_rows_run_under_the_overlap_scheduler_with_the_device
     assert {r.get("overlap", False) for r in rows if r["impl"].endswith("-overlap")} == {True}
     assert all(r["native_us_p50"] >= 3000 and r["host_us_p50"] >= 3000 for r in rows)
     assert all(r["evicted_per_step"] == 4 for r in rows if r["variant"] == "vtoken")
+
+
+def test_the_engine_options_turn_the_overlap_scheduler_off():
+    import argparse
+
+    from trtllm_vtoken.cli.engine_args import add_engine_args, engine_settings
+    from trtllm_vtoken.runtime.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert EngineConfig(**engine_settings(parser.parse_args([]))).overlap_scheduler
+    assert not EngineConfig(**engine_settings(parser.parse_args(["--no-overlap-scheduler"]))).overlap_scheduler

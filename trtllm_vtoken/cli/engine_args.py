@@ -47,6 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser, variant: bool = True) -> No
     g.add_argument("--check-invariants", action="store_true",
                    help="check I1/I2/I4 on every relocation (and, with --tp, that every rank's token table agrees "
                         "after every step)")
+    g.add_argument("--no-overlap-scheduler", dest="overlap_scheduler", action="store_false",
+                   help="step each iteration before the next forward (default: beside it, as TensorRT-LLM's overlap "
+                        "scheduler orders it; each decision then takes effect one iteration later)")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallelism: split the model over N rank processes (gloo on CPU, NCCL on CUDA); "
                         "at most the model's KV heads")
@@ -58,6 +61,7 @@ def engine_settings(args: argparse.Namespace, **overrides) -> dict:
         mode=args.mode, positions=args.positions, policy=args.policy, budget=args.budget, tokens_per_block=args.tokens_per_block,
         num_blocks=args.num_blocks, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
         check_invariants=args.check_invariants, tensor_parallel_size=args.tp,
+        overlap_scheduler=getattr(args, "overlap_scheduler", True),
     )
     if hasattr(args, "variant"):
         values["variant"] = args.variant
