@@ -8,12 +8,14 @@
 #      vs eager engines, shift vs keep positions on CUDA, a background lazy copy the forward does
 #      not wait for)
 #   4. vtoken bench gpu: copy bandwidth, eager vs graph decode, every variant end to end (each
-#      through the one batched step: vtoken info says which core serves it)
+#      through the one batched step: vtoken info says which core serves it) under the overlap
+#      scheduler, shift positions among them; native and vtoken dense also in the plain order
 #   5. vtoken bench step: the step's host time per decode step against native, C++ (its fused
 #      decode call on the step's worker beside sampling), C++ with that call at once on the
 #      engine's thread (cpp-at-once) and Python, on this machine's quieter cores
 #      (the C++ core is built in place when nanobind is there), then the step alone with caches
-#      warm and flushed and H2O's pass alone; again with H2O's pass over up to 4 threads
+#      warm and flushed and H2O's pass alone; again with H2O's pass over up to 4 threads; then
+#      under the overlap scheduler with a 2 ms simulated forward (cpp-at-once-overlap, cpp-overlap)
 #   6. the TensorRT-LLM manager's decode mass on the GPU: one padded pass for the batch against
 #      one call and one copy to the host per request (vtoken bench trtllm-mass)
 #   7. where tensorrt_llm imports and the package is installed (the gpu Docker image) and
@@ -78,6 +80,9 @@ timeout 420 $py -m trtllm_vtoken.cli bench gpu --out "$out" 2>&1 | tee "$out/ben
 banner vtoken bench step
 timeout 240 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --impl cpp,cpp-at-once,python --out "$out" 2>&1 \
   | tee "$out/bench_step.txt" || status=1
+# The step under the overlap scheduler, in the shadow of a 2 ms forward (the TensorRT-LLM manager's order)
+timeout 150 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --impl cpp-at-once,cpp-at-once-overlap,cpp-overlap \
+  --forward-us 2000 --out "$out/step_overlap" 2>&1 | tee "$out/bench_step_overlap.txt" || status=1
 # H2O's native pass on one thread, against the rows above (the default: the cores, up to 4)
 timeout 120 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --impl cpp --threads 1 --out "$out/step_threads" \
   2>&1 | tee "$out/bench_step_threads.txt" || status=1

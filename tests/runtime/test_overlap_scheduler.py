@@ -148,3 +148,18 @@ def test_real_model_vtoken_equals_naive_evict_under_overlap_and_native_is_unchan
     plain = generate(model, config(variant="native", overlap_scheduler=False, **real), prompts, 24, smollm2_tokenizer)
     overlapped = generate(model, config(variant="native", **real), prompts, 24, smollm2_tokenizer)
     assert [r.output_ids for r in plain] == [r.output_ids for r in overlapped]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["dense", "lazy"])
+def test_on_cuda_vtoken_decides_and_decodes_as_naive_evict_with_the_same_lag(tiny, mode):
+    """On CUDA the step's copy is enqueued after forward N+1 (its side stream waits for the
+    compute stream): the same decisions and tokens as naive-evict, and as on the CPU."""
+    import copy
+
+    model = copy.deepcopy(tiny)
+    naive = generate(model, config(variant="naive-evict", device="cuda"))
+    vtoken = generate(model, config(mode=mode, device="cuda"))
+    cpu = generate(tiny, config(mode=mode))
+    assert [r.evictions for r in naive] == [r.evictions for r in vtoken] == [r.evictions for r in cpu]
+    assert [r.output_ids for r in naive] == [r.output_ids for r in vtoken] == [r.output_ids for r in cpu]

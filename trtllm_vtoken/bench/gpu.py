@@ -6,7 +6,9 @@
     decode   one decode step of the model, eager vs CUDA-graph replay, at several batch sizes
     engine   the engine end to end on CUDA: native (eager and graphs), indirection-only (vtoken
              hooks on, budget 1.0, nothing evicted), naive-evict, vtoken dense (kernel, torch
-             copy, host-synchronized copies) and lazy; greedy outputs of vtoken vs naive-evict
+             copy, host-synchronized copies, shift positions) and lazy, under the overlap
+             scheduler; native and vtoken dense also in the plain order; greedy outputs of vtoken
+             vs naive-evict
 
 The model has SmolLM2-135M's shapes with random weights (the real weights do not travel to a
 device machine); timings depend on shapes, not on weights.
@@ -32,7 +34,12 @@ ENGINE_RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("vtoken dense, torch copy", dict(variant="vtoken", relocation_kernel="torch")),
     ("vtoken dense, sync copies", dict(variant="vtoken", synchronous_copies=True)),
     ("vtoken lazy", dict(variant="vtoken", mode="lazy")),
+    ("vtoken dense, shift positions", dict(variant="vtoken", positions="shift")),
+    ("native, graphs, plain order", dict(variant="native", overlap_scheduler=False)),
+    ("vtoken dense, plain order", dict(variant="vtoken", overlap_scheduler=False)),
 )
+"""Every row but the "plain order" ones runs the overlap scheduler (the engine's default): the
+step of iteration N beside forward N+1 (``docs/overlap.md``)."""
 
 
 @dataclass(frozen=True)
@@ -173,10 +180,14 @@ def engine_bench(cfg: GpuBenchConfig, model, progress=None) -> list[dict[str, An
 
     runs = run_alternating(ENGINE_RUNS, cfg.repeats, run, progress)
     reference = outputs["naive-evict"]
-    for row in runs:
-        if row["variant"] == "vtoken" and row["label"] != "indirection-only":
+    for row in runs:  # naive-evict runs the overlap order: compared with the rows in that order
+        if row["variant"] == "vtoken" and row["label"] != "indirection-only" and "plain order" not in row["label"]:
             same = [a == b for a, b in zip(reference, outputs[row["label"]])]
             row["exact_match_vs_naive_evict"] = sum(same) / len(same)
+    plain, overlapped = outputs["native, graphs, plain order"], outputs["native, graphs"]
+    for row in runs:  # the overlap scheduler leaves native's tokens as they are
+        if row["label"] == "native, graphs":
+            row["exact_match_vs_plain_order"] = sum(a == b for a, b in zip(plain, overlapped)) / len(plain)
     native = next(r for r in runs if r["label"] == "native, graphs")["tokens_per_s"]
     for row in runs:
         row["throughput_vs_native_graphs"] = row["tokens_per_s"] / native
