@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.runtime.test_engine import LONG, config, prompts, run
-from trtllm_vtoken.bench.step import StepBenchConfig, buffer_mass
+from trtllm_vtoken.bench.step import StepBenchConfig
+from trtllm_vtoken.bench.step_mass import buffer_mass
 from trtllm_vtoken.core import native
 from trtllm_vtoken.runtime.engine import Engine
 from trtllm_vtoken.runtime.mass_staging import MassStaging

@@ -85,7 +85,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from trtllm_vtoken.config_base import require_positive
 from trtllm_vtoken.runtime.config import EngineConfig
@@ -258,6 +257,7 @@ def _prefilled(cfg: StepBenchConfig, batch: int, row: dict[str, Any]):
     """An engine for the row with ``batch`` requests admitted and prefilled (not timed)."""
     from trtllm_vtoken.runtime.engine import Engine
     from trtllm_vtoken.runtime.sampling import SamplingParams
+    from trtllm_vtoken.bench.step_mass import buffer_mass, fixed_mass
     from trtllm_vtoken.runtime.simulated import MODEL_SHAPES, SimulatedModel, SyntheticAttention
 
     # float32 mass, as attention kernels hand it to a host
@@ -285,39 +285,6 @@ def _timed_step(engine) -> float:
     engine.step()
     wall = time.perf_counter() - start
     return 1e6 * (wall - (stats.mass_seconds - mass_before))
-
-
-def buffer_mass(seed: int, width: int, tensor: bool = False):
-    """A ``batch_mass`` (``SimulatedModel``'s signature) returning one fixed random float32 array
-    [B, width] per batch size, the same object every step: a host's staging buffer for its
-    attention's output, rewritten by the device's copy (not by these cores) each step. ``tensor``:
-    a torch tensor instead, a forward's mass as the model's forward returns it to the host, which
-    the engine hands to the step as a new numpy view each step, as on the real model."""
-    arrays: dict[int, Any] = {}
-
-    def batch_mass(req_ids: list[int], num_queries: list[int]):
-        if len(req_ids) not in arrays:
-            values = np.random.default_rng(seed).random((len(req_ids), width), dtype=np.float32)
-            arrays[len(req_ids)] = torch.from_numpy(values) if tensor else values
-        return arrays[len(req_ids)]
-
-    return batch_mass
-
-
-def fixed_mass(seed: int):
-    """A ``batch_mass`` (``SimulatedModel``'s signature) whose function returns one fixed random
-    float32 array per layout shape [B, L]: nothing runs on the host's cores to make it."""
-    arrays: dict[tuple[int, ...], np.ndarray] = {}
-
-    def batch_mass(req_ids: list[int], num_queries: list[int]):
-        def mass(tokens: np.ndarray) -> np.ndarray:
-            if tokens.shape not in arrays:
-                arrays[tokens.shape] = np.random.default_rng(seed).random(tokens.shape, dtype=np.float32)
-            return arrays[tokens.shape]
-
-        return mass
-
-    return batch_mass
 
 
 def plot_step(result: dict[str, Any], path) -> None:

@@ -30,8 +30,10 @@ block row and counters), ``core.py`` the token table (C++ or Python) and the hos
 leaving and what hosts read between steps.
 
 Which host runs what: the reference engine and the simulated backend (``runtime/kv_manager.py``,
-``runtime/engine_step.py``) start the step before sampling and finish it after (overlap: the
-C++ call on the worker, ``EngineConfig.step_overlap``), lazy mode with background compaction by
+``runtime/engine_step.py``) start the step beside the next iteration's forward and finish it
+before sampling that forward (the overlap scheduler, ``forward_between``: the copy waits for
+``finish``), or in the plain order before sampling and finish it after (the C++ call on the
+worker meanwhile, ``EngineConfig.step_overlap``), lazy mode with background compaction by
 default; the TensorRT-LLM manager (``integration/trtllm/state.py``) and the engine-path runner
 (``integration/trtllm/engine_runner.py``) run it at once, dense. Each takes the C++ core where it
 is built (``vtoken info`` names it), the Python specification otherwise or when asked
