@@ -40,7 +40,7 @@ from trtllm_vtoken.runtime.forward import Forwards
 from trtllm_vtoken.runtime.kv_manager import KVCacheManager
 from trtllm_vtoken.runtime.logprobs import token_logprobs
 from trtllm_vtoken.runtime.model import LlamaForCausalLM
-from trtllm_vtoken.runtime.overlap import DeferredStep, layout_ids, remap_mass
+from trtllm_vtoken.runtime.overlap import DeferredStep, layout_ids, remap_mass, widened
 from trtllm_vtoken.runtime.parallel.layers import check_shard
 from trtllm_vtoken.runtime.request import Request, RequestDelta, Status
 from trtllm_vtoken.runtime.sampling import SamplingParams, sample
@@ -209,7 +209,8 @@ class Engine:
         if rows:
             queries = [r[2] for r in results]
             mass = None if self.simulated else self.forwards.batch_mass(rows, masses, queries)
-            self._deferred = DeferredStep(rows, mass, self._layout_now, queries)
+            moved = out is not None and bool(out.num_evicted or out.num_changed)  # the step beside these forwards
+            self._deferred = DeferredStep(rows, mass, self._layout_now, queries, moved)
         self._end_step(self._stepped, out, reported, stepped=deferred is not None)
         return reported
 
@@ -227,8 +228,10 @@ class Engine:
         rows, mass = [deferred.rows[i] for i in keep], deferred.mass
         if self.simulated:  # its attention is a function of the layout the step sees
             mass = self.forwards.batch_mass(rows, [], [deferred.queries[i] for i in keep])
-        elif remaps and rows and isinstance(mass, np.ndarray) and deferred.ids is not None:
+        elif remaps and rows and isinstance(mass, np.ndarray) and deferred.ids is not None and deferred.moved:
             mass = remap_mass(mass[keep], deferred.ids[keep], layout_ids(kv.layout, kv.writes, rows))
+        elif remaps and rows and isinstance(mass, np.ndarray):  # positions as the forward saw them
+            mass = widened(mass[keep] if len(keep) < len(deferred.rows) else mass, kv.layout, kv.writes, rows)
         kv.start_step(rows, mass, overlap=self.config.step_overlap, forward_between=True)
         self._stepped = rows
 

@@ -18,8 +18,8 @@ N+2: a one-step lag, the same for naive-evict and vtoken, which therefore still 
 
 Forward N's mass is laid out by the positions forward N saw, and step N-1 may have moved tokens
 since (compaction, or a dead block dropped): ``DeferredStep`` keeps the logical id at each of
-forward N's positions (``layout_ids``), and ``remap_mass`` lays the mass out again by the layout
-step N sees.
+forward N's positions (``layout_ids``), and where step N-1 changed a layout ``remap_mass`` lays
+the mass out again by the layout step N sees.
 """
 
 from __future__ import annotations
@@ -42,25 +42,46 @@ class DeferredStep:
     """[B, W] int64: the logical id at each position the forward saw (-1: none)."""
     queries: list[int]
     """Each row's new tokens (the queries whose attention the mass is)."""
+    moved: bool
+    """Whether the step that ran beside the forward changed a layout (evicted, moved or released):
+    only then do the forward's positions differ from its step's, and its mass is laid out again."""
+
+
+def pending_rows(layout: Any, writes: Any, req_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Per request: (kv_len, token count, tokens reserved and not yet taken in: a cached prefix,
+    earlier forwards', this one's), the layout as a forward over it sees it now."""
+    rows = []
+    for req_id in req_ids:
+        kv_len = layout.kv_len(req_id)
+        written = writes.staged_blocks(req_id)[1] if req_id in writes.staged else kv_len + writes.cached_tokens(req_id)
+        rows.append((kv_len, layout.num_tokens(req_id), written - kv_len))
+    return rows
 
 
 def layout_ids(layout: Any, writes: Any, req_ids: list[int]) -> np.ndarray:
     """[B, W] int64: the logical id at each position of each request's KV as a forward over it
     sees it now: the step's table (``batch_tokens``: live ids, -1 where none), then the tokens
-    reserved and not yet taken in (a cached prefix, earlier forwards', this one's), in order."""
+    reserved and not yet taken in, in order."""
     table = layout.batch_tokens(req_ids).astype(np.int64)
-    rows = []
-    for i, req_id in enumerate(req_ids):
-        kv_len, num_tokens = layout.kv_len(req_id), layout.num_tokens(req_id)
-        pending = (writes.staged_blocks(req_id)[1] if req_id in writes.staged else
-                   kv_len + writes.cached_tokens(req_id)) - kv_len
-        rows.append((kv_len, num_tokens, pending))
+    rows = pending_rows(layout, writes, req_ids)
     width = max([table.shape[1]] + [kv_len + pending for kv_len, _, pending in rows])
     ids = np.full((len(req_ids), width), -1, dtype=np.int64)
     ids[:, : table.shape[1]] = table
     for i, (kv_len, num_tokens, pending) in enumerate(rows):
         ids[i, kv_len : kv_len + pending] = np.arange(num_tokens, num_tokens + pending)
     return ids
+
+
+def widened(mass: np.ndarray, layout: Any, writes: Any, req_ids: list[int]) -> np.ndarray:
+    """``mass`` [B, W] of a forward whose positions the step beside it left as they were, with
+    zero columns up to the longest request's KV now (the step registers the next forward's
+    tokens, which this forward did not attend)."""
+    width = max(kv_len + pending for kv_len, _, pending in pending_rows(layout, writes, req_ids))
+    if mass.shape[1] >= width:
+        return mass
+    out = np.zeros((mass.shape[0], width), dtype=mass.dtype)
+    out[:, : mass.shape[1]] = mass
+    return out
 
 
 def remap_mass(mass: np.ndarray, old_ids: np.ndarray, new_ids: np.ndarray) -> np.ndarray:

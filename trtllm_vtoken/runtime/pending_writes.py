@@ -94,10 +94,8 @@ class PendingWrites:
         if earlier is None:
             staged.update(zip(req_ids, repeat(ONE_TOKEN)))
         else:
-            for req_id, (fresh_before, tokens) in zip(req_ids, earlier):
-                staged[req_id] = (fresh_before, tokens + 1)
-                if tokens:
-                    self.latest[req_id] = 1
+            staged.update({r: (fresh_before, tokens + 1) for r, (fresh_before, tokens) in zip(req_ids, earlier)})
+            self.latest.update({r: 1 for r, (_, tokens) in zip(req_ids, earlier) if tokens})
         if total:  # split in request order, as one ``allocate`` per request would take them
             fresh = self.allocate(total)
             takers = np.flatnonzero(missing)
