@@ -90,8 +90,9 @@ def test_caching_changes_no_output_of_native_and_no_decision_alone(model, varian
 @pytest.mark.parametrize("impl", ["python", "cpp"])
 @pytest.mark.parametrize("policy", sorted(POLICIES.names()))
 def test_vtoken_matches_naive_evict_with_caching(model, policy, impl):
-    """Sharing protects the same tokens for both, and a request's cut drops the same keys: the
-    same decisions, the same outputs; shared blocks hold only live tokens all along."""
+    """``prefix_reuse="share"``: sharing protects the same tokens for both, and a request's cut
+    drops the same keys: the same decisions, the same outputs; shared blocks hold only live
+    tokens all along. (The default, "copy": tests/runtime/test_batch_invariance.py.)"""
     def shared_all_live(engine):
         cache, step = engine.kv.prefix.cache, engine.kv.step
         for req_id in engine.running:
@@ -101,11 +102,11 @@ def test_vtoken_matches_naive_evict_with_caching(model, policy, impl):
                     assert counts[i] == TPB, f"a token of shared block {block_id} died"
 
     opts = {"streaming_llm": {"n_sink": 2}}.get(policy, {})
-    naive = run(Engine(model, config(variant="naive-evict", policy=policy, policy_options=opts, step_impl=impl),
-                       record_trace=True), shared_prompts(), LONG, shared_all_live)
+    share = dict(policy=policy, policy_options=opts, step_impl=impl, prefix_reuse="share")
+    naive = run(Engine(model, config(variant="naive-evict", **share), record_trace=True), shared_prompts(), LONG,
+                shared_all_live)
     for mode in ("dense", "lazy"):
-        engine = Engine(model, config(variant="vtoken", mode=mode, policy=policy, policy_options=opts, step_impl=impl),
-                        record_trace=True)
+        engine = Engine(model, config(variant="vtoken", mode=mode, **share), record_trace=True)
         got = run(engine, shared_prompts(), LONG, shared_all_live)
         for a, b in zip(naive, got):
             assert a.evictions == b.evictions, f"{mode}: request {a.req_id} evicted differently"

@@ -47,11 +47,12 @@ OPS = st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "step", "step", "s
                min_size=3, max_size=16)
 
 
-@settings(max_examples=12, deadline=None)
-@given(mode=st.sampled_from(["dense", "lazy"]), policy=st.sampled_from(["h2o", "sliding_window"]), ops=OPS)
-def test_random_workloads_keep_cached_blocks_exact(model, mode, policy, ops):
+@settings(max_examples=16, deadline=None)
+@given(mode=st.sampled_from(["dense", "lazy"]), policy=st.sampled_from(["h2o", "sliding_window"]),
+       reuse=st.sampled_from(["copy", "share"]), ops=OPS)
+def test_random_workloads_keep_cached_blocks_exact(model, mode, policy, reuse, ops):
     engine = Engine(model, EngineConfig(policy=policy, budget=10, mode=mode, tokens_per_block=TPB, num_blocks=40,
-                                        max_batch_size=4, max_seq_len=64, check_invariants=True))
+                                        max_batch_size=4, max_seq_len=64, check_invariants=True, prefix_reuse=reuse))
     cache, step, finish_step = engine.kv.prefix.cache, engine.kv.step, engine.kv.finish_step
 
     def checked_step():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from trtllm_vtoken.policies.request_settings import EvictionSettings
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.engine import Engine
 from trtllm_vtoken.runtime.model import load_llama
@@ -23,15 +24,15 @@ def model(smollm2_folder):
     return load_llama(smollm2_folder)
 
 
-def generate(engine: Engine, prompts, together: bool) -> list:
+def generate(engine: Engine, prompts, together: bool, params: SamplingParams = PARAMS) -> list:
     if together:
-        ids = [engine.add_request(p, PARAMS) for p in prompts]
+        ids = [engine.add_request(p, params, req_id=i) for i, p in enumerate(prompts)]
         while engine.has_unfinished():
             engine.step()
         return [engine.pop_finished(i) for i in ids]
     out = []
-    for p in prompts:
-        [req_id] = [engine.add_request(p, PARAMS)]
+    for i, p in enumerate(prompts):
+        req_id = engine.add_request(p, params, req_id=i)
         while engine.has_unfinished():
             engine.step()
         out.append(engine.pop_finished(req_id))
@@ -53,16 +54,35 @@ def test_native_outputs_equal_with_caching_and_the_shared_prompt_is_prefilled_on
     assert on.stats.prefill_tokens == sum(len(p) for p in prompts) - 2 * shared
 
 
-def test_vtoken_decides_and_generates_as_naive_evict_with_caching(model, smollm2_tokenizer):
-    prompts = [smollm2_tokenizer.encode(SYSTEM + q, chat=True) for q in QUESTIONS]
+CHAT = ["Write one sentence about cats.", "Write one sentence about the sea.", "Write one sentence about rain.",
+        "Write one sentence about bread.", "Write one sentence about trains.", "Write one sentence about music."]
+
+
+def test_a_greedy_answer_is_the_same_alone_and_in_a_batch(model, smollm2_tokenizer):
+    """H2O at 0.5 with prefix caching on (the defaults): six chat prompts sharing the chat
+    template, one at a time (each reuses the template's cached blocks, as copies)
+    and all at once, decide and decode alike; vtoken == naive-evict; caching on == off."""
+    prompts = [smollm2_tokenizer.encode(q, chat=True) for q in CHAT]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
     runs = {}
     for variant in ("naive-evict", "vtoken"):
-        engine = Engine(model, EngineConfig(variant=variant, policy="h2o", budget=0.6, num_blocks=64,
-                                            tokens_per_block=16), record_trace=True)
-        runs[variant] = generate(engine, prompts, together=True)
-        assert engine.stats.cached_prompt_tokens > 0 and engine.kv.stats.tokens_evicted > 0
-    for a, b in zip(runs["naive-evict"], runs["vtoken"]):
-        assert a.evictions == b.evictions and a.output_ids == b.output_ids
+        config = dict(variant=variant, policy="h2o", budget=0.5, num_blocks=64, tokens_per_block=16)
+        for together in (False, True):
+            engine = Engine(model, EngineConfig(**config), record_trace=True)
+            if not together:  # a request that evicts nothing leaves the template's blocks cached
+                keep = SamplingParams(max_tokens=1, eviction=EvictionSettings(policy="native"))
+                generate(engine, [smollm2_tokenizer.encode("Hello.", chat=True)], False, keep)
+            got = generate(engine, prompts, together, params)
+            assert engine.kv.stats.tokens_evicted > 0
+            assert (engine.stats.cached_prompt_tokens > 0) == (not together)  # alone: copies of the template
+            runs[variant, together] = got
+        runs[variant, "off"] = generate(Engine(model, EngineConfig(prefix_caching=False, **config), record_trace=True),
+                                        prompts, True, params)
+    want = runs["vtoken", True]
+    for key, got in runs.items():
+        for a, b in zip(want, got):
+            assert a.output_ids == b.output_ids, f"{key}: request {a.req_id} answered differently"
+            assert a.evictions == b.evictions, f"{key}: request {a.req_id} decided differently"
 
 
 def _common(a: list[int], b: list[int]) -> list[int]:

@@ -55,6 +55,13 @@ class EngineConfig:
     and SGLang: a prompt's full blocks are keyed by their tokens; a request whose prompt starts
     with cached blocks shares them and prefills only the rest; finished requests' blocks stay
     cached until the pool needs them. Shared blocks are protected from eviction and relocation."""
+    prefix_reuse: Literal["copy", "share"] = "copy"
+    """How a request that may evict reuses a cached prefix. "copy" (the default): into blocks of
+    its own (one block copy per cached block, no prefill), and no other request shares its blocks
+    while it runs, so nothing of its is protected and its decisions and output are those of a run
+    without prefix caching, alone or in any batch. "share": the cached blocks are held in common
+    and their tokens protected while shared: fewer blocks, but which tokens the policy may evict,
+    and so a greedy answer, depends on what runs beside it (docs/prefix_caching.md)."""
     fragmentation_threshold: int = 1
     check_invariants: bool = False
     """Check I1/I2/I4 on every relocation (slower; on in tests)."""
@@ -101,6 +108,8 @@ class EngineConfig:
             raise ValueError(f"mode must be 'dense' or 'lazy', got {self.mode!r}")
         if self.positions not in ("keep", "shift"):
             raise ValueError(f"positions must be 'keep' or 'shift', got {self.positions!r}")
+        if self.prefix_reuse not in ("copy", "share"):
+            raise ValueError(f"prefix_reuse must be 'copy' or 'share', got {self.prefix_reuse!r}")
         if self.admission not in ("peak", "greedy"):
             raise ValueError(f"admission must be 'peak' or 'greedy', got {self.admission!r}")
         if self.relocation_kernel not in ("auto", "cuda", "torch"):

@@ -54,6 +54,16 @@ class PagedKVCache:
         self.block_offsets[: len(block_lists)].copy_(rows, non_blocking=True)
         self.kv_lens[: len(kv_lens)].copy_(torch.tensor(list(kv_lens), dtype=torch.int32), non_blocking=True)
 
+    def copy_blocks(self, source: Sequence[int], destination: Sequence[int]) -> None:
+        """Copies whole blocks, every layer's K and V: ``destination[i]`` gets ``source[i]``'s
+        (a cached prefix a request takes as its own; on CUDA, on the current stream)."""
+        if len(source) != len(destination):
+            raise ValueError(f"{len(source)} source blocks for {len(destination)} destinations")
+        if source:
+            src = torch.tensor(list(source), dtype=torch.long, device=self.pool.device)
+            dst = torch.tensor(list(destination), dtype=torch.long, device=self.pool.device)
+            self.pool[dst] = self.pool[src]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores new K/V. slots: [T] flat slots, -1 for padding (written to the scratch block);
         k, v: [T, num_kv_heads, head_dim]."""

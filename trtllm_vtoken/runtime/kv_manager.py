@@ -156,19 +156,24 @@ class KVCacheManager:
         how many of them are cached already (their KV is there: prefill the rest), or None if it
         does not fit now (nothing changed)."""
         cfg, prefill_len = self.config, len(token_ids)
+        # A private request (it may evict; prefix_reuse="copy") copies its cached prefix into
+        # blocks of its own: its decisions then depend on no other request (prefix_caching.py).
+        private = self.prefix is not None and spec is not None and cfg.prefix_reuse == "copy"
         # A block that an in-flight background compaction touches is not shared before it commits.
         relocating = self.step.relocating_blocks() if self.step is not None and self.prefix else set()
-        cached, reclaimable = self.prefix.probe(token_ids, relocating) if self.prefix else (0, 0)
+        busy = relocating | self.prefix.busy_for(private) if self.prefix else relocating
+        cached, reclaimable = self.prefix.probe(token_ids, busy) if self.prefix else (0, 0)
+        held = 0 if private else cached  # cached blocks it holds in common instead of allocating
         # A shared prefix is kept on top of the budget (its tokens are protected): count it in.
-        shared = cached * cfg.tokens_per_block
+        shared = held * cfg.tokens_per_block
         budget = self.final_budget(prefill_len + remaining - shared, spec)
         budget = None if budget is None else budget + shared
         if cfg.admission == "greedy":
             free = self.pool.num_free + (self.prefix.cache.num_reclaimable - reclaimable if self.prefix else 0)
-            if free - cfg.evacuation_headroom < -(-prefill_len // cfg.tokens_per_block) - cached:
+            if free - cfg.evacuation_headroom < -(-prefill_len // cfg.tokens_per_block) - held:
                 return None
-            self.admission.admit(req_id, prefill_len, remaining, budget, force=True, cached_blocks=cached)
-        elif not self.admission.admit(req_id, prefill_len, remaining, budget, cached_blocks=cached,
+            self.admission.admit(req_id, prefill_len, remaining, budget, force=True, cached_blocks=held)
+        elif not self.admission.admit(req_id, prefill_len, remaining, budget, cached_blocks=held,
                                       cached_reclaimable=reclaimable):
             return None
         if self.step is not None:
@@ -180,9 +185,20 @@ class KVCacheManager:
         self.evictions.admit(req_id, "native" if spec is None else spec.name)
         if self.prefix is None:
             return 0
-        blocks = self.prefix.begin(req_id, token_ids, relocating)
+        blocks = self.prefix.begin(req_id, token_ids, busy, private)
+        if private and blocks:
+            blocks = self.prefix.privatize(req_id, blocks, self._copy_blocks)
         self.writes.add_prefix(req_id, blocks)
         return self.prefix.cached_tokens(req_id)
+
+    def new_iteration(self) -> None:
+        """Before an iteration's admissions (prefix caching: what earlier prefills wrote is readable)."""
+        if self.prefix is not None:
+            self.prefix.new_iteration()
+
+    def _copy_blocks(self, source: list[int], destination: list[int]) -> None:
+        if self.cache is not None:  # the simulated backend has no KV to copy
+            self.cache.copy_blocks(source, destination)
 
     # ---- one iteration -------------------------------------------------------------------------
     def reserve(self, req_id: int, num_new: int) -> bool:

@@ -18,6 +18,14 @@ block j is the mass the prompt's first (j + 1) * B queries gave to keys [0, (j +
 its own prefill mass: its policy then observes what a fresh prefill of its prompt gives (equal up
 to float rounding). Blocks stored while no policy of the engine observes attention carry no
 payload; a request reusing them observes its own queries' mass only.
+
+Private requests (``EngineConfig.prefix_reuse="copy"``, every request that may evict): such a
+request copies its cached prefix into blocks of its own at admission (``privatize``) and nobody
+shares its blocks while it runs, so no token of its is ever protected and its decisions are those
+of a run without caching, whatever else runs. Two rules keep it so: a private request takes only
+blocks whose prefill has run (``busy_for``: not those keyed in this iteration's admissions, which
+its copy would read before they are written), and a request that shares takes no block a
+running private request keyed (it prefills those tokens itself).
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ class PrefixCaching:
         self.tokens_per_block = pool.tokens_per_block
         self._cached: dict[int, int] = {}
         self._stored: dict[int, list[int]] = {}  # request -> prompt block indices stored at admission
+        self._private: dict[int, np.ndarray | None] = {}  # private request -> its cached prefix's payload
+        self._owner: dict[int, int] = {}  # block keyed by a running private request -> that request
+        self._unwritten: set[int] = set()  # prompt blocks keyed in this iteration's admissions
 
     # ---- admission -----------------------------------------------------------------------------
     def probe(self, token_ids: Sequence[int], busy: Collection[int] = ()) -> tuple[int, int]:
@@ -47,11 +58,39 @@ class PrefixCaching:
         blocks = self.cache.match(token_ids, busy)
         return len(blocks), sum(1 for b in blocks if b in self.cache.unheld)
 
-    def begin(self, req_id: int, token_ids: Sequence[int], busy: Collection[int] = ()) -> list[int]:
-        """The request takes its cached prefix; returns those blocks (its list's start)."""
+    def new_iteration(self) -> None:
+        """Before an iteration's admissions: the prompt blocks keyed so far have been written."""
+        self._unwritten.clear()
+
+    def busy_for(self, private: bool) -> set[int]:
+        """Blocks a request must not take from the cache: a private one's copy would read this
+        iteration's unwritten prompt blocks; a sharing one would share a private request's."""
+        return set(self._unwritten) if private else set(self._owner)
+
+    def begin(self, req_id: int, token_ids: Sequence[int], busy: Collection[int] = (),
+              private: bool = False) -> list[int]:
+        """The request takes its cached prefix; returns those blocks (its list's start). A
+        ``private`` request holds them only until ``privatize`` hands it copies."""
         blocks = self.cache.begin(req_id, token_ids, busy)
         self._cached[req_id] = len(blocks) * self.tokens_per_block
+        if private:  # its copies carry no key: keep the prefix's attention payload now
+            self._private[req_id] = self.cache.payload.get(blocks[-1]) if blocks else None
         return blocks
+
+    def privatize(self, req_id: int, blocks: list[int], copy: Callable[[list[int], list[int]], None]) -> list[int]:
+        """A private request's cached ``blocks`` (from ``begin``) exchanged for fresh blocks of its
+        own: ``copy(source, destination)`` copies their KV; its references on the cached blocks
+        are dropped (they stay cached). Returns its blocks. RuntimeError if the pool lacks them
+        (admission counted them: that would be a bookkeeping error)."""
+        if req_id not in self._private:
+            raise ValueError(f"request {req_id} did not begin as a private request")
+        own = self.cache.allocate(len(blocks))
+        if own is None:
+            raise RuntimeError(f"request {req_id}: no {len(blocks)} blocks for its cached prefix's copy, "
+                               f"though admission counted them")
+        copy(blocks, own)
+        self.cache.release(blocks)
+        return own
 
     def cached_tokens(self, req_id: int) -> int:
         """Prompt tokens the request found cached (not prefilled) at its latest admission."""
@@ -59,11 +98,17 @@ class PrefixCaching:
 
     def store_prompt(self, req_id: int, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
         """Keys the request's full prompt blocks (its prefill writes them before anyone reads them)."""
-        self._stored[req_id] = self.cache.extend(req_id, block_ids, token_ids)
+        self._stored[req_id] = stored = self.cache.extend(req_id, block_ids, token_ids)
+        self._unwritten.update(block_ids[i] for i in stored)
+        self._own(req_id, block_ids, stored)
 
     def store(self, req_id: int, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
         """Keys blocks a decode step filled (``token_ids``: the tokens whose KV is written)."""
-        self.cache.extend(req_id, block_ids, token_ids)
+        self._own(req_id, block_ids, self.cache.extend(req_id, block_ids, token_ids))
+
+    def _own(self, req_id: int, block_ids: Sequence[int], stored: list[int]) -> None:
+        if req_id in self._private:
+            self._owner.update((block_ids[i], req_id) for i in stored)
 
     def cut(self, req_id: int, block_ids: Sequence[int], victims: Sequence[int]) -> None:
         """Before the request evicts ``victims``: its chain ends at the lowest one's block."""
@@ -84,6 +129,9 @@ class PrefixCaching:
         self.cache.end(req_id, block_ids)
         self._cached.pop(req_id, None)
         self._stored.pop(req_id, None)
+        if req_id in self._private:
+            del self._private[req_id]
+            self._owner = {b: r for b, r in self._owner.items() if r != req_id}
 
     def allocate(self, n: int) -> list[int] | None:
         return self.cache.allocate(n)
@@ -103,7 +151,8 @@ class PrefixCaching:
         cached, tpb = self._cached[req_id], self.tokens_per_block
         prefix = torch.zeros_like(mass)
         if cached:
-            payload = self.cache.payload.get(block_ids[cached // tpb - 1])
+            payload = self._private[req_id] if req_id in self._private else \
+                self.cache.payload.get(block_ids[cached // tpb - 1])
             if payload is None:  # stored without a payload: the request observes its own queries only
                 return mass
             prefix[:cached] = torch.from_numpy(payload)

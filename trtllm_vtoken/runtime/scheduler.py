@@ -50,6 +50,7 @@ class Scheduler:
         takes them (its admission credits the blocks vToken reclaims); reserves each one's
         prompt (after a cached prefix). Returns them, to be prefilled this iteration."""
         joined: list[int] = []
+        self.kv.new_iteration()
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.requests[self.waiting[0]]
             ids = request.prefill_ids()
