@@ -221,3 +221,46 @@ def test_a_prompt_recovered_from_the_tree_is_scored_from_its_computed_part():
 def keys_of(tokens: list[int]) -> torch.Tensor:
     """The keys the forward wrote for ``tokens`` (bf16, as the pool holds them): [T, L, Hkv, D]."""
     return torch.stack([kv_of(t, p)[:, 0].to(torch.bfloat16).float() for p, t in enumerate(tokens)])
+
+
+def _first_request_decisions(policy: str, with_second: bool) -> list[list[int]]:
+    """The first request's live tokens after each of its 10 decode steps, alone or with a second
+    request that takes its system-prompt blocks from the reuse tree and evicts beside it."""
+    manager = make_reuse_manager(policy, budget=4)
+    drive, step = Driver(manager), manager.vtoken.step
+    first = make_request(0, 0, 12)
+    first.__init__(request_id=0, max_new_tokens=12, input_tokens=SYSTEM + [1, 2, 3],
+                   sampling_config=first.sampling_config)
+    second = make_request(1, 0, 12)
+    second.__init__(request_id=1, max_new_tokens=12, input_tokens=SYSTEM + [4, 5, 6, 7, 8],
+                    sampling_config=second.sampling_config)
+    batch = ScheduledRequests(context_requests=[first])
+    manager.prepare_resources(batch)
+    drive.write(first, 0, 0, first.prompt_len)
+    manager.update_resources(batch)
+    live = []
+    for i in range(10):
+        others = [second] if with_second and i else []
+        for request in [first] + others:
+            request.add_new_token(600 + 10 * request.py_request_id + i, 0)
+        batch = ScheduledRequests(context_requests=[second] if with_second and i == 0 else [],
+                                  generation_requests=[first] + others)
+        before = {r.py_request_id: (step.num_tokens(r.py_request_id), step.kv_len(r.py_request_id))
+                  for r in batch.generation_requests}
+        manager.prepare_resources(batch)
+        if with_second and i == 0:
+            drive.write(second, 8, 8, second.prompt_len - 8)
+        for request in batch.generation_requests:
+            drive.write(request, *before[request.py_request_id], 1)
+        manager.update_resources(batch)
+        live.append(step.live_tokens(0).tolist())
+    return live
+
+
+@pytest.mark.parametrize("policy", ["random", "streaming_llm", "sliding_window"])
+def test_a_request_decides_alike_alone_and_beside_a_sharer(policy):
+    """The protected tokens are the request's own full prompt blocks, shared or not, so a second
+    request holding the same system-prompt blocks changes none of the first's decisions."""
+    alone = _first_request_decisions(policy, with_second=False)
+    assert alone[-1] != list(range(len(alone[-1]))), "the budget evicts"
+    assert _first_request_decisions(policy, with_second=True) == alone

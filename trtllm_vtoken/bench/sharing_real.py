@@ -48,8 +48,13 @@ class RealSharingConfig:
     degrees: tuple[int, ...] = (1, 2, 4, 8)
     check_invariants: bool = True
     seed: int = 0
+    prefix_reuse: str = "copy"
+    """``EngineConfig.prefix_reuse`` of the evicting rows: "copy" (each request's blocks its own,
+    its output independent of the batch) or "share" (held in common, protected while shared)."""
 
     def __post_init__(self) -> None:
+        if self.prefix_reuse not in ("copy", "share"):
+            raise ValueError(f"prefix_reuse must be 'copy' or 'share', got {self.prefix_reuse!r}")
         if any(d <= 0 or self.requests % d for d in self.degrees):
             raise ValueError(f"every degree must divide requests ({self.requests}), got {self.degrees}")
         for name in ("prefix_tokens", "suffix_tokens", "decode_tokens", "tokens_per_block"):
@@ -63,7 +68,7 @@ class RealSharingConfig:
                             policy_options=dict(self.policy_options), tokens_per_block=self.tokens_per_block,
                             num_blocks=blocks, max_batch_size=self.requests, max_seq_len=length + 1,
                             admission="greedy",  # the pool holds every request at full length
-                            check_invariants=self.check_invariants, seed=self.seed)
+                            check_invariants=self.check_invariants, seed=self.seed, prefix_reuse=self.prefix_reuse)
 
 
 def sharing_prompts(cfg: RealSharingConfig, degree: int, tokenizer) -> list[list[int]]:

@@ -58,6 +58,10 @@ def register(bench) -> None:
     sharing.add_argument("--recent-ratio", type=float, default=0.1,
                          help="--real: share of the budget H2O keeps for the newest tokens (default 0.1)")
     sharing.add_argument("--no-check", action="store_true", help="--real: skip I1/I2/I4 on every relocation")
+    sharing.add_argument("--prefix-reuse", choices=("copy", "share"), default="copy",
+                         help="--real: how evicting requests reuse a cached prefix: copy (default: blocks of their "
+                              "own, outputs independent of the batch) or share (held in common, protected while "
+                              "shared: fewer blocks, outputs depend on the batch)")
     add_output_options(sharing, "64 decode steps (--real: 4 requests, 256 + 128 tokens, degrees 1, 2, 4)", run_sharing)
 
     shift = bench.add_parser(
@@ -263,7 +267,7 @@ def run_sharing_real(args: argparse.Namespace) -> int:
     from trtllm_vtoken.runtime.tokenizer import Tokenizer
 
     options = dict(budget=args.budget, policy_options={"recent_ratio": args.recent_ratio},
-                   check_invariants=not args.no_check)
+                   check_invariants=not args.no_check, prefix_reuse=args.prefix_reuse)
     if args.quick:
         cfg = RealSharingConfig(requests=4, prefix_tokens=256, suffix_tokens=128, decode_tokens=16,
                                 degrees=(1, 2, 4), **options)
@@ -277,7 +281,8 @@ def run_sharing_real(args: argparse.Namespace) -> int:
         result = run_real_sharing_bench(cfg, model, tokenizer, progress=bar)
     print(f"vtoken bench sharing --real: SmolLM2-135M, {cfg.requests} requests, {cfg.prefix_tokens}-token shared "
           f"system prompts, {cfg.suffix_tokens}-token private suffixes, {cfg.decode_tokens} decode steps, "
-          f"{cfg.policy} budget {cfg.budget} {cfg.policy_options}, prefix caching on in every row")
+          f"{cfg.policy} budget {cfg.budget} {cfg.policy_options}, prefix caching on in every row, "
+          f"prefix_reuse={cfg.prefix_reuse}")
     print(format_table(
         ["degree", "row", "prefix hit %", "retained blocks", "mean", "fewer than naive %", "KV util %",
          "decode tok/s", "relocations", "checked", "touching shared/cached", "outputs = naive"],
