@@ -205,13 +205,25 @@ class Engine:
         self.forwards.wait()  # sampling reads the forwards' logits
         for request, logits, _ in results:
             reported.append(self._advance(request, logits))
-        rows = [request.req_id for request, *_ in results]
-        if rows:
-            queries = [r[2] for r in results]
-            mass = None if self.simulated else self.forwards.batch_mass(rows, masses, queries)
-            moved = out is not None and bool(out.num_evicted or out.num_changed)  # the step beside these forwards
-            self._deferred = DeferredStep(rows, mass, self._layout_now, queries, moved)
         self._end_step(self._stepped, out, reported, stepped=deferred is not None)
+        rows = [request.req_id for request, *_ in results]
+        # Rows whose policy decides from counts alone (StreamingLLM, sliding window, Random) take
+        # this iteration's step now, before the next forward's slots and tables: their decisions
+        # land in the next forward, as in the plain order. Rows whose policy observes attention
+        # wait for the next iteration, their step beside its forward (one iteration's lag).
+        counted = [i for i, r in enumerate(rows) if self.kv.decides_from_counts(r)]
+        observing = [i for i in range(len(rows)) if i not in set(counted)]
+        if observing:
+            queries = [results[i][2] for i in observing]
+            mass = None if self.simulated else self.forwards.batch_mass(rows, masses, [r[2] for r in results])
+            mass = mass[observing] if isinstance(mass, np.ndarray) and len(observing) < len(rows) else mass
+            ids = self._layout_now[observing] if self._layout_now is not None else None
+            moved = out is not None and bool(out.num_evicted or out.num_changed)  # the step beside these forwards
+            self._deferred = DeferredStep([rows[i] for i in observing], mass, ids, queries, moved)
+        now = [rows[i] for i in counted if self.requests[rows[i]].status is Status.RUNNING]
+        if now:  # nothing of the device to wait for: the copy follows this iteration's forwards
+            self.kv.start_step(now, None, overlap=self.config.step_overlap)
+            self._end_step(now, self.kv.finish_step(), reported, iteration=False)
         return reported
 
     def _launch_deferred(self, deferred: DeferredStep | None, rows_now: list[int], prefill: list[int]) -> None:
@@ -256,9 +268,11 @@ class Engine:
             self.stats.cached_prompt_tokens += cached
         return results, masses
 
-    def _end_step(self, rows: list[int], out, reported: list[RequestDelta], stepped: bool = True) -> None:
+    def _end_step(self, rows: list[int], out, reported: list[RequestDelta], stepped: bool = True,
+                  iteration: bool = True) -> None:
         """After a step of ``rows``: the eviction trace, admission, the prefix cache's keys and the
-        ranks' comparison, for the requests still running."""
+        ranks' comparison, for the requests still running. ``iteration``: the iteration's last step
+        (the overlap scheduler's count-based rows take a step of their own before it)."""
         continuing = [r for r in rows if self.requests[r].status is Status.RUNNING]
         if self.record_trace:
             for i, req_id in enumerate(rows):
@@ -270,7 +284,7 @@ class Engine:
             sampled = [t for out in reported for t in (out.req_id, *out.new_token_ids)]
             self.consistency.check(self._checked_steps, self.kv.layout, [self.kv.pool.num_free, *sampled])
             self._checked_steps += 1
-        self.stats.steps += 1
+        self.stats.steps += iteration
 
     def _advance(self, request: Request, logits: torch.Tensor) -> RequestDelta:
         req_id, params = request.req_id, request.params

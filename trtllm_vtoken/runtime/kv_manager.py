@@ -132,6 +132,12 @@ class KVCacheManager:
     def policy_of(self, req_id: int) -> EvictionPolicy | None:
         return self.step.policy_of(req_id) if self.step is not None else None
 
+    def decides_from_counts(self, req_id: int) -> bool:
+        """The request's policy evicts and decides from counts alone (not from attention):
+        nothing of a forward is needed to decide what it evicts after that forward."""
+        policy = self.policy_of(req_id)
+        return policy is not None and not policy.observes_attention()
+
     # ---- admission -----------------------------------------------------------------------------
     def final_budget(self, total_tokens: int, spec: PolicySpec | None = None) -> int | None:
         """Live tokens a request of ``total_tokens`` keeps at completion (None: no eviction)."""
