@@ -88,6 +88,10 @@ class PreparedBatches:
             raise RuntimeError("no batch is in flight")
         return self._batches[-1]
 
+    def in_flight(self) -> list[PreparedBatch]:
+        """The batches prepared and not yet updated, oldest first (their forwards were launched)."""
+        return list(self._batches)
+
     def forget(self, req_id: int) -> None:
         """The request left TensorRT-LLM's manager (finished, cancelled or paused)."""
         self.allocated.pop(req_id, None)

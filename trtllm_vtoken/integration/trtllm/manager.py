@@ -113,30 +113,48 @@ def build_manager_class(base: type) -> type:
 
         # ---- iteration hooks -----------------------------------------------------------------
         def prepare_resources(self, scheduled_batch) -> None:
+            # A policy that decides from counts needs nothing of a forward: the batches whose
+            # forwards were launched and not yet updated (the overlap loop's batch N, when
+            # _executor_loop_overlap prepares N+1 before _forward_step(N+1) and update_resources(N))
+            # take their step now, before add_token places this batch's tokens, so this batch's
+            # forward reads the compacted layout: no lag, the plain loop's decisions. (In the plain
+            # loop update_resources has stepped them already: nothing is left to do here.)
+            if not self.vtoken.needs_attention:
+                for prepared in self._vtoken_batches.in_flight():
+                    self._vtoken_step(prepared, through_only=True)
             super().prepare_resources(scheduled_batch)
             self._vtoken_held.update(r.py_request_id for r in scheduled_batch.all_requests())
             self._vtoken_batches.prepared(scheduled_batch)
 
         def update_resources(self, scheduled_batch, attn_metadata=None, kv_cache_dtype_byte_size=None) -> None:
             super().update_resources(scheduled_batch, attn_metadata, kv_cache_dtype_byte_size)
-            prepared = self._vtoken_batches.take(scheduled_batch)
-            step, allocated = self.vtoken.step, self._vtoken_batches.allocated
-            # The executor loop frees the requests that finished with this batch (_handle_responses,
-            # a stop or EOS token, max_tokens reached: KvCacheCreator's estimation requests finish
-            # on their first token) BEFORE it calls update_resources with the whole batch: those
-            # are gone from TensorRT-LLM's manager and from vToken's tables, and are skipped.
-            # Every token TensorRT-LLM allocated for a request joins its table now: under the
-            # overlap loop that includes the token the next batch's forward (already launched)
-            # writes, so the plan counts its slot as taken. The decode queries of this batch
-            # attended to the tokens up to this batch's own (``through``).
+            # Count-based policies take in the tokens up to this batch's own only (a later batch's
+            # were or will be taken in by its successor's prepare_resources, before its forward).
+            self._vtoken_step(self._vtoken_batches.take(scheduled_batch), through_only=not self.vtoken.needs_attention)
+            self._vtoken_publish(force=False)
+
+        def _vtoken_step(self, prepared, through_only: bool) -> None:
+            """One step for the batch's requests. The executor loop frees the requests that
+            finished with a batch (_handle_responses, a stop or EOS token, max_tokens reached:
+            KvCacheCreator's estimation requests finish on their first token) BEFORE it calls
+            update_resources with the whole batch: those are gone from TensorRT-LLM's manager and
+            from vToken's tables, and are skipped. Attention-observing policies take in every token
+            TensorRT-LLM allocated for a request: under the overlap loop that includes the token
+            the next batch's forward (already launched) writes, so the plan counts its slot as
+            taken; the decode queries of this batch attended to the tokens up to its own
+            (``through``). ``through_only``: only those, and requests with none new are skipped."""
+            scheduled_batch, step, allocated = prepared.batch, self.vtoken.step, self._vtoken_batches.allocated
             written = []
             for r in scheduled_batch.context_requests + scheduled_batch.generation_requests:
                 req_id = r.py_request_id
                 if req_id not in self._vtoken_held:
                     continue
                 known = step.num_tokens(req_id) if req_id in step else 0
+                new = (prepared.through[req_id] if through_only else allocated[req_id]) - known
+                if through_only and new <= 0:
+                    continue
                 attended = (step.kv_len(req_id) if req_id in step else 0) + prepared.through[req_id] - known
-                written.append((req_id, self.get_cache_indices(r), allocated[req_id] - known, attended))
+                written.append((req_id, self.get_cache_indices(r), new, attended))
             if self._vtoken_reuse:
                 blocks_of = {req_id: blocks for req_id, blocks, _, _ in written}
                 self._vtoken_share_prompts([(r.py_request_id, blocks_of[r.py_request_id], r.prompt_len)
@@ -151,7 +169,6 @@ def build_manager_class(base: type) -> type:
                 self._vtoken_steps += 1
                 if self.vtoken.settings.check_invariants:  # every rank's table, after the same step
                     self.vtoken_consistency.check(self._vtoken_steps, step, [self.get_num_free_blocks()])
-            self._vtoken_publish(force=False)
 
         def free_resources(self, request, pin_on_release: bool = False) -> None:
             req_id = request.py_request_id
