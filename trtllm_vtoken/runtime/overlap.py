@@ -12,9 +12,12 @@ With ``EngineConfig.overlap_scheduler`` the engine orders one iteration as Tenso
                                             returned; CUDA: the side stream waits for it)
                     sample N+1, release the requests that finished, defer step N+1
 
-Step N registers every token reserved for its rows, N+1's included, so its plan counts them as
-present; its decision reads forward N's attention mass; its evictions take effect in forward
-N+2: a one-step lag, the same for naive-evict and vtoken, which therefore still decode alike.
+This is the order for rows whose policy observes attention (H2O, Scissorhands). Step N
+registers every token reserved for its rows, N+1's included, so its plan counts them as present;
+its decision reads forward N's attention mass; its evictions take effect in forward N+2: a
+one-step lag, the same for naive-evict and vtoken, which therefore still decode alike. Rows whose
+policy decides from counts (StreamingLLM, sliding window, Random) take step N at the end of
+iteration N instead, before N+1's slots are reserved: no lag, the plain order's decisions.
 
 Forward N's mass is laid out by the positions forward N saw, and step N-1 may have moved tokens
 since (compaction, or a dead block dropped): ``DeferredStep`` keeps the logical id at each of

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Double of ``_torch/pyexecutor/model_engine.py`` ``PyTorchModelEngine`` (1.2-era copies, index
-ids 5661567389, 707893322): its ``__init__`` builds the model (``self.model``), so every
+"""Double of ``_torch/pyexecutor/model_engine.py`` ``PyTorchModelEngine`` (1.2-era copy, index
+id 707893322; id 5661567389 is an earlier, ~0.17-era copy with ``PyTorchConfig`` fields): its ``__init__`` builds the model (``self.model``), so every
 ``Attention.__init__`` (and its ``rope_fusion``) runs here, before the executor creator goes on to
 the KV cache. The model: a tiny decoder whose attention layers are this pipeline rank's
 (``mapping.pp_layers``) with their global ids, bf16; ``model.model_config`` carries
