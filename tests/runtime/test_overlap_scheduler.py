@@ -67,12 +67,27 @@ def test_step_n_starts_after_forward_n_plus_1_has_its_tables_and_copies_after_it
     monkeypatch.setattr(DecodeStep, "start", spy_start)
     monkeypatch.setattr(DecodeStep, "finish", spy_finish)
     monkeypatch.setattr(LlamaForCausalLM, "forward", spy_forward)
-    engine = Engine(tiny, config(step_impl=step_impl))
+    engine = Engine(tiny, config(step_impl=step_impl, prefill_decision="lagged"))
     ids = [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in PROMPTS]
     engine.step()  # three prefills, no step yet
     assert events == [("model", 1)] * 3
     events.clear()
     engine.step()  # decode forward 2, beside it the prefills' step
+    assert events == [("start", tuple(ids), True), ("model", 3), ("finish",)]
+    events.clear()
+    engine.step()  # decode forward 3, beside it decode 2's step
+    assert events == [("start", tuple(ids), True), ("model", 3), ("finish",)]
+
+    events.clear()
+    engine = Engine(tiny, config(step_impl=step_impl))  # prefill_decision="at_once", the default
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in PROMPTS]
+    engine.step()  # three prefills, then their step before the first decode forward
+    assert events == [("model", 1)] * 3 + [("start", tuple(ids), False), ("finish",)]
+    events.clear()
+    engine.step()  # the first decode forward: no step beside it (the prefills' ran already)
+    assert events == [("model", 3)]
+    events.clear()
+    engine.step()  # decode forward 3, beside it decode 2's step
     assert events == [("start", tuple(ids), True), ("model", 3), ("finish",)]
 
 
@@ -94,6 +109,16 @@ def test_vtoken_decides_and_decodes_as_naive_evict_with_the_same_lag(tiny, polic
         assert a.evictions == b.evictions, f"request {a.req_id} evicted differently"
         assert a.output_ids == b.output_ids
     assert any(any(e) for r in vtoken for e in r.evictions), "nothing was evicted"
+
+
+def test_prefill_decisions_at_once_are_the_plain_orders(tiny):
+    """H2O's prompt compression (each request's first decision) is the plain order's with
+    ``prefill_decision="at_once"``; lagged, it counts the first generated token too."""
+    plain = generate(tiny, config(overlap_scheduler=False, budget=8))
+    at_once = generate(tiny, config(budget=8))
+    lagged = generate(tiny, config(budget=8, prefill_decision="lagged"))
+    assert [r.evictions[0] for r in at_once] == [r.evictions[0] for r in plain]
+    assert [r.evictions[0] for r in lagged] != [r.evictions[0] for r in plain]
 
 
 def test_the_lag_shows_in_the_decisions(tiny):
@@ -120,7 +145,8 @@ def test_a_simulated_device_forward_is_waited_for_after_the_step_only_under_over
     engine = Engine(SimulatedModel(MODEL_SHAPES["smollm2-135m"], device_forward_us=20_000),
                     config(overlap_scheduler=overlap, prefix_caching=False))
     engine.add_request([1] * 9, SamplingParams(max_tokens=8, ignore_eos=True))
-    engine.step()
+    engine.step()  # the prefill (and, overlapped or not, its step)
+    engine.step()  # the first decode forward (overlapped: nothing beside it)
     events.clear()
     begun = time.perf_counter()
     engine.step()

@@ -81,7 +81,8 @@ def test_a_cached_prefix_not_yet_joined_takes_the_one_by_one_path():
     engine = prefilled("vtoken", 64, prefix_caching=True)
     kv, rows = engine.kv, list(engine.running)
     joining = 100  # admitted with the running requests' prompt blocks cached: its prefix joins at its first step
-    cached = kv.admit(joining, [1] * 20, 4, kv.spec)
+    kv.new_iteration()  # as the scheduler's next admissions begin: the prefills have written their blocks
+    cached = kv.admit(joining, [1] * 20, 4, kv.spec)  # a copy of the cached prefix (prefix_reuse="copy")
     assert cached >= TPB and kv.writes.cached_tokens(joining) == cached
     before = state(engine)
     assert not kv.reserve_decode(rows + [joining])

@@ -85,8 +85,14 @@ class EngineConfig:
     sampling, on the engine's thread (for comparing both)."""
     overlap_scheduler: bool = True
     """The step of iteration N runs beside the forward of N+1, as TensorRT-LLM's overlap scheduler
-    orders it (``runtime/overlap.py``, docs/overlap.md): its evictions take effect one iteration
-    later (naive-evict and vtoken alike). False: each iteration's step ends it (beside sampling)."""
+    orders it (``runtime/overlap.py``, docs/overlap.md): the evictions of policies that observe
+    attention take effect one iteration later (naive-evict and vtoken alike); count-based policies
+    decide before the next forward. False: each iteration's step ends it (beside sampling)."""
+    prefill_decision: Literal["at_once", "lagged"] = "at_once"
+    """Overlap scheduler, policies that observe attention: "at_once" takes a new request's step
+    (its prompt's eviction) before its first decode forward, as the plain order does (the engine
+    has every forward's mass on the host already: it waits for nothing more); "lagged": beside
+    that forward, one iteration late like its decode steps."""
     synchronous_copies: bool = False
     """On CUDA: wait on the host for every relocation instead of ordering the compute stream
     after its event (the ablation of the asynchronous side-stream copy)."""
@@ -108,6 +114,8 @@ class EngineConfig:
             raise ValueError(f"mode must be 'dense' or 'lazy', got {self.mode!r}")
         if self.positions not in ("keep", "shift"):
             raise ValueError(f"positions must be 'keep' or 'shift', got {self.positions!r}")
+        if self.prefill_decision not in ("at_once", "lagged"):
+            raise ValueError(f"prefill_decision must be 'at_once' or 'lagged', got {self.prefill_decision!r}")
         if self.prefix_reuse not in ("copy", "share"):
             raise ValueError(f"prefix_reuse must be 'copy' or 'share', got {self.prefix_reuse!r}")
         if self.admission not in ("peak", "greedy"):

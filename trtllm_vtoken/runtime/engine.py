@@ -40,7 +40,7 @@ from trtllm_vtoken.runtime.forward import Forwards
 from trtllm_vtoken.runtime.kv_manager import KVCacheManager
 from trtllm_vtoken.runtime.logprobs import token_logprobs
 from trtllm_vtoken.runtime.model import LlamaForCausalLM
-from trtllm_vtoken.runtime.overlap import DeferredStep, layout_ids, remap_mass, widened
+from trtllm_vtoken.runtime.overlap import DeferredStep, layout_ids, remap_mass, rows_of, widened
 from trtllm_vtoken.runtime.parallel.layers import check_shard
 from trtllm_vtoken.runtime.request import Request, RequestDelta, Status
 from trtllm_vtoken.runtime.sampling import SamplingParams, sample
@@ -209,21 +209,27 @@ class Engine:
         rows = [request.req_id for request, *_ in results]
         # Rows whose policy decides from counts alone (StreamingLLM, sliding window, Random) take
         # this iteration's step now, before the next forward's slots and tables: their decisions
-        # land in the next forward, as in the plain order. Rows whose policy observes attention
-        # wait for the next iteration, their step beside its forward (one iteration's lag).
-        counted = [i for i, r in enumerate(rows) if self.kv.decides_from_counts(r)]
-        observing = [i for i in range(len(rows)) if i not in set(counted)]
-        if observing:
-            queries = [results[i][2] for i in observing]
-            mass = None if self.simulated else self.forwards.batch_mass(rows, masses, [r[2] for r in results])
-            mass = mass[observing] if isinstance(mass, np.ndarray) and len(observing) < len(rows) else mass
-            ids = self._layout_now[observing] if self._layout_now is not None else None
+        # land in the next forward, as in the plain order; so do this iteration's prefills with
+        # ``prefill_decision="at_once"`` (their mass is on the host). The other rows, whose policy
+        # observes attention, wait for the next iteration, their step beside its forward.
+        at_once = [i for i, (request, *_) in enumerate(results)
+                   if self.kv.decides_from_counts(request.req_id) or (
+                       request.req_id in prefill and self.config.prefill_decision == "at_once")]
+        lagged = [i for i in range(len(rows)) if i not in set(at_once)]
+        queries = [r[2] for r in results]
+        mass = None if self.simulated or not rows else self.forwards.batch_mass(rows, masses, queries)
+        if lagged:
+            ids = self._layout_now[lagged] if self._layout_now is not None else None
             moved = out is not None and bool(out.num_evicted or out.num_changed)  # the step beside these forwards
-            self._deferred = DeferredStep([rows[i] for i in observing], mass, ids, queries, moved)
-        now = [rows[i] for i in counted if self.requests[rows[i]].status is Status.RUNNING]
+            self._deferred = DeferredStep([rows[i] for i in lagged], rows_of(mass, lagged, len(rows)), ids,
+                                          [queries[i] for i in lagged], moved)
+        now = [i for i in at_once if self.requests[rows[i]].status is Status.RUNNING]
         if now:  # nothing of the device to wait for: the copy follows this iteration's forwards
-            self.kv.start_step(now, None, overlap=self.config.step_overlap)
-            self._end_step(now, self.kv.finish_step(), reported, iteration=False)
+            stepped = [rows[i] for i in now]
+            now_mass = self.forwards.batch_mass(stepped, [], [queries[i] for i in now]) if self.simulated else \
+                rows_of(mass, now, len(rows))
+            self.kv.start_step(stepped, now_mass, overlap=self.config.step_overlap)
+            self._end_step(stepped, self.kv.finish_step(), reported, iteration=False)
         return reported
 
     def _launch_deferred(self, deferred: DeferredStep | None, rows_now: list[int], prefill: list[int]) -> None:

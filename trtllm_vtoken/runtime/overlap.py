@@ -50,6 +50,14 @@ class DeferredStep:
     only then do the forward's positions differ from its step's, and its mass is laid out again."""
 
 
+def rows_of(mass: Any, index: list[int], batch: int) -> Any:
+    """The rows ``index`` of a batch's mass [B, L] (a host array); anything else as it is (None,
+    or the simulated backend's function of the layout, evaluated when the step runs)."""
+    if isinstance(mass, np.ndarray) and len(index) < batch:
+        return mass[index]
+    return mass
+
+
 def pending_rows(layout: Any, writes: Any, req_ids: list[int]) -> list[tuple[int, int, int]]:
     """Per request: (kv_len, token count, tokens reserved and not yet taken in: a cached prefix,
     earlier forwards', this one's), the layout as a forward over it sees it now."""
