@@ -8,6 +8,8 @@
 // integer outside int64 is refused with the same exception and message as in Python, before the
 // table is touched. The methods take Python objects for that reason; step_batch keeps a typed
 // overload for contiguous int64 arrays (its hot path) ahead of the converting one.
+#include <cstring>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -32,8 +34,24 @@ using vtoken::to_numpy;
 
 namespace {
 
-// operator.index(value), then the int64 range (arguments.as_int).
+// A Python, numpy or torch boolean: a mask's entry, never an id (arguments.is_bool).
+bool is_bool(nb::handle value) {
+  if (PyBool_Check(value.ptr())) return true;
+  if (!PyObject_HasAttrString(value.ptr(), "dtype")) return false;
+  nb::object dtype = nb::steal(PyObject_GetAttrString(value.ptr(), "dtype"));
+  if (!dtype.is_valid()) throw nb::python_error();
+  nb::object name = nb::steal(PyObject_Str(dtype.ptr()));
+  if (!name.is_valid()) throw nb::python_error();
+  const char* text = PyUnicode_AsUTF8(name.ptr());
+  if (text == nullptr) throw nb::python_error();
+  return std::strcmp(text, "bool") == 0 || std::strcmp(text, "torch.bool") == 0;
+}
+
+// operator.index(value), then the int64 range (arguments.as_int); a bool is refused first.
 int64_t as_int(nb::handle value) {
+  if (!PyLong_CheckExact(value.ptr()) && is_bool(value)) {
+    throw nb::type_error("a bool is not a token id (a mask? pass np.flatnonzero(mask), the ids it keeps or drops)");
+  }
   nb::object number = nb::steal(PyNumber_Index(value.ptr()));
   if (!number.is_valid()) throw nb::python_error();
   int overflow = 0;

@@ -43,6 +43,7 @@ def refused(table, call, error, message):
 
 
 NOT_AN_INT = "'{}' object cannot be interpreted as an integer"
+A_BOOL = "a bool is not a token id (a mask? pass np.flatnonzero(mask), the ids it keeps or drops)"
 BIG = 2**63
 
 
@@ -103,7 +104,7 @@ def test_the_hash_map_marker_names_no_request(impl):
 def test_integer_like_values_are_taken(impl):
     table = make(impl)
     table.evict_tokens(np.int64(0), np.array([2], dtype=np.int32))
-    table.evict_tokens(0, (np.uint8(3), True))  # True is 1, as in Python's int(True)
+    table.evict_tokens(0, (np.uint8(3), 1))  # any iterable of integers (a bool is refused: a mask)
     table.append_tokens(np.int64(0), [np.int64(3)], np.int16(2))
     assert table.kv_len(0) == 8 and table.num_live(0) == 5
 
@@ -121,3 +122,16 @@ def test_block_ids_must_fit_the_int32_slot_encoding(impl, tpb):
     table.append_tokens(0, [limit - 1], tpb)
     last_slot = state(table)[5][-1]
     assert last_slot == (limit - 1) * tpb + tpb - 1 <= 2**31 - 1
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("call", [
+    lambda t: t.evict_tokens(0, [True, False]),  # a mask taken for ids would evict tokens 1 and 0
+    lambda t: t.evict_tokens(0, np.array([False, True, True])),
+    lambda t: t.evict_tokens(0, [np.True_]),
+    lambda t: t.evict_tokens(0, __import__("torch").tensor([True, False])),
+    lambda t: t.evict_tokens(True, [1]),
+    lambda t: t.append_tokens(0, [5], True),
+], ids=["list", "numpy-array", "numpy-scalar", "torch-tensor", "request-id", "length"])
+def test_bools_are_refused_as_ids(impl, call):
+    refused(make(impl), call, TypeError, A_BOOL)

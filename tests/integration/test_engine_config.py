@@ -22,8 +22,8 @@ PRETRAINED = {"architecture": "LlamaForCausalLM", "hidden_size": 64, "num_attent
 BUILD = {"plugin_config": {"paged_kv_cache": True, "tokens_per_block": 64, "streamingllm": False}}
 
 
-def engine_dir(tmp_path, quant=None, streamingllm=False):
-    pretrained = {**PRETRAINED, "quantization": {**PRETRAINED["quantization"], "kv_cache_quant_algo": quant}}
+def engine_dir(tmp_path, quant=None, streamingllm=False, **extra):
+    pretrained = {**PRETRAINED, "quantization": {**PRETRAINED["quantization"], "kv_cache_quant_algo": quant}, **extra}
     build = {"plugin_config": {**BUILD["plugin_config"], "streamingllm": streamingllm}}
     (tmp_path / "config.json").write_text(json.dumps({"version": "1.2.1", "pretrained_config": pretrained,
                                                       "build_config": build}))
@@ -45,6 +45,22 @@ def test_a_streamingllm_engine_is_refused(tmp_path):
     """Position-shift mode caches unrotated keys and rotates them by cache slot at read time."""
     with pytest.raises(ValueError, match=r"built with StreamingLLM .* re-rotation would rotate twice"):
         engine_rope(engine_dir(tmp_path, streamingllm=True))
+
+
+@pytest.mark.parametrize("extra", [{"num_medusa_heads": 4, "max_draft_len": 63},
+                                   {"redrafter_num_beams": 5, "redrafter_draft_len_per_beam": 5}])
+def test_draft_engines_are_refused(tmp_path, extra):
+    """``ModelRunner`` reads these pretrained_config fields (``runtime/model_runner.py``) and turns
+    the generation session's Medusa / ReDrafter paths on; a plain engine has none of them."""
+    with pytest.raises(ValueError, match=r"it drafts tokens \((num_medusa_heads 4|redrafter_num_beams 5)"):
+        engine_rope(engine_dir(tmp_path, **extra))
+    assert engine_problems({"pretrained_config": {**PRETRAINED, "num_medusa_heads": 0, "max_draft_len": 0}}) == []
+
+
+def test_a_gemma3_engine_is_refused(tmp_path):
+    """Gemma-3's local layers rotate with ``rope_local_base_freq``; vToken's re-rotation knows one base."""
+    with pytest.raises(ValueError, match=r"rope_local_base_freq 10000.0, Gemma-3"):
+        engine_rope(engine_dir(tmp_path, rope_local_base_freq=10000.0))
 
 
 def test_a_quantized_pool_is_refused_whatever_the_config_says():

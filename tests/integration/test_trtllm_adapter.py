@@ -82,6 +82,26 @@ def test_required_llm_settings_are_checked_all_at_once():
     check_llm_args({**llm_args_dict(), "disable_overlap_scheduler": False})  # TensorRT-LLM's default: fine
 
 
+def test_disaggregated_serving_and_piecewise_cuda_graphs_are_refused():
+    """TorchLlmArgs fields (1.2-era llmapi/llm_args.py: ``cache_transceiver_config``,
+    ``TorchCompileConfig.enable_piecewise_cuda_graph``), as a mapping and as the args double."""
+    from tests.integration.trtllm121.tensorrt_llm.llmapi.llm_args import TorchLlmArgs
+
+    bad = {**llm_args_dict(), "cache_transceiver_config": {"backend": "UCX"},
+           "torch_compile_config": {"enable_piecewise_cuda_graph": True}}
+    with pytest.raises(ValueError) as err:
+        check_llm_args(bad)
+    lines = str(err.value).splitlines()
+    assert len(lines) == 3
+    assert "cache_transceiver_config must be None (got {'backend': 'UCX'}): disaggregated serving" in lines[1]
+    assert "torch_compile_config.enable_piecewise_cuda_graph must be None or False (got True)" in lines[2]
+    check_llm_args({**llm_args_dict(), "torch_compile_config": {"enable_piecewise_cuda_graph": False}})
+    args = TorchLlmArgs(model="tiny", **{k: v for k, v in llm_args_dict().items() if k != "kv_cache_config"},
+                        cache_transceiver_config={"backend": "UCX"})
+    with pytest.raises(ValueError, match="cache_transceiver_config must be None"):
+        check_llm_args(args)
+
+
 def test_model_yaml_example_matches_the_required_arguments():
     yaml = pytest.importorskip("yaml")
     from pathlib import Path

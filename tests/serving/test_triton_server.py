@@ -139,6 +139,23 @@ def test_32_concurrent_clients_all_answered(triton_server):
     assert metrics(triton_server)["vtoken_kv_blocks_retained"] == 0
 
 
+def test_a_greedy_answer_is_the_same_alone_and_sent_together(triton_server):
+    """H2O at 0.5 with prefix caching on (the server's settings): six chat prompts sharing the
+    chat template answer the same sent one at a time and sent at once."""
+    chat = ["Write one sentence about cats.", "Write one sentence about the sea.", "Write one sentence about rain.",
+            "Write one sentence about bread.", "Write one sentence about trains.", "Write one sentence about music."]
+
+    def one(prompt: str) -> str:
+        status, body = generate(triton_server, "tensorrt_llm", {"text_input": prompt, "sampling_param_max_tokens": 16})
+        assert status == 200, body
+        return body["text_output"]
+
+    alone = [one(p) for p in chat]
+    with ThreadPoolExecutor(len(chat)) as pool:
+        together = list(pool.map(one, chat))
+    assert together == alone
+
+
 def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(triton_server):
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException

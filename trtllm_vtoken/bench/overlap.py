@@ -41,13 +41,16 @@ class OverlapBenchConfig:
         if not 0.0 < self.budget <= 1.0:
             raise ValueError(f"budget must lie in (0, 1], got {self.budget}")
 
-    def rows(self) -> list[tuple[str, tuple[str, bool]]]:
-        return [(f"{variant}{' overlap' if overlap else ''}", (variant, overlap))
+    def rows(self) -> list[tuple[str, tuple[str, bool, str]]]:
+        """(label, (variant, overlap scheduler, prefill_decision)): every variant in both orders,
+        and vtoken's H2O prompt decision lagged beside the first decode forward."""
+        rows = [(f"{variant}{' overlap' if overlap else ''}", (variant, overlap, "at_once"))
                 for variant in VARIANTS for overlap in (False, True)]
+        return rows + [("vtoken overlap, prefill lagged", ("vtoken", True, "lagged"))]
 
 
 def serve_once(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: OverlapBenchConfig, variant: str,
-               overlap: bool) -> dict[str, Any]:
+               overlap: bool, prefill_decision: str = "at_once") -> dict[str, Any]:
     """One fresh engine serves ``prompts`` to the end; its speed and its thread's time split."""
     from trtllm_vtoken.runtime.config import EngineConfig
     from trtllm_vtoken.runtime.engine import Engine
@@ -58,7 +61,8 @@ def serve_once(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: Overla
     engine = Engine(model, EngineConfig(variant=variant, policy="h2o", budget=cfg.budget, tokens_per_block=tpb,
                                         num_blocks=per_request * len(prompts), max_batch_size=len(prompts),
                                         max_seq_len=cfg.max_prompt_tokens + cfg.new_tokens + tpb,
-                                        overlap_scheduler=overlap, prefix_caching=False), tokenizer)
+                                        overlap_scheduler=overlap, prefill_decision=prefill_decision,
+                                        prefix_caching=False), tokenizer)
     params = SamplingParams(max_tokens=cfg.new_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     start = time.perf_counter()
@@ -88,6 +92,6 @@ def run_overlap_bench(cfg: OverlapBenchConfig, model: Any, tokenizer: Any, progr
                            lambda label, spec: serve_once(model, tokenizer, prompts, cfg, *spec), progress,
                            spread=("forward_s", "step_here_s", "waited_s"))
     for row in rows:
-        variant, overlap = dict(cfg.rows())[row["label"]]
-        row.update(variant=variant, overlap=overlap)
+        variant, overlap, prefill_decision = dict(cfg.rows())[row["label"]]
+        row.update(variant=variant, overlap=overlap, prefill_decision=prefill_decision)
     return {"config": asdict(cfg), "prompt_tokens": [len(p) for p in prompts], "rows": rows}

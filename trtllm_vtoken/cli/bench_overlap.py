@@ -48,8 +48,9 @@ def run_overlap(args: argparse.Namespace) -> int:
           f"tokens each, H2O {cfg.budget}; median [min-max] of {cfg.repeats} alternating runs; seconds of the "
           "engine's thread per run")
     print(format_table(
-        ["variant", "overlap", "tok/s", "forward s", "step here s", "waited s", "other s", "evicted"],
-        [[r["variant"], "on" if r["overlap"] else "off",
+        ["variant", "overlap", "prefill decision", "tok/s", "forward s", "step here s", "waited s", "other s",
+         "evicted"],
+        [[r["variant"], "on" if r["overlap"] else "off", r["prefill_decision"] if r["overlap"] else "-",
           f"{r['tokens_per_s']:.1f} [{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}]",
           f"{r['forward_s']:.2f}", f"{r['step_here_s']:.3f}", f"{r['waited_s']:.3f}", f"{r['other_s']:.2f}",
           r["tokens_evicted"]] for r in result["rows"]]))

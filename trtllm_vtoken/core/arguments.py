@@ -6,7 +6,10 @@ there and refuses the rest with the same errors, before it looks at anything els
 bindings convert through the same Python calls, so the messages are CPython's own):
 
     value                           both implementations
-    int, bool, numpy integer        the integer
+    int, numpy integer              the integer
+    bool, numpy bool, torch bool    TypeError  "a bool is not a token id (...)": a list or array of
+                                    bools is a mask, and taking it for ids would evict tokens 1
+                                    and 0 for [True, False]; pass np.flatnonzero(mask)
     float, str, numpy float, ...    TypeError  "'float' object cannot be interpreted as an integer"
     an integer outside int64        ValueError "integer 2**63 is outside int64 [-2**63, 2**63 - 1]"
     a list of ids that is an int    TypeError  "'int' object is not iterable"
@@ -24,11 +27,21 @@ import numpy as np
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+BOOL_MESSAGE = "a bool is not a token id (a mask? pass np.flatnonzero(mask), the ids it keeps or drops)"
+
+
+def is_bool(value: object) -> bool:
+    """A Python, numpy or torch boolean (scalar): what a mask holds, never an id."""
+    if isinstance(value, bool):
+        return True
+    return str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
 
 
 def as_int(value: object) -> int:
     """``value`` as an int64-sized Python int. Raises TypeError or ValueError (module doc)."""
     if type(value) is not int:
+        if is_bool(value):
+            raise TypeError(BOOL_MESSAGE)
         value = index(value)  # type: ignore[arg-type]
     if not INT64_MIN <= value <= INT64_MAX:
         raise ValueError(f"integer {value} is outside int64 [{INT64_MIN}, {INT64_MAX}]")

@@ -22,6 +22,17 @@
                                         engine anyway (``builder.py``: "StreamingLLM is no longer
                                         supported", PR #6379).
 
+        pretrained_config.num_medusa_heads / max_draft_len (Medusa), redrafter_num_beams (ReDrafter)
+                                        -> refused: ``ModelRunner`` (``runtime/model_runner.py``)
+                                        hands them to ``GenerationSession``, which then writes
+                                        several draft tokens per step and copies the logical
+                                        lengths into ``host_past_key_value_lengths`` after
+                                        vToken's hook (``process_logits_including_draft``); the
+                                        runner assumes one written token per step
+        pretrained_config.rope_local_base_freq (Gemma-3)
+                                        -> refused: the local (sliding-window) layers rotate with
+                                        their own base, and ``RopeSpec`` knows one frequency table
+
 A pool whose dtype is 8-bit is refused by the runner too (``check_pool``), whatever the config says.
 """
 
@@ -57,6 +68,17 @@ def engine_problems(config: Mapping[str, Any]) -> list[str]:
                         "then caches keys without RoPE and rotates each by its cache slot when reading it, so a "
                         "re-rotation would rotate twice, and without one vToken's compaction (which reorders "
                         "the cache) would change every position; build without --streamingllm")
+    drafts = {k: pretrained.get(k) for k in ("num_medusa_heads", "max_draft_len", "redrafter_num_beams")
+              if pretrained.get(k)}
+    if drafts:
+        problems.append(f"it drafts tokens ({', '.join(f'{k} {v}' for k, v in drafts.items())}: Medusa or "
+                        "ReDrafter): the generation session writes several draft tokens per step and sets the "
+                        "KV lengths after vToken's hook, which assumes one written token per step; build the "
+                        "base model without draft heads")
+    if pretrained.get("rope_local_base_freq") is not None:
+        problems.append(f"its local attention layers rotate with their own base (rope_local_base_freq "
+                        f"{pretrained['rope_local_base_freq']!r}, Gemma-3) and vToken's re-rotation knows one "
+                        "RoPE table (rotary_base); use the PyTorch backend, which keeps positions")
     return problems
 
 

@@ -134,6 +134,12 @@ REQUIRED: tuple[tuple[str, Any, str], ...] = (
     ("enable_chunked_prefill", (None, False), "the hooks treat every context request as one whole chunk"),
     ("attn_backend", (None, "TRTLLM"), "the hooks patch TrtllmAttention and its metadata"),
     ("sparse_attention_config", None, "sparse attention brings its own KV-cache manager"),
+    ("cache_transceiver_config", None,
+     "disaggregated serving sends a context request's blocks asynchronously while vToken may compact or "
+     "rewind them, and generation-only requests never reach update_resources; serve aggregated"),
+    ("torch_compile_config.enable_piecewise_cuda_graph", (None, False),
+     "piecewise CUDA graphs pad the batch's tokens, so the decode rows' queries are not where vToken's "
+     "recorder reads them; use cuda_graph_config (whole-batch graphs) instead"),
 )
 
 
