@@ -19,7 +19,7 @@ from trtllm_vtoken.runtime.sampling import SamplingParams
 pytestmark = pytest.mark.slow
 
 PROMPT = "Explain what a hash table is."
-TOKENS = 64
+TOKENS = 40
 
 
 @pytest.fixture(scope="module")
