@@ -80,9 +80,13 @@ def test_sla_scan_selects_levels_from_one_run(model, smollm2_tokenizer):
     from trtllm_vtoken.bench.sla import SlaBenchConfig, run_sla_bench
 
     cfg = SlaBenchConfig(concurrency=(1, 2), requests_per_client=1, max_prompt_tokens=96, max_output_tokens=4,
-                         num_blocks=64)
+                         num_blocks=64, repeats=2)
     result = run_sla_bench(cfg, model, smollm2_tokenizer)
     scans, summary = result["scans"], result["summary"]
+    assert summary["verdict"] in ("higher", "lower", "within the spread", "no verdict: a variant meets the SLA at no level")
+    assert all(lv["tokens_per_s_min"] <= lv["tokens_per_s"] <= lv["tokens_per_s_max"] and
+               lv["latency_p95_s_min"] <= lv["latency_p95_s"] <= lv["latency_p95_s_max"]
+               for levels in scans.values() for lv in levels)
     assert [lv["clients"] for lv in scans["vtoken"]] == [1, 2]
     assert all(lv["output_tokens"] == 4 * lv["requests"] for levels in scans.values() for lv in levels)
     # The selection, recomputed from the scans by the definitions in bench/sla.py's docstring.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trtllm_vtoken.bench.sharing import SharingBenchConfig, run_sharing_bench
-from trtllm_vtoken.bench.sla import SlaBenchConfig, reference_level, select
+from trtllm_vtoken.bench.sla import SlaBenchConfig, compare, reference_level, select
 
 
 def test_sharing_never_moves_shared_blocks_and_reaches_the_ideal():
@@ -61,3 +61,15 @@ def test_alternating_repeats_report_the_median_run_per_row():
         [("a", 2.0, 1.0, 3.0, 1), ("b", 5.0, 4.0, 6.0, 2)]
     with pytest.raises(ValueError, match="repeats must be positive"):
         run_alternating([("a", 1)], 0, run)
+
+
+def test_sla_verdict_claims_a_direction_only_outside_the_spread():
+    def point(speed, low, high):
+        return {"tokens_per_s": speed, "tokens_per_s_min": low, "tokens_per_s_max": high}
+
+    assert compare(point(12, 11, 13), point(10, 9, 10.5))["verdict"] == "higher"
+    assert compare(point(8, 7, 9), point(10, 9.5, 11))["verdict"] == "lower"
+    got = compare(point(10.4, 9.8, 11), point(10, 9, 10.5))
+    assert got["verdict"] == "within the spread" and got["throughput_ratio_min"] < 1 < got["throughput_ratio_max"]
+    with pytest.raises(ValueError, match="repeats must be positive"):
+        SlaBenchConfig(repeats=0)

@@ -14,6 +14,12 @@ wall time. Then, from the same run:
     C_sel   per variant, the largest C whose p95 latency meets the SLA
 
 and reports throughput and p95 at C_sel for naive-evict and vtoken, and their ratio.
+
+Every (variant, C) point runs ``repeats`` times in alternating order (``bench/repeats.py``): the
+run with the median p95 is the point's, and its throughput and p95 carry the range over the
+runs. The ratio carries its range (vtoken's slowest over naive-evict's fastest, and the reverse),
+and the verdict says "higher" or "lower" only when the ranges do not overlap, "within the
+spread" otherwise.
 """
 
 from __future__ import annotations
@@ -42,8 +48,11 @@ class SlaBenchConfig:
     budget: str = "0.5"
     sla_factor: float = 1.05
     seed: int = 0
+    repeats: int = 3
 
     def __post_init__(self) -> None:
+        if self.repeats <= 0:
+            raise ValueError(f"repeats must be positive, got {self.repeats}")
         if not self.concurrency or min(self.concurrency) <= 0 or list(self.concurrency) != sorted(self.concurrency):
             raise ValueError(f"concurrency must be ascending positive levels, got {self.concurrency}")
         if self.sla_factor < 1.0:
@@ -124,26 +133,43 @@ def run_sla_bench(cfg: SlaBenchConfig, model, tokenizer, progress=None) -> dict[
                           max_prompt_tokens=cfg.max_prompt_tokens, max_output_tokens=cfg.max_output_tokens)
     prompts = [tokenizer.encode(item.prompt, chat=True) for item in items]
     max_tokens = [item.max_tokens for item in items]
-    scans: dict[str, list[dict[str, Any]]] = {}
-    for variant in VARIANTS:
-        scans[variant] = []
-        for clients in cfg.concurrency:
-            engine = Engine(model, cfg.engine_config(variant), tokenizer)
-            level = closed_loop(engine, prompts, max_tokens, clients, cfg.requests_per_client * clients)
-            if engine.kv.step is not None:
-                level["invariant_checks"] = engine.kv.step_stats.invariant_checks
-            scans[variant].append(level)
-            if progress is not None:
-                progress.update(1)
+    from trtllm_vtoken.bench.repeats import run_alternating
+
+    def run(label: str, point: tuple[str, int]) -> dict[str, Any]:
+        variant, clients = point
+        engine = Engine(model, cfg.engine_config(variant), tokenizer)
+        level = closed_loop(engine, prompts, max_tokens, clients, cfg.requests_per_client * clients)
+        if engine.kv.step is not None:
+            level["invariant_checks"] = engine.kv.step_stats.invariant_checks
+        return level
+
+    points = [(f"{variant} C={clients}", (variant, clients)) for variant in VARIANTS for clients in cfg.concurrency]
+    runs = run_alternating(points, cfg.repeats, run, progress, key="latency_p95_s", spread=("tokens_per_s",))
+    scans: dict[str, list[dict[str, Any]]] = {variant: [] for variant in VARIANTS}
+    for (_, (variant, _)), level in zip(points, runs):
+        scans[variant].append(level)
     reference, binds = reference_level(scans["naive-evict"])
     sla = cfg.sla_factor * reference["latency_p95_s"]
     selected = {variant: select(scans[variant], sla) for variant in VARIANTS}
     summary: dict[str, Any] = {"c_ref": reference["clients"], "sla_p95_s": sla, "budget_binds": binds,
-                               "selected": {v: (s["clients"] if s else None) for v, s in selected.items()}}
+                               "selected": {v: (s["clients"] if s else None) for v, s in selected.items()},
+                               "repeats": cfg.repeats}
     if all(selected.values()):
-        summary["throughput_ratio"] = selected["vtoken"]["tokens_per_s"] / selected["naive-evict"]["tokens_per_s"]
-        summary["throughput_gain_pct"] = 100.0 * (summary["throughput_ratio"] - 1.0)
+        summary.update(compare(selected["vtoken"], selected["naive-evict"]))
+    else:
+        summary["verdict"] = "no verdict: a variant meets the SLA at no level"
     return {"config": asdict(cfg), "scans": scans, "summary": summary}
+
+
+def compare(vtoken: dict[str, Any], naive: dict[str, Any]) -> dict[str, Any]:
+    """vtoken's throughput over naive-evict's at their selected levels, with the ratio's range
+    over the runs and a verdict that claims a direction only outside that range."""
+    low = vtoken["tokens_per_s_min"] / naive["tokens_per_s_max"]
+    high = vtoken["tokens_per_s_max"] / naive["tokens_per_s_min"]
+    verdict = "higher" if low > 1.0 else "lower" if high < 1.0 else "within the spread"
+    ratio = vtoken["tokens_per_s"] / naive["tokens_per_s"]
+    return {"throughput_ratio": ratio, "throughput_ratio_min": low, "throughput_ratio_max": high,
+            "throughput_gain_pct": 100.0 * (ratio - 1.0), "verdict": verdict}
 
 
 def plot_sla(result: dict[str, Any], path) -> None:

@@ -35,8 +35,10 @@ def register(bench) -> None:
     sla.add_argument("--concurrency", default="1,2,4,8,12,16", help="ascending levels (default 1,2,4,8,12,16)")
     sla.add_argument("--requests-per-client", type=int, default=3,
                      help="requests each closed-loop client sends (default 3)")
-    sla.add_argument("--num-blocks", type=int, default=96, help="KV block budget (default 96)")
-    add_output_options(sla, "levels 2,4,8, two requests per client, 24 new tokens", run_sla)
+    sla.add_argument("--num-blocks", type=int, default=None,
+                     help="KV block budget (default 96; --quick: 40, where naive-evict must wait at C = 8)")
+    sla.add_argument("--repeats", type=int, default=3, help="runs per (variant, C), alternating (default 3)")
+    add_output_options(sla, "levels 2,4,8, two requests per client, 24 new tokens, 40 blocks", run_sla)
 
     sharing = bench.add_parser(
         "sharing", help="prefix sharing at degree 1/2/4/8: retained blocks, no shared block moved "
@@ -149,20 +151,28 @@ def run_sla(args: argparse.Namespace) -> int:
         levels = tuple(int(c) for c in ("2,4,8" if args.quick else args.concurrency).split(","))
     except ValueError:
         raise ValueError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
+    blocks = args.num_blocks if args.num_blocks is not None else 40 if args.quick else 96
     cfg = SlaBenchConfig(concurrency=levels, requests_per_client=2 if args.quick else args.requests_per_client,
-                         num_blocks=args.num_blocks, max_output_tokens=24 if args.quick else 48)
+                         num_blocks=blocks, max_output_tokens=24 if args.quick else 48, repeats=args.repeats)
     _, model, tokenizer = load_model(None)
-    with tqdm(total=len(levels) * len(VARIANTS), desc="bench sla", unit="level", disable=None, file=sys.stderr) as bar:
+    with tqdm(total=len(levels) * len(VARIANTS) * cfg.repeats, desc="bench sla", unit="run", disable=None,
+              file=sys.stderr) as bar:
         result = run_sla_bench(cfg, model, tokenizer, progress=bar)
     print(f"vtoken bench sla: closed loop, {cfg.num_blocks} blocks x {cfg.tokens_per_block} tokens, "
-          f"{cfg.policy} budget {cfg.budget}")
-    print(format_table(["variant", "C", "tokens/s", "p50 s", "p95 s", "most running", "steps waited", "preemptions"],
-                       [[v, lv["clients"], lv["tokens_per_s"], lv["latency_p50_s"], lv["latency_p95_s"],
+          f"{cfg.policy} budget {cfg.budget}; per point the run with the median p95 of {cfg.repeats} alternating "
+          "runs, tokens/s with its range")
+    print(format_table(["variant", "C", "tokens/s [min-max]", "p50 s", "p95 s [min-max]", "most running",
+                        "steps waited", "preemptions"],
+                       [[v, lv["clients"], f"{lv['tokens_per_s']:.2f} [{lv['tokens_per_s_min']:.2f}-"
+                         f"{lv['tokens_per_s_max']:.2f}]", lv["latency_p50_s"],
+                         f"{lv['latency_p95_s']:.2f} [{lv['latency_p95_s_min']:.2f}-{lv['latency_p95_s_max']:.2f}]",
                          lv["max_running"], lv["waited_steps"], lv["preemptions"]]
                         for v, levels_ in result["scans"].items() for lv in levels_]))
     s = result["summary"]
     print(f"\nC_ref {s['c_ref']}, SLA p95 <= {s['sla_p95_s']:.2f} s; C_sel: {s['selected']}"
-          + (f"; vtoken throughput at C_sel = {s['throughput_ratio']:.3f}x naive-evict's" if "throughput_ratio" in s else ""))
+          + (f"; vtoken throughput at C_sel = {s['throughput_ratio']:.3f}x naive-evict's "
+             f"[{s['throughput_ratio_min']:.3f}-{s['throughput_ratio_max']:.3f}]" if "throughput_ratio" in s else "")
+          + f"; verdict: {s['verdict']}")
     if not s["budget_binds"]:
         print(f"naive-evict ran every request as it came at every level: {cfg.num_blocks} blocks do not limit it here, "
               "so C_sel compares equal concurrency, not capacity (raise --concurrency or lower --num-blocks)")
