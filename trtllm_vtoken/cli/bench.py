@@ -218,7 +218,8 @@ def run_capacity(args: argparse.Namespace) -> int:
 def run_all(args: argparse.Namespace) -> int:
     """Each benchmark in turn, parsed by its own parser as ``vtoken bench <name>`` would be; the
     first that fails ends the run (its error reported as ``vtoken`` reports any)."""
-    names = ["variants", "capacity", "quality", "core", "step", "overhead", "sweeps", "sla", "sharing", "shift"]
+    names = ["variants", "capacity", "quality", "core", "step", "overhead", "sweeps", "sla", "sharing", "shift",
+             "invariance"]
     names += [] if args.quick else ["utilization", "serve"]
     for name in names:
         print(f"\n== vtoken bench {name}{' --quick' if args.quick else ''} ==", flush=True)
