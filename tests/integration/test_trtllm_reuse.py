@@ -126,15 +126,14 @@ def test_without_the_rules_the_tree_would_lie():
     raise AssertionError("the reuse tree stayed true without the rules: this test proves nothing")
 
 
-@pytest.mark.parametrize("policy", ["random", "streaming_llm"])
-def test_two_running_requests_share_the_system_prompt_while_evicting(policy):
-    """The second request arrives while the first decodes: ``add_sequence`` hands it the first's
-    stored system-prompt blocks, both hold them at once, and both evict (down to the budget, which
-    applies to the tokens outside the protected prompt blocks, never inside them) without the
-    tree ever lying. StreamingLLM's batches are decided inside the C++ core's call (its
-    selection passes over the protected blocks), Random's in Python before it."""
+def run_beside(policy: str, with_second: bool, after_step=None):
+    """The first request (its system prompt's 2 full blocks then 3 tokens) decodes 10 tokens;
+    ``with_second``: a second request with the same system prompt arrives at the first decode
+    step, takes the stored prompt blocks from the reuse tree (``add_sequence``) and decodes
+    beside it. Returns the manager, the driver, the two requests and the first one's live tokens
+    after each step; ``after_step(drive)`` runs after each ``update_resources``."""
     manager = make_reuse_manager(policy, budget=4)
-    drive = Driver(manager)
+    drive, step = Driver(manager), manager.vtoken.step
     first = make_request(0, 0, 12)
     first.__init__(request_id=0, max_new_tokens=12, input_tokens=SYSTEM + [1, 2, 3],
                    sampling_config=first.sampling_config)
@@ -145,25 +144,40 @@ def test_two_running_requests_share_the_system_prompt_while_evicting(policy):
     manager.prepare_resources(batch)
     drive.write(first, 0, 0, first.prompt_len)
     manager.update_resources(batch)
-    step = manager.vtoken.step
+    live = []
     for i in range(10):
-        for request in [first] + ([second] if i else []):
+        others = [second] if with_second and i else []
+        for request in [first] + others:
             request.add_new_token(600 + 10 * request.py_request_id + i, 0)
-        batch = ScheduledRequests(context_requests=[second] if i == 0 else [],
-                                  generation_requests=[first] + ([second] if i else []))
+        batch = ScheduledRequests(context_requests=[second] if with_second and i == 0 else [],
+                                  generation_requests=[first] + others)
         before = {r.py_request_id: (step.num_tokens(r.py_request_id), step.kv_len(r.py_request_id))
                   for r in batch.generation_requests}
         manager.prepare_resources(batch)
-        if i == 0:
+        if with_second and i == 0:
             assert manager.get_cache_indices(second)[:2] == manager.get_cache_indices(first)[:2]  # shared
             drive.write(second, 8, 8, second.prompt_len - 8)  # the reused blocks are not recomputed
         for request in batch.generation_requests:
-            logical, position = before[request.py_request_id]
-            drive.write(request, logical, position, 1)
+            drive.write(request, *before[request.py_request_id], 1)
         manager.update_resources(batch)
-        drive.check_tree()
+        live.append(step.live_tokens(0).tolist())
+        if after_step is not None:
+            after_step(drive)
+    return manager, drive, first, second, live
+
+
+@pytest.mark.parametrize("policy", ["random", "streaming_llm"])
+def test_two_running_requests_share_the_system_prompt_while_evicting(policy):
+    """The second request arrives while the first decodes: ``add_sequence`` hands it the first's
+    stored system-prompt blocks, both hold them at once, and both evict (down to the budget, which
+    applies to the tokens outside the protected prompt blocks, never inside them) without the
+    tree ever lying. StreamingLLM's batches are decided inside the C++ core's call (its
+    selection passes over the protected blocks), Random's in Python before it."""
+    checks = []
+    manager, drive, first, second, _ = run_beside(policy, True, lambda drive: checks.append(drive.check_tree()))
+    step = manager.vtoken.step
     shared = manager.get_cache_indices(first)[:2]
-    assert manager.get_cache_indices(second)[:2] == shared
+    assert manager.get_cache_indices(second)[:2] == shared and len(checks) == 10
     for request in (first, second):
         assert manager.vtoken.num_evicted(request.py_request_id) > 0
         assert set(range(8)) <= set(step.live_tokens(request.py_request_id).tolist())  # the shared prefix kept
@@ -223,44 +237,10 @@ def keys_of(tokens: list[int]) -> torch.Tensor:
     return torch.stack([kv_of(t, p)[:, 0].to(torch.bfloat16).float() for p, t in enumerate(tokens)])
 
 
-def _first_request_decisions(policy: str, with_second: bool) -> list[list[int]]:
-    """The first request's live tokens after each of its 10 decode steps, alone or with a second
-    request that takes its system-prompt blocks from the reuse tree and evicts beside it."""
-    manager = make_reuse_manager(policy, budget=4)
-    drive, step = Driver(manager), manager.vtoken.step
-    first = make_request(0, 0, 12)
-    first.__init__(request_id=0, max_new_tokens=12, input_tokens=SYSTEM + [1, 2, 3],
-                   sampling_config=first.sampling_config)
-    second = make_request(1, 0, 12)
-    second.__init__(request_id=1, max_new_tokens=12, input_tokens=SYSTEM + [4, 5, 6, 7, 8],
-                    sampling_config=second.sampling_config)
-    batch = ScheduledRequests(context_requests=[first])
-    manager.prepare_resources(batch)
-    drive.write(first, 0, 0, first.prompt_len)
-    manager.update_resources(batch)
-    live = []
-    for i in range(10):
-        others = [second] if with_second and i else []
-        for request in [first] + others:
-            request.add_new_token(600 + 10 * request.py_request_id + i, 0)
-        batch = ScheduledRequests(context_requests=[second] if with_second and i == 0 else [],
-                                  generation_requests=[first] + others)
-        before = {r.py_request_id: (step.num_tokens(r.py_request_id), step.kv_len(r.py_request_id))
-                  for r in batch.generation_requests}
-        manager.prepare_resources(batch)
-        if with_second and i == 0:
-            drive.write(second, 8, 8, second.prompt_len - 8)
-        for request in batch.generation_requests:
-            drive.write(request, *before[request.py_request_id], 1)
-        manager.update_resources(batch)
-        live.append(step.live_tokens(0).tolist())
-    return live
-
-
 @pytest.mark.parametrize("policy", ["random", "streaming_llm", "sliding_window"])
 def test_a_request_decides_alike_alone_and_beside_a_sharer(policy):
     """The protected tokens are the request's own full prompt blocks, shared or not, so a second
     request holding the same system-prompt blocks changes none of the first's decisions."""
-    alone = _first_request_decisions(policy, with_second=False)
+    alone = run_beside(policy, with_second=False)[-1]
     assert alone[-1] != list(range(len(alone[-1]))), "the budget evicts"
-    assert _first_request_decisions(policy, with_second=True) == alone
+    assert run_beside(policy, with_second=True)[-1] == alone
