@@ -31,7 +31,9 @@ What each imitates (read, not copied):
   recorded in shared/reference/trtllm.md section 2.2); context phase: prompt token j at position j;
   blocks addressed through ``kv_cache_block_offsets`` (entry = block * layers_in_pool * 2 + field,
   the layer's own offset added from ``host_kv_cache_pool_mapping``). The maths is the reference
-  runtime's Llama (weights and RoPE), so outputs can be compared with it. An engine built with
+  runtime's Llama weights, so outputs can be compared with it; its RoPE is the plugin's own
+  (``plugin_rope_double12.PluginRope``: the float32 (cos, sin) table TensorRT-LLM builds for the
+  plugin, independent of ``reclaim/rope.py``). An engine built with
   StreamingLLM (``position_shift``: the plugin's ``pos_shift_enabled``, from
   ``plugin_config.streamingllm`` in ``functional.py`` ``gpt_attention``, index id 32556461248)
   caches every key WITHOUT RoPE (``applyBiasRopeUpdateKVCache``: ``k_to_cache = POS_SHIFT ?
@@ -58,7 +60,7 @@ from tests.integration.trtllm_blocks_double12 import (
     MemoryPoolsAllocatorDouble12,
     PoolsKVCacheManagerDouble12,
 )
-from trtllm_vtoken.reclaim.rope import apply_rotation, rotation_at
+from tests.integration.plugin_rope_double12 import PluginRope
 from trtllm_vtoken.runtime.model import LlamaForCausalLM
 
 
@@ -85,6 +87,8 @@ class EngineDouble12:
     def __init__(self, model: LlamaForCausalLM, position_shift: bool = False) -> None:
         self.model, self.cfg, self.position_shift = model, model.config, position_shift
         self.pools: list[torch.Tensor] = []
+        self.rope = PluginRope(self.cfg.max_position_embeddings, self.cfg.rope.rotary_dim, self.cfg.rope_theta,
+                               dict(self.cfg.rope_scaling))
 
     def run(self, bound: dict[str, RuntimeTensorDouble12]) -> torch.Tensor:
         """Executes one step on the bound tensors; returns the last token's logits per sequence."""
@@ -118,16 +122,14 @@ class EngineDouble12:
                 for layer_idx, layer in enumerate(self.model.model.layers):
                     h = layer.input_layernorm(x)
                     q, k, v = self._project(layer, h)
-                    cos, sin = rotation_at(positions, self.cfg.rope)
-                    q = apply_rotation(q, cos[:, None], sin[:, None], self.cfg.rope)
-                    cached = k if self.position_shift else apply_rotation(k, cos[:, None], sin[:, None], self.cfg.rope)
+                    q = self.rope.rotate(q, positions)
+                    cached = k if self.position_shift else self.rope.rotate(k, positions)
                     row = 2 * layer_idx  # the layer's K half inside a block (pool mapping: one pool)
                     pool[k_rows + row, :, positions % tpb] = cached[0].to(pool.dtype)
                     pool[k_rows + row + 1, :, positions % tpb] = v[0].to(pool.dtype)
                     keys = pool[all_rows + row, :, torch.arange(end) % tpb].float()      # [end, heads, dim]
                     if self.position_shift:  # each key turned by its slot in the cache, in the cache dtype
-                        slot_cos, slot_sin = rotation_at(torch.arange(end), self.cfg.rope)
-                        keys = apply_rotation(keys, slot_cos[:, None], slot_sin[:, None], self.cfg.rope)
+                        keys = self.rope.rotate(keys, torch.arange(end))
                         keys = keys.to(pool.dtype).float()
                     values = pool[all_rows + row + 1, :, torch.arange(end) % tpb].float()
                     out = self._attend(q[0], keys, values, positions)
