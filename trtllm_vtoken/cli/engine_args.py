@@ -48,8 +48,17 @@ def add_engine_args(parser: argparse.ArgumentParser, variant: bool = True) -> No
                    help="check I1/I2/I4 on every relocation (and, with --tp, that every rank's token table agrees "
                         "after every step)")
     g.add_argument("--no-overlap-scheduler", dest="overlap_scheduler", action="store_false",
-                   help="step each iteration before the next forward (default: beside it, as TensorRT-LLM's overlap "
-                        "scheduler orders it; each decision then takes effect one iteration later)")
+                   help="step each iteration before the next forward (default: as TensorRT-LLM's overlap scheduler "
+                        "orders it; H2O's and Scissorhands' decode decisions then take effect one iteration later)")
+    g.add_argument("--prefill-decision", choices=["at_once", "lagged"], default="at_once",
+                   help="overlap scheduler, H2O / Scissorhands: a new prompt's eviction before its first decode "
+                        "forward (at_once, the default) or beside it (lagged)")
+    g.add_argument("--prefix-reuse", choices=["copy", "share"], default="copy",
+                   help="how a request that may evict reuses a cached prefix: copy (default; its answer does not "
+                        "depend on the batch) or share (fewer blocks; protected while shared, answers depend on "
+                        "the batch)")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="turn automatic prefix caching off (on by default)")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallelism: split the model over N rank processes (gloo on CPU, NCCL on CUDA); "
                         "at most the model's KV heads")
@@ -62,6 +71,8 @@ def engine_settings(args: argparse.Namespace, **overrides) -> dict:
         num_blocks=args.num_blocks, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
         check_invariants=args.check_invariants, tensor_parallel_size=args.tp,
         overlap_scheduler=getattr(args, "overlap_scheduler", True),
+        prefill_decision=getattr(args, "prefill_decision", "at_once"),
+        prefix_reuse=getattr(args, "prefix_reuse", "copy"), prefix_caching=getattr(args, "prefix_caching", True),
     )
     if hasattr(args, "variant"):
         values["variant"] = args.variant
