@@ -64,15 +64,18 @@ def alone_then_together(model, batch, params, **config) -> tuple[list, list, Eng
     return alone, together, together_engine
 
 
+@pytest.mark.parametrize("impl", ["cpp", "python"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
 @pytest.mark.parametrize("policy", sorted(POLICIES.names()))
-def test_a_request_decides_alike_alone_and_in_a_batch(model, policy, overlap):
+def test_a_request_decides_alike_alone_and_in_a_batch(model, policy, overlap, impl):
+    """The C++ core's step and its Python specification alike."""
     opts = {"streaming_llm": {"n_sink": 2}}.get(policy, {})
     batch = prompts()
     reference = None
     for variant, mode in VARIANTS:
         alone, together, engine = alone_then_together(model, batch, PARAMS, variant=variant, mode=mode,
-                                                      policy=policy, policy_options=opts, overlap_scheduler=overlap)
+                                                      policy=policy, policy_options=opts, overlap_scheduler=overlap,
+                                                      step_impl=impl)
         for a, b in zip(alone, together):
             assert a.evictions == b.evictions, f"{variant} {mode}: request {a.req_id} decided differently in a batch"
             assert a.output_ids == b.output_ids
@@ -83,7 +86,7 @@ def test_a_request_decides_alike_alone_and_in_a_batch(model, policy, overlap):
         for a, b in zip(reference, together):  # vtoken == naive-evict, decision for decision
             assert a.evictions == b.evictions and a.output_ids == b.output_ids
     off = engine_for(model, variant="vtoken", policy=policy, policy_options=opts, overlap_scheduler=overlap,
-                     prefix_caching=False)
+                     prefix_caching=False, step_impl=impl)
     for a, b in zip(reference, drain(off, [off.add_request(p, PARAMS, req_id=i) for i, p in enumerate(batch)])):
         assert a.evictions == b.evictions and a.output_ids == b.output_ids, "prefix caching on == off"
 

@@ -41,11 +41,13 @@ def generate(model, params, **overrides) -> list:
     return [engine.pop_finished(i) for i in ids]
 
 
+@pytest.mark.parametrize("impl", ["cpp", "python"])
 @pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
 @pytest.mark.parametrize("policy", sorted(COUNTED))
-def test_count_based_policies_decide_under_overlap_as_in_the_plain_order(tiny, policy, caching):
+def test_count_based_policies_decide_under_overlap_as_in_the_plain_order(tiny, policy, caching, impl):
+    """The C++ core's step and its Python specification alike."""
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    common = dict(policy=policy, policy_options=COUNTED[policy], prefix_caching=caching)
+    common = dict(policy=policy, policy_options=COUNTED[policy], prefix_caching=caching, step_impl=impl)
     want = generate(tiny, params, variant="naive-evict", overlap_scheduler=False, **common)
     assert any(any(e) for r in want for e in r.evictions), "the budget evicts"
     for variant, mode in (("naive-evict", "dense"), ("vtoken", "dense"), ("vtoken", "lazy")):
