@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_trtllm_executor_loop import Mix, build_executor
+from tests.integration.test_trtllm_executor_loop import Mix, build_executor, trace_victims
 
 SYSTEM = [7, 19, 23, 41, 5, 88, 13, 2, 61]  # two full blocks of 4 and one token
 SUFFIXES = [[3, 4, 5], [9, 10, 11, 12, 13, 14], [30], [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60]]
@@ -23,17 +23,7 @@ def decisions(policy: str, overlap: bool, together: bool) -> tuple[dict[int, lis
 
     executor = build_executor(policy, Mix(0, num_requests=len(SUFFIXES), num_blocks=120,
                                           max_batch_size=len(SUFFIXES)), overlap=overlap)
-    manager = executor.resources["kv_cache_manager"]
-    run, trace = manager.vtoken.run, {}
-
-    def traced(*args, **kwargs):
-        out = run(*args, **kwargs)
-        if out is not None:
-            for i, req_id in enumerate(out.req_ids.tolist()):
-                trace.setdefault(req_id, []).append((manager.vtoken.step.num_tokens(req_id), tuple(out.victims_of(i))))
-        return out
-
-    manager.vtoken.run = traced
+    trace = trace_victims(executor.resources["kv_cache_manager"])
     requests = [LlmRequest(request_id=100 + i, max_new_tokens=14, input_tokens=SYSTEM + suffix,
                            sampling_config=SamplingConfig(1)) for i, suffix in enumerate(SUFFIXES)]
     reused: list[int] = []  # add_sequence's reuse hits (LlmRequest.set_prepopulated_prompt_len)

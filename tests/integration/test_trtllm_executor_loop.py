@@ -136,6 +136,21 @@ class KVWitness:
                 self.checks += 1
 
 
+def trace_victims(manager) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
+    """From now on, per request: (tokens its table knows, victims) after every step of the manager."""
+    run, trace = manager.vtoken.run, {}
+
+    def traced(*args, **kwargs):
+        out = run(*args, **kwargs)
+        if out is not None:
+            for i, req_id in enumerate(out.req_ids.tolist()):
+                trace.setdefault(req_id, []).append((manager.vtoken.step.num_tokens(req_id), tuple(out.victims_of(i))))
+        return out
+
+    manager.vtoken.run = traced
+    return trace
+
+
 class _Ref:
     def __init__(self, req_id: int) -> None:
         self.py_request_id = req_id
@@ -246,18 +261,7 @@ def test_count_based_policies_decide_in_the_overlap_loop_as_in_the_plain_loop(tr
     for loop in ("plain", "overlap"):
         mix = Mix(2, num_blocks=120)
         executor = build_executor(policy, mix, overlap=loop == "overlap")
-        manager = executor.resources["kv_cache_manager"]
-        run, trace = manager.vtoken.run, {}
-
-        def traced(*args, **kwargs):
-            out = run(*args, **kwargs)
-            if out is not None:
-                for i, req_id in enumerate(out.req_ids.tolist()):
-                    trace.setdefault(req_id, []).append((manager.vtoken.step.num_tokens(req_id),
-                                                         tuple(out.victims_of(i))))
-            return out
-
-        manager.vtoken.run = traced
+        trace = trace_victims(executor.resources["kv_cache_manager"])
         requests = random_requests(mix)
         seen = drive(executor, requests, KVWitness(executor), overlap=loop == "overlap")
         assert seen["paused"] == 0
