@@ -215,7 +215,8 @@ class Engine:
         at_once = [i for i, (request, *_) in enumerate(results)
                    if self.kv.decides_from_counts(request.req_id) or (
                        request.req_id in prefill and self.config.prefill_decision == "at_once")]
-        lagged = [i for i in range(len(rows)) if i not in set(at_once)]
+        taken_now = set(at_once)
+        lagged = [i for i in range(len(rows)) if i not in taken_now]
         queries = [r[2] for r in results]
         mass = None if self.simulated or not rows else self.forwards.batch_mass(rows, masses, queries)
         if lagged:

@@ -5,8 +5,9 @@ variants, the one batched step (``trtllm_vtoken.step``), in the roles TensorRT-L
 
 Per iteration the engine calls:
 
-    admit(req, ids, ...)       admission (with prefix caching: the cached prefix's blocks are
-                               taken; ``store_prompt`` keys the prompt's full blocks after reserve)
+    admit(req, ids, ...)       admission (``kv_admission.py``; with prefix caching the cached
+                               prefix's blocks are taken, or copied; ``store_prompt`` keys the
+                               prompt's full blocks after reserve)
     reserve_decode(rows)       a block for each decode row's next token that needs one, at once, when
                                the free list covers them all (False, nothing changed: reserve one by one)
     reserve(req, n)            blocks for n new tokens (False: the pool is dry -> preempt someone)
@@ -48,6 +49,7 @@ from trtllm_vtoken.reclaim.rerotate import KeyRerotation
 from trtllm_vtoken.runtime.block_lists import BlockLists
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.engine_step import make_step
+from trtllm_vtoken.runtime.kv_admission import KVAdmission
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
 from trtllm_vtoken.runtime.kv_stats import EvictionCounter, KVStats, KVUsage
 from trtllm_vtoken.runtime.model import LlamaConfig
@@ -56,7 +58,7 @@ from trtllm_vtoken.runtime.prefix_caching import PrefixCaching
 from trtllm_vtoken.step import DecodeStep, StepInput, StepOutput, StepStats
 
 
-class KVCacheManager:
+class KVCacheManager(KVAdmission):
     def __init__(self, config: EngineConfig, model_config: LlamaConfig,
                  simulated_bytes_per_token: int | None = None) -> None:
         """``simulated_bytes_per_token``: no KV tensors at all (the simulated-attention backend);
@@ -137,74 +139,6 @@ class KVCacheManager:
         nothing of a forward is needed to decide what it evicts after that forward."""
         policy = self.policy_of(req_id)
         return policy is not None and not policy.observes_attention()
-
-    # ---- admission -----------------------------------------------------------------------------
-    def final_budget(self, total_tokens: int, spec: PolicySpec | None = None) -> int | None:
-        """Live tokens a request of ``total_tokens`` keeps at completion (None: no eviction)."""
-        return None if spec is None else spec.budget.target(total_tokens)
-
-    def check_fits_alone(self, prompt_len: int, max_tokens: int, spec: PolicySpec | None = None) -> None:
-        """Raises ValueError if the request could not run even with the whole pool to itself."""
-        cfg = self.config
-        if prompt_len + max_tokens > cfg.max_seq_len:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
-                             f"max_seq_len {cfg.max_seq_len}")
-        usable = cfg.num_blocks - cfg.evacuation_headroom
-        probe = AdmissionController(BlockPool(usable, cfg.tokens_per_block),
-                                    AdmissionConfig(cfg.variant, cfg.mode, cfg.fragmentation_threshold))
-        if not probe.can_admit(prompt_len, max_tokens, self.final_budget(prompt_len + max_tokens, spec)):
-            raise ValueError(f"request needs more KV blocks than the pool's {usable} usable blocks "
-                             f"(prompt {prompt_len} + max_tokens {max_tokens} tokens, "
-                             f"tokens_per_block {cfg.tokens_per_block})")
-
-    def admit(self, req_id: int, token_ids: list[int], remaining: int, spec: PolicySpec | None = None) -> int | None:
-        """Registers the request if admission allows; its prefill writes ``token_ids``. Returns
-        how many of them are cached already (their KV is there: prefill the rest), or None if it
-        does not fit now (nothing changed)."""
-        cfg, prefill_len = self.config, len(token_ids)
-        # A private request (it may evict; prefix_reuse="copy") copies its cached prefix into
-        # blocks of its own: its decisions then depend on no other request (prefix_caching.py).
-        private = self.prefix is not None and spec is not None and cfg.prefix_reuse == "copy"
-        # A block that an in-flight background compaction touches is not shared before it commits.
-        relocating = self.step.relocating_blocks() if self.step is not None and self.prefix else set()
-        busy = relocating | self.prefix.busy_for(private) if self.prefix else relocating
-        cached, reclaimable = self.prefix.probe(token_ids, busy) if self.prefix else (0, 0)
-        held = 0 if private else cached  # cached blocks it holds in common instead of allocating
-        # A shared prefix is kept on top of the budget (its tokens are protected): count it in.
-        shared = held * cfg.tokens_per_block
-        budget = self.final_budget(prefill_len + remaining - shared, spec)
-        budget = None if budget is None else budget + shared
-        if cfg.admission == "greedy":
-            free = self.pool.num_free + (self.prefix.cache.num_reclaimable - reclaimable if self.prefix else 0)
-            if free - cfg.evacuation_headroom < -(-prefill_len // cfg.tokens_per_block) - held:
-                return None
-            self.admission.admit(req_id, prefill_len, remaining, budget, force=True, cached_blocks=held)
-        elif not self.admission.admit(req_id, prefill_len, remaining, budget, cached_blocks=held,
-                                      cached_reclaimable=reclaimable):
-            return None
-        if self.step is not None:
-            policy = None if spec is None else self._policies.setdefault(spec, spec.make())
-            self.step.add_request(req_id, policy)
-            self.needs_attention = self.needs_attention or (policy is not None and policy.observes_attention())
-        else:
-            self.lists.add_request(req_id)
-        self.evictions.admit(req_id, "native" if spec is None else spec.name)
-        if self.prefix is None:
-            return 0
-        blocks = self.prefix.begin(req_id, token_ids, busy, private)
-        if private and blocks:
-            blocks = self.prefix.privatize(req_id, blocks, self._copy_blocks)
-        self.writes.add_prefix(req_id, blocks)
-        return self.prefix.cached_tokens(req_id)
-
-    def new_iteration(self) -> None:
-        """Before an iteration's admissions (prefix caching: what earlier prefills wrote is readable)."""
-        if self.prefix is not None:
-            self.prefix.new_iteration()
-
-    def _copy_blocks(self, source: list[int], destination: list[int]) -> None:
-        if self.cache is not None:  # the simulated backend has no KV to copy
-            self.cache.copy_blocks(source, destination)
 
     # ---- one iteration -------------------------------------------------------------------------
     def reserve(self, req_id: int, num_new: int) -> bool:

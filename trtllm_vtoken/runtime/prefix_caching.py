@@ -20,7 +20,7 @@ to float rounding). Blocks stored while no policy of the engine observes attenti
 payload; a request reusing them observes its own queries' mass only.
 
 Private requests (``EngineConfig.prefix_reuse="copy"``, every request that may evict): such a
-request copies its cached prefix into blocks of its own at admission (``privatize``) and nobody
+request copies its cached prefix into blocks of its own at admission (``begin``) and nobody
 shares its blocks while it runs, so no token of its is ever protected and its decisions are those
 of a run without caching, whatever else runs. Two rules keep it so: a private request takes only
 blocks whose prefill has run (``busy_for``: not those keyed in this iteration's admissions, which
@@ -68,22 +68,20 @@ class PrefixCaching:
         return set(self._unwritten) if private else set(self._owner)
 
     def begin(self, req_id: int, token_ids: Sequence[int], busy: Collection[int] = (),
-              private: bool = False) -> list[int]:
-        """The request takes its cached prefix; returns those blocks (its list's start). A
-        ``private`` request holds them only until ``privatize`` hands it copies."""
+              copy: Callable[[list[int], list[int]], None] | None = None) -> list[int]:
+        """The request takes its cached prefix; returns the blocks that start its list. With
+        ``copy`` it is a private request: fresh blocks of its own are allocated and
+        ``copy(source, destination)`` fills them with the cached blocks' KV; its references on the
+        cached blocks are dropped (they stay cached). RuntimeError if the pool lacks the copies'
+        blocks (admission counted them: that would be a bookkeeping error)."""
         blocks = self.cache.begin(req_id, token_ids, busy)
         self._cached[req_id] = len(blocks) * self.tokens_per_block
-        if private:  # its copies carry no key: keep the prefix's attention payload now
-            self._private[req_id] = self.cache.payload.get(blocks[-1]) if blocks else None
-        return blocks
-
-    def privatize(self, req_id: int, blocks: list[int], copy: Callable[[list[int], list[int]], None]) -> list[int]:
-        """A private request's cached ``blocks`` (from ``begin``) exchanged for fresh blocks of its
-        own: ``copy(source, destination)`` copies their KV; its references on the cached blocks
-        are dropped (they stay cached). Returns its blocks. RuntimeError if the pool lacks them
-        (admission counted them: that would be a bookkeeping error)."""
-        if req_id not in self._private:
-            raise ValueError(f"request {req_id} did not begin as a private request")
+        if copy is None:
+            return blocks
+        # The copies carry no key: the prefix's attention payload is kept for the request now.
+        self._private[req_id] = self.cache.payload.get(blocks[-1]) if blocks else None
+        if not blocks:
+            return blocks
         own = self.cache.allocate(len(blocks))
         if own is None:
             raise RuntimeError(f"request {req_id}: no {len(blocks)} blocks for its cached prefix's copy, "
