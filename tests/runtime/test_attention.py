@@ -61,7 +61,8 @@ def test_set_batch_rewrites_static_buffers_in_place():
 
 def test_mass_cuts_sum_the_first_queries_only():
     """The cut at c is the mass of the first c queries (what a prefix of the prompt paid), the
-    cut at q_len the total, a cut at 0 nothing: checked against the loop reference per query."""
+    cut at q_len the total, a cut at 0 nothing: checked against the loop reference per query.
+    The total follows the cuts; ``mass_from`` counts a row's last queries in the total only."""
     gen = torch.Generator().manual_seed(1)
     cache = PagedKVCache(16, TPB, num_layers=1, num_kv_heads=HKV, head_dim=D, max_seqs=2, max_blocks_per_seq=4)
     cache.pool.copy_(torch.randn(cache.pool.shape, generator=gen))
@@ -71,10 +72,16 @@ def test_mass_cuts_sum_the_first_queries_only():
     q_lens = torch.tensor([6, 3])
     cuts = torch.tensor([[2, 4, 6], [0, 1, 3]])
     _, total = paged_attention(q, cache, 0, q_lens, return_mass=True)
-    _, cut = paged_attention(q, cache, 0, q_lens, mass_cuts=cuts)
+    _, cut = paged_attention(q, cache, 0, q_lens, return_mass=True, mass_cuts=cuts)
     length = total.shape[1]
-    assert cut.shape == (2, 3, length)
+    assert cut.shape == (2, 4, length)
     torch.testing.assert_close(cut[:, -1], total)
+    torch.testing.assert_close(cut[:, -2], total)  # the cuts at q_len
+    _, windowed = paged_attention(q, cache, 0, q_lens, return_mass=True, mass_cuts=cuts,
+                                  mass_from=torch.tensor([4, 0]))
+    torch.testing.assert_close(windowed[:, :-1], cut[:, :-1])  # the cuts count from query 0
+    torch.testing.assert_close(windowed[0, -1], cut[0, 2] - cut[0, 1])  # queries 4 and 5 of row 0
+    torch.testing.assert_close(windowed[1, -1], total[1])
     for row, (blocks, kv_len, q_len) in enumerate(rows):
         for j, c in enumerate(cuts[row].tolist()):
             expected = torch.zeros(length)

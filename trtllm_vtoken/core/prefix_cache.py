@@ -111,15 +111,19 @@ class PrefixCache:
         """Blocks an allocation can get: free ones plus cached ones no request holds."""
         return self.pool.num_free + len(self.unheld)
 
-    def match(self, token_ids: Sequence[int] | np.ndarray, busy: Collection[int] = ()) -> list[int]:
+    def match(self, token_ids: Sequence[int] | np.ndarray, busy: Collection[int] = (),
+              computed_tail: int = 1) -> list[int]:
         """Blocks holding the longest cached chain of ``token_ids``' full blocks.
 
-        At least the last token is left out (its logits are needed, so it must be computed). The
-        chain stops before a block in ``busy`` (e.g. one an in-flight relocation touches: it must
-        not get shared before that commits).
+        At least the last ``computed_tail`` tokens are left out (the last token's logits are
+        needed; a policy that observes a prompt's last queries needs them run). The chain stops
+        before a block in ``busy`` (e.g. one an in-flight relocation touches: it must not get
+        shared before that commits).
         """
+        if isinstance(computed_tail, bool) or not isinstance(computed_tail, int) or computed_tail < 1:
+            raise ValueError(f"computed_tail must be a positive int, got {computed_tail!r}")
         tpb, blocks, key = self.tokens_per_block, [], ROOT_KEY
-        for i in range((len(token_ids) - 1) // tpb):
+        for i in range(max(0, len(token_ids) - computed_tail) // tpb):
             key = chain_key(key, token_ids[i * tpb : (i + 1) * tpb])
             block_id = self.block_of.get(key)
             if block_id is None or block_id in busy:
@@ -139,16 +143,17 @@ class PrefixCache:
         return self._chain(req_id).cached_tokens
 
     # ---- requests -----------------------------------------------------------------------------
-    def begin(self, req_id: int, token_ids: Sequence[int] | np.ndarray, busy: Collection[int] = ()) -> list[int]:
+    def begin(self, req_id: int, token_ids: Sequence[int] | np.ndarray, busy: Collection[int] = (),
+              computed_tail: int = 1) -> list[int]:
         """Starts a request: takes a reference on the blocks of its longest cached prefix (not
-        reaching a block in ``busy``, see ``match``).
+        reaching a block in ``busy``, leaving ``computed_tail`` tokens out, see ``match``).
 
         Returns those blocks: the start of the request's block list, holding its first
         ``len(blocks) * tokens_per_block`` tokens. Raises ValueError if the request is known.
         """
         if req_id in self._chains:
             raise ValueError(f"request {req_id} already began in the prefix cache")
-        blocks = self.match(token_ids, busy)
+        blocks = self.match(token_ids, busy, computed_tail)
         for block_id in blocks:
             self.unheld.pop(block_id, None)
         self.pool.share(blocks)

@@ -72,6 +72,11 @@ class EvictionPolicy(ABC):
     def forget(self, req_id: int) -> None:
         """Drops the per-request statistics of ``observe`` for a finished request. Default: none kept."""
 
+    def observed_prefill_queries(self) -> int | None:
+        """How many of a prompt's last queries a prefill's mass counts (H2O's ``prefill_window``);
+        None: all of them (also the default)."""
+        return None
+
     def wants_to_evict(self, num_tokens: np.ndarray, num_live: np.ndarray) -> np.ndarray:
         """[B] bool: may ``select`` evict anything from requests of these lengths? A cheap filter
         before the batch layout is gathered. Default: every request."""

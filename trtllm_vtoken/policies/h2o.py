@@ -22,6 +22,10 @@ from trtllm_vtoken.policies.stats import PerTokenAccumulator
 class H2OPolicy(ScorePolicy):
     recent_ratio: float = 0.5
     """Share of the budget given to the most recent tokens; the rest goes to heavy hitters."""
+    prefill_window: int | None = None
+    """The prompt's mass is what its last ``prefill_window`` queries paid (SnapKV's observation
+    window): a prefill's mass pass then costs O(window x prompt) instead of O(prompt^2). None:
+    every query of the prompt counts."""
     _mass: PerTokenAccumulator = field(default_factory=lambda: PerTokenAccumulator(np.float32), repr=False)
     slot_stats: ClassVar[dict[str, type]] = {"mass": np.float32}
     """The accumulated mass is float32, as attention kernels return it (and as a statistic kept
@@ -34,6 +38,12 @@ class H2OPolicy(ScorePolicy):
         super().__post_init__()
         if not 0.0 <= self.recent_ratio <= 1.0:
             raise ValueError(f"recent_ratio must lie in [0, 1], got {self.recent_ratio}")
+        if self.prefill_window is not None and (isinstance(self.prefill_window, bool) or
+                                                not isinstance(self.prefill_window, int) or self.prefill_window < 1):
+            raise ValueError(f"prefill_window must be a positive int or None, got {self.prefill_window!r}")
+
+    def observed_prefill_queries(self) -> int | None:
+        return self.prefill_window
 
     def recent_tokens(self, target: int) -> int:
         return max(self.recent_window, int(target * self.recent_ratio))

@@ -25,6 +25,7 @@ def paged_attention(
     valid: torch.Tensor | None = None,
     return_mass: bool = False,
     mass_cuts: torch.Tensor | None = None,
+    mass_from: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """
     Args:
@@ -34,11 +35,13 @@ def paged_attention(
             naive-evict and lazy mode). None: every position below kv_len is attended (dense mode).
         return_mass: also return the attention each position received, summed over heads and real
             queries (for H2O / Scissorhands). Shape: [B, max_blocks * tokens_per_block].
-        mass_cuts: [B, K] int, instead of the total: the mass of the first ``mass_cuts[b, j]``
-            queries of row b (0 <= cut <= q_len), for each j. Shape: [B, K, max_blocks *
-            tokens_per_block]. A prefill cut at each block end gives what the prompt's first
-            blocks paid each other, which depends on those blocks' tokens alone (prefix caching
-            keeps it with them).
+        mass_cuts: [B, K] int: also the mass of the first ``mass_cuts[b, j]`` queries of row b
+            (0 <= cut <= q_len), for each j. Shape then: [B, K + 1, max_blocks *
+            tokens_per_block], the cuts then the total. A prefill cut at each block end gives
+            what the prompt's first blocks paid each other, which depends on those blocks'
+            tokens alone (prefix caching keeps it with them).
+        mass_from: [B] int: the total counts row b's queries from ``mass_from[b]`` on only (H2O's
+            ``prefill_window``: a prompt's last queries); the cuts still count from query 0.
     Returns:
         out [B, Tq, num_heads, head_dim] and the mass (or None).
     """
@@ -66,10 +69,18 @@ def paged_attention(
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with nothing allowed -> zeros
     out = torch.matmul(probs.view(batch, num_kv_heads, group * tq, length), v.float())
     out = out.view(batch, num_heads, tq, head_dim).permute(0, 2, 1, 3).to(q.dtype)
-    if mass_cuts is not None:
-        per_query = probs.sum(dim=(1, 2)).cumsum(dim=1)  # [B, Tq, L]: queries [0, q] together
-        cuts = mass_cuts.to(q.device).long()
-        taken = per_query.gather(1, (cuts - 1).clamp(min=0)[:, :, None].expand(-1, -1, length))
-        return out, taken * (cuts > 0)[:, :, None]
-    mass = probs.sum(dim=(1, 2, 3)) if return_mass else None
-    return out, mass
+    if not return_mass:
+        return out, None
+    if mass_cuts is None and mass_from is None:
+        return out, probs.sum(dim=(1, 2, 3))
+    per_query = probs.sum(dim=(1, 2))  # [B, Tq, L]
+    if mass_from is None:
+        total = per_query.sum(dim=1)
+    else:
+        total = (per_query * (qi[None, :] >= mass_from.to(q.device)[:, None])[:, :, None]).sum(dim=1)
+    if mass_cuts is None:
+        return out, total
+    cumulative = per_query.cumsum(dim=1)  # [B, Tq, L]: queries [0, q] together
+    cuts = mass_cuts.to(q.device).long()
+    taken = cumulative.gather(1, (cuts - 1).clamp(min=0)[:, :, None].expand(-1, -1, length))
+    return out, torch.cat([taken * (cuts > 0)[:, :, None], total[:, None]], dim=1)

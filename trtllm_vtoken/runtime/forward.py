@@ -80,11 +80,12 @@ class Forwards:
             logits, mass = self.graphs.run(input_ids, positions, slots, valid)
         else:
             q_lens = torch.tensor([len(t) for t in tokens]).to(device)
-            mass_cuts = torch.tensor([cuts + [len(tokens[0])]]) if cuts else None
+            mass_cuts = torch.tensor([cuts]) if cuts else None
             logits, mass = self.model(
                 input_ids.to(device), positions.to(device), slots.to(device), q_lens,
                 kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1,
                 carry_mass=self.consistency.carry, mass_cuts=mass_cuts,
+                mass_from=self._mass_from(req_ids, tokens) if prefill and kv.needs_attention else None,
             )
         mass = self.consistency.reduce_mass(mass)  # every rank's heads: identical decisions
         # One device-to-host copy per forward for all rows (the policy reads each row on the host);
@@ -98,6 +99,15 @@ class Forwards:
         if prefill and mass is not None:
             mass = kv.prefill_mass(req_ids[0], mass[0], cut_mass)[None]
         return last[: len(req_ids)], None if mass is None else mass[: len(req_ids)]  # a graph's padding rows left out
+
+    def _mass_from(self, req_ids: list[int], tokens: list[list[int]]) -> torch.Tensor | None:
+        """[B] the first query of each prefill row its policy observes (H2O's prefill_window: the
+        prompt's last queries), or None when every row's policy observes them all."""
+        policies = [self.kv.policy_of(r) for r in req_ids]
+        windows = [None if p is None else p.observed_prefill_queries() for p in policies]
+        if all(w is None for w in windows):
+            return None
+        return torch.tensor([0 if w is None else max(0, len(row) - w) for w, row in zip(windows, tokens)]).to(self.device)
 
     def wait(self) -> None:
         """Waits for the forwards launched to finish: the simulated device's time (a real

@@ -44,7 +44,9 @@ class KVAdmission:
         # A block that an in-flight background compaction touches is not shared before it commits.
         relocating = self.step.relocating_blocks() if self.step is not None and self.prefix else set()
         busy = relocating | self.prefix.busy_for(private) if self.prefix else relocating
-        cached, reclaimable = self.prefix.probe(token_ids, busy) if self.prefix else (0, 0)
+        policy = None if spec is None else self._policies.setdefault(spec, spec.make())
+        window = None if policy is None else policy.observed_prefill_queries()
+        cached, reclaimable = self.prefix.probe(token_ids, busy, window) if self.prefix else (0, 0)
         held = 0 if private else cached  # cached blocks it holds in common instead of allocating
         # A shared prefix is kept on top of the budget (its tokens are protected): count it in.
         shared = held * cfg.tokens_per_block
@@ -59,7 +61,6 @@ class KVAdmission:
                                       cached_reclaimable=reclaimable):
             return None
         if self.step is not None:
-            policy = None if spec is None else self._policies.setdefault(spec, spec.make())
             self.step.add_request(req_id, policy)
             self.needs_attention = self.needs_attention or (policy is not None and policy.observes_attention())
         else:
@@ -67,7 +68,7 @@ class KVAdmission:
         self.evictions.admit(req_id, "native" if spec is None else spec.name)
         if self.prefix is None:
             return 0
-        blocks = self.prefix.begin(req_id, token_ids, busy, self._copy_blocks if private else None)
+        blocks = self.prefix.begin(req_id, token_ids, busy, self._copy_blocks if private else None, window)
         self.writes.add_prefix(req_id, blocks)
         return self.prefix.cached_tokens(req_id)
 

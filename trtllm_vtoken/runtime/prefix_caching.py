@@ -50,12 +50,15 @@ class PrefixCaching:
         self._private: dict[int, np.ndarray | None] = {}  # private request -> its cached prefix's payload
         self._owner: dict[int, int] = {}  # block keyed by a running private request -> that request
         self._unwritten: set[int] = set()  # prompt blocks keyed in this iteration's admissions
+        self._windowed: dict[int, bool] = {}  # request -> its policy observes its prompt's last queries only
 
     # ---- admission -----------------------------------------------------------------------------
-    def probe(self, token_ids: Sequence[int], busy: Collection[int] = ()) -> tuple[int, int]:
+    def probe(self, token_ids: Sequence[int], busy: Collection[int] = (),
+              prefill_window: int | None = None) -> tuple[int, int]:
         """(blocks of the longest cached prefix, how many of them no request holds now); the
-        prefix stops before a block in ``busy`` (relocations in flight)."""
-        blocks = self.cache.match(token_ids, busy)
+        prefix stops before a block in ``busy`` (relocations in flight) and, for a policy that
+        observes the prompt's last ``prefill_window`` queries, leaves those tokens to the prefill."""
+        blocks = self.cache.match(token_ids, busy, prefill_window or 1)
         return len(blocks), sum(1 for b in blocks if b in self.cache.unheld)
 
     def new_iteration(self) -> None:
@@ -68,14 +71,16 @@ class PrefixCaching:
         return set(self._unwritten) if private else set(self._owner)
 
     def begin(self, req_id: int, token_ids: Sequence[int], busy: Collection[int] = (),
-              copy: Callable[[list[int], list[int]], None] | None = None) -> list[int]:
+              copy: Callable[[list[int], list[int]], None] | None = None,
+              prefill_window: int | None = None) -> list[int]:
         """The request takes its cached prefix; returns the blocks that start its list. With
         ``copy`` it is a private request: fresh blocks of its own are allocated and
         ``copy(source, destination)`` fills them with the cached blocks' KV; its references on the
         cached blocks are dropped (they stay cached). RuntimeError if the pool lacks the copies'
         blocks (admission counted them: that would be a bookkeeping error)."""
-        blocks = self.cache.begin(req_id, token_ids, busy)
+        blocks = self.cache.begin(req_id, token_ids, busy, prefill_window or 1)
         self._cached[req_id] = len(blocks) * self.tokens_per_block
+        self._windowed[req_id] = prefill_window is not None
         if copy is None:
             return blocks
         # The copies carry no key: the prefix's attention payload is kept for the request now.
@@ -127,6 +132,7 @@ class PrefixCaching:
         self.cache.end(req_id, block_ids)
         self._cached.pop(req_id, None)
         self._stored.pop(req_id, None)
+        self._windowed.pop(req_id, None)
         if req_id in self._private:
             del self._private[req_id]
             self._owner = {b: r for b, r in self._owner.items() if r != req_id}
@@ -160,4 +166,6 @@ class PrefixCaching:
                 if self.cache.is_cached(block_id):
                     end = (j + 1) * tpb
                     self.cache.attach(block_id, (prefix[:end] + cut_mass[row, :end]).numpy().astype(np.float32))
-        return mass + prefix
+        # A policy observing the prompt's last queries only (H2O's prefill_window) took no cached
+        # prefix reaching them (``probe``): the prefix's own queries are not its to observe.
+        return mass if self._windowed.get(req_id) else mass + prefix

@@ -56,7 +56,8 @@ from trtllm_vtoken.integration.trtllm.arming import RECORD_KEY, worker_record
 from trtllm_vtoken.integration.trtllm.batches import PreparedBatches
 from trtllm_vtoken.integration.trtllm.pools import layer_offsets, manager_pools
 from trtllm_vtoken.integration.trtllm.ranks import parallel_layout_problem, worker_ranks
-from trtllm_vtoken.integration.trtllm.scores import QueryRecorder, batch_decode_attention_mass
+from trtllm_vtoken.integration.trtllm.mass import decode_mass
+from trtllm_vtoken.integration.trtllm.scores import QueryRecorder
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
 from trtllm_vtoken.integration.trtllm.state import VTokenState
 from trtllm_vtoken.integration.trtllm.stats import StatsFile, state_snapshot
@@ -96,8 +97,10 @@ def build_manager_class(base: type) -> type:
             # A decoding request holds a block at least and decodes one token: no batch has more
             # decode rows than the pool has blocks, max_batch_size or max_num_tokens allow.
             decode_rows = min(kwargs.get("max_batch_size", 1), kwargs.get("max_num_tokens", 8192), pools[0].shape[0])
+            self._vtoken_cap = settings.mass_workspace_mib << 20
             self.vtoken_queries = QueryRecorder(decode_rows, len(self.kv_cache_pool_mapping), pools[0].shape[5],
-                                                pools[0].device)
+                                                pools[0].device, settings.make_policy().observed_prefill_queries(),
+                                                self._vtoken_cap)
             self._vtoken_held: set[int] = set()  # requests prepared and not freed since
             self._vtoken_steps = 0
             self.vtoken_consistency = RankConsistency(worker_ranks(kwargs.get("mapping")))
@@ -267,8 +270,8 @@ def build_manager_class(base: type) -> type:
                 mapping = self.kv_cache_pool_mapping.tolist()  # [local layers, 2]: (pool, layer in pool)
                 for pool_index, pool in enumerate(pools):  # a pool per num_kv_heads
                     local = [layer for layer, (p, _) in enumerate(mapping) if p == pool_index]
-                    part = batch_decode_attention_mass(q[:, local], pool, blocks, kv_lens,
-                                                       [mapping[layer][1] for layer in local])
+                    part = decode_mass(q[:, local], pool, blocks, kv_lens, [mapping[layer][1] for layer in local],
+                                       self._vtoken_cap)
                     out[index, : part.shape[1]] += part
             return out.cpu().numpy()
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
+
+from trtllm_vtoken.integration.trtllm.mass import prefill_mass
+from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES, padded_block_table
 
 
 GATHER_BYTES = 256 << 20
@@ -51,21 +53,11 @@ def batch_decode_attention_mass(q: torch.Tensor, pool: torch.Tensor, block_lists
     """
     batch, num_layers, num_heads, head_dim = q.shape
     tpb, num_kv_heads = pool.shape[4], pool.shape[3]
-    if len(block_lists) != batch or len(kv_lens) != batch:
-        raise ValueError(f"{batch} rows of queries, {len(block_lists)} block lists, {len(kv_lens)} lengths")
-    needed = [-(-n // tpb) for n in kv_lens]
-    for i, (blocks, n) in enumerate(zip(block_lists, needed)):
-        if kv_lens[i] < 1:
-            raise ValueError(f"row {i}: kv_len {kv_lens[i]}: a decode row attends to its own token at least")
-        if n > len(blocks):
-            raise ValueError(f"row {i}: kv_len {kv_lens[i]} needs {n} blocks, the list has {len(blocks)}")
+    table = padded_block_table(block_lists, kv_lens, tpb, batch)
     width = max(kv_lens, default=0)
     if width == 0:
         return torch.zeros(batch, 0, dtype=torch.float32, device=pool.device)
-    columns = max(needed)
-    table = np.zeros((batch, columns), dtype=np.int64)
-    for i, (blocks, n) in enumerate(zip(block_lists, needed)):
-        table[i, :n] = blocks[:n]
+    columns = table.shape[1]
     device_table = torch.from_numpy(table).to(pool.device)[:, None, :]  # [B, 1, nb]
     layer_index = torch.as_tensor(list(layers) if layers is not None else range(num_layers),
                                   device=pool.device)[None, :, None]  # [1, L, 1]
@@ -89,9 +81,11 @@ def batch_decode_attention_mass(q: torch.Tensor, pool: torch.Tensor, block_lists
 
 
 def prefill_attention_mass(q: torch.Tensor, k: torch.Tensor, chunk: int = 256,
-                           past_k: torch.Tensor | None = None) -> torch.Tensor:
+                           past_k: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Mass per prompt position for one context row: the causal softmax of every query over the
     prompt's keys, summed over heads and queries (what paged attention reports for a prefill row).
+
+    The specification of ``mass.prefill_mass`` (which computes the same in bounded memory).
 
     Args:
         q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim], after RoPE.
@@ -99,17 +93,20 @@ def prefill_attention_mass(q: torch.Tensor, k: torch.Tensor, chunk: int = 256,
         past_k: [num_past, num_kv_heads, head_dim]: keys already in the cache before these tokens
             (a prompt prefix recovered from TensorRT-LLM's reuse tree, whose queries the forward
             does not run): the queries sit at positions ``num_past + i`` and attend to them too.
+        window: only the prompt's last ``window`` queries count (H2O's ``prefill_window``, as
+            SnapKV observes a prompt); None: all of them.
     Returns: float32 [num_past + num_tokens] on ``q.device`` (past positions get the mass these
         queries give them; what their own queries would add is not known).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     num_past = 0 if past_k is None else past_k.shape[0]
+    first = 0 if window is None else max(0, num_tokens - window)
     keys = k if past_k is None else torch.cat([past_k.to(k.dtype), k])
     keys = keys.float().transpose(0, 1)  # [Hkv, P + T, D]
     positions = torch.arange(num_past + num_tokens, device=q.device)
     mass = torch.zeros(num_past + num_tokens, dtype=torch.float32, device=q.device)
-    for start in range(0, num_tokens, chunk):
+    for start in range(first, num_tokens, chunk):
         rows = q[start : start + chunk].float()
         qg = rows.view(rows.shape[0], num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.einsum("chgd,htd->chgt", qg, keys) / math.sqrt(head_dim)  # [c, Hkv, g, P + T]
@@ -128,10 +125,15 @@ class QueryRecorder:
     pool's blocks, ``max_batch_size`` and ``max_num_tokens``): rows past it, the padding a
     captured batch size adds after the real requests, are not recorded. Its size is
     ``max_batch_size x num_layers x num_heads x head_dim`` in the queries' dtype.
+
+    Prefill mass is computed as the forward goes (``mass.prefill_mass``: the prompt's last
+    ``prefill_window`` queries, or all of them; at most ``cap_bytes`` of workspace per layer).
     """
 
-    def __init__(self, max_batch_size: int, num_layers: int, head_dim: int, device: torch.device | str) -> None:
+    def __init__(self, max_batch_size: int, num_layers: int, head_dim: int, device: torch.device | str,
+                 prefill_window: int | None = None, cap_bytes: int = DEFAULT_CAP_BYTES) -> None:
         self.max_batch_size, self.num_layers, self.head_dim, self.device = max_batch_size, num_layers, head_dim, device
+        self.prefill_window, self.cap_bytes = prefill_window, cap_bytes
         self.q: torch.Tensor | None = None  # [max_batch_size, num_layers, num_heads, head_dim]
         self.prefill: dict[int, torch.Tensor] = {}  # context row -> mass [prompt_len], all layers so far
 
@@ -142,7 +144,7 @@ class QueryRecorder:
     def add_prefill(self, row: int, q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None) -> None:
         """Adds one layer's mass for context row ``row`` (q: [T, H, D], k: [T, Hkv, D]; past_k:
         the keys of a reused prefix, see ``prefill_attention_mass``)."""
-        mass = prefill_attention_mass(q, k, past_k=past_k)
+        mass = prefill_mass(q, k, past_k, self.prefill_window, self.cap_bytes)
         self.prefill[row] = mass if row not in self.prefill else self.prefill[row] + mass
 
     def record(self, layer_idx: int, q: torch.Tensor, num_generation: int) -> None:

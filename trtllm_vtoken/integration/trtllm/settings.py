@@ -62,6 +62,10 @@ class VTokenSettings:
     stats_interval_s: float = 0.5
     step_impl: str = "auto"
     """The step's token table: "cpp" (the C++ core), "python", or "auto" (cpp where built)."""
+    mass_workspace_mib: int = 64
+    """The most transient memory one attention-mass pass (H2O, Scissorhands) holds, in MiB: in the
+    forward's prefill hook (and so in ``KvCacheCreator``'s estimation forward) and in
+    ``update_resources`` (``mass_plan.py``)."""
 
     def __post_init__(self) -> None:
         ReclaimConfig(self.mode, self.fragmentation_threshold, self.check_invariants)
@@ -69,6 +73,9 @@ class VTokenSettings:
             raise ValueError(f"step_impl must be one of {IMPLS}, got {self.step_impl!r}")
         if self.positions not in ("keep", "shift"):
             raise ValueError(f"positions must be 'keep' or 'shift', got {self.positions!r}")
+        if isinstance(self.mass_workspace_mib, bool) or not isinstance(self.mass_workspace_mib, int) \
+                or self.mass_workspace_mib < 1:
+            raise ValueError(f"mass_workspace_mib must be a positive int, got {self.mass_workspace_mib!r}")
         if self.stats_interval_s <= 0:
             raise ValueError(f"stats_interval_s must be positive, got {self.stats_interval_s}")
         if self.mode != "dense":

@@ -1,0 +1,51 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The attention-mass passes the TensorRT-LLM manager runs, on the best implementation at hand.
+
+    prefill_mass   one context row, inside the attention hook (layer by layer)
+    decode_mass    a batch's decode rows, all layers of one pool, in ``update_resources``
+
+CUDA tensors with Triton installed take the Triton kernels (``mass_triton.py``); everything else
+the bounded torch passes (``mass_torch.py``). Both compute ``scores.py``'s specification and hold
+at most ``cap_bytes`` of workspace (``VTokenSettings.mass_workspace_mib``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from functools import cache
+
+import torch
+
+from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
+from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch, prefill_mass_torch
+
+
+@cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def mass_backend(device: torch.device | str) -> str:
+    """"triton" for CUDA tensors where Triton is installed, else "torch"."""
+    return "triton" if torch.device(device).type == "cuda" and triton_installed() else "torch"
+
+
+def prefill_mass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None, window: int | None = None,
+                 cap_bytes: int = DEFAULT_CAP_BYTES) -> torch.Tensor:
+    """``scores.prefill_attention_mass`` of one context row, float32 [num_past + num_tokens]."""
+    if mass_backend(q.device) == "triton":
+        from trtllm_vtoken.integration.trtllm.mass_triton import prefill_mass_triton
+
+        return prefill_mass_triton(q, k, past_k, window, cap_bytes=cap_bytes)
+    return prefill_mass_torch(q, k, past_k, window, cap_bytes)
+
+
+def decode_mass(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[Sequence[int]], kv_lens: Sequence[int],
+                layers: Sequence[int] | None = None, cap_bytes: int = DEFAULT_CAP_BYTES) -> torch.Tensor:
+    """``scores.batch_decode_attention_mass`` of a batch's decode rows, float32 [batch, max(kv_lens)]."""
+    if mass_backend(pool.device) == "triton":
+        from trtllm_vtoken.integration.trtllm.mass_triton import decode_mass_triton
+
+        return decode_mass_triton(q, pool, block_lists, kv_lens, layers, cap_bytes)
+    return decode_mass_torch(q, pool, block_lists, kv_lens, layers, cap_bytes)
