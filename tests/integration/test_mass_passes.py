@@ -6,14 +6,11 @@ tensors at Llama-3.1-8B and 70B shapes, 32k tokens), stays under the cap."""
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from trtllm_vtoken.bench.memory import PeakMemory
 from trtllm_vtoken.integration.trtllm.mass import decode_mass, mass_backend, prefill_mass
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES, DecodeMassPlan, PrefillMassPlan
 from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch, prefill_mass_torch
@@ -91,36 +88,6 @@ def test_cpu_tensors_take_the_torch_pass_and_bad_input_is_refused():
         DecodeMassPlan.of(1, 1 << 14, 32, 64, 8, 128, 2, cap_bytes=1 << 20)
     with pytest.raises(ValueError, match="positive int"):
         PrefillMassPlan.of(10, 8, 1, True)
-
-
-class PeakMemory(TorchDispatchMode):
-    """The largest tensor the code inside allocates, and the most bytes its allocations hold at
-    once (a storage counts until the tensor that made it is gone)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live, self.peak, self.largest = 0, 0, 0
-        self._storages: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            if storage._cdata in inputs or storage._cdata in self._storages:
-                continue  # in place, out=, or a view
-            self._storages.add(storage._cdata)
-            self.live += storage.nbytes()
-            self.largest = max(self.largest, storage.nbytes())
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._release, storage._cdata, storage.nbytes())
-        return out
-
-    def _release(self, key: int, nbytes: int) -> None:
-        self._storages.discard(key)
-        self.live -= nbytes
 
 
 # (heads, kv_heads, head_dim): Llama-3.1-8B and Llama-3.1-70B's attention

@@ -18,7 +18,8 @@ and prefills them again. After every ``update_resources``:
 - a paused request prefilled again starts a new table over its whole history (TensorRT-LLM made
   its generated tokens part of its prompt) and keeps its budget from that prefill on.
 At the end every request has its response, vToken holds no table, and the pool's free blocks are
-back to their count after warm-up.
+back to their count after warm-up. A double of the execution stream (``StreamDouble``) shows that
+no ``update_resources`` waits for a forward launched after its batch's.
 """
 
 from __future__ import annotations
@@ -277,3 +278,81 @@ def test_count_based_policies_decide_in_the_overlap_loop_as_in_the_plain_loop(tr
         assert got[: len(want)] == want and len(got) - len(want) in (0, 1), req_id
     assert plain.keys() <= overlap.keys()
     assert sum(len(v) for t in decisions["plain"].values() for _, v in t) > 0
+
+
+class StreamDouble:
+    """The execution stream as the loop's thread sees it (a double of ``torch.cuda``'s current
+    stream, which ``_executor_loop_overlap`` relies on: ``model_engine.forward`` and vToken's work
+    are enqueued on it in the loop's order). It stands in for the manager's ``StreamMarks``
+    (``mass_copy.py``): every forward the engine launches and every mark vToken makes is one item
+    in order, and every host wait records how far the host waited and who waited."""
+
+    def __init__(self) -> None:
+        self.work: list[tuple[str, int]] = []  # ("forward", k) or ("vtoken mass", k)
+        self.waits: list[tuple[int, int]] = []  # (forward whose batch the waiting update takes, items waited for)
+        self.full_waits = 0  # waits for everything enqueued (a blocking copy)
+        self.updating: int | None = None  # the forward whose batch update_resources is taking now
+        self.forwards: dict[int, int] = {}  # id(batch) -> its forward
+
+    def forward(self, batch) -> None:
+        self.forwards[id(batch)] = len(self.forwards)
+        self.work.append(("forward", self.forwards[id(batch)]))
+
+    def mark(self) -> int:
+        self.work.append(("vtoken mass", len(self.forwards) - 1))
+        return len(self.work)
+
+    def wait(self, mark: int) -> None:
+        self.waits.append((self.updating, mark))
+
+    def wait_all(self) -> None:
+        self.waits.append((self.updating, len(self.work)))
+        self.full_waits += 1
+
+    def later_forwards_waited_for(self) -> list[tuple[int, int]]:
+        """(forward updated, a later forward its update waited for)."""
+        return [(updated, k) for updated, through in self.waits for kind, k in self.work[:through]
+                if kind == "forward" and k > updated]
+
+
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+@pytest.mark.parametrize("policy", ["h2o", "scissorhands"])
+def test_no_update_waits_for_a_later_forward_and_decisions_stay(trtllm121, policy, loop):
+    """Attention-observing policies under both loops: each batch's mass is enqueued before the
+    next forward is launched (prepare_resources of the next batch) and update_resources waits
+    for that copy only, never for a forward launched after its batch's. Its decisions are those
+    of computing the mass in update_resources (the mass copy switched off), victim for victim."""
+    traces, streams = {}, {}
+    for enqueue in (True, False):
+        mix = Mix(1, num_blocks=120)
+        executor = build_executor(policy, mix, overlap=loop == "overlap")
+        manager, engine = executor.resources["kv_cache_manager"], executor.model_engine
+        stream = streams[enqueue] = StreamDouble()
+        manager._vtoken_stream = stream
+        if not enqueue:
+            manager._vtoken_enqueue_mass = lambda prepared: None
+        forward, update = engine.forward, executor.resource_manager.update_resources
+
+        def forward_on_stream(batch, *args, _forward=forward, _stream=stream, **kwargs):
+            out = _forward(batch, *args, **kwargs)
+            _stream.forward(batch)
+            return out
+
+        def update_after_its_forward(batch, *args, _update=update, _stream=stream, **kwargs):
+            _stream.updating = _stream.forwards[id(batch)]
+            _update(batch, *args, **kwargs)
+            _stream.updating = None
+
+        engine.forward, executor.resource_manager.update_resources = forward_on_stream, update_after_its_forward
+        traces[enqueue] = trace_victims(manager)
+        for req, arrival, _ in random_requests(mix):
+            executor.enqueue_request(req, arrival)
+        executor.run()
+    assert traces[True] == traces[False] and sum(len(v) for t in traces[True].values() for _, v in t) > 0
+    assert streams[True].waits and not streams[True].later_forwards_waited_for()
+    marks = sum(kind == "vtoken mass" for kind, _ in streams[True].work)
+    if loop == "overlap":  # every update took an enqueued copy; computed at the update, it waits for N+1
+        assert marks >= len(streams[True].waits) > 0 and streams[True].full_waits == 0
+        assert streams[False].later_forwards_waited_for()
+    else:  # nothing is in flight at an update: it computes the mass then
+        assert marks == 0 and streams[True].full_waits == len(streams[True].waits)

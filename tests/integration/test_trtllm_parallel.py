@@ -99,8 +99,7 @@ def latest_batch_mass(manager, rows):
     """The manager's mass for rows of the batch prepared last (as its update computes it)."""
     batches = manager._vtoken_batches
     prepared = batches.latest()
-    return manager._vtoken_batch_mass(rows, lambda req_id: batches.recording(prepared, req_id),
-                                      max(kv_len for _, kv_len, _ in rows))
+    return manager._vtoken_batch_mass(rows, prepared, max(kv_len for _, kv_len, _ in rows))
 
 
 def test_decode_mass_covers_every_pool():

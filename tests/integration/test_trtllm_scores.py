@@ -26,6 +26,7 @@ from tests.integration.trtllm_doubles import (
 )
 from trtllm_vtoken.integration.trtllm.patches import record_queries
 from trtllm_vtoken.integration.trtllm import scores
+from trtllm_vtoken.integration.trtllm.mass import prefill_mass
 from trtllm_vtoken.integration.trtllm.scores import (
     QueryRecorder,
     batch_decode_attention_mass,
@@ -132,6 +133,29 @@ def test_prefill_attention_mass_equals_the_reference_runtimes():
     keys = cache.pool[torch.tensor(blocks)[positions // TPB], :, 0, :, positions % TPB]  # [T, L, Hkv, D]
     got = sum(prefill_attention_mass(q[layer], keys[:, layer], chunk=4) for layer in range(LAYERS))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # H2O's prefill_window: the prompt's last 4 queries, in both hosts (and the bounded pass)
+    want = sum(paged_attention(q[layer][None], cache, layer, torch.tensor([prompt]), return_mass=True,
+                               mass_from=torch.tensor([prompt - 4]))[1][0, :prompt] for layer in range(LAYERS))
+    got = sum(prefill_attention_mass(q[layer], keys[:, layer], chunk=3, window=4) for layer in range(LAYERS))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    bounded = sum(prefill_mass(q[layer], keys[:, layer], window=4) for layer in range(LAYERS))
+    torch.testing.assert_close(bounded, want, rtol=1e-5, atol=1e-5)
+    assert want.sum().item() == pytest.approx(4 * HEADS * LAYERS)
+
+
+def test_the_managers_recorder_observes_the_policys_prefill_window():
+    manager = make_manager("h2o", policy_options={"prefill_window": 2}, mass_workspace_mib=8)
+    recorder = manager.vtoken_queries
+    assert (recorder.prefill_window, recorder.cap_bytes) == (2, 8 << 20)
+    assert make_manager("h2o").vtoken_queries.prefill_window is None
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(5, HEADS, DIM, generator=gen), torch.randn(5, KV_HEADS, DIM, generator=gen)
+    recorder.add_prefill(0, q, k)
+    torch.testing.assert_close(recorder.prefill[0], prefill_attention_mass(q, k, window=2))
+    with pytest.raises(ValueError, match="prefill_window"):
+        make_manager("h2o", policy_options={"prefill_window": 0})
+    with pytest.raises(ValueError, match="mass_workspace_mib"):
+        make_manager("h2o", mass_workspace_mib=0)
 
 
 def test_prefilled_prompts_reach_the_policy_with_their_attention():

@@ -129,3 +129,39 @@ def test_copy_reuse_copies_the_cached_prefix_and_prefills_the_rest(model):
     assert not any(engine.kv.prefix.cache.is_cached(b) for b in blocks), "its prefix blocks are its own"
     again = drain(engine, [req_id])[0]
     assert again.output_ids == first.output_ids and again.evictions == first.evictions
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_h2o_with_a_prefill_window_decides_alike_alone_in_a_batch_and_without_caching(model, overlap):
+    """H2O observing the prompt's last 6 queries only: a request reuses no cached block that
+    reaches them (so they all run), and observes none of the cached prefix's own mass. vtoken
+    dense and lazy equal naive-evict, alone (reusing the cached prefix) == together == caching
+    off; and the window decides otherwise than the whole prompt does."""
+    batch = prompts()
+    opts = {"prefill_window": 6}
+    reference = None
+    for variant, mode in VARIANTS:
+        alone, together, _ = alone_then_together(model, batch, PARAMS, variant=variant, mode=mode,
+                                                 policy_options=opts, overlap_scheduler=overlap)
+        for a, b in zip(alone, together):
+            assert a.evictions == b.evictions and a.output_ids == b.output_ids, f"{variant} {mode}"
+        reference = reference or together
+        for a, b in zip(reference, together):
+            assert a.evictions == b.evictions and a.output_ids == b.output_ids, f"{variant} {mode} == naive-evict"
+    off = engine_for(model, variant="vtoken", policy_options=opts, overlap_scheduler=overlap, prefix_caching=False)
+    for a, b in zip(reference, drain(off, [off.add_request(p, PARAMS, req_id=i) for i, p in enumerate(batch)])):
+        assert a.evictions == b.evictions and a.output_ids == b.output_ids, "prefix caching on == off"
+    whole = engine_for(model, variant="vtoken", overlap_scheduler=overlap, prefix_caching=False)
+    unwindowed = drain(whole, [whole.add_request(p, PARAMS, req_id=i) for i, p in enumerate(batch)])
+    assert any(a.evictions != b.evictions for a, b in zip(reference, unwindowed))
+
+
+def test_a_prefill_window_leaves_its_queries_to_the_prefill(model):
+    """The cached prefix a windowed request takes stops before its prompt's last 6 tokens."""
+    engine = engine_for(model, variant="vtoken", policy_options={"prefill_window": 6})
+    keep = SamplingParams(max_tokens=1, ignore_eos=True, eviction=EvictionSettings(policy="native"))
+    drain(engine, [engine.add_request(SYSTEM + [0], keep)])
+    prompt = SYSTEM + [1, 2]  # 24 tokens: 5 blocks cached, 4 of them end 6 tokens or more before its end
+    before = engine.stats.prefill_tokens
+    drain(engine, [engine.add_request(prompt, PARAMS)])
+    assert engine.stats.prefill_tokens - before == len(prompt) - 4 * TPB

@@ -1,58 +1,91 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vtoken bench trtllm-mass``: the TensorRT-LLM manager's decode attention mass for a batch, in
-one padded pass (``batch_decode_attention_mass``, as the manager computes it) against one call
-and one copy to the host per request (the same function for a batch of one).
+"""``vtoken bench trtllm-mass``: what H2O's attention mass costs on the TensorRT-LLM path, against
+the attention it observes, on the same tensors, in one run.
 
-It counts the torch operators each makes (each a kernel launch on a GPU) and times both in
-alternating order. On a CPU the copies to the host are free and the einsums dominate; on a GPU
-each per-request ``.cpu()`` also waits for the device.
+    decode   a batch of decode rows over a bf16 pool in TensorRT-LLM's layout:
+               specification  scores.batch_decode_attention_mass (every layer's keys gathered
+                              to float32 at once, up to 256 MiB)
+               mass pass      mass.decode_mass (the manager's: bounded torch pass on CPU, the
+                              Triton kernels on CUDA)
+               attention      a decode attention over the same pool: K and V gathered through
+                              the block table, then torch's fused attention (SDPA)
+    prefill  one context row of T tokens, one layer:
+               specification  scores.prefill_attention_mass (T <= 2,048: it is slow)
+               mass pass      mass.prefill_mass; and with H2O's prefill_window of 64 queries
+               attention      torch's fused causal attention (SDPA) of the same q, k, v
 
-Shapes: SmolLM2-135M's attention (30 layers, 9 query heads, 3 KV heads, head_dim 64), a bf16 pool
-in TensorRT-LLM's layout, tokens_per_block 32, lengths staggered by up to a block.
+Every way runs ``rounds`` times in alternating order; each ratio to the attention is given as the
+median round's with its range over the rounds (mass of round i over attention of round i), and a
+verdict that claims a side of the target only outside that range. Transient memory: the largest
+bytes each mass way holds at once beside its inputs (``PeakMemory`` on CPU, the allocator's peak
+on CUDA). Shapes: SmolLM2-135M's attention (30 layers, 9 query heads, 3 KV heads, head_dim 64),
+tokens_per_block 32, lengths staggered by up to a block.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from trtllm_vtoken.bench.memory import peak_transient_bytes
 from trtllm_vtoken.config_base import require_positive
-from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass
+from trtllm_vtoken.integration.trtllm.mass import decode_mass, mass_backend, prefill_mass
+from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
+from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass, prefill_attention_mass
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, TOKENS_PER_BLOCK = 30, 9, 3, 64, 32
+SPEC_LONGEST_PROMPT = 2048
+WINDOW = 64
 
 
 @dataclass(frozen=True)
 class TrtllmMassBenchConfig:
     batch: int = 64
-    context: int = 1024
-    rounds: int = 5
+    context: int = 4096
+    prompts: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
+    prompt_dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    rounds: int = 3
     device: str = "cpu"
 
     def __post_init__(self) -> None:
         require_positive(self, "batch", "context", "rounds")
+        if not self.prompts or min(self.prompts) < 1:
+            raise ValueError(f"prompts must be positive token counts, got {self.prompts}")
+        for name in self.prompt_dtypes:
+            if name not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"prompt dtype must be float32, bfloat16 or float16, got {name!r}")
 
 
-class _OperatorCount(TorchDispatchMode):
-    """Counts the aten operators run inside it."""
+def time_ways(ways: dict[str, Callable[[], Any]], rounds: int, sync: Callable[[], None], progress=None) -> dict:
+    """Milliseconds of each way per round, the ways in alternating order round by round."""
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for round_ in range(rounds):
+        for name, fn in (list(ways.items()) if round_ % 2 == 0 else list(reversed(ways.items()))):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append((time.perf_counter() - start) * 1e3)
+        if progress is not None:
+            progress.update(1)
+    return times
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
+def ratio_summary(numerator: list[float], denominator: list[float], target: float = 1.0) -> dict[str, Any]:
+    """Round-by-round ratios: the median, the range, and whether it is at most ``target`` outside
+    that range ("<= target", "> target", or "within the spread")."""
+    ratios = [a / b for a, b in zip(numerator, denominator)]
+    low, high = min(ratios), max(ratios)
+    verdict = f"<= {target:g}x" if high <= target else f"> {target:g}x" if low > target else "within the spread"
+    return {"ratio": statistics.median(ratios), "ratio_min": low, "ratio_max": high, "verdict": verdict}
 
 
-def run_trtllm_mass_bench(cfg: TrtllmMassBenchConfig, progress=None) -> dict[str, Any]:
-    """Operator counts, the largest difference between the two results, and each round's
-    milliseconds (per request first on even rounds). ``progress`` advances once per round."""
+def decode_section(cfg: TrtllmMassBenchConfig, sync, progress) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     blocks_per_row = -(-(cfg.context + TOKENS_PER_BLOCK) // TOKENS_PER_BLOCK)
     # [num_blocks, num_layers, 2 (K, V), num_kv_heads, tokens_per_block, head_dim]
@@ -61,39 +94,59 @@ def run_trtllm_mass_bench(cfg: TrtllmMassBenchConfig, progress=None) -> dict[str
     block_lists = [list(range(i * blocks_per_row, (i + 1) * blocks_per_row)) for i in range(cfg.batch)]
     kv_lens = [cfg.context + i % TOKENS_PER_BLOCK for i in range(cfg.batch)]
     q = torch.randn(cfg.batch, LAYERS, HEADS, HEAD_DIM, generator=gen).bfloat16().to(cfg.device)
-    sync = torch.cuda.synchronize if pool.device.type == "cuda" else (lambda: None)
+    table = torch.tensor(block_lists, device=pool.device)
+    live = (torch.arange(blocks_per_row * TOKENS_PER_BLOCK, device=pool.device)[None, :]
+            < torch.tensor(kv_lens, device=pool.device)[:, None])[:, None, None, :]  # [B, 1, 1, T]
 
-    def per_request() -> np.ndarray:
-        rows = [batch_decode_attention_mass(q[i : i + 1], pool, [block_lists[i]], [kv_lens[i]])[0].cpu()
-                for i in range(cfg.batch)]
-        out = np.zeros((cfg.batch, max(kv_lens)), dtype=np.float32)
-        for i, mass in enumerate(rows):
-            out[i, : len(mass)] = mass.numpy()
-        return out
+    def attention() -> None:
+        for layer in range(LAYERS):
+            kv = pool[table, layer]  # [B, nb, 2, Hkv, tpb, D]: K and V through the block table
+            k = kv[:, :, 0].transpose(1, 2).reshape(cfg.batch, KV_HEADS, -1, HEAD_DIM)
+            v = kv[:, :, 1].transpose(1, 2).reshape(cfg.batch, KV_HEADS, -1, HEAD_DIM)
+            torch.nn.functional.scaled_dot_product_attention(q[:, layer, :, None], k, v, attn_mask=live,
+                                                             enable_gqa=True)
 
-    def batched() -> np.ndarray:
-        return batch_decode_attention_mass(q, pool, block_lists, kv_lens).cpu().numpy()
+    ways = {"specification": lambda: batch_decode_attention_mass(q, pool, block_lists, kv_lens),
+            "mass pass": lambda: decode_mass(q, pool, block_lists, kv_lens),
+            "attention": attention}
+    difference = (ways["mass pass"]() - ways["specification"]()).abs().max().item()
+    times = time_ways(ways, cfg.rounds, sync, progress)
+    return {"ms": times, "max_abs_difference": difference,
+            "mass_pass_to_attention": ratio_summary(times["mass pass"], times["attention"]),
+            "peak_transient_bytes": {name: peak_transient_bytes(ways[name], pool.device)
+                                     for name in ("specification", "mass pass")}}
 
-    ways = {"per_request": per_request, "batched": batched}
-    results, operators = {}, {}
-    for name, fn in ways.items():
-        with _OperatorCount() as counter:
-            results[name] = fn()
-        operators[name] = counter.count
-    rounds = []
-    for round_ in range(cfg.rounds):
-        order = list(ways.items()) if round_ % 2 == 0 else list(reversed(ways.items()))
-        timed = {"round": round_}
-        for name, fn in order:
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            timed[f"{name}_ms"] = (time.perf_counter() - start) * 1e3
-        rounds.append(timed)
-        if progress is not None:
-            progress.update(1)
-    return {"config": asdict(cfg), "device": str(pool.device), "torch_threads": torch.get_num_threads(),
-            "operators": operators, "copies_to_host": {"per_request": cfg.batch, "batched": 1},
-            "max_abs_difference": float(np.abs(results["per_request"] - results["batched"]).max()),
-            "rounds": rounds}
+
+def prefill_section(cfg: TrtllmMassBenchConfig, tokens: int, dtype: torch.dtype, sync, progress) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(tokens)
+    q, k, v = (torch.randn(tokens, heads, HEAD_DIM, generator=gen).to(dtype).to(cfg.device)
+               for heads in (HEADS, KV_HEADS, KV_HEADS))
+    ways = {"mass pass": lambda: prefill_mass(q, k),
+            f"mass pass, window {WINDOW}": lambda: prefill_mass(q, k, window=WINDOW),
+            "attention": lambda: torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+                enable_gqa=True)}
+    difference = None
+    if tokens <= SPEC_LONGEST_PROMPT:
+        ways["specification"] = lambda: prefill_attention_mass(q, k)
+        difference = (ways["mass pass"]() - ways["specification"]()).abs().max().item()
+    times = time_ways(ways, cfg.rounds, sync, progress)
+    return {"tokens": tokens, "dtype": str(dtype).removeprefix("torch."), "ms": times,
+            "max_abs_difference": difference,
+            "mass_pass_to_attention": ratio_summary(times["mass pass"], times["attention"]),
+            "windowed_to_attention": ratio_summary(times[f"mass pass, window {WINDOW}"], times["attention"]),
+            "peak_transient_bytes": {name: peak_transient_bytes(ways[name], q.device)
+                                     for name in ways if name != "attention"}}
+
+
+def run_trtllm_mass_bench(cfg: TrtllmMassBenchConfig, progress=None) -> dict[str, Any]:
+    """The decode section, then a prefill section per prompt length and dtype. ``progress``
+    advances once per round of each section."""
+    device = torch.device(cfg.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    result = {"config": asdict(cfg), "device": str(device), "backend": mass_backend(device),
+              "torch_threads": torch.get_num_threads(), "cap_bytes": DEFAULT_CAP_BYTES,
+              "decode": decode_section(cfg, sync, progress)}
+    result["prefill"] = [prefill_section(cfg, tokens, getattr(torch, name), sync, progress)
+                         for name in cfg.prompt_dtypes for tokens in cfg.prompts]
+    return result

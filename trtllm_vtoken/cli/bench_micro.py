@@ -23,15 +23,21 @@ def register(bench) -> None:
     add_output_options(host, "40 rounds", run_host)
 
     mass = bench.add_parser(
-        "trtllm-mass", help="the TensorRT-LLM manager's decode mass: one pass for the batch vs one per request",
-        description="batch_decode_attention_mass over a batch's decode rows in one padded pass, against one call "
-                    "and one copy to the host per request, on SmolLM2-135M's attention shapes (bf16 pool, "
-                    "tokens_per_block 32): torch operators counted, both timed in alternating order.")
-    mass.add_argument("--device", default="cpu", help="torch device of the pool and queries (default cpu)")
+        "trtllm-mass", help="what H2O's attention mass costs on the TensorRT-LLM path, against the attention itself",
+        description="The manager's attention-mass passes (decode: a batch over a bf16 pool in TensorRT-LLM's "
+                    "layout; prefill: one context row, one layer) against their torch specification and against "
+                    "the attention they observe on the same tensors (torch's fused SDPA), on SmolLM2-135M's "
+                    "attention shapes: alternating rounds, each ratio with its range over the rounds and a "
+                    "verdict, and the peak transient bytes of each pass.")
+    mass.add_argument("--device", default="cpu", help="torch device of the tensors (default cpu)")
     mass.add_argument("--batch", type=int, default=64, help="decode rows (default 64)")
-    mass.add_argument("--context", type=int, default=1024, help="tokens of context per row (default 1024)")
-    mass.add_argument("--rounds", type=int, default=5, help="timed rounds, alternating (default 5)")
-    add_output_options(mass, "batch 8, context 256, 2 rounds", run_trtllm_mass)
+    mass.add_argument("--context", type=int, default=4096, help="tokens of context per decode row (default 4096)")
+    mass.add_argument("--prompts", default="512,1024,2048,4096,8192",
+                      help="prompt lengths of the prefill rows, comma-separated (default 512,1024,2048,4096,8192)")
+    mass.add_argument("--prompt-dtypes", default="float32,bfloat16",
+                      help="dtypes of the prefill rows' q, k, v, comma-separated (default float32,bfloat16)")
+    mass.add_argument("--rounds", type=int, default=3, help="timed rounds per section, alternating (default 3)")
+    add_output_options(mass, "batch 8, context 512, prompts 256 and 512 in float32, 3 rounds", run_trtllm_mass)
 
 
 def run_host(args: argparse.Namespace) -> int:
@@ -62,17 +68,55 @@ def run_trtllm_mass(args: argparse.Namespace) -> int:
     from trtllm_vtoken.bench.trtllm_mass import TrtllmMassBenchConfig, run_trtllm_mass_bench
     from trtllm_vtoken.report import format_table
 
-    cfg = TrtllmMassBenchConfig(batch=8 if args.quick else args.batch, context=256 if args.quick else args.context,
-                                rounds=2 if args.quick else args.rounds, device=args.device)
-    with tqdm(total=cfg.rounds, desc="bench trtllm-mass", unit="round", disable=None, file=sys.stderr) as bar:
+    if args.quick:
+        cfg = TrtllmMassBenchConfig(batch=8, context=512, prompts=(256, 512), prompt_dtypes=("float32",),
+                                    rounds=3, device=args.device)
+    else:
+        cfg = TrtllmMassBenchConfig(batch=args.batch, context=args.context, rounds=args.rounds, device=args.device,
+                                    prompts=parse_list(args.prompts, int, "--prompts"),
+                                    prompt_dtypes=parse_list(args.prompt_dtypes, str, "--prompt-dtypes"))
+    sections = 1 + len(cfg.prompts) * len(cfg.prompt_dtypes)
+    with tqdm(total=sections * cfg.rounds, desc="bench trtllm-mass", unit="round", disable=None,
+              file=sys.stderr) as bar:
         result = run_trtllm_mass_bench(cfg, progress=bar)
-    ways = ("per_request", "batched")
-    times = {way: [r[f"{way}_ms"] for r in result["rounds"]] for way in ways}
-    print(f"vtoken bench trtllm-mass: batch {cfg.batch}, context {cfg.context}, {result['device']}, "
-          f"{cfg.rounds} alternating rounds; largest difference between the two: {result['max_abs_difference']}")
-    print(format_table(["way", "torch operators", "copies to the host", "ms per step (median)", "min", "max"],
-                       [[way.replace("_", " "), result["operators"][way], result["copies_to_host"][way],
-                         statistics.median(times[way]), min(times[way]), max(times[way])]
-                        for way in ways]))
+    decode = result["decode"]
+    print(f"vtoken bench trtllm-mass: {result['device']} ({result['backend']} passes, {result['torch_threads']} "
+          f"torch threads), {cfg.rounds} alternating rounds; ranges over the rounds")
+    print(f"decode: batch {cfg.batch}, context {cfg.context}, 30 layers, bf16 pool (mass pass - specification: "
+          f"{decode['max_abs_difference']:.2e} at most)")
+    print(format_table(["way", "ms (median)", "min", "max", "peak transient MiB"],
+                       [[way, statistics.median(ms), min(ms), max(ms),
+                         _mib(decode["peak_transient_bytes"].get(way))] for way, ms in decode["ms"].items()]))
+    print(f"mass pass / attention: {_ratio(decode['mass_pass_to_attention'])}")
+    print("prefill: one context row, one layer")
+    window = next(name for name in result["prefill"][0]["ms"] if "window" in name)
+    print(format_table(
+        ["tokens", "dtype", "mass ms", f"{window.split(', ')[1]} ms", "attention ms", "specification ms",
+         "mass / attention", f"{window.split(', ')[1]} / attention", "peak MiB (mass, spec)"],
+        [[row["tokens"], row["dtype"], statistics.median(row["ms"]["mass pass"]), statistics.median(row["ms"][window]),
+          statistics.median(row["ms"]["attention"]),
+          statistics.median(row["ms"]["specification"]) if "specification" in row["ms"] else "-",
+          _ratio(row["mass_pass_to_attention"]), _ratio(row["windowed_to_attention"]),
+          f"{_mib(row['peak_transient_bytes']['mass pass'])}, {_mib(row['peak_transient_bytes'].get('specification'))}"]
+         for row in result["prefill"]]))
+    print(f"the passes' cap: {result['cap_bytes'] / 2**20:.0f} MiB of workspace")
     publish(args.out, "trtllm_mass", result)
     return 0
+
+
+def parse_list(text: str, kind, option: str) -> tuple:
+    try:
+        values = tuple(kind(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise SystemExit(f"{option}: expected a comma-separated list, got {text!r}") from None
+    if not values:
+        raise SystemExit(f"{option}: expected a comma-separated list, got {text!r}")
+    return values
+
+
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.1f}"
+
+
+def _ratio(summary: dict) -> str:
+    return f"{summary['ratio']:.2f}x [{summary['ratio_min']:.2f}-{summary['ratio_max']:.2f}] {summary['verdict']}"

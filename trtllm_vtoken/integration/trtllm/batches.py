@@ -14,8 +14,8 @@ Per batch it keeps what ``update_resources`` needs once the batch's forward has 
 - its recordings for the policy: each context row's prefill mass and each decode row's queries.
   The query recorder is one static buffer (captured CUDA graphs write into it on replay), which
   the next batch's forward overwrites: a batch still in flight when the next one is prepared has
-  its rows copied out first ("parked"; a copy on the stream, after its forward and before the
-  next one).
+  its mass enqueued from them first (``mass_copy.py``), or else its rows copied out ("parked";
+  a copy on the stream, after its forward and before the next one).
 
 The rows of a batch's recordings follow its request lists as the forward saw them: context
 requests first, then generation requests (the overlap loop sorts the generation list after
@@ -32,6 +32,8 @@ from trtllm_vtoken.integration.trtllm.scores import QueryRecorder
 if TYPE_CHECKING:
     import torch
 
+    from trtllm_vtoken.integration.trtllm.mass_copy import MassCopy
+
 Recording = tuple[str, "torch.Tensor | None"]
 """("prefill", a prompt's mass [prompt_len] or None) or ("decode", its queries [layers, heads, dim])."""
 
@@ -44,6 +46,8 @@ class PreparedBatch:
     """Request -> tokens TensorRT-LLM had allocated for it once this batch was prepared."""
     parked: dict[int, Recording] | None = None
     """The batch's recordings, copied out of the recorder before the next forward (else None)."""
+    mass: MassCopy | None = None
+    """Its attention mass, enqueued before the next forward (``mass_copy.py``), else None."""
 
     def recording_rows(self) -> tuple[list[int], int]:
         """The batch's request ids in the forward's row order, and how many are context rows."""
@@ -62,8 +66,10 @@ class PreparedBatches:
 
     def prepared(self, batch) -> None:
         """After ``prepare_resources`` allocated the batch's tokens, before its forward runs."""
-        for earlier in self._batches:  # its forward ran; the one about to run overwrites the recorder
-            if earlier.parked is None and self.records:
+        # An earlier batch's forward ran; the one about to run overwrites the recorder (its mass,
+        # if enqueued already, read the recordings before).
+        for earlier in self._batches:
+            if earlier.parked is None and earlier.mass is None and self.records:
                 earlier.parked = self._park(earlier)
         for req in batch.context_requests:
             if req.is_first_context_chunk:

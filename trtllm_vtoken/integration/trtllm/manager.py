@@ -8,16 +8,19 @@ same code runs on the real class inside the executor worker and on the test doub
 (``py_executor.py``; the loop's double in ``tests/integration/trtllm121``):
 
     _pause_requests        a paused request is freed (free_resources below)
-    prepare_resources(N)   super (add_sequence / add_token on the physical length); the rows of the
-                           recorded queries follow the batch
+    prepare_resources(N)   first, for the batches still in flight (the overlap loop's N-1): a
+                           count-based policy's step, or an attention policy's mass enqueued behind
+                           their forwards and copied to the host without blocking (mass_copy.py);
+                           then super (add_sequence / add_token on the physical length); the rows
+                           of the recorded queries follow the batch
     ... forward N, sampling, _handle_responses: requests that finished with N are freed ...
     update_resources(N)    super; then ONE step for the requests of N still held (finished ones are
                            gone: a stop / EOS token or max_tokens on the first token, every dummy of
                            KvCacheCreator's estimation run at LLM() start): the tables learn the
                            prompts and new tokens, the policy decides for all at once (prefill mass
-                           summed in the forward; decode mass from the recorded queries, one padded
-                           pass for all decode rows and one copy of the batch's [B, L] mass to the
-                           host), dense compaction copies every request's moves in one launch on the
+                           summed in the forward; decode mass from the recorded queries, one pass
+                           for all decode rows and one copy of the batch's [B, L] mass to the host,
+                           enqueued at the next prepare when there is one), dense compaction copies every request's moves in one launch on the
                            side stream, the execution stream waits on it (I3), and rewind_kv_cache
                            returns each request's freed tail before the scheduler of N+1 counts
                            free blocks
@@ -56,7 +59,8 @@ from trtllm_vtoken.integration.trtllm.arming import RECORD_KEY, worker_record
 from trtllm_vtoken.integration.trtllm.batches import PreparedBatches
 from trtllm_vtoken.integration.trtllm.pools import layer_offsets, manager_pools
 from trtllm_vtoken.integration.trtllm.ranks import parallel_layout_problem, worker_ranks
-from trtllm_vtoken.integration.trtllm.mass import decode_mass
+from trtllm_vtoken.integration.trtllm.manager_mass import ManagerMass
+from trtllm_vtoken.integration.trtllm.mass_copy import StreamMarks
 from trtllm_vtoken.integration.trtllm.scores import QueryRecorder
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
 from trtllm_vtoken.integration.trtllm.state import VTokenState
@@ -76,7 +80,7 @@ def check_parallel_layout(mapping: Any, settings: VTokenSettings) -> None:
 def build_manager_class(base: type) -> type:
     """``VTokenKVCacheManager`` over ``base`` (TensorRT-LLM's ``KVCacheManager``)."""
 
-    class VTokenKVCacheManager(base):
+    class VTokenKVCacheManager(ManagerMass, base):
         def __init__(self, kv_cache_config, kv_cache_type, *args, vtoken_settings: VTokenSettings | None = None,
                      **kwargs) -> None:
             if getattr(kv_cache_config, "enable_partial_reuse", False) and \
@@ -98,6 +102,7 @@ def build_manager_class(base: type) -> type:
             # decode rows than the pool has blocks, max_batch_size or max_num_tokens allow.
             decode_rows = min(kwargs.get("max_batch_size", 1), kwargs.get("max_num_tokens", 8192), pools[0].shape[0])
             self._vtoken_cap = settings.mass_workspace_mib << 20
+            self._vtoken_stream = StreamMarks(pools[0].device)
             self.vtoken_queries = QueryRecorder(decode_rows, len(self.kv_cache_pool_mapping), pools[0].shape[5],
                                                 pools[0].device, settings.make_policy().observed_prefill_queries(),
                                                 self._vtoken_cap)
@@ -122,9 +127,14 @@ def build_manager_class(base: type) -> type:
             # take their step now, before add_token places this batch's tokens, so this batch's
             # forward reads the compacted layout: no lag, the plain loop's decisions. (In the plain
             # loop update_resources has stepped them already: nothing is left to do here.)
-            if not self.vtoken.needs_attention:
-                for prepared in self._vtoken_batches.in_flight():
+            # A policy that observes attention: the batches in flight get their mass enqueued now,
+            # behind their forwards and before this batch's, so that their updates wait for it and
+            # not for this batch's forward (mass_copy.py).
+            for prepared in self._vtoken_batches.in_flight():
+                if not self.vtoken.needs_attention:
                     self._vtoken_step(prepared, through_only=True)
+                elif prepared.mass is None:
+                    self._vtoken_enqueue_mass(prepared)
             super().prepare_resources(scheduled_batch)
             self._vtoken_held.update(r.py_request_id for r in scheduled_batch.all_requests())
             self._vtoken_batches.prepared(scheduled_batch)
@@ -146,25 +156,15 @@ def build_manager_class(base: type) -> type:
             the next batch's forward (already launched) writes, so the plan counts its slot as
             taken; the decode queries of this batch attended to the tokens up to its own
             (``through``). ``through_only``: only those, and requests with none new are skipped."""
-            scheduled_batch, step, allocated = prepared.batch, self.vtoken.step, self._vtoken_batches.allocated
-            written = []
-            for r in scheduled_batch.context_requests + scheduled_batch.generation_requests:
-                req_id = r.py_request_id
-                if req_id not in self._vtoken_held:
-                    continue
-                known = step.num_tokens(req_id) if req_id in step else 0
-                new = (prepared.through[req_id] if through_only else allocated[req_id]) - known
-                if through_only and new <= 0:
-                    continue
-                attended = (step.kv_len(req_id) if req_id in step else 0) + prepared.through[req_id] - known
-                written.append((req_id, self.get_cache_indices(r), new, attended))
+            scheduled_batch, step = prepared.batch, self.vtoken.step
+            written = self._vtoken_written(prepared, through_only)
             if self._vtoken_reuse:
                 blocks_of = {req_id: blocks for req_id, blocks, _, _ in written}
                 self._vtoken_share_prompts([(r.py_request_id, blocks_of[r.py_request_id], r.prompt_len)
                                             for r in scheduled_batch.context_requests if r.py_request_id in blocks_of])
             executor = step.executor
             stream = torch.cuda.current_stream() if executor is not None and executor.device.type == "cuda" else None
-            out = self.vtoken.run(written, stream, lambda req_id: self._vtoken_batches.recording(prepared, req_id))
+            out = self.vtoken.run(written, stream, prepared)
             if out is not None:
                 for req_id, lost in zip(out.req_ids.tolist(), out.lost.tolist()):
                     if lost:
@@ -247,33 +247,6 @@ def build_manager_class(base: type) -> type:
             for req_id, blocks, prompt_len in written:
                 self._vtoken_prefix[req_id] = list(blocks[: prompt_len // self.tokens_per_block])
             self._vtoken_shared = frozenset(b for blocks in self._vtoken_prefix.values() for b in blocks)
-
-        def _vtoken_batch_mass(self, rows: list[tuple[int, int, list[int]]], recording, width: int) -> np.ndarray:
-            """The batch's mass [B, width] float32, zero past each row's attended length, for rows
-            (request id, positions its forward attended to, block ids): a prompt's as the forward
-            summed it, the decode rows' recomputed from their queries (``recording(req_id)``) for
-            all of them at once (one pass per pool), and one copy to the host for the batch."""
-            pools = self.vtoken.step.executor.pools
-            out = torch.zeros(len(rows), width, dtype=torch.float32, device=pools[0].device)
-            decode: list[tuple[int, torch.Tensor]] = []  # (row in out, the request's queries)
-            for i, (req_id, kv_len, _) in enumerate(rows):
-                kind, recorded = recording(req_id)
-                if kind == "decode" and recorded is not None and kv_len > 0:
-                    decode.append((i, recorded))
-                elif kind == "prefill" and recorded is not None:  # a prompt: its mass was summed during the forward
-                    part = recorded[:kv_len]
-                    out[i, : len(part)] = part
-            if decode:
-                index = [i for i, _ in decode]
-                q = torch.stack([recorded for _, recorded in decode])  # [Bd, local layers, heads, dim]
-                blocks, kv_lens = [rows[i][2] for i in index], [rows[i][1] for i in index]
-                mapping = self.kv_cache_pool_mapping.tolist()  # [local layers, 2]: (pool, layer in pool)
-                for pool_index, pool in enumerate(pools):  # a pool per num_kv_heads
-                    local = [layer for layer, (p, _) in enumerate(mapping) if p == pool_index]
-                    part = decode_mass(q[:, local], pool, blocks, kv_lens, [mapping[layer][1] for layer in local],
-                                       self._vtoken_cap)
-                    out[index, : part.shape[1]] += part
-            return out.cpu().numpy()
 
     VTokenKVCacheManager.__qualname__ = f"VTokenKVCacheManager[{base.__name__}]"
     return VTokenKVCacheManager

@@ -59,7 +59,7 @@ class VTokenState:
     Args:
         num_blocks: blocks in the manager's primary pool (block ids lie below it).
         pools: the manager's primary pools as 6-D HND views (``manager_pools``); None: metadata only.
-        attention_mass: (rows (request id, positions attended, block ids), recording, width) -> the
+        attention_mass: (rows (request id, positions attended, block ids), batch, width) -> the
             batch's mass [B, width] per position, float32, zero past each row's attended
             positions, for policies that observe attention; None if the policy needs none.
         reduce_mass: the batch's mass [B, L] -> its sum over every rank (``RankConsistency``).
@@ -83,13 +83,13 @@ class VTokenState:
         """Requests whose tokens the step has learnt (padding rows not counted)."""
 
     def run(self, written: Sequence[tuple[int, Sequence[int], int, int]], stream: Any = None,
-            recording: Callable[[int], Any] | None = None) -> StepOutput | None:
+            batch: Any = None) -> StepOutput | None:
         """After a batch's forward: one step for its requests, given as (request id, TensorRT-LLM's
         block list now, tokens TensorRT-LLM allocated that the table does not know yet, positions
         the batch's forward attended to in the table's layout once they join). New requests join;
-        padding rows are skipped. ``recording``: request id -> what the batch's forward recorded
-        for it (passed to ``attention_mass``). ``stream``: the execution stream (CUDA), made to
-        wait on the copy."""
+        padding rows are skipped. ``batch``: the caller's record of the batch, passed to
+        ``attention_mass`` as it is (the manager's ``PreparedBatch``: its recordings, its mass if
+        enqueued). ``stream``: the execution stream (CUDA), made to wait on the copy."""
         rows = [(r, list(blocks), n, attended) for r, blocks, n, attended in written
                 if r != CUDA_GRAPH_DUMMY_REQUEST_ID]
         if not rows:
@@ -103,7 +103,7 @@ class VTokenState:
         mass = None
         if self.needs_attention:  # the batch's, in one call: [B, L] beside the rows, L their lengths once joined
             width = max(step.kv_len(r) + n for r, _, n, _ in rows)
-            mass = self.attention_mass([(r, attended, blocks) for r, blocks, _, attended in rows], recording, width)
+            mass = self.attention_mass([(r, attended, blocks) for r, blocks, _, attended in rows], batch, width)
         return step.run(StepInput.of_lists([r for r, *_ in rows], [n for _, _, n, _ in rows], fresh, mass=mass,
                                            stream=stream))
 
