@@ -28,7 +28,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(params=["interpreter", "cuda"])
+@pytest.fixture(params=["interpreter", pytest.param("cuda", marks=pytest.mark.cuda)])
 def device(request) -> str:
     if request.param == "interpreter" and not INTERPRETED:
         pytest.skip("run by test_kernels_in_the_interpreter, in a process started with TRITON_INTERPRET=1")
