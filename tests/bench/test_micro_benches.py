@@ -33,19 +33,25 @@ def test_registration_is_timed_with_writeable_and_read_only_arrays_where_the_cor
     assert [r["arrays"] for r in rows] == ["writeable", "read-only"] and all(r["call_us"] > 0 for r in rows)
 
 
-def test_the_cli_writes_both_micro_benches_and_the_batched_mass_equals_the_per_request_one(tmp_path, capsys):
+def test_the_cli_writes_both_micro_benches_with_the_mass_passes_against_the_attention(tmp_path, capsys):
     assert main(["bench", "host", "--rounds", "2", "--out", str(tmp_path)]) == 0
     assert main(["bench", "trtllm-mass", "--quick", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert "after 1 ms asleep" in printed and "torch operators" in printed
+    assert "after 1 ms asleep" in printed and "mass pass / attention" in printed
     assert len(json.loads((tmp_path / "host.json").read_text())["rows"]) == len(OPERATIONS)
     mass = json.loads((tmp_path / "trtllm_mass.json").read_text())
-    assert mass["config"]["batch"] == 8 and mass["max_abs_difference"] == 0.0  # the same mass both ways
-    assert mass["operators"]["batched"] < mass["operators"]["per_request"]
-    assert mass["copies_to_host"] == {"per_request": 8, "batched": 1}
-    assert [r["round"] for r in mass["rounds"]] == [0, 1]
+    decode = mass["decode"]
+    assert mass["config"]["batch"] == 8 and mass["backend"] == "torch" and decode["max_abs_difference"] < 1e-5
+    assert all(len(ms) == 3 for ms in decode["ms"].values())  # alternating rounds, each way
+    for summary in [decode["mass_pass_to_attention"]] + [r["mass_pass_to_attention"] for r in mass["prefill"]]:
+        assert summary["ratio_min"] <= summary["ratio"] <= summary["ratio_max"]  # the spread, and its verdict
+        assert summary["verdict"] in ("<= 1x", "> 1x", "within the spread")
+    assert [r["tokens"] for r in mass["prefill"]] == [256, 512]
+    assert decode["peak_transient_bytes"]["mass pass"] < decode["peak_transient_bytes"]["specification"]
     with pytest.raises(ValueError, match="batch"):
         TrtllmMassBenchConfig(batch=0)
+    with pytest.raises(ValueError, match="prompt dtype"):
+        TrtllmMassBenchConfig(prompt_dtypes=("int8",))
 
 
 def test_variants_can_run_without_prefix_caching():

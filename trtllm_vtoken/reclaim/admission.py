@@ -6,9 +6,10 @@ Each running request ``r`` reserves ``max(0, peak(r) - held(r))`` blocks of the 
 ``peak`` is the most blocks it can ever hold from now on:
 
     native, naive-evict   ceil((logical_len + remaining) / B)      no block is guaranteed to die
-    vtoken dense          ceil(min(live + remaining, max(live, budget) + 1) / B)
-                          (live never exceeds the budget by more than the token written before the
-                          step's eviction; compaction keeps exactly ceil(live / B) blocks)
+    vtoken dense          ceil(min(live + remaining, max(live, budget) + S) / B)
+                          (live never exceeds the budget by more than the S tokens written before
+                          the step's eviction: 1 while decoding, a chunk while a prompt is
+                          prefilled in chunks; compaction keeps exactly ceil(live / B) blocks)
     vtoken lazy           as dense + fragmentation_threshold blocks
                           (holes are tolerated up to the threshold before compaction runs)
 
@@ -62,6 +63,9 @@ class RequestState:
     budget: int | None
     """Live-token budget at completion (None: no eviction)."""
     held: int = 0
+    step_tokens: int = 1
+    """Most tokens it writes in one step before an eviction: 1 while decoding, a chunk while its
+    prompt is prefilled in chunks."""
 
 
 class AdmissionController:
@@ -80,7 +84,7 @@ class AdmissionController:
         cfg = self.config
         return peak_blocks(self.pool.tokens_per_block, state.logical_len, state.live, state.remaining,
                            state.budget if cfg.variant == "vtoken" else None,
-                           cfg.fragmentation_threshold if cfg.mode == "lazy" else 0)
+                           cfg.fragmentation_threshold if cfg.mode == "lazy" else 0, state.step_tokens)
 
     def reserved_blocks(self) -> int:
         """Free blocks promised to running requests, plus the evacuation headroom."""
@@ -93,19 +97,21 @@ class AdmissionController:
         return self.pool.num_free + self.reclaimable() - self.reserved_blocks()
 
     def can_admit(self, prompt_len: int, max_new_tokens: int, budget: int | None, cached_blocks: int = 0,
-                  cached_reclaimable: int = 0) -> bool:
+                  cached_reclaimable: int = 0, step_tokens: int = 1) -> bool:
         """Would a new request fit? Its peak is the whole prompt (prefill writes it all before the
         first eviction) or its steady-state peak, whichever is larger; ``cached_blocks`` of it
         exist already (its cached prefix), ``cached_reclaimable`` of those count as reclaimable
-        now and stop being so once it holds them."""
+        now and stop being so once it holds them. A prompt prefilled in chunks: ``prompt_len`` is
+        its first chunk, ``max_new_tokens`` counts the rest of it, ``step_tokens`` is the chunk."""
         if prompt_len <= 0 or max_new_tokens <= 0:
             raise ValueError(f"prompt_len ({prompt_len}) and max_new_tokens ({max_new_tokens}) must be positive")
-        need = self.peak_blocks(RequestState(prompt_len, prompt_len, max_new_tokens, budget)) - cached_blocks
+        state = RequestState(prompt_len, prompt_len, max_new_tokens, budget, step_tokens=step_tokens)
+        need = self.peak_blocks(state) - cached_blocks
         return need <= self.available_blocks() - cached_reclaimable
 
     def admit(
         self, req_id: int, prompt_len: int, max_new_tokens: int, budget: int | None, force: bool = False,
-        cached_blocks: int = 0, cached_reclaimable: int = 0,
+        cached_blocks: int = 0, cached_reclaimable: int = 0, step_tokens: int = 1,
     ) -> bool:
         """Registers the request if it fits; False (changing nothing) if it does not.
 
@@ -114,15 +120,19 @@ class AdmissionController:
         """
         if req_id in self.running:
             raise ValueError(f"request {req_id} is already admitted")
-        if not force and not self.can_admit(prompt_len, max_new_tokens, budget, cached_blocks, cached_reclaimable):
+        if not force and not self.can_admit(prompt_len, max_new_tokens, budget, cached_blocks, cached_reclaimable,
+                                            step_tokens):
             return False
-        self.running[req_id] = RequestState(prompt_len, prompt_len, max_new_tokens, budget, held=cached_blocks)
+        self.running[req_id] = RequestState(prompt_len, prompt_len, max_new_tokens, budget, held=cached_blocks,
+                                            step_tokens=step_tokens)
         return True
 
-    def update(self, req_id: int, *, logical_len: int, live: int, remaining: int, held: int) -> None:
+    def update(self, req_id: int, *, logical_len: int, live: int, remaining: int, held: int,
+               step_tokens: int = 1) -> None:
         """Records a running request's progress after a step (and after its reclamation)."""
         state = self._state(req_id)
         state.logical_len, state.live, state.remaining, state.held = logical_len, live, remaining, held
+        state.step_tokens = step_tokens
 
     def finish(self, req_id: int) -> None:
         """Drops a finished, cancelled or preempted request's reservation."""
@@ -137,7 +147,7 @@ class AdmissionController:
 
 
 def peak_blocks(tokens_per_block: int, logical_len: int, live: int, remaining: int, budget: int | None,
-                extra_blocks: int = 0) -> int:
+                extra_blocks: int = 0, step_tokens: int = 1) -> int:
     """Most blocks a request can hold from now to completion (the module docstring's formula).
 
     Args:
@@ -145,11 +155,12 @@ def peak_blocks(tokens_per_block: int, logical_len: int, live: int, remaining: i
         remaining: tokens it may still generate.
         budget: live tokens its policy keeps at completion; None when nothing is evicted.
         extra_blocks: lazy compaction's tolerance (its fragmentation threshold).
+        step_tokens: most tokens written in one step before an eviction (a prefill chunk, else 1).
     """
     if budget is None:
         return _ceil(logical_len + remaining, tokens_per_block)
     # At least the whole prompt: prefill writes it before the first eviction.
-    peak_live = min(live + remaining, max(live, budget) + 1)
+    peak_live = min(live + remaining, max(live, budget) + step_tokens)
     return _ceil(peak_live, tokens_per_block) + extra_blocks
 
 

@@ -93,6 +93,18 @@ class EngineConfig:
     (its prompt's eviction) before its first decode forward, as the plain order does (the engine
     has every forward's mass on the host already: it waits for nothing more); "lagged": beside
     that forward, one iteration late like its decode steps."""
+    max_num_tokens: int | None = None
+    """Tokens one iteration computes at most: one per decode row, the rest prefill (TensorRT-LLM's
+    name). Admission stops for the iteration when the next prompt (or, with chunked prefill, its
+    first chunk) does not fit; without chunked prefill a longer prompt is refused. None: no limit."""
+    enable_chunked_prefill: bool = False
+    """Prefill a prompt longer than ``prefill_chunk_tokens`` over several iterations, one chunk an
+    iteration beside the decode rows (TensorRT-LLM's name). Each chunk's step takes its tokens in
+    and the policy evicts before the next chunk, so a request holds at most its budget plus one
+    chunk (and a block) of KV whatever its prompt's length, and admission counts that peak: a
+    prompt longer than the KV budget runs. Needs ``max_num_tokens``, and for now
+    ``prefix_caching=False``, ``prefill_decision="at_once"`` and, in lazy mode,
+    ``lazy_background=False``."""
     synchronous_copies: bool = False
     """On CUDA: wait on the host for every relocation instead of ordering the compute stream
     after its event (the ablation of the asynchronous side-stream copy)."""
@@ -132,6 +144,23 @@ class EngineConfig:
                          "max_seq_len", "fragmentation_threshold", "tensor_parallel_size")
         if self.evacuation_headroom < 0 or self.evacuation_headroom >= self.num_blocks:
             raise ValueError(f"evacuation_headroom must lie in [0, num_blocks), got {self.evacuation_headroom}")
+        if self.max_num_tokens is not None:
+            require_positive(self, "max_num_tokens")
+        if self.enable_chunked_prefill:
+            if self.max_num_tokens is None:
+                raise ValueError("enable_chunked_prefill needs max_num_tokens (the tokens of one iteration)")
+            if self.max_num_tokens - self.max_batch_size < self.tokens_per_block:
+                raise ValueError(f"max_num_tokens ({self.max_num_tokens}) must leave a block ({self.tokens_per_block} "
+                                 f"tokens) for prefill chunks beside max_batch_size ({self.max_batch_size}) decode rows")
+            if self.prefix_caching:
+                raise ValueError("enable_chunked_prefill needs prefix_caching=False for now (a prompt's blocks "
+                                 "are keyed at admission, before the later chunks write them)")
+            if self.mode == "lazy" and self.lazy_background:
+                raise ValueError("enable_chunked_prefill with mode='lazy' needs lazy_background=False: background "
+                                 "compaction frees a chunk's holes two iterations late, past the peak admission counts")
+            if self.prefill_decision != "at_once":
+                raise ValueError("enable_chunked_prefill needs prefill_decision='at_once' (each chunk is taken "
+                                 "in before the next one runs)")
         POLICIES.get(self.policy)  # KeyError naming the known policies
         self.make_policy()  # ValueError for a bad budget or option
 
@@ -141,6 +170,15 @@ class EngineConfig:
     def policy_spec(self) -> PolicySpec:
         """The engine's policy as a spec (what requests without settings of their own run with)."""
         return PolicySpec.of(self.policy, Budget.parse(self.budget).in_units(self.eviction_unit), self.policy_options)
+
+    @property
+    def prefill_chunk_tokens(self) -> int | None:
+        """Tokens of each prefill chunk (None without chunked prefill): ``max_num_tokens`` less a
+        full batch of decode rows, in whole blocks. Fixed per engine, so where a prompt is cut, and
+        what its policy decides, does not depend on what runs beside it."""
+        if not self.enable_chunked_prefill:
+            return None
+        return (self.max_num_tokens - self.max_batch_size) // self.tokens_per_block * self.tokens_per_block
 
     @property
     def max_blocks_per_seq(self) -> int:

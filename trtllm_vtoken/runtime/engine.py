@@ -126,6 +126,10 @@ class Engine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need an engine with a tokenizer")
+        cfg = self.config
+        if cfg.max_num_tokens is not None and not cfg.enable_chunked_prefill and len(prompt_ids) > cfg.max_num_tokens:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) exceeds max_num_tokens {cfg.max_num_tokens}: "
+                             "enable chunked prefill to run it over several iterations")
         spec = self.kv.resolve(params.eviction)
         self.kv.check_fits_alone(len(prompt_ids), params.max_tokens, spec)
         req_id = next(self._ids) if req_id is None else req_id
@@ -150,6 +154,7 @@ class Engine:
         if request.status is Status.RUNNING:
             self.running.remove(req_id)
             self.kv.release(req_id)
+            self.scheduler.forget(req_id)
         else:
             self.waiting.remove(req_id)
         self.stats.cancelled += 1
@@ -172,7 +177,7 @@ class Engine:
         """Runs one iteration; returns what each request that changed produced."""
         reported, self._reported = self._reported, []
         decode = self.scheduler.schedule_decode()
-        prefill = self.scheduler.admit()
+        prefill = self.scheduler.schedule_prefill(len(decode))
         if self.config.overlap_scheduler:
             return self._step_overlapped(reported, decode, prefill)
         results, masses = self._run_forwards(decode, prefill)
@@ -187,7 +192,8 @@ class Engine:
         self.kv.start_step(rows, self.forwards.batch_mass(rows, masses, [r[2] for r in results]),
                            overlap=self.config.step_overlap)
         for request, logits, _ in results:
-            reported.append(self._advance(request, logits))
+            if logits is not None:  # None: a prompt's chunk before its last
+                reported.append(self._advance(request, logits))
         self._end_step(rows, self.kv.finish_step(), reported)
         return reported
 
@@ -204,7 +210,8 @@ class Engine:
         out = self.kv.finish_step()
         self.forwards.wait()  # sampling reads the forwards' logits
         for request, logits, _ in results:
-            reported.append(self._advance(request, logits))
+            if logits is not None:  # None: a prompt's chunk before its last
+                reported.append(self._advance(request, logits))
         self._end_step(self._stepped, out, reported, stepped=deferred is not None)
         rows = [request.req_id for request, *_ in results]
         # Rows whose policy decides from counts alone (StreamingLLM, sliding window, Random) take
@@ -266,10 +273,11 @@ class Engine:
             masses.append(mass)
             self.stats.decode_tokens += len(decode)
         for req_id in prefill:
-            cached = self.scheduler.prefill_from.pop(req_id)
-            ids = self.requests[req_id].prefill_ids()[cached:]  # the cached prefix is not recomputed
-            logits, mass = self.forwards.run([req_id], [ids], prefill=True)
-            results.append((self.requests[req_id], logits[0], len(ids)))
+            first, end, cached = self.scheduler.chunks.pop(req_id)
+            prompt = self.requests[req_id].prefill_ids()
+            ids = prompt[first:end]  # a cached prefix is not recomputed; with chunked prefill, one chunk
+            logits, mass = self.forwards.run([req_id], [ids], prefill=True, prompt_after=len(prompt) - end)
+            results.append((self.requests[req_id], logits[0] if end == len(prompt) else None, len(ids)))
             masses.append(mass)
             self.stats.prefill_tokens += len(ids)
             self.stats.cached_prompt_tokens += cached
@@ -285,7 +293,8 @@ class Engine:
             for i, req_id in enumerate(rows):
                 if self.requests[req_id].status is Status.RUNNING:
                     self.requests[req_id].evictions.append(tuple(out.victims_of(i)) if out is not None else ())
-        self.kv.update(continuing, [self.requests[r].remaining for r in continuing])
+        self.kv.update(continuing, [self.requests[r].remaining for r in continuing],
+                       [self.scheduler.unprefilled(r) for r in continuing])
         self.kv.store_written(continuing, lambda r: self.requests[r].prefill_ids())
         if self.config.check_invariants and stepped:  # every rank: same table, same free blocks, same tokens
             sampled = [t for out in reported for t in (out.req_id, *out.new_token_ids)]

@@ -48,10 +48,10 @@ class Forwards:
             hook, self.before_model = self.before_model, None
             hook()
 
-    def run(self, req_ids: list[int], tokens: list[list[int]], prefill: bool = False):
+    def run(self, req_ids: list[int], tokens: list[list[int]], prefill: bool = False, prompt_after: int = 0):
         """One forward over rows of new tokens; returns its rows' last logits (one row each, on the
         host) and its mass [rows, L] (None without one). ``prefill``: one request's prompt (after
-        its cached prefix)."""
+        its cached prefix), or a chunk of it followed by ``prompt_after`` more prompt tokens."""
         if self.simulated:  # no model runs (token 1 always); the mass comes at the step
             self.kv.set_batch(req_ids)
             if self.model.device_forward_us:  # launched: the device computes, this thread goes on
@@ -85,7 +85,7 @@ class Forwards:
                 input_ids.to(device), positions.to(device), slots.to(device), q_lens,
                 kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1,
                 carry_mass=self.consistency.carry, mass_cuts=mass_cuts,
-                mass_from=self._mass_from(req_ids, tokens) if prefill and kv.needs_attention else None,
+                mass_from=self._mass_from(req_ids, tokens, prompt_after) if prefill and kv.needs_attention else None,
             )
         mass = self.consistency.reduce_mass(mass)  # every rank's heads: identical decisions
         # One device-to-host copy per forward for all rows (the policy reads each row on the host);
@@ -100,14 +100,16 @@ class Forwards:
             mass = kv.prefill_mass(req_ids[0], mass[0], cut_mass)[None]
         return last[: len(req_ids)], None if mass is None else mass[: len(req_ids)]  # a graph's padding rows left out
 
-    def _mass_from(self, req_ids: list[int], tokens: list[list[int]]) -> torch.Tensor | None:
+    def _mass_from(self, req_ids: list[int], tokens: list[list[int]], prompt_after: int) -> torch.Tensor | None:
         """[B] the first query of each prefill row its policy observes (H2O's prefill_window: the
-        prompt's last queries), or None when every row's policy observes them all."""
+        prompt's last queries, of which a chunk followed by ``prompt_after`` prompt tokens holds
+        the last ``window - prompt_after``), or None when every row's policy observes them all."""
         policies = [self.kv.policy_of(r) for r in req_ids]
         windows = [None if p is None else p.observed_prefill_queries() for p in policies]
         if all(w is None for w in windows):
             return None
-        return torch.tensor([0 if w is None else max(0, len(row) - w) for w, row in zip(windows, tokens)]).to(self.device)
+        return torch.tensor([0 if w is None else len(row) - min(len(row), max(0, w - prompt_after))
+                             for w, row in zip(windows, tokens)]).to(self.device)
 
     def wait(self) -> None:
         """Waits for the forwards launched to finish: the simulated device's time (a real

@@ -28,7 +28,9 @@ class KVAdmission:
         usable = cfg.num_blocks - cfg.evacuation_headroom
         probe = AdmissionController(BlockPool(usable, cfg.tokens_per_block),
                                     AdmissionConfig(cfg.variant, cfg.mode, cfg.fragmentation_threshold))
-        if not probe.can_admit(prompt_len, max_tokens, self.final_budget(prompt_len + max_tokens, spec)):
+        first, rest, step_tokens = self.prefill_shape(prompt_len)
+        if not probe.can_admit(first, max_tokens + rest, self.final_budget(prompt_len + max_tokens, spec),
+                               step_tokens=step_tokens):
             raise ValueError(f"request needs more KV blocks than the pool's {usable} usable blocks "
                              f"(prompt {prompt_len} + max_tokens {max_tokens} tokens, "
                              f"tokens_per_block {cfg.tokens_per_block})")
@@ -52,13 +54,15 @@ class KVAdmission:
         shared = held * cfg.tokens_per_block
         budget = self.final_budget(prefill_len + remaining - shared, spec)
         budget = None if budget is None else budget + shared
+        first, rest, step_tokens = self.prefill_shape(prefill_len)  # chunked prefill: its first chunk
         if cfg.admission == "greedy":
             free = self.pool.num_free + (self.prefix.cache.num_reclaimable - reclaimable if self.prefix else 0)
-            if free - cfg.evacuation_headroom < -(-prefill_len // cfg.tokens_per_block) - held:
+            if free - cfg.evacuation_headroom < -(-first // cfg.tokens_per_block) - held:
                 return None
-            self.admission.admit(req_id, prefill_len, remaining, budget, force=True, cached_blocks=held)
-        elif not self.admission.admit(req_id, prefill_len, remaining, budget, cached_blocks=held,
-                                      cached_reclaimable=reclaimable):
+            self.admission.admit(req_id, first, remaining + rest, budget, force=True, cached_blocks=held,
+                                 step_tokens=step_tokens)
+        elif not self.admission.admit(req_id, first, remaining + rest, budget, cached_blocks=held,
+                                      cached_reclaimable=reclaimable, step_tokens=step_tokens):
             return None
         if self.step is not None:
             self.step.add_request(req_id, policy)
@@ -71,6 +75,15 @@ class KVAdmission:
         blocks = self.prefix.begin(req_id, token_ids, busy, self._copy_blocks if private else None, window)
         self.writes.add_prefix(req_id, blocks)
         return self.prefix.cached_tokens(req_id)
+
+    def prefill_shape(self, prefill_len: int) -> tuple[int, int, int]:
+        """(tokens of the first prefill forward, prompt tokens after it, most tokens one step
+        writes before an eviction): the whole prompt at once, or its chunks
+        (``EngineConfig.enable_chunked_prefill``)."""
+        chunk = self.config.prefill_chunk_tokens
+        if chunk is None or prefill_len <= chunk:
+            return prefill_len, 0, 1
+        return chunk, prefill_len - chunk, chunk
 
     def new_iteration(self) -> None:
         """Before an iteration's admissions (prefix caching: what earlier prefills wrote is readable)."""

@@ -266,16 +266,20 @@ class KVCacheManager(KVAdmission):
             return mass
         return self.prefix.prefill_mass(req_id, self.writes.staged_blocks(req_id)[0], mass, cut_mass)
 
-    def update(self, req_ids: list[int], remaining: list[int]) -> None:
-        """Admission learns what each request now holds, and how many tokens it may still write."""
+    def update(self, req_ids: list[int], remaining: list[int], unprefilled: list[int] | None = None) -> None:
+        """Admission learns what each request now holds, and how many tokens it may still write:
+        ``remaining`` to generate and ``unprefilled`` prompt tokens still to prefill in chunks."""
         if self.step is not None:  # the step's counters, read for the batch at once
             tokens, live, held = self.step.counters(req_ids)
         else:
             lists = self.lists
             tokens = live = list(map(lists.kv_len, req_ids))
             held = list(map(lists.num_blocks, req_ids))
-        for req_id, n, k, h, rest in zip(req_ids, tokens, live, held, remaining):
-            self.admission.update(req_id, logical_len=n, live=k, remaining=rest, held=h)
+        chunk = self.config.prefill_chunk_tokens
+        for i, (req_id, n, k, h, rest) in enumerate(zip(req_ids, tokens, live, held, remaining)):
+            unwritten = unprefilled[i] if unprefilled is not None else 0
+            self.admission.update(req_id, logical_len=n, live=k, remaining=rest + unwritten, held=h,
+                                  step_tokens=min(chunk, unwritten) if unwritten else 1)
 
     def next_position(self, req_id: int) -> int:
         """RoPE position of the request's next token: its logical position in "keep" mode, its
