@@ -5,7 +5,8 @@
     vtoken generate "prompt" ... [--tp N]   text generation on the reference runtime (N rank processes)
     vtoken serve                        Triton Inference Server on triton_model_repo
     vtoken bench all | core | step | host | variants | capacity | utilization | quality | overhead |
-                 sweeps | sla | sharing | shift | serve | gpu | tp | threads | overlap | trtllm-mass
+                 sweeps | sla | sharing | shift | serve | gpu | tp | threads | overlap | trtllm-mass |
+                 invariance | long
                                         benchmarks (tables, JSON/PNG under --out)
 """
 

@@ -86,8 +86,8 @@ def register(sub) -> None:
     capacity.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     add_output_options(capacity, "--scale 8 (about a minute)", run_capacity)
 
-    from trtllm_vtoken.cli import (bench_experiments, bench_gpu, bench_invariance, bench_micro, bench_overlap,
-                                   bench_serve, bench_step, bench_threads, bench_tp)
+    from trtllm_vtoken.cli import (bench_experiments, bench_gpu, bench_invariance, bench_long, bench_micro,
+                                   bench_overlap, bench_serve, bench_step, bench_threads, bench_tp)
 
     bench_step.register(bench)
     bench_micro.register(bench)
@@ -98,6 +98,7 @@ def register(sub) -> None:
     bench_threads.register(bench)
     bench_overlap.register(bench)
     bench_invariance.register(bench)
+    bench_long.register(bench)
 
 
 def run_core(args: argparse.Namespace) -> int:

@@ -59,6 +59,12 @@ def add_engine_args(parser: argparse.ArgumentParser, variant: bool = True) -> No
                         "the batch)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="turn automatic prefix caching off (on by default)")
+    g.add_argument("--max-num-tokens", type=_positive_int, default=None, metavar="N",
+                   help="tokens one iteration computes at most: one per decode row, the rest prefill (default: no limit)")
+    g.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="prefill prompts longer than a chunk (max-num-tokens less max-batch-size, in whole blocks) "
+                        "one chunk an iteration, evicting between chunks; needs --max-num-tokens and "
+                        "--no-prefix-caching")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallelism: split the model over N rank processes (gloo on CPU, NCCL on CUDA); "
                         "at most the model's KV heads")
@@ -73,6 +79,8 @@ def engine_settings(args: argparse.Namespace, **overrides) -> dict:
         overlap_scheduler=getattr(args, "overlap_scheduler", True),
         prefill_decision=getattr(args, "prefill_decision", "at_once"),
         prefix_reuse=getattr(args, "prefix_reuse", "copy"), prefix_caching=getattr(args, "prefix_caching", True),
+        max_num_tokens=getattr(args, "max_num_tokens", None),
+        enable_chunked_prefill=getattr(args, "enable_chunked_prefill", False),
     )
     if hasattr(args, "variant"):
         values["variant"] = args.variant
