@@ -66,6 +66,10 @@ class EngineConfig:
     check_invariants: bool = False
     """Check I1/I2/I4 on every relocation (slower; on in tests)."""
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """The KV pool's dtype: "auto", the model's; "fp8", float8_e4m3fn codes with a scale per layer
+    (TensorRT-LLM's FP8 KV cache, ``kv_cache.py``): a quarter of float32's bytes a block. Not with
+    ``positions="shift"`` (re-rotating 8-bit codes rounds every surviving key again)."""
     device: str = "cpu"
     cuda_graphs: bool = True
     """On a CUDA device, decode steps replay captured CUDA graphs (one per batch-size bucket);
@@ -140,6 +144,11 @@ class EngineConfig:
             raise ValueError(f"step_threads must be >= 0 (0: automatic), got {self.step_threads}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8" and self.positions == "shift":
+            raise ValueError("kv_cache_dtype='fp8' needs positions='keep': shift positions re-rotate the surviving "
+                             "keys, which on 8-bit codes rounds each of them again at every compaction")
         require_positive(self, "tokens_per_block", "num_blocks", "max_batch_size", "eviction_unit",
                          "max_seq_len", "fragmentation_threshold", "tensor_parallel_size")
         if self.evacuation_headroom < 0 or self.evacuation_headroom >= self.num_blocks:

@@ -9,6 +9,11 @@
 a captured CUDA graph keeps reading the same memory (design §5). The pool's last block is a
 scratch block outside the block pool: padding tokens (slot -1) write there, so writes need no
 data-dependent indexing and a padded batch can be captured.
+
+An FP8 pool (``kv_cache_dtype="fp8"``) holds float8_e4m3fn codes and one scale per layer, as
+TensorRT-LLM's FP8 KV cache does (``kv_scales[layer]``: value = code x scale; 1.0 each, the value
+TensorRT-LLM uses without a calibrated checkpoint): writes divide by it and saturate at +-448,
+reads multiply back in the compute dtype. Everything that moves KV moves the codes as they are.
 """
 
 from __future__ import annotations
@@ -30,12 +35,19 @@ class PagedKVCache:
         max_blocks_per_seq: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        fp8: bool = False,
     ) -> None:
+        """``dtype``: the model's (K/V are written and read in it); ``fp8``: the pool stores
+        float8_e4m3fn codes with a scale per layer instead."""
         self.tokens_per_block = tokens_per_block
         self.scratch_block = num_blocks
+        self.compute_dtype = dtype
         self.pool = torch.zeros(
-            num_blocks + 1, num_layers, 2, num_kv_heads, tokens_per_block, head_dim, dtype=dtype, device=device
+            num_blocks + 1, num_layers, 2, num_kv_heads, tokens_per_block, head_dim,
+            dtype=torch.float8_e4m3fn if fp8 else dtype, device=device,
         )
+        self.kv_scales = torch.ones(num_layers, dtype=torch.float32, device=device) if fp8 else None
+        """FP8: each layer's scale (K and V alike); None for a pool in the model's dtype."""
         self.block_offsets = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.kv_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self.active_blocks = max_blocks_per_seq
@@ -70,16 +82,29 @@ class PagedKVCache:
         tpb = self.tokens_per_block
         blocks = torch.where(slots >= 0, slots // tpb, self.scratch_block)
         offsets = slots % tpb
-        self.pool[blocks, layer, 0, :, offsets] = k.to(self.pool.dtype)
-        self.pool[blocks, layer, 1, :, offsets] = v.to(self.pool.dtype)
+        self.pool[blocks, layer, 0, :, offsets] = self._stored(k, layer)
+        self.pool[blocks, layer, 1, :, offsets] = self._stored(v, layer)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block, every layer's K and V (what a block costs the device)."""
+        return self.pool[0].numel() * self.pool.element_size()
+
+    def _stored(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.kv_scales is None:
+            return x.to(self.pool.dtype)
+        return (x.float() / self.kv_scales[layer]).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
 
     def gather(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the first ``batch`` rows through the offsets table.
 
         Returns: two tensors [batch, num_kv_heads, active_blocks * tokens_per_block, head_dim];
         positions at or beyond ``kv_lens`` hold whatever their block holds and must be masked.
+        In the pool's dtype, or for FP8 dequantized to the compute dtype.
         """
         blocks = self.block_offsets[:batch, : self.active_blocks].long()  # [B, nb]
         kv = self.pool[blocks, layer]  # [B, nb, 2, H, tpb, D]
+        if self.kv_scales is not None:  # FP8 codes -> values, in the compute dtype
+            kv = kv.to(self.compute_dtype) * self.kv_scales[layer].to(self.compute_dtype)
         kv = kv.permute(0, 2, 3, 1, 4, 5).flatten(3, 4)  # [B, 2, H, nb * tpb, D]
         return kv[:, 0], kv[:, 1]

@@ -75,7 +75,7 @@ class KVCacheManager(KVAdmission):
             self.cache = PagedKVCache(
                 config.num_blocks, tpb, model_config.num_hidden_layers, model_config.num_key_value_heads,
                 model_config.head_dim, config.max_batch_size, config.max_blocks_per_seq,
-                dtype=getattr(torch, config.dtype), device=config.device,
+                dtype=getattr(torch, config.dtype), device=config.device, fp8=config.kv_cache_dtype == "fp8",
             )
         self.step: DecodeStep | None = None
         self.rerotation: KeyRerotation | None = None
@@ -89,7 +89,10 @@ class KVCacheManager(KVAdmission):
         else:
             executor = None
             if config.variant == "vtoken":
-                executor = (TorchCopyExecutor([self.cache.pool], kernel=config.relocation_kernel)
+                # FP8 codes move as bytes (the relocation kernel copies rows of bytes of any dtype).
+                pool = None if self.cache is None else self.cache.pool if self.cache.kv_scales is None else \
+                    self.cache.pool.view(torch.uint8)
+                executor = (TorchCopyExecutor([pool], kernel=config.relocation_kernel)
                             if self.cache is not None else AccountingCopyExecutor(simulated_bytes_per_token))
             if config.positions == "shift" and self.cache is not None:
                 self.rerotation = KeyRerotation([self.cache.pool], model_config.rope, kernel=config.relocation_kernel)
