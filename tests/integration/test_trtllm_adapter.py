@@ -145,7 +145,7 @@ def test_write_row_rewrites_the_static_table_in_place():
 
 # ---- the manager over the 1.2.1 doubles -----------------------------------------------------------
 def make_manager(policy: str, budget=8, num_blocks=64, mapping=None, num_layers=LAYERS, num_kv_heads=KV_HEADS,
-                 **extra):
+                 dtype=DataType.BF16, **extra):
     """``VTokenKVCacheManager`` over the ``KVCacheManager`` double, built as ``KvCacheCreator`` does
     (keyword arguments, bf16 pool, ``max_tokens`` fixing the block count)."""
     options = extra.pop("policy_options", POLICY_OPTIONS.get(policy, {}))
@@ -155,7 +155,7 @@ def make_manager(policy: str, budget=8, num_blocks=64, mapping=None, num_layers=
                            tokens_per_block=TPB)
     return cls(config, CacheType.SELF, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=DIM,
                tokens_per_block=TPB, max_seq_len=64, max_batch_size=4, mapping=mapping or Mapping(),
-               dtype=DataType.BF16, vtoken_settings=settings)
+               dtype=dtype, vtoken_settings=settings)
 
 
 def write_new_kv(manager, request, gen: torch.Generator) -> None:

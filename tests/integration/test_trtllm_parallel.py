@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.integration.trtllm121.tensorrt_llm.bindings import DataType
 from tests.integration.test_trtllm_adapter import DIM, HEADS, TPB, make_manager, write_new_kv
 from tests.integration.trtllm_doubles import Mapping, ScheduledRequests, TrtllmAttention, TrtllmAttentionMetadata, \
     make_request
@@ -47,19 +48,24 @@ def pipeline_managers(policy: str, **kwargs) -> list:
         return list(pool.map(build, range(2)))
 
 
-def reference_mass(manager, q: torch.Tensor, blocks: list[int], kv_len: int) -> torch.Tensor:
-    """Decode mass over the rank's layers from ``get_buffers(global id)``, layer by layer."""
+def reference_mass(manager, q: torch.Tensor, blocks: list[int], kv_len: int,
+                   fp8_scales: dict[int, float] | None = None) -> torch.Tensor:
+    """Decode mass over the rank's layers from ``get_buffers(global id)``, layer by layer (FP8
+    codes times their layer's scale)."""
     total = torch.zeros(kv_len)
     for layer, local in manager.layer_offsets.items():
         keys = manager.get_buffers(layer, kv_layout="HND")[:, 0]  # [P, Hkv, tpb, D]
         k = torch.stack([keys[blocks[p // TPB], :, p % TPB] for p in range(kv_len)]).float()  # [T, Hkv, D]
+        k = k * (fp8_scales[layer] if fp8_scales is not None else 1.0)
         group = HEADS // k.shape[1]
         scores = torch.einsum("hd,thd->ht", q[local].float(), k.repeat_interleave(group, dim=1)) / math.sqrt(DIM)
         total += torch.softmax(scores, dim=-1).sum(0)
     return total
 
 
-def prefill_and_record(manager, layers, gen):
+def prefill_and_record(manager, layers, gen, fp8_scales: dict[int, float] | None = None):
+    """A prompt, then one decode step whose queries the hook records layer by layer; with
+    ``fp8_scales`` each layer's attention has an FP8 KV cache of that dequantization scale."""
     request = make_request(0, prompt_len=9, max_new_tokens=8)
     prefill = ScheduledRequests(context_requests=[request])
     manager.prepare_resources(prefill)
@@ -75,7 +81,11 @@ def prefill_and_record(manager, layers, gen):
         kv_heads = manager.num_kv_heads_per_layer[manager.layer_offsets[layer]]
         q[layer] = torch.randn(1, HEADS * DIM, generator=gen)
         fused = torch.cat([q[layer], torch.zeros(1, 2 * kv_heads * DIM)], dim=-1)
-        record_queries(TrtllmAttention(layer, HEADS, DIM, kv_heads), fused, None, metadata)
+        attention = TrtllmAttention(layer, HEADS, DIM, kv_heads)
+        if fp8_scales is not None:  # as update_quant_config and a calibrated checkpoint leave it
+            attention.has_fp8_kv_cache = True
+            attention.kv_scale_quant_orig.fill_(fp8_scales[layer])
+        record_queries(attention, fused, None, metadata)
     return q
 
 
@@ -116,3 +126,22 @@ def test_decode_mass_covers_every_pool():
     assert got.shape == (1, kv_len) and got.dtype == np.float32
     torch.testing.assert_close(torch.from_numpy(got[0]), reference_mass(manager, stacked, blocks, kv_len),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_pools_score_the_keys_the_attention_reads():
+    """``kv_cache_config.dtype="fp8"``: the pool holds codes, each layer's attention its scale
+    (``kv_scale_quant_orig``); the decode mass is the one of the dequantized keys, not of the
+    codes, and a layer whose scale the hook never saw is an error, not a silent misreading."""
+    gen = torch.Generator().manual_seed(13)
+    scales = {0: 0.5, 1: 2.0}
+    manager = make_manager("h2o", budget=64, num_layers=2, num_kv_heads=[2, 2], dtype=DataType.FP8)
+    assert manager.vtoken.step.executor.pools[0].dtype == torch.float8_e4m3fn
+    q = prefill_and_record(manager, [0, 1], gen, fp8_scales=scales)
+    stacked = torch.stack([q[layer].view(HEADS, DIM) for layer in range(2)])
+    blocks, kv_len = manager.get_cache_indices(make_request(0, 9, 8)), manager.vtoken.step.kv_len(0) + 1
+    got = torch.from_numpy(latest_batch_mass(manager, [(0, kv_len, blocks)])[0])
+    torch.testing.assert_close(got, reference_mass(manager, stacked, blocks, kv_len, scales), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got, reference_mass(manager, stacked, blocks, kv_len), atol=1e-2)  # codes as values
+    del manager.vtoken_queries.kv_scales[1]
+    with pytest.raises(RuntimeError, match="layer 1's KV is FP8"):
+        latest_batch_mass(manager, [(0, kv_len, blocks)])

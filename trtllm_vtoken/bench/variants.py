@@ -38,6 +38,8 @@ class VariantsBenchConfig:
     prefix_caching: bool = True
     """The engine's prefix caching (its default). A token of a block that another running request
     holds is kept on top of the budget, so with it the evictions follow the schedule."""
+    kv_cache_dtype: str = "auto"
+    """The KV pool's dtype: "auto" (the model's, float32) or "fp8" (``EngineConfig.kv_cache_dtype``)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -50,6 +52,7 @@ class VariantsBenchConfig:
             max_batch_size=self.max_batch_size,
             max_seq_len=self.max_prompt_tokens + self.max_output_tokens + 64,  # + chat template
             check_invariants=self.check_invariants, prefix_caching=self.prefix_caching, seed=self.seed,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
 
@@ -109,6 +112,7 @@ def serve_workload(engine, prompts, items, progress) -> tuple[dict[str, Any], li
         "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
         "latency_p50_s": float(np.percentile(latency, 50)), "latency_p95_s": float(np.percentile(latency, 95)),
         "steps": stats.steps, "peak_blocks": kv.stats.peak_blocks_used,
+        "peak_kv_bytes": kv.stats.peak_blocks_used * (kv.cache.bytes_per_block if kv.cache is not None else 0),
         "mean_blocks": float(np.mean(blocks)),
         "kv_utilization": float(np.sum(live) / max(np.sum(slots), 1)),
         "max_running": max(running), "mean_running": float(np.mean(running)),

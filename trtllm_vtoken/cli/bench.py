@@ -47,6 +47,9 @@ def register(sub) -> None:
     variants.add_argument("--no-prefix-caching", action="store_true",
                           help="turn the engine's prefix caching off (on by default): a token of a block that "
                                "another running request holds is then no longer kept on top of the budget")
+    variants.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                          help="the KV pool's dtype: auto (the model's, float32) or fp8 (float8_e4m3fn codes, a "
+                               "scale per layer)")
     variants.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     add_output_options(variants, "16 requests, prompts <= 256, outputs <= 48 tokens, 80 blocks", run_variants)
 
@@ -165,23 +168,23 @@ def run_variants(args: argparse.Namespace) -> int:
     cfg = VariantsBenchConfig(
         workload=args.workload, policy=args.policy, budget=args.budget, tokens_per_block=args.tokens_per_block,
         max_batch_size=args.max_batch_size, check_invariants=not args.no_check,
-        prefix_caching=not args.no_prefix_caching, seed=args.seed, **sizes)
+        prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, **sizes)
     folder, model, tokenizer = load_model(args.model)
     with tqdm(total=cfg.requests * len(VARIANT_RUNS), desc="bench variants", unit="req",
               disable=None, file=sys.stderr) as bar:
         result = run_variants_bench(cfg, model, tokenizer, progress=bar)
-    headers = ["variant", "mode", "tok/s", "p95 latency s", "peak blocks", "mean blocks",
+    headers = ["variant", "mode", "tok/s", "p95 latency s", "peak blocks", "peak KV MiB", "mean blocks",
                "KV util %", "max running", "preempted", "evicted", "reclaimed", "moves", "I1/I2 checks",
                "= naive-evict"]
     rows = [[r["variant"], r["mode"], r["tokens_per_s"], r["latency_p95_s"], r["peak_blocks"],
-             r["mean_blocks"], 100 * r["kv_utilization"], r["max_running"], r["preemptions"],
+             r["peak_kv_bytes"] / 2**20, r["mean_blocks"], 100 * r["kv_utilization"], r["max_running"], r["preemptions"],
              r["tokens_evicted"], r["blocks_reclaimed"], r["moves"], r["invariant_checks"],
              f"{100 * r['exact_match_vs_naive_evict']:.0f}%" if "exact_match_vs_naive_evict" in r else "-"]
             for r in result["runs"]]
     print(f"vtoken bench variants: {folder.name}, {cfg.workload} x {cfg.requests} requests (prompts <= "
           f"{cfg.max_prompt_tokens}, outputs <= {cfg.max_output_tokens} tokens), {cfg.policy} budget "
           f"{cfg.budget}, pool {cfg.num_blocks} blocks x {cfg.tokens_per_block} tokens, prefix caching "
-          f"{'on' if cfg.prefix_caching else 'off'}, CPU")
+          f"{'on' if cfg.prefix_caching else 'off'}, KV {cfg.kv_cache_dtype}, CPU")
     print(format_table(headers, rows))
     publish(args.out, "variants", result, plot_variants)
     return 0

@@ -76,7 +76,11 @@ class ManagerMass:
             mapping = self.kv_cache_pool_mapping.tolist()  # [local layers, 2]: (pool, layer in pool)
             for pool_index, pool in enumerate(pools):  # a pool per num_kv_heads
                 local = [layer for layer, (p, _) in enumerate(mapping) if p == pool_index]
-                part = decode_mass(q[:, local], pool, blocks, kv_lens, [mapping[layer][1] for layer in local],
+                queries = q[:, local]
+                if pool.element_size() == 1:  # FP8 codes: q . (code x scale) = (q x scale) . code
+                    scales = torch.cat([self.vtoken_queries.kv_scale(layer) for layer in local]).to(pool.device)
+                    queries = queries.float() * scales.view(1, len(local), 1, 1)
+                part = decode_mass(queries, pool, blocks, kv_lens, [mapping[layer][1] for layer in local],
                                    self._vtoken_cap)
                 out[index, : part.shape[1]] += part
         return out

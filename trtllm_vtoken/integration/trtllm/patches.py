@@ -79,14 +79,17 @@ def record_queries(attention, q, k, metadata) -> None:
     if k is None:
         q, k = q[..., :width], q[..., width : width + kv_width]
     num_contexts = metadata.num_contexts
-    queries.record(manager.local_layer(attention.layer_idx), q, metadata.num_seqs - num_contexts)
+    local = manager.local_layer(attention.layer_idx)
+    queries.note_kv_scale(local, attention)
+    queries.record(local, q, metadata.num_seqs - num_contexts)
     params = getattr(metadata, "kv_cache_params", None)
     cached = getattr(params, "num_cached_tokens_per_seq", None) or []
     start = 0
     for row, length in enumerate(metadata.seq_lens[:num_contexts].tolist() if num_contexts else []):
         rows = slice(start, start + length)
         past = cached[row] if row < len(cached) else 0  # a prefix recovered from the reuse tree
-        past_k = manager.vtoken_cached_keys(metadata.request_ids[row], attention.layer_idx, past) if past else None
+        past_k = queries.dequantized(local, manager.vtoken_cached_keys(metadata.request_ids[row], attention.layer_idx,
+                                                                       past)) if past else None
         queries.add_prefill(row, q[rows].reshape(length, attention.num_heads, attention.head_dim),
                             k[rows].reshape(length, attention.num_kv_heads, attention.head_dim), past_k)
         start += length

@@ -136,6 +136,29 @@ class QueryRecorder:
         self.prefill_window, self.cap_bytes = prefill_window, cap_bytes
         self.q: torch.Tensor | None = None  # [max_batch_size, num_layers, num_heads, head_dim]
         self.prefill: dict[int, torch.Tensor] = {}  # context row -> mass [prompt_len], all layers so far
+        self.kv_scales: dict[int, torch.Tensor] = {}
+        """FP8 pools: local layer -> its attention's ``kv_scale_quant_orig`` ([1], value = code x
+        scale), noted by the forward hook; the mass dequantizes the codes it reads with it."""
+
+    def note_kv_scale(self, layer: int, attention) -> None:
+        """Keeps the layer's dequantization scale where TensorRT-LLM keeps it (``TrtllmAttention``'s
+        ``kv_scale_quant_orig``, filled from a calibrated checkpoint), for an FP8 KV cache."""
+        if getattr(attention, "has_fp8_kv_cache", False):
+            self.kv_scales[layer] = attention.kv_scale_quant_orig
+
+    def kv_scale(self, layer: int) -> torch.Tensor:
+        """The layer's FP8 dequantization scale [1]. RuntimeError if the hook never saw it (the
+        mass would score codes as values)."""
+        if layer not in self.kv_scales:
+            raise RuntimeError(f"layer {layer}'s KV is FP8 but its attention's scale was never seen "
+                               "(has_fp8_kv_cache is not set on its TrtllmAttention)")
+        return self.kv_scales[layer]
+
+    def dequantized(self, layer: int, codes: torch.Tensor) -> torch.Tensor:
+        """Values of KV read from an 8-bit pool (``codes`` as stored), float32; other pools' as they are."""
+        if codes.element_size() != 1:
+            return codes
+        return codes.float() * self.kv_scale(layer).to(codes.device)
 
     def start_batch(self) -> None:
         """A new iteration: forgets the previous one's prefill mass."""

@@ -132,6 +132,8 @@ REQUIRED: tuple[tuple[str, Any, str], ...] = (
     ("kv_cache_config.enable_partial_reuse", False, "a partly matched block is taken over and rewritten"),
     ("kv_cache_config.host_cache_size", (None, 0), "offload streams would race the relocation copies"),
     ("kv_cache_config.max_attention_window", None, "window detachment moves the block list's front"),
+    ("kv_cache_config.dtype", (None, "auto", "fp8"),
+     "NVFP4 KV keeps per-block scales in a second pool, which vToken's relocation does not move with the codes"),
     ("kv_cache_config.sink_token_length", (None, 0), "use the streaming_llm policy instead"),
     ("max_beam_width", (None, 1), "rewind_kv_cache needs beam width 1"),
     ("speculative_config", None, "speculative decoding assumes logical = physical KV length"),

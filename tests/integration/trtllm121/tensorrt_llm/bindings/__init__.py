@@ -3,7 +3,7 @@
 (``KVCacheManager.__init__(..., dtype: DataType = DataType.HALF)``; ``KvCacheCreator`` passes the
 model's dtype, BF16 for a bf16 model: ``str_dtype_to_binding(torch_dtype_to_str(model_engine.dtype))``
 in ``_torch/pyexecutor/_util.py`` ``_create_kv_cache_manager``) and ``CacheType`` (SELF,
-SELFKONLY: MLA)."""
+SELFKONLY: MLA). ``FP8``: ``kv_cache_config.dtype="fp8"``, a pool of float8_e4m3fn codes."""
 
 import enum
 
@@ -14,6 +14,7 @@ class DataType(enum.Enum):
     FLOAT = torch.float32
     HALF = torch.float16
     BF16 = torch.bfloat16
+    FP8 = torch.float8_e4m3fn
 
 
 class CacheType(enum.Enum):

@@ -84,6 +84,13 @@ class TrtllmAttention:
         self.num_kv_heads = num_kv_heads or num_heads
         self.pos_embd_params = pos_embd_params
         self.rotated_q: torch.Tensor | None = None
+        # TrtllmAttention.__init__ / update_quant_config (attention_backend/trtllm.py, index id
+        # 3771944625): one dequantization scale per layer, 1.0 until a calibrated checkpoint's
+        # kv_cache_scaling_factor is loaded into it (value = FP8 code x kv_scale_quant_orig).
+        self.kv_cache_scaling_factor = torch.ones(1, dtype=torch.float32)
+        self.kv_scale_quant_orig = self.kv_cache_scaling_factor
+        self.kv_scale_orig_quant = 1.0 / self.kv_cache_scaling_factor
+        self.has_fp8_kv_cache = quant_config is not None and quant_config.layer_quant_mode.has_fp8_kv_cache()
 
     @classmethod
     def support_fused_rope(cls) -> bool:
@@ -121,10 +128,12 @@ class TrtllmAttention:
         per_block = int((manager.kv_cache_pool_mapping[:, 0] == pool_index).sum()) * manager.kv_factor
         layer = manager.get_buffers(self.layer_idx, kv_layout="HND")  # [P, kv, H, tpb, D]
         tpb, start = manager.tokens_per_block, 0
+        if layer.dtype == torch.float8_e4m3fn:  # the kernels store codes: value x kv_scale_orig_quant
+            keys, values = ((x.float() * self.kv_scale_orig_quant).clamp(-448, 448) for x in (keys, values))
         for row, length in enumerate(metadata.seq_lens.tolist()):
             kv_len = int(metadata.kv_lens[row])
             for i, position in enumerate(range(kv_len - length, kv_len)):
                 block = int(metadata.kv_cache_block_offsets[pool_index, row, 0, position // tpb]) // per_block
-                layer[block, 0, :, position % tpb] = keys[start + i]
-                layer[block, manager.kv_factor - 1, :, position % tpb] = values[start + i]
+                layer[block, 0, :, position % tpb] = keys[start + i].to(layer.dtype)
+                layer[block, manager.kv_factor - 1, :, position % tpb] = values[start + i].to(layer.dtype)
             start += length
