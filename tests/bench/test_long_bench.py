@@ -23,7 +23,8 @@ def test_long_bench_runs_its_three_parts_on_the_tiny_model():
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig.tiny()).eval()
     cfg = LongBenchConfig(prompt_tokens=96, budgets=(16, 24), chunk=16, max_output_tokens=4, tokens_per_block=4,
-                          pool_blocks=24, batch_prompts=3, batch_prompt_tokens=48, max_seq_len=160)
+                          pool_blocks=24, batch_prompts=3, batch_prompt_tokens=48, max_seq_len=160,
+                          check_invariants=True)
     ticks = []
     result = run_long_bench(cfg, model, Bytes(), progress=type("P", (), {"update": lambda self, n: ticks.append(n)})())
     assert len(ticks) == steps(cfg)

@@ -26,6 +26,8 @@ def register(bench) -> None:
                       help="the fixed pool of the longest-prompt and batch parts, in 16-token blocks (default 96)")
     long.add_argument("--batch-prompts", type=int, default=6, help="long prompts sent at once (default 6)")
     long.add_argument("--batch-prompt-tokens", type=int, default=1024, help="tokens of each (default 1024)")
+    long.add_argument("--check", action="store_true",
+                      help="check I1/I2/I4 after every relocation (they read the KV: slower, timings not comparable)")
     add_output_options(long, "a 1,024-token document, budgets 128 and 256, chunks of 128, a 48-block pool, "
                              "4 prompts of 512 tokens, 8 new tokens", run_long)
 
@@ -40,11 +42,12 @@ def run_long(args: argparse.Namespace) -> int:
 
     if args.quick:
         cfg = LongBenchConfig(prompt_tokens=1024, budgets=(128, 256), chunk=128, max_output_tokens=8, pool_blocks=48,
-                              batch_prompts=4, batch_prompt_tokens=512)
+                              batch_prompts=4, batch_prompt_tokens=512, check_invariants=args.check)
     else:
         cfg = LongBenchConfig(prompt_tokens=args.prompt_tokens, budgets=parse_list(args.budgets, int, "--budgets"),
                               chunk=args.chunk, max_output_tokens=args.new_tokens, pool_blocks=args.pool_blocks,
-                              batch_prompts=args.batch_prompts, batch_prompt_tokens=args.batch_prompt_tokens)
+                              batch_prompts=args.batch_prompts, batch_prompt_tokens=args.batch_prompt_tokens,
+                              check_invariants=args.check)
     _, model, tokenizer = load_model(None)
     with tqdm(total=steps(cfg), desc="bench long", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_long_bench(cfg, model, tokenizer, progress=bar)
