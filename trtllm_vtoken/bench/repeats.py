@@ -31,3 +31,13 @@ def run_alternating(rows: Sequence[tuple[str, Any]], repeats: int, run: Callable
             ranges[f"{name}_min"], ranges[f"{name}_max"] = min(values), max(values)
         summary.append(dict(ordered[len(ordered) // 2], label=label, **ranges))
     return summary
+
+
+def at_most_verdict(low: float, high: float, target: float, unit: str = "") -> str:
+    """Whether a value whose runs span ``[low, high]`` is at most ``target``: said only outside
+    the spread ("<= target" when every run is, "> target" when none is), else "within the spread"."""
+    if high <= target:
+        return f"<= {target:g}{unit}"
+    if low > target:
+        return f"> {target:g}{unit}"
+    return "within the spread"

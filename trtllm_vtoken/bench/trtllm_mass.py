@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from trtllm_vtoken.bench.memory import peak_transient_bytes
+from trtllm_vtoken.bench.repeats import at_most_verdict
 from trtllm_vtoken.config_base import require_positive
 from trtllm_vtoken.integration.trtllm.mass import decode_mass, mass_backend, prefill_mass
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
@@ -81,8 +82,8 @@ def ratio_summary(numerator: list[float], denominator: list[float], target: floa
     that range ("<= target", "> target", or "within the spread")."""
     ratios = [a / b for a, b in zip(numerator, denominator)]
     low, high = min(ratios), max(ratios)
-    verdict = f"<= {target:g}x" if high <= target else f"> {target:g}x" if low > target else "within the spread"
-    return {"ratio": statistics.median(ratios), "ratio_min": low, "ratio_max": high, "verdict": verdict}
+    return {"ratio": statistics.median(ratios), "ratio_min": low, "ratio_max": high,
+            "verdict": at_most_verdict(low, high, target, "x")}
 
 
 def decode_section(cfg: TrtllmMassBenchConfig, sync, progress) -> dict[str, Any]:

@@ -48,7 +48,8 @@ def register(bench) -> None:
     step.add_argument("--forward-us", type=float, default=0.0,
                       help="device time of the simulated forward, in microseconds: launched, it returns at once and "
                            "the engine waits for it when it samples, as for a GPU's (default 0: none)")
-    add_output_options(step, "5 timed steps, one run per row", run_step, threads=False)
+    add_output_options(step, "20 timed steps, 3 alternating runs per row (each target judged outside the spread)",
+                       run_step, threads=False)
 
 
 def run_step(args: argparse.Namespace) -> int:
@@ -73,8 +74,8 @@ def run_step(args: argparse.Namespace) -> int:
         impls = ["python"]
         print("note: the C++ core is not built; timing the Python core only", file=sys.stderr)
     cfg = StepBenchConfig(batches=batches, context=args.context, tokens_per_block=args.tokens_per_block,
-                          steps=5 if args.quick else args.steps, warmup=2 if args.quick else 3,
-                          repeats=1 if args.quick else args.repeats, impls=tuple(impls), mass=args.mass,
+                          steps=20 if args.quick else args.steps, warmup=2 if args.quick else 3,
+                          repeats=3 if args.quick else args.repeats, impls=tuple(impls), mass=args.mass,
                           threads=args.threads, forward_us=args.forward_us)
     total = len(cfg.batches) * len(cfg.rows()) * cfg.repeats
     with tqdm(total=total, desc="bench step", unit="run", disable=None, file=sys.stderr) as bar:
@@ -89,13 +90,15 @@ def run_step(args: argparse.Namespace) -> int:
           + (f"; each forward {cfg.forward_us:g} us of simulated device time" if cfg.forward_us else ""))
     headers = ["batch", "row", "impl", "host us/step", "native us/step", "added us", "added runs min-max",
                "added %", "added % runs", "step us", "step runs min-max", "waited us", "table us", "policy us",
-               "core us", "of core: decide us", "copy us", "evicted/step", "moves/step", "freed/step", "repeated"]
+               "core us", "of core: decide us", "copy us", "evicted/step", "moves/step", "freed/step", "repeated",
+               "target", "verdict"]
     rows = [[r["batch"], r["label"].removesuffix(f" {r['impl']}"), r["impl"], r["host_us_p50"], r["native_us_p50"],
              r["added_us_p50"], f"{r['added_us_p50_min']:,.0f} to {r['added_us_p50_max']:,.0f}", r["added_pct"],
              f"{r['added_pct_min']:.1f} to {r['added_pct_max']:.1f}",
              r["step_us"], f"{r['step_us_min']:,.0f}-{r['step_us_max']:,.0f}", r["waited_us"],
              *(r["split_us"][k] for k in ("table", "policy", "core")), core_parts(r, ("decide",)), r["split_us"]["copy"],
-             r["evicted_per_step"], r["moves_per_step"], r["blocks_freed_per_step"], f"{r['repeated_share']:.0%}"]
+             r["evicted_per_step"], r["moves_per_step"], r["blocks_freed_per_step"], f"{r['repeated_share']:.0%}",
+             r["target"] or "-", r["verdict"] or "-"]
             for r in result["rows"]]
     print(format_table(headers, rows))
     print("native us/step: the paired native engine's step in the same run; added: the median over the steps of "
