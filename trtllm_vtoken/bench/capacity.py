@@ -10,7 +10,9 @@ infeasible as soon as a request waits at the start or is preempted.
 Paper settings (block counts from the paper; prompt lengths inferred from its full-request sizes,
 tokens_per_block 16): Llama-3.1-8B, 12,288 output tokens, 4,032-token prompt (1,020 blocks per
 full request), pools of 5,427 and 11,519 blocks; Qwen2.5-14B, 8,192 output tokens, 8,000-token
-prompt, 3,261 blocks. ``scale`` divides lengths and pools alike, for quick runs.
+prompt, 3,261 blocks. ``scale`` divides lengths and pools alike, for quick runs. FP8 KV: the
+first setting's bytes hold twice its bf16 blocks (``CapacitySetting.with_fp8_kv``), so vToken and
+FP8 KV combine: each alone, and both.
 """
 
 from __future__ import annotations
@@ -27,9 +29,16 @@ class CapacitySetting:
     num_blocks: int
     prompt_len: int
     output_len: int
-    paper: tuple[int, int, int]
-    """The paper's largest feasible C for native, naive-evict, vtoken."""
+    paper: tuple[int, int, int] | None
+    """The paper's largest feasible C for native, naive-evict, vtoken (None: not in the paper)."""
     tokens_per_block: int = 16
+    kv_cache_dtype: str = "bf16"
+    """The KV dtype the block count is for: the paper's bf16, or "fp8" (``with_fp8_kv``)."""
+
+    def with_fp8_kv(self) -> CapacitySetting:
+        """The same KV bytes as FP8 (one byte a value against bf16's two): twice the blocks."""
+        return replace(self, name=f"{self.name} as FP8 KV", num_blocks=2 * self.num_blocks, paper=None,
+                       kv_cache_dtype="fp8")
 
     def scaled(self, factor: int) -> CapacitySetting:
         if factor == 1:
@@ -137,7 +146,8 @@ def plot_capacity(result: dict[str, Any], path) -> None:
     for i, variant in enumerate(VARIANTS):
         ours = [r["variants"][variant]["max_concurrency"] for r in rows]
         ax.bar(x + (i - 1) * 0.27, ours, 0.27, label=f"{variant} (simulated)")
-        ax.scatter(x + (i - 1) * 0.27, [r["setting"]["paper"][i] for r in rows], marker="_", s=400,
+        papers = [(j, r["setting"]["paper"][i]) for j, r in enumerate(rows) if r["setting"]["paper"]]
+        ax.scatter([x[j] + (i - 1) * 0.27 for j, _ in papers], [c for _, c in papers], marker="_", s=400,
                    color="black", label="paper" if i == 0 else None, zorder=3)
     ax.set_xticks(x, [r["setting"]["name"] for r in rows], fontsize=8)
     ax.set_ylabel("max concurrent requests")

@@ -90,7 +90,7 @@ def register(sub) -> None:
     add_output_options(capacity, "--scale 8 (about a minute)", run_capacity)
 
     from trtllm_vtoken.cli import (bench_experiments, bench_gpu, bench_invariance, bench_long, bench_micro,
-                                   bench_overlap, bench_serve, bench_step, bench_threads, bench_tp)
+                                   bench_overlap, bench_serve, bench_spec, bench_step, bench_threads, bench_tp)
 
     bench_step.register(bench)
     bench_micro.register(bench)
@@ -102,6 +102,7 @@ def register(sub) -> None:
     bench_overlap.register(bench)
     bench_invariance.register(bench)
     bench_long.register(bench)
+    bench_spec.register(bench)
 
 
 def run_core(args: argparse.Namespace) -> int:
@@ -204,13 +205,14 @@ def run_capacity(args: argparse.Namespace) -> int:
     scale = 8 if args.quick else args.scale
     if scale < 1:
         raise ValueError(f"--scale must be >= 1, got {scale}")
-    settings = [s.scaled(scale) for s in PAPER_SETTINGS]
+    settings = [s.scaled(scale) for s in (*PAPER_SETTINGS, PAPER_SETTINGS[0].with_fp8_kv())]
     with tqdm(desc="bench capacity (simulated)", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_capacity_bench(settings, args.budget, args.seed, progress=bar)
     headers = ["setting (simulated)", "blocks", "full req blocks", "packed bound",
                *(f"{v} C" for v in VARIANTS), "paper C (native/naive/vtoken)"]
     rows = [[r["setting"]["name"], r["setting"]["num_blocks"], r["full_request_blocks"], r["packed_bound"],
-             *(r["variants"][v]["max_concurrency"] for v in VARIANTS), "/".join(map(str, r["setting"]["paper"]))]
+             *(r["variants"][v]["max_concurrency"] for v in VARIANTS),
+             "/".join(map(str, r["setting"]["paper"])) if r["setting"]["paper"] else "-"]
             for r in result["results"]]
     print(f"vtoken bench capacity: SIMULATED attention, H2O at {args.budget} retention, tokens_per_block 16, "
           "greedy admission; C = most requests running at once start to finish without preemption")

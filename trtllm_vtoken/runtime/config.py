@@ -9,6 +9,7 @@ from typing import Any, Literal
 from trtllm_vtoken.config_base import from_dict, require_positive
 from trtllm_vtoken.policies import POLICIES, Budget, make_policy
 from trtllm_vtoken.policies.request_settings import PolicySpec
+from trtllm_vtoken.runtime.drafting import NGramDecodingConfig
 
 VARIANTS = ("native", "naive-evict", "vtoken")
 Variant = Literal["native", "naive-evict", "vtoken"]
@@ -109,6 +110,11 @@ class EngineConfig:
     prompt longer than the KV budget runs. Needs ``max_num_tokens``, and for now
     ``prefix_caching=False``, ``prefill_decision="at_once"`` and, in lazy mode,
     ``lazy_background=False``."""
+    speculative_config: NGramDecodingConfig | dict | None = None
+    """Speculative decoding with n-gram drafts (TensorRT-LLM's ``NGramDecodingConfig`` fields, or
+    a dict of them with ``decoding_type="NGram"``): greedy decode rows verify up to
+    ``max_draft_len`` draft tokens a step (``runtime/speculation.py``). For now with
+    ``overlap_scheduler=False`` and without chunked prefill."""
     synchronous_copies: bool = False
     """On CUDA: wait on the host for every relocation instead of ordering the compute stream
     after its event (the ablation of the asynchronous side-stream copy)."""
@@ -155,6 +161,10 @@ class EngineConfig:
             raise ValueError(f"evacuation_headroom must lie in [0, num_blocks), got {self.evacuation_headroom}")
         if self.max_num_tokens is not None:
             require_positive(self, "max_num_tokens")
+        object.__setattr__(self, "speculative_config", NGramDecodingConfig.of(self.speculative_config))
+        if self.speculative_config is not None and (self.overlap_scheduler or self.enable_chunked_prefill):
+            raise ValueError("speculative_config needs overlap_scheduler=False and no chunked prefill for now (a "
+                             "step taken beside the next forward would have to learn which drafts it accepted)")
         if self.enable_chunked_prefill:
             if self.max_num_tokens is None:
                 raise ValueError("enable_chunked_prefill needs max_num_tokens (the tokens of one iteration)")

@@ -45,6 +45,7 @@ from trtllm_vtoken.runtime.parallel.layers import check_shard
 from trtllm_vtoken.runtime.request import Request, RequestDelta, Status
 from trtllm_vtoken.runtime.sampling import SamplingParams, sample
 from trtllm_vtoken.runtime.scheduler import Scheduler
+from trtllm_vtoken.runtime.speculation import Speculation
 from trtllm_vtoken.runtime.tokenizer import StreamText, Tokenizer
 
 
@@ -108,6 +109,9 @@ class Engine:
         self._specs: dict = {}  # request -> the PolicySpec it runs with (None: it evicts nothing)
         self.scheduler = Scheduler(self.requests, self.waiting, self.running, self.kv, self._specs,
                                    self.config.max_batch_size, self.stats)
+        spec = self.config.speculative_config
+        self.speculation = Speculation(spec, self.requests, self.kv) if spec is not None else None
+        """Speculative decoding's drafts and acceptance (None: one token a step)."""
         self._deferred: DeferredStep | None = None  # overlap scheduler: rows waiting for their step
         self._layout_now: np.ndarray | None = None  # this iteration's layout as its forwards see it (logical ids)
         self._stepped: list[int] = []
@@ -267,11 +271,16 @@ class Engine:
         results: list[tuple[Request, torch.Tensor, int]] = []
         masses: list[torch.Tensor | None] = []  # each forward's [rows, L], its rows in results in order
         if decode:
-            tokens = [[self.requests[r].pending] for r in decode]
-            logits, mass = self.forwards.run(decode, tokens)
-            results += [(self.requests[r], logits[i], 1) for i, r in enumerate(decode)]
+            drafts = self.speculation.draft(decode) if self.speculation is not None else {}
+            tokens = [[self.requests[r].pending, *drafts.get(r, ())] for r in decode]
+            logits, mass = self.forwards.run(decode, tokens, verify=bool(drafts))
+            if drafts:  # the tokens each row keeps: their logits, how many the step takes in, their mass
+                kept, taken, mass = self.speculation.accept(decode, drafts, logits, mass)
+            else:
+                kept, taken = logits, [1] * len(decode)
+            results += [(self.requests[r], kept[i], taken[i]) for i, r in enumerate(decode)]
             masses.append(mass)
-            self.stats.decode_tokens += len(decode)
+            self.stats.decode_tokens += sum(taken)
         for req_id in prefill:
             first, end, cached = self.scheduler.chunks.pop(req_id)
             prompt = self.requests[req_id].prefill_ids()
@@ -303,6 +312,26 @@ class Engine:
         self.stats.steps += iteration
 
     def _advance(self, request: Request, logits: torch.Tensor) -> RequestDelta:
+        """Samples the request's next token from ``logits`` [vocab], or its next tokens from
+        [k, vocab] (speculative decoding: the accepted drafts and the token after them), one row
+        at a time until one ends the request."""
+        new, text, reason = [], "", None
+        for row in (logits if logits.dim() == 2 else logits[None]):
+            token, piece, reason = self._append(request, row)
+            new.append(token)
+            text += piece
+            if reason is not None:
+                break
+        if reason is not None:
+            self.running.remove(request.req_id)
+            self.kv.release(request.req_id)
+            self.stats.finished += 1
+            self._finish(request, reason)
+        return self._output(request, new, text)
+
+    def _append(self, request: Request, logits: torch.Tensor) -> tuple[int, str, str | None]:
+        """Samples one token from ``logits`` [vocab] and appends it; returns it, the text it adds
+        and why the request ends with it (None: it goes on)."""
         req_id, params = request.req_id, request.params
         if self.record_trace:
             request.logits.append(logits)
@@ -329,12 +358,7 @@ class Engine:
             request.text = stream.text
             if hit:
                 reason, request.stop_reason = "stop", hit
-        if reason is not None:
-            self.running.remove(req_id)
-            self.kv.release(req_id)
-            self.stats.finished += 1
-            self._finish(request, reason)
-        return self._output(request, [token], text)
+        return token, text, reason
 
     def _finish(self, request: Request, reason: str) -> None:
         self._specs.pop(request.req_id, None)

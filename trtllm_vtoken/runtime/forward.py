@@ -48,10 +48,14 @@ class Forwards:
             hook, self.before_model = self.before_model, None
             hook()
 
-    def run(self, req_ids: list[int], tokens: list[list[int]], prefill: bool = False, prompt_after: int = 0):
+    def run(self, req_ids: list[int], tokens: list[list[int]], prefill: bool = False, prompt_after: int = 0,
+            verify: bool = False):
         """One forward over rows of new tokens; returns its rows' last logits (one row each, on the
         host) and its mass [rows, L] (None without one). ``prefill``: one request's prompt (after
-        its cached prefix), or a chunk of it followed by ``prompt_after`` more prompt tokens."""
+        its cached prefix), or a chunk of it followed by ``prompt_after`` more prompt tokens.
+        ``verify``: decode rows with draft tokens: the logits of every row's every token [rows, T,
+        vocab], and the mass of each row's first 1, 2, ... T queries [rows, T, L] (the step takes
+        the accepted ones')."""
         if self.simulated:  # no model runs (token 1 always); the mass comes at the step
             self.kv.set_batch(req_ids)
             if self.model.device_forward_us:  # launched: the device computes, this thread goes on
@@ -74,16 +78,18 @@ class Forwards:
         # A prefill that stores prompt blocks also cuts its mass at their ends (prefix caching
         # keeps what a cached prefix's queries paid, see runtime/prefix_caching.py).
         cuts = kv.mass_cuts(req_ids[0]) if prefill and kv.needs_attention else []
+        if verify and kv.needs_attention:  # the mass of the first 1 .. T queries, T the row's own at most
+            cuts = [[min(j, len(row)) for j in range(1, longest + 1)] for row in tokens]
         start = time.perf_counter()
         # Graphs captured without the mass serve no batch once a request's own policy needs it.
         if self.graphs is not None and longest == 1 and (self.graphs.return_mass or not kv.needs_attention):
             logits, mass = self.graphs.run(input_ids, positions, slots, valid)
         else:
             q_lens = torch.tensor([len(t) for t in tokens]).to(device)
-            mass_cuts = torch.tensor([cuts]) if cuts else None
+            mass_cuts = None if not cuts else torch.tensor(cuts if verify else [cuts])
             logits, mass = self.model(
                 input_ids.to(device), positions.to(device), slots.to(device), q_lens,
-                kv.cache, valid, return_mass=kv.needs_attention, logits_at=q_lens - 1,
+                kv.cache, valid, return_mass=kv.needs_attention, logits_at=None if verify else q_lens - 1,
                 carry_mass=self.consistency.carry, mass_cuts=mass_cuts,
                 mass_from=self._mass_from(req_ids, tokens, prompt_after) if prefill and kv.needs_attention else None,
             )
@@ -94,6 +100,8 @@ class Forwards:
         mass = None if mass is None else mass.float().cpu()
         self.stats.forward_seconds += time.perf_counter() - start
         cut_mass = None
+        if verify:
+            return last[: len(req_ids)], None if mass is None else mass[: len(req_ids), :-1]
         if cuts:
             mass, cut_mass = mass[:, -1], mass[0, :-1]
         if prefill and mass is not None:

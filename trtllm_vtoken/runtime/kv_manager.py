@@ -155,6 +155,16 @@ class KVCacheManager(KVAdmission):
         (``PendingWrites.reserve_decode``)."""
         return self._reserved(self.writes.reserve_decode(req_ids))
 
+    def extend_reservation(self, req_id: int, num_more: int) -> bool:
+        """Room for ``num_more`` tokens more after this iteration's reservation (draft tokens);
+        False, changing nothing, if the pool lacks the blocks."""
+        return self._reserved(self.writes.extend(req_id, num_more))
+
+    def drop_reserved(self, req_id: int, num_tokens: int) -> None:
+        """Forgets the last ``num_tokens`` reserved for the request (rejected draft tokens, before
+        the step takes the iteration in) and frees the blocks they leave empty."""
+        self.writes.unstage(req_id, num_tokens, self.pool.free)
+
     def staged_slots(self, req_id: int) -> list[int]:
         """The flat slots ``reserve`` handed out for the request's pending write."""
         return self.writes.staged_slots(req_id)

@@ -105,6 +105,38 @@ class PendingWrites:
                 staged[req_ids[i]] = (before + fresh[start:end], tokens)
         return True
 
+    def extend(self, req_id: int, num_more: int) -> bool:
+        """``num_more`` tokens more for the request's reservation of this iteration (a decode row's
+        draft tokens); False, changing nothing, if the blocks are not there."""
+        tpb, (held, start) = self.tokens_per_block, self.written_counts(req_id)
+        fresh, tokens = self.staged[req_id]
+        missing = -(-(start + tokens + num_more) // tpb) - held - len(fresh)
+        more: list[int] = []
+        if missing > 0:
+            more = self.allocate(missing)
+            if more is None:
+                return False
+        self.staged[req_id] = (fresh + more, tokens + num_more)
+        if req_id in self.latest:
+            self.latest[req_id] += num_more
+        return True
+
+    def unstage(self, req_id: int, num_tokens: int, free: Callable[[list[int]], None]) -> None:
+        """Drops the last ``num_tokens`` of the request's reservation (draft tokens the model did
+        not accept: their KV is written and never read) and hands the fresh blocks they leave empty
+        to ``free``."""
+        tpb, (held, start) = self.tokens_per_block, self.written_counts(req_id)
+        fresh, tokens = self.staged[req_id]
+        if not 0 <= num_tokens <= self.latest.get(req_id, tokens):
+            raise ValueError(f"request {req_id}: cannot drop {num_tokens} of its {tokens} reserved tokens")
+        tokens -= num_tokens
+        keep = max(0, -(-(start + tokens) // tpb) - held)
+        if fresh[keep:]:
+            free(fresh[keep:])
+        self.staged[req_id] = (fresh[:keep], tokens)
+        if req_id in self.latest:
+            self.latest[req_id] -= num_tokens
+
     # ---- what a forward writes -----------------------------------------------------------------
     def written(self, req_id: int) -> tuple[list[int], int]:
         """The request's blocks and the length of its KV written so far: the layout's, plus a

@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Speculative decoding with n-gram drafts (``EngineConfig.speculative_config``): the drafts are
+verified in one forward, the rejected ones dropped before the step takes the iteration in. Greedy
+output equals one token at a time (penalties and stop tokens included); every policy's vtoken
+(dense, lazy) equals naive-evict decision for decision with drafting, rejections included. The
+tiny model's weights are scaled up so that its greedy text varies (the plain one repeats a token)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_vtoken.policies import POLICIES
+from trtllm_vtoken.runtime.config import EngineConfig
+from trtllm_vtoken.runtime.drafting import NGramDecodingConfig, ngram_drafts
+from trtllm_vtoken.runtime.engine import Engine
+from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
+from trtllm_vtoken.runtime.sampling import SamplingParams
+
+SPEC = {"max_draft_len": 3, "max_matching_ngram_size": 2}
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def test_ngram_drafts_follow_the_latest_earlier_occurrence():
+    cfg = NGramDecodingConfig(max_draft_len=3, max_matching_ngram_size=2)
+    assert ngram_drafts([1, 2, 3, 4, 9, 1, 2, 5, 6, 1, 2], cfg, 10) == [5, 6, 1]  # "1 2" last seen before "5 6"
+    assert ngram_drafts([7, 8, 9, 8], cfg, 10) == [9, 8]  # no bigram match: the unigram "8"
+    assert ngram_drafts([1, 2, 3], cfg, 10) == []
+    assert ngram_drafts([5, 6, 5, 6, 5], cfg, 1) == [6]  # at most the room left
+    assert NGramDecodingConfig.of({"decoding_type": "NGram", "max_draft_len": 2}).max_draft_len == 2
+    with pytest.raises(ValueError, match="only 'NGram'"):
+        NGramDecodingConfig.of({"decoding_type": "Eagle3"})
+    with pytest.raises(ValueError, match="unknown"):
+        NGramDecodingConfig.of({"max_draft_len": 2, "is_keep_all": True})
+    with pytest.raises(ValueError, match="overlap_scheduler=False"):
+        EngineConfig(speculative_config=SPEC)
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.tiny()).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    return model
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(0, 128, (10,), generator=g).tolist()
+    return [(base + torch.randint(0, 128, (n,), generator=g).tolist()) * 2 for n in (3, 9, 1, 6)]
+
+
+def run(model, params=PARAMS, **overrides):
+    values = dict(tokens_per_block=4, num_blocks=200, max_batch_size=4, max_seq_len=80, check_invariants=True,
+                  overlap_scheduler=False)
+    values.update(overrides)
+    engine = Engine(model, EngineConfig(**values), record_trace=True)
+    ids = [engine.add_request(p, params, req_id=i) for i, p in enumerate(prompts())]
+    while engine.has_unfinished():
+        engine.step()
+        engine.kv.check_integrity()
+    assert engine.kv.num_available == engine.kv.pool.num_blocks  # rejected drafts' blocks came back
+    return [engine.pop_finished(i) for i in ids], engine
+
+
+@pytest.mark.parametrize("params", [PARAMS, SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=0.5)],
+                         ids=["greedy", "penalised"])
+def test_greedy_output_equals_one_token_at_a_time(model, params):
+    plain, one_by_one = run(model, params, variant="native")
+    drafted, engine = run(model, params, variant="native", speculative_config=SPEC)
+    assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
+    stats = engine.speculation.stats
+    assert stats.drafted > stats.accepted > 0  # both paths: drafts kept, drafts dropped
+    assert engine.stats.steps <= one_by_one.stats.steps  # accepted drafts save steps (the batch ends with its last)
+
+
+def test_a_stop_token_inside_the_accepted_drafts_ends_the_request_there(model):
+    plain, _ = run(model, variant="native")
+    stop = plain[0].output_ids[5]
+    params = SamplingParams(max_tokens=24, stop_token_ids=[stop])
+    want, _ = run(model, params, variant="native")
+    got, _ = run(model, params, variant="native", speculative_config=SPEC)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert got[0].output_ids[-1] == stop and got[0].finish_reason == "stop"
+
+
+def test_sampled_requests_draft_nothing(model):
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=1)
+    _, engine = run(model, params, variant="native", speculative_config=SPEC)
+    assert engine.speculation.stats.drafted == 0
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES.names()))
+def test_vtoken_equals_naive_evict_with_drafting(model, policy):
+    reference = None
+    for variant, mode in (("naive-evict", "dense"), ("vtoken", "dense"), ("vtoken", "lazy")):
+        out, engine = run(model, variant=variant, mode=mode, policy=policy, budget=16, speculative_config=SPEC,
+                          policy_options={"n_sink": 2} if policy == "streaming_llm" else {})
+        reference = reference or out
+        for a, b in zip(reference, out):
+            assert a.evictions == b.evictions and a.output_ids == b.output_ids, f"{variant} {mode}: {a.req_id}"
+        assert engine.speculation.stats.drafted > engine.speculation.stats.accepted
+    assert any(any(r.evictions) for r in reference)
+
+
+@pytest.mark.slow
+def test_smollm2_drafts_change_no_greedy_token(smollm2_folder, smollm2_tokenizer):
+    """SmolLM2 repeating a source from its prompt: n-gram drafts are accepted and rejected, the
+    greedy output is the one of decoding a token at a time, and vtoken equals naive-evict with
+    drafting (``vtoken bench spec`` measures the same at more tokens)."""
+    from trtllm_vtoken.bench.spec import SpecBenchConfig, prompts as repeat_prompts
+    from trtllm_vtoken.runtime.model import load_llama
+
+    real = load_llama(smollm2_folder)
+    batch = repeat_prompts(SpecBenchConfig(requests=2, source_tokens=96), smollm2_tokenizer)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def serve(**settings):
+        engine = Engine(real, EngineConfig(num_blocks=64, max_batch_size=2, overlap_scheduler=False, policy="h2o",
+                                           budget=0.5, **settings), smollm2_tokenizer, record_trace=True)
+        ids = [engine.add_request(p, params) for p in batch]
+        while engine.has_unfinished():
+            engine.step()
+        return [engine.pop_finished(i) for i in ids], engine
+
+    plain, _ = serve(variant="native")
+    drafted, engine = serve(variant="native", speculative_config=SPEC)
+    assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
+    assert engine.speculation.stats.drafted > engine.speculation.stats.accepted > 0
+    naive, _ = serve(variant="naive-evict", speculative_config=SPEC)
+    vtoken, _ = serve(variant="vtoken", speculative_config=SPEC, check_invariants=True)
+    for a, b in zip(naive, vtoken):
+        assert a.evictions == b.evictions and a.output_ids == b.output_ids
