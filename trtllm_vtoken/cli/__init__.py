@@ -6,7 +6,7 @@
     vtoken serve                        Triton Inference Server on triton_model_repo
     vtoken bench all | core | step | host | variants | capacity | utilization | quality | overhead |
                  sweeps | sla | sharing | shift | serve | gpu | tp | threads | overlap | trtllm-mass |
-                 invariance | long
+                 invariance | long | spec
                                         benchmarks (tables, JSON/PNG under --out)
 """
 

@@ -187,6 +187,11 @@ def run_variants(args: argparse.Namespace) -> int:
           f"{cfg.budget}, pool {cfg.num_blocks} blocks x {cfg.tokens_per_block} tokens, prefix caching "
           f"{'on' if cfg.prefix_caching else 'off'}, KV {cfg.kv_cache_dtype}, CPU")
     print(format_table(headers, rows))
+    if any(r.get("exact_match_vs_naive_evict", 1.0) < 1.0 for r in result["runs"]):
+        print("= naive-evict below 100%: vtoken and naive-evict attend to the same live keys in another physical "
+              "order. In float32 that moves logits by ~1e-5 and may flip a greedy near-tie; with FP8 KV a new key "
+              "or value can round to another code, and the runs drift apart from there (docs/reference_runtime.md, "
+              "FP8 KV). Their eviction decisions agree up to the first differing token.")
     publish(args.out, "variants", result, plot_variants)
     return 0
 
