@@ -37,6 +37,14 @@ def smollm2_tokenizer(smollm2_folder):
 
 
 @pytest.fixture(scope="session")
+def smollm2_model(smollm2_folder):
+    """SmolLM2-135M loaded once for the session: engines only read its weights (float32, eval)."""
+    from trtllm_vtoken.runtime.model import load_llama
+
+    return load_llama(smollm2_folder)
+
+
+@pytest.fixture(scope="session")
 def tiny_llm_folder(tmp_path_factory, smollm2_folder) -> Path:
     """A model folder ``LLM`` loads in a second: SmolLM2's tokenizer and chat template over a tiny
     random Llama (2 layers, hidden 64, 4 query and 2 KV heads, SmolLM2's vocabulary), seeded."""

@@ -13,10 +13,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_folder):
-    from trtllm_vtoken.runtime.model import load_llama
-
-    return load_llama(smollm2_folder)
+def model(smollm2_model):
+    return smollm2_model
 
 
 def test_utilization_vtoken_keeps_fewer_blocks_than_naive_evict(model, smollm2_tokenizer):

@@ -48,7 +48,7 @@ def test_kernels_in_the_interpreter():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(3))
 def test_prefill_kernels_equal_the_specification(device, seed, dtype):
     q, k, past_k, window = (t.to(device) if isinstance(t, torch.Tensor) else t for t in random_prefill(seed, dtype))
     want = prefill_attention_mass(q, k, chunk=5, past_k=past_k, window=window)
@@ -57,7 +57,7 @@ def test_prefill_kernels_equal_the_specification(device, seed, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(3))
 def test_decode_kernels_equal_the_specification(device, seed, dtype):
     q, pool, block_lists, kv_lens, layers = random_decode(seed, dtype)
     q, pool = q.to(device), pool.to(device)

@@ -79,10 +79,8 @@ def test_fp8_is_refused_with_shift_positions():
 
 
 @pytest.mark.slow
-def test_smollm2_vtoken_equals_naive_evict_with_fp8_kv(smollm2_folder, smollm2_tokenizer):
-    from trtllm_vtoken.runtime.model import load_llama
-
-    real = load_llama(smollm2_folder)
+def test_smollm2_vtoken_equals_naive_evict_with_fp8_kv(smollm2_model, smollm2_tokenizer):
+    real = smollm2_model
     prompts = [smollm2_tokenizer.encode(p, chat=True) for p in (
         "Explain what a hash table is.", "Write a haiku about the sea.",
         "Give me three tips for writing readable Python code.", "Describe the water cycle to a ten-year-old.",
@@ -92,7 +90,7 @@ def test_smollm2_vtoken_equals_naive_evict_with_fp8_kv(smollm2_folder, smollm2_t
         engine = Engine(real, EngineConfig(variant=variant, mode=mode, policy="h2o", budget=0.5, num_blocks=64,
                                            max_batch_size=6, kv_cache_dtype="fp8", check_invariants=True),
                         smollm2_tokenizer, record_trace=True)
-        ids = [engine.add_request(p, SamplingParams(max_tokens=24)) for p in prompts]
+        ids = [engine.add_request(p, SamplingParams(max_tokens=16)) for p in prompts]
         while engine.has_unfinished():
             engine.step()
         runs[(variant, mode)] = [engine.pop_finished(i) for i in ids]

@@ -112,14 +112,13 @@ def test_budgets_hold_after_every_iteration_under_overlap(tiny, seed):
 
 
 @pytest.mark.slow
-def test_real_model_streaming_llm_under_overlap_is_the_plain_order(smollm2_folder, smollm2_tokenizer):
+def test_real_model_streaming_llm_under_overlap_is_the_plain_order(smollm2_model, smollm2_tokenizer):
     """SmolLM2-135M-Instruct, ShareGPT prompts, StreamingLLM (4 sinks) at 64 tokens: the default
     order (overlap) decides and decodes as the plain order, vtoken dense and naive-evict alike,
     so the first decode forward already attends the compressed prompt, as published."""
-    from trtllm_vtoken.runtime.model import load_llama
     from trtllm_vtoken.workloads import make_workload
 
-    model = load_llama(smollm2_folder)
+    model = smollm2_model
     items = make_workload("sharegpt", 6, smollm2_tokenizer, max_prompt_tokens=200)
     prompts = [smollm2_tokenizer.encode(item.prompt, chat=True) for item in items]
     runs = []

@@ -155,14 +155,13 @@ def test_a_simulated_device_forward_is_waited_for_after_the_step_only_under_over
 
 
 @pytest.mark.slow
-def test_real_model_vtoken_equals_naive_evict_under_overlap_and_native_is_unchanged(smollm2_folder, smollm2_tokenizer):
+def test_real_model_vtoken_equals_naive_evict_under_overlap_and_native_is_unchanged(smollm2_model, smollm2_tokenizer):
     """SmolLM2-135M-Instruct on ShareGPT prompts: with the overlap scheduler, vtoken (dense) and
     naive-evict make the same decisions and the same greedy tokens; native's tokens are those of
     the plain order."""
-    from trtllm_vtoken.runtime.model import load_llama
     from trtllm_vtoken.workloads import make_workload
 
-    model = load_llama(smollm2_folder)
+    model = smollm2_model
     items = make_workload("sharegpt", 8, smollm2_tokenizer, max_prompt_tokens=200)
     prompts = [smollm2_tokenizer.encode(item.prompt, chat=True) for item in items]
     real = dict(tokens_per_block=16, num_blocks=256, max_batch_size=8, max_seq_len=512, budget=0.5)

@@ -8,7 +8,6 @@ import pytest
 from trtllm_vtoken.policies.request_settings import EvictionSettings
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.engine import Engine
-from trtllm_vtoken.runtime.model import load_llama
 from trtllm_vtoken.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -20,8 +19,8 @@ PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_folder):
-    return load_llama(smollm2_folder)
+def model(smollm2_model):
+    return smollm2_model
 
 
 def generate(engine: Engine, prompts, together: bool, params: SamplingParams = PARAMS) -> list:

@@ -10,7 +10,6 @@ import torch
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.engine import Engine
 from trtllm_vtoken.runtime.llm import LLM
-from trtllm_vtoken.runtime.model import load_llama
 from trtllm_vtoken.runtime.sampling import SamplingParams
 from trtllm_vtoken.workloads import make_workload
 
@@ -25,8 +24,8 @@ OPEN_ENDED = [
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_folder):
-    return load_llama(smollm2_folder)
+def model(smollm2_model):
+    return smollm2_model
 
 
 def test_native_greedy_equals_transformers_token_for_token(smollm2_folder, smollm2_tokenizer, model):

@@ -13,7 +13,6 @@ import torch
 from trtllm_vtoken.policies import POLICIES
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.engine import Engine
-from trtllm_vtoken.runtime.model import load_llama
 from trtllm_vtoken.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -23,8 +22,8 @@ TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_folder):
-    return load_llama(smollm2_folder)
+def model(smollm2_model):
+    return smollm2_model
 
 
 @pytest.fixture(scope="module")

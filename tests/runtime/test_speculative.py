@@ -106,16 +106,14 @@ def test_vtoken_equals_naive_evict_with_drafting(model, policy):
 
 
 @pytest.mark.slow
-def test_smollm2_drafts_change_no_greedy_token(smollm2_folder, smollm2_tokenizer):
+def test_smollm2_drafts_change_no_greedy_token(smollm2_model, smollm2_tokenizer):
     """SmolLM2 repeating a source from its prompt: n-gram drafts are accepted and rejected, the
     greedy output is the one of decoding a token at a time, and vtoken equals naive-evict with
     drafting (``vtoken bench spec`` measures the same at more tokens)."""
     from trtllm_vtoken.bench.spec import SpecBenchConfig, prompts as repeat_prompts
-    from trtllm_vtoken.runtime.model import load_llama
-
-    real = load_llama(smollm2_folder)
-    batch = repeat_prompts(SpecBenchConfig(requests=2, source_tokens=96), smollm2_tokenizer)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    real = smollm2_model
+    batch = repeat_prompts(SpecBenchConfig(requests=2, source_tokens=64), smollm2_tokenizer)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
 
     def serve(**settings):
         engine = Engine(real, EngineConfig(num_blocks=64, max_batch_size=2, overlap_scheduler=False, policy="h2o",

@@ -17,7 +17,6 @@ from trtllm_vtoken.consistency import RankDivergenceError
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.engine import Engine
 from trtllm_vtoken.runtime.llm import LLM
-from trtllm_vtoken.runtime.model import load_llama
 from trtllm_vtoken.runtime.parallel.rank_process import Job
 from trtllm_vtoken.runtime.sampling import SamplingParams
 
@@ -59,8 +58,8 @@ def llm(smollm2_folder):
 
 
 @pytest.fixture(scope="module")
-def whole_model(smollm2_folder):
-    return load_llama(smollm2_folder)
+def whole_model(smollm2_model):
+    return smollm2_model
 
 
 @pytest.fixture(scope="module")
