@@ -18,10 +18,11 @@ VERDICTS = ("within the spread",)
 
 def test_each_step_row_held_to_a_target_carries_its_spread_and_verdict():
     cfg = StepBenchConfig(batches=(4,), context=256, tokens_per_block=16, steps=3, warmup=1, repeats=2,
-                          impls=("python",))
+                          impls=("cpp", "python"))
     rows = run_step_bench(cfg)["rows"]
     judged = [r for r in rows if r["target"] is not None]
     assert {r["variant"] for r in judged} == {"indirection-only", "vtoken"}
+    assert {r["impl"] for r in judged} == {"cpp"}  # the Python core is the specification: no target
     for row in judged:
         field = "added_pct" if row["variant"] == "indirection-only" else "added_us_p50"
         assert row[f"{field}_min"] <= row[field] <= row[f"{field}_max"]
