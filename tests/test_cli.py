@@ -247,3 +247,19 @@ def test_the_engine_options_turn_the_overlap_scheduler_off():
     add_engine_args(parser)
     assert EngineConfig(**engine_settings(parser.parse_args([]))).overlap_scheduler
     assert not EngineConfig(**engine_settings(parser.parse_args(["--no-overlap-scheduler"]))).overlap_scheduler
+
+
+def test_engine_flags_for_chunked_prefill_and_drafting_reach_the_engine_config():
+    import argparse
+
+    from trtllm_vtoken.cli.engine_args import add_engine_args, engine_settings
+    from trtllm_vtoken.runtime.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--max-draft-len", "3", "--no-overlap-scheduler", "--max-num-tokens", "96"])
+    config = EngineConfig(**engine_settings(args))
+    assert config.speculative_config.max_draft_len == 3 and config.max_num_tokens == 96
+    args = parser.parse_args(["--enable-chunked-prefill", "--max-num-tokens", "96", "--no-prefix-caching",
+                              "--max-batch-size", "8"])
+    assert EngineConfig(**engine_settings(args)).prefill_chunk_tokens == 80

@@ -65,6 +65,9 @@ def add_engine_args(parser: argparse.ArgumentParser, variant: bool = True) -> No
                    help="prefill prompts longer than a chunk (max-num-tokens less max-batch-size, in whole blocks) "
                         "one chunk an iteration, evicting between chunks; needs --max-num-tokens and "
                         "--no-prefix-caching")
+    g.add_argument("--max-draft-len", type=_positive_int, default=None, metavar="K",
+                   help="speculative decoding with n-gram drafts of up to K tokens for greedy requests (TensorRT-LLM's "
+                        "NGram mode, matching n-grams of up to 3); needs --no-overlap-scheduler")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallelism: split the model over N rank processes (gloo on CPU, NCCL on CUDA); "
                         "at most the model's KV heads")
@@ -82,6 +85,8 @@ def engine_settings(args: argparse.Namespace, **overrides) -> dict:
         max_num_tokens=getattr(args, "max_num_tokens", None),
         enable_chunked_prefill=getattr(args, "enable_chunked_prefill", False),
     )
+    if getattr(args, "max_draft_len", None):
+        values["speculative_config"] = {"max_draft_len": args.max_draft_len, "max_matching_ngram_size": 3}
     if hasattr(args, "variant"):
         values["variant"] = args.variant
     values.update(overrides)
