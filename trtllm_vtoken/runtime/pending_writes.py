@@ -59,19 +59,23 @@ class PendingWrites:
     def reserve(self, req_id: int, num_new: int) -> bool:
         """Room for ``num_new`` tokens after the request's KV, allocating blocks as needed. False,
         changing nothing, if there are not enough blocks."""
-        tpb, (held, start) = self.tokens_per_block, self.written_counts(req_id)
+        fresh = self._blocks_for(req_id, num_new)
+        if fresh is None:
+            return False
         fresh_before, earlier = self.staged.get(req_id, NOTHING)
-        held, start = held + len(fresh_before), start + earlier
-        missing = -(-(start + num_new) // tpb) - held
-        fresh: list[int] = []
-        if missing > 0:
-            fresh = self.allocate(missing)
-            if fresh is None:
-                return False
         self.staged[req_id] = (fresh_before + fresh, earlier + num_new)
         if earlier:
             self.latest[req_id] = num_new
         return True
+
+    def _blocks_for(self, req_id: int, num_more: int) -> list[int] | None:
+        """The fresh blocks ``num_more`` tokens after everything the request has written and
+        staged need, allocated ([] when its blocks have room; None, changing nothing, if the
+        pool lacks them)."""
+        held, start = self.written_counts(req_id)
+        fresh, staged = self.staged.get(req_id, NOTHING)
+        missing = -(-(start + staged + num_more) // self.tokens_per_block) - held - len(fresh)
+        return self.allocate(missing) if missing > 0 else []
 
     def reserve_decode(self, req_ids: list[int]) -> bool:
         """``reserve(req, 1)`` for every request, in order, when the free list alone covers them
@@ -108,14 +112,10 @@ class PendingWrites:
     def extend(self, req_id: int, num_more: int) -> bool:
         """``num_more`` tokens more for the request's reservation of this iteration (a decode row's
         draft tokens); False, changing nothing, if the blocks are not there."""
-        tpb, (held, start) = self.tokens_per_block, self.written_counts(req_id)
+        more = self._blocks_for(req_id, num_more)
+        if more is None:
+            return False
         fresh, tokens = self.staged[req_id]
-        missing = -(-(start + tokens + num_more) // tpb) - held - len(fresh)
-        more: list[int] = []
-        if missing > 0:
-            more = self.allocate(missing)
-            if more is None:
-                return False
         self.staged[req_id] = (fresh + more, tokens + num_more)
         if req_id in self.latest:
             self.latest[req_id] += num_more
