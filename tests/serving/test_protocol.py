@@ -116,6 +116,16 @@ def test_settings_from_parameters():
         ServingSettings.from_parameters({"chat_template": "maybe"})
     with pytest.raises(KeyError, match="Unknown eviction policy"):
         ServingSettings.from_parameters({"policy": "lru"})
+    # optional integers and JSON objects: chunked prefill, FP8 KV, n-gram drafting from config.pbtxt
+    long = ServingSettings.from_parameters({"enable_chunked_prefill": "true", "max_num_tokens": "96",
+                                            "prefix_caching": "false", "kv_cache_dtype": "fp8"}).engine
+    assert long.prefill_chunk_tokens == 64 and long.kv_cache_dtype == "fp8"
+    drafting = ServingSettings.from_parameters({"overlap_scheduler": "false",
+                                                "speculative_config": '{"decoding_type": "NGram", "max_draft_len": 3}'})
+    assert drafting.engine.speculative_config.max_draft_len == 3
+    assert ServingSettings.from_parameters({"max_num_tokens": "none"}).engine.max_num_tokens is None
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        ServingSettings.from_parameters({"overlap_scheduler": "false", "speculative_config": "3"})
 
 
 def test_non_finite_temperature_is_refused_by_sampling_params_too():

@@ -8,6 +8,7 @@ ones below; an unknown key is an error, so a typo in a repository never silently
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,19 @@ class ServingSettings:
 
 def _convert(key: str, raw: str, hint: Any) -> Any:
     raw = raw.strip()
+    options = set(typing.get_args(hint))
+    if type(None) in options and raw.lower() in ("", "none"):  # an optional field left unset
+        return None
+    if options and int in options and not options - {int, type(None)}:
+        hint = int  # int | None
+    if dict in options or any(dataclasses.is_dataclass(o) for o in options):  # a JSON object
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            raise ValueError(f"model parameter {key!r} must be a JSON object, got {raw!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"model parameter {key!r} must be a JSON object, got {raw!r}")
+        return value
     if hint is bool:
         if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
             raise ValueError(f"model parameter {key!r} must be true or false, got {raw!r}")
