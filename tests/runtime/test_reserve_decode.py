@@ -88,3 +88,26 @@ def test_a_cached_prefix_not_yet_joined_takes_the_one_by_one_path():
     assert not kv.reserve_decode(rows + [joining])
     assert state(engine) == before
     assert kv.reserve_decode(rows)  # without it the batch goes at once
+
+
+@pytest.mark.parametrize("variant", ["native", "vtoken"])
+def test_a_reservation_grows_for_drafts_and_gives_back_what_it_drops(variant):
+    """Speculative decoding's two calls: ``extend_reservation`` grows this iteration's reservation
+    (blocks as needed), ``drop_reserved`` takes its tail back and frees the blocks left empty;
+    dropping more than was reserved this iteration is an error that changes nothing."""
+    engine = prefilled(variant, num_blocks=64)
+    kv, req_id = engine.kv, engine.running[0]
+    free_before = kv.pool.num_free
+    assert kv.reserve_decode(engine.running)
+    written = kv.writes.written_counts(req_id)[1]  # 13 tokens: 3 left in its second block
+    assert kv.extend_reservation(req_id, 2 * TPB)  # 1 + 16 tokens: two fresh blocks
+    assert kv.writes.staged[req_id][1] == 1 + 2 * TPB and len(kv.writes.staged[req_id][0]) == 2
+    assert len(kv.staged_slots(req_id)) == 1 + 2 * TPB
+    kv.drop_reserved(req_id, 2 * TPB - 1)  # keeps 2 tokens: no fresh block needed for them
+    assert kv.writes.staged[req_id] == ([], 2) and written % TPB + 2 <= TPB
+    with pytest.raises(ValueError, match="cannot drop 3"):
+        kv.drop_reserved(req_id, 3)
+    assert kv.writes.staged[req_id] == ([], 2)
+    assert not kv.extend_reservation(req_id, 10 * 64 * TPB)  # the pool lacks them: nothing changes
+    assert kv.writes.staged[req_id] == ([], 2)
+    assert kv.pool.num_free == free_before - sum(len(f) for f, _ in kv.writes.staged.values())
