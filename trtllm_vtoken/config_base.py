@@ -29,6 +29,13 @@ def did_you_mean(unknown: Iterable[str], known: Iterable[str]) -> str:
     return f" (did you mean {', '.join(repr(m) for m in close)}?)" if close else ""
 
 
+def require_positive_ints(**values: Any) -> None:
+    """ValueError naming the first value that is not a positive int (a bool is not one)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 def require_positive(config: Any, *names: str) -> None:
     """ValueError naming the first of ``config``'s fields ``names`` that is not positive."""
     for name in names:

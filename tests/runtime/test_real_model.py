@@ -59,7 +59,7 @@ def test_vtoken_agrees_with_naive_evict_on_sharegpt(smollm2_tokenizer, model):
                            max_batch_size=12, check_invariants=True)
         engine = engines[mode if variant == "vtoken" else variant] = Engine(model, cfg, smollm2_tokenizer,
                                                                             record_trace=True)
-        ids = [engine.add_request(p, SamplingParams(max_tokens=32)) for p in prompts]
+        ids = [engine.add_request(p, SamplingParams(max_tokens=20)) for p in prompts]
         while engine.has_unfinished():
             engine.step()
         runs[mode if variant == "vtoken" else variant] = [engine.pop_finished(i) for i in ids]

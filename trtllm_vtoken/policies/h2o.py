@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from trtllm_vtoken.config_base import require_positive_ints
 from trtllm_vtoken.policies.base import POLICIES, PolicyView, ScorePolicy
 from trtllm_vtoken.policies.batch import BatchView
 from trtllm_vtoken.policies.stats import PerTokenAccumulator
@@ -38,9 +39,8 @@ class H2OPolicy(ScorePolicy):
         super().__post_init__()
         if not 0.0 <= self.recent_ratio <= 1.0:
             raise ValueError(f"recent_ratio must lie in [0, 1], got {self.recent_ratio}")
-        if self.prefill_window is not None and (isinstance(self.prefill_window, bool) or
-                                                not isinstance(self.prefill_window, int) or self.prefill_window < 1):
-            raise ValueError(f"prefill_window must be a positive int or None, got {self.prefill_window!r}")
+        if self.prefill_window is not None:
+            require_positive_ints(prefill_window=self.prefill_window)
 
     def observed_prefill_queries(self) -> int | None:
         return self.prefill_window

@@ -271,16 +271,19 @@ class Engine:
         results: list[tuple[Request, torch.Tensor, int]] = []
         masses: list[torch.Tensor | None] = []  # each forward's [rows, L], its rows in results in order
         if decode:
-            drafts = self.speculation.draft(decode) if self.speculation is not None else {}
-            tokens = [[self.requests[r].pending, *drafts.get(r, ())] for r in decode]
-            logits, mass = self.forwards.run(decode, tokens, verify=bool(drafts))
-            if drafts:  # the tokens each row keeps: their logits, how many the step takes in, their mass
+            drafts = self.speculation.draft(decode) if self.speculation is not None else None
+            if drafts:
+                tokens = [[self.requests[r].pending, *drafts.get(r, ())] for r in decode]
+                logits, mass = self.forwards.run(decode, tokens, verify=True)
+                # the tokens each row keeps: their logits, how many the step takes in, their mass
                 kept, taken, mass = self.speculation.accept(decode, drafts, logits, mass)
+                results += [(self.requests[r], kept[i], taken[i]) for i, r in enumerate(decode)]
+                self.stats.decode_tokens += sum(taken)
             else:
-                kept, taken = logits, [1] * len(decode)
-            results += [(self.requests[r], kept[i], taken[i]) for i, r in enumerate(decode)]
+                logits, mass = self.forwards.run(decode, [[self.requests[r].pending] for r in decode])
+                results += [(self.requests[r], logits[i], 1) for i, r in enumerate(decode)]
+                self.stats.decode_tokens += len(decode)
             masses.append(mass)
-            self.stats.decode_tokens += sum(taken)
         for req_id in prefill:
             first, end, cached = self.scheduler.chunks.pop(req_id)
             prompt = self.requests[req_id].prefill_ids()
@@ -303,7 +306,7 @@ class Engine:
                 if self.requests[req_id].status is Status.RUNNING:
                     self.requests[req_id].evictions.append(tuple(out.victims_of(i)) if out is not None else ())
         self.kv.update(continuing, [self.requests[r].remaining for r in continuing],
-                       [self.scheduler.unprefilled(r) for r in continuing])
+                       [self.scheduler.unprefilled(r) for r in continuing] if self.scheduler.prefilling else None)
         self.kv.store_written(continuing, lambda r: self.requests[r].prefill_ids())
         if self.config.check_invariants and stepped:  # every rank: same table, same free blocks, same tokens
             sampled = [t for out in reported for t in (out.req_id, *out.new_token_ids)]

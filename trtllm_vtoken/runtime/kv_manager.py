@@ -288,9 +288,12 @@ class KVCacheManager(KVAdmission):
             lists = self.lists
             tokens = live = list(map(lists.kv_len, req_ids))
             held = list(map(lists.num_blocks, req_ids))
-        chunk = self.config.prefill_chunk_tokens
-        for i, (req_id, n, k, h, rest) in enumerate(zip(req_ids, tokens, live, held, remaining)):
-            unwritten = unprefilled[i] if unprefilled is not None else 0
+        if unprefilled is None:
+            for req_id, n, k, h, rest in zip(req_ids, tokens, live, held, remaining):
+                self.admission.update(req_id, logical_len=n, live=k, remaining=rest, held=h)
+            return
+        chunk = self.config.prefill_chunk_tokens  # a prompt still in chunks writes one a step
+        for req_id, n, k, h, rest, unwritten in zip(req_ids, tokens, live, held, remaining, unprefilled):
             self.admission.update(req_id, logical_len=n, live=k, remaining=rest + unwritten, held=h,
                                   step_tokens=min(chunk, unwritten) if unwritten else 1)
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trtllm_vtoken.config_base import require_positive_ints
+
 DEFAULT_CAP_BYTES = 64 << 20
 """vToken's transient memory per mass pass unless the settings say otherwise (``mass_workspace_mib``)."""
 
@@ -99,15 +101,6 @@ class DecodeMassPlan:
         key_blocks = min(num_blocks, max(1, (cap_bytes // 2) // block_bytes), (cap_bytes - scores_bytes) // block_bytes)
         rows = min(num_rows, cap_bytes // (scores_bytes + key_blocks * block_bytes))
         return cls(rows, key_blocks, rows * (scores_bytes + key_blocks * block_bytes))
-
-
-def require_positive_ints(**values: int) -> None:
-    """ValueError naming the first value that is not a positive int."""
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 
 
 def padded_block_table(block_lists: Sequence[Sequence[int]], kv_lens: Sequence[int], tokens_per_block: int,

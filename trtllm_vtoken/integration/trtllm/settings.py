@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from trtllm_vtoken.config_base import from_dict
+from trtllm_vtoken.config_base import from_dict, require_positive_ints
 from trtllm_vtoken.integration.trtllm.environment import ARM_VALUES, ARM_VAR, SETTINGS_VAR, armed
 from trtllm_vtoken.policies import Budget, make_policy
 from trtllm_vtoken.reclaim.config import ReclaimConfig
@@ -73,9 +73,7 @@ class VTokenSettings:
             raise ValueError(f"step_impl must be one of {IMPLS}, got {self.step_impl!r}")
         if self.positions not in ("keep", "shift"):
             raise ValueError(f"positions must be 'keep' or 'shift', got {self.positions!r}")
-        if isinstance(self.mass_workspace_mib, bool) or not isinstance(self.mass_workspace_mib, int) \
-                or self.mass_workspace_mib < 1:
-            raise ValueError(f"mass_workspace_mib must be a positive int, got {self.mass_workspace_mib!r}")
+        require_positive_ints(mass_workspace_mib=self.mass_workspace_mib)
         if self.stats_interval_s <= 0:
             raise ValueError(f"stats_interval_s must be positive, got {self.stats_interval_s}")
         if self.mode != "dense":
