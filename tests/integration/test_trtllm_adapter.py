@@ -70,16 +70,17 @@ def test_required_llm_settings_are_checked_all_at_once():
     check_llm_args(llm_args_dict())  # what vtoken_llm_args returns passes
     bad = llm_args_dict()
     bad["kv_cache_config"]["enable_partial_reuse"] = True
-    bad["enable_chunked_prefill"] = True
+    bad["max_beam_width"] = 2
     bad["scheduler_config"] = {"capacity_scheduler_policy": type("E", (), {"name": "GUARANTEED_NO_EVICT"})()}
     with pytest.raises(ValueError) as err:
         check_llm_args(bad)
     lines = str(err.value).splitlines()
     assert len(lines) == 4
     assert "kv_cache_config.enable_partial_reuse must be False (got True)" in lines[1]
-    assert "capacity_scheduler_policy must be 'MAX_UTILIZATION' (got 'GUARANTEED_NO_EVICT')" in lines[2]
-    assert "enable_chunked_prefill must be None or False (got True)" in lines[3]
-    check_llm_args({**llm_args_dict(), "disable_overlap_scheduler": False})  # TensorRT-LLM's default: fine
+    assert "max_beam_width must be None or 1 (got 2)" in lines[2]
+    assert "capacity_scheduler_policy must be 'MAX_UTILIZATION' (got 'GUARANTEED_NO_EVICT')" in lines[3]
+    # TensorRT-LLM's defaults: fine; chunked prefill too
+    check_llm_args({**llm_args_dict(), "disable_overlap_scheduler": False, "enable_chunked_prefill": True})
 
 
 def test_disaggregated_serving_and_piecewise_cuda_graphs_are_refused():

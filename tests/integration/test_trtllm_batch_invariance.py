@@ -29,7 +29,7 @@ def decisions(policy: str, overlap: bool, together: bool) -> tuple[dict[int, lis
     reused: list[int] = []  # add_sequence's reuse hits (LlmRequest.set_prepopulated_prompt_len)
     for i, req in enumerate(requests):
         setter = req.set_prepopulated_prompt_len
-        req.set_prepopulated_prompt_len = lambda n, setter=setter: (reused.append(n), setter(n))[1]
+        req.set_prepopulated_prompt_len = lambda n, tpb, setter=setter: (reused.append(n), setter(n, tpb))[1]
         # together: the others join while the first decodes; alone: each after the last finished
         executor.enqueue_request(req, (0, 2, 3, 5)[i] if together else 40 * i)
     executor.run()

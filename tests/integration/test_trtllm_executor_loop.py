@@ -45,11 +45,14 @@ class Mix:
     max_batch_size: int = 6
 
 
-def build_executor(policy: str, mix: Mix, overlap: bool = False, block_reuse: bool = True):
-    """The executor the worker builds, vToken armed through the environment."""
+def build_executor(policy: str, mix: Mix, overlap: bool = False, block_reuse: bool = True,
+                   chunked: tuple[int, str] | None = None, policy_options: dict | None = None):
+    """The executor the worker builds, vToken armed through the environment. ``chunked``:
+    chunked prefill with (``max_num_tokens``, ``context_chunking_policy``)."""
     import os
 
-    settings = VTokenSettings(policy=policy, budget=BUDGET, policy_options=POLICY_OPTIONS.get(policy, {}),
+    options = POLICY_OPTIONS.get(policy, {}) if policy_options is None else policy_options
+    settings = VTokenSettings(policy=policy, budget=BUDGET, policy_options=options,
                               check_invariants=True)
     os.environ.update(settings.worker_environment())
     from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
@@ -58,8 +61,11 @@ def build_executor(policy: str, mix: Mix, overlap: bool = False, block_reuse: bo
     args = llm_args_dict(tokens_per_block=TPB)
     args["kv_cache_config"]["max_tokens"] = mix.num_blocks * TPB
     args["kv_cache_config"]["enable_block_reuse"] = block_reuse
-    llm_args = TorchLlmArgs(model="tiny", max_batch_size=mix.max_batch_size, max_num_tokens=256, max_seq_len=96,
-                            max_input_len=96, disable_overlap_scheduler=not overlap, **args)
+    if chunked is not None:
+        args["scheduler_config"]["context_chunking_policy"] = chunked[1]
+    llm_args = TorchLlmArgs(model="tiny", max_batch_size=mix.max_batch_size,
+                            max_num_tokens=chunked[0] if chunked else 256, enable_chunked_prefill=chunked is not None,
+                            max_seq_len=96, max_input_len=96, disable_overlap_scheduler=not overlap, **args)
     return create_py_executor(llm_args=llm_args)
 
 
@@ -89,8 +95,11 @@ def random_requests(mix: Mix):
 class KVWitness:
     """What the forward wrote for each token, and the check that it is still there."""
 
-    def __init__(self, executor) -> None:
+    def __init__(self, executor, token_ahead: bool | None = None) -> None:
+        """``token_ahead``: TensorRT-LLM may hold the next batch's token beyond the table's (default:
+        for count-based policies, which take it in before that batch's forward)."""
         self.executor = executor
+        self.token_ahead = token_ahead
         self.manager = executor.resources["kv_cache_manager"]
         self.written: dict[tuple[int, int], list[torch.Tensor]] = {}  # (request, logical position) -> [layer K/V]
         self.checks = 0
@@ -109,7 +118,7 @@ class KVWitness:
         for row, req in enumerate(batch.context_requests + batch.generation_requests):
             kv_len, first_logical = int(metadata.kv_lens[row]), engine.row_positions[row]
             blocks = self.manager.get_cache_indices(req)
-            if row < len(batch.context_requests):  # a prefix recovered from the reuse tree: its blocks' KV
+            if row < len(batch.context_requests) and req.is_first_context_chunk:  # a prefix from the reuse tree
                 for position in range(first_logical):
                     self.written[(req.py_request_id, position)] = self._read(*self._slot(blocks, position))
             for i in range(seq_lens[row]):
@@ -118,15 +127,21 @@ class KVWitness:
 
     def after_update(self) -> None:
         step = self.manager.vtoken.step
+        requests = {r.py_request_id: r for r in self.executor.active_requests}
         for req_id in step.request_ids():
             blocks = step.block_ids(req_id)
             held = self.manager.get_cache_indices(_Ref(req_id))
-            # A count-based policy takes the next batch's token in before that batch's forward
-            # (prepare_resources), not here: TensorRT-LLM may hold its block already.
-            extra = 0 if step.policy.observes_attention() else 1
-            assert held[: len(blocks)] == blocks and len(held) <= len(blocks) + extra, \
-                f"request {req_id}: TensorRT-LLM holds {held}, vToken {blocks}"
             kv_len = step.kv_len(req_id)
+            # Beyond the table's tokens TensorRT-LLM holds the prompt's chunks still to come
+            # (allocated at the first chunk) and, for a count-based policy, the next batch's
+            # token, which that policy takes in before that batch's forward (prepare_resources);
+            # so does any policy for a batch stepped there (one with a prompt chunk to continue).
+            unwritten = max(0, requests[req_id].prompt_len - step.num_tokens(req_id)) if req_id in requests else 0
+            extra = int(not step.policy.observes_attention() if self.token_ahead is None else self.token_ahead)
+            ahead = self.manager.num_tokens_in_sequence(req_id) - kv_len
+            assert held[: len(blocks)] == blocks and unwritten <= ahead <= unwritten + extra, \
+                f"request {req_id}: TensorRT-LLM holds {held} ({ahead} tokens ahead), vToken {blocks}"
+            self.ahead_seen = max(getattr(self, "ahead_seen", 0), unwritten)
             assert kv_len == step.num_live(req_id), f"request {req_id} is not dense"
             logical = step.batch_tokens([req_id])[0][:kv_len].tolist()
             for position, token in enumerate(logical):
@@ -184,7 +199,7 @@ def drive(executor, requests, witness: KVWitness, overlap: bool = False) -> dict
         witness.after_update()
         step = witness.manager.vtoken.step
         for req in batch.context_requests:  # a paused request prefilled again: a new table, the budget at once
-            if req.py_request_id in paused_ids and req.py_request_id in step:
+            if req.py_request_id in paused_ids and req.py_request_id in step and not req.is_context_init_state():
                 held_prefix = req.prompt_len // TPB * TPB  # its prompt's full blocks, protected (block reuse)
                 known = step.num_tokens(req.py_request_id)  # under overlap: and the next forward's token
                 lags = overlap and step.policy.observes_attention() and req.py_request_id in executor_next()

@@ -8,9 +8,11 @@ them in each of its loops (``PyExecutor`` in ``py_executor.py``):
 
 Per batch it keeps what ``update_resources`` needs once the batch's forward has run:
 
-- the tokens TensorRT-LLM had allocated for each request once the batch was prepared (its prompt
-  at ``add_sequence``, then one per ``add_token``): the batch's forward wrote up to there, so the
-  decode queries it recorded attended to exactly that many of the request's tokens;
+- the tokens of each request that the forwards launched so far write (``through``): the prompt
+  up to the end of this batch's chunk (the whole prompt without chunked prefill), then one per
+  decode row; the decode queries the batch recorded attended to exactly that many tokens;
+- which of its context rows have more of their prompt to come (``continues``): with chunked
+  prefill a request's next chunk is scheduled while this one's forward may be in flight;
 - its recordings for the policy: each context row's prefill mass and each decode row's queries.
   The query recorder is one static buffer (captured CUDA graphs write into it on replay), which
   the next batch's forward overwrites: a batch still in flight when the next one is prepared has
@@ -43,11 +45,21 @@ class PreparedBatch:
     batch: object
     """TensorRT-LLM's ``ScheduledRequests``: ``update_resources`` receives the same object."""
     through: dict[int, int]
-    """Request -> tokens TensorRT-LLM had allocated for it once this batch was prepared."""
+    """Request -> its tokens that this batch's forward and those before it write."""
+    prompt_after: dict[int, int]
+    """Context request -> prompt tokens after this batch's chunk (0: its chunk ends the prompt)."""
     parked: dict[int, Recording] | None = None
     """The batch's recordings, copied out of the recorder before the next forward (else None)."""
     mass: MassCopy | None = None
     """Its attention mass, enqueued before the next forward (``mass_copy.py``), else None."""
+    stepped: bool = False
+    """Its step was taken before the next forward (``prepare_resources``): nothing is left for
+    ``update_resources``."""
+
+    @property
+    def continues(self) -> bool:
+        """A context row of this batch has more of its prompt to prefill (chunked prefill)."""
+        return any(self.prompt_after.values())
 
     def recording_rows(self) -> tuple[list[int], int]:
         """The batch's request ids in the forward's row order, and how many are context rows."""
@@ -61,7 +73,11 @@ class PreparedBatches:
     def __init__(self, recorder: QueryRecorder, records: bool) -> None:
         self.recorder, self.records = recorder, records
         self.allocated: dict[int, int] = {}
-        """Request -> tokens TensorRT-LLM allocated for it (logical: rewinds do not lower it)."""
+        """Request -> its tokens the forwards launched so far write (logical: rewinds do not lower it)."""
+        self.reserved: dict[int, int] = {}
+        """Request -> tokens TensorRT-LLM allocated for it (logical): its whole prompt at the first
+        chunk (``add_sequence``), then one per ``add_token``. Past ``allocated`` lie the prompt
+        tokens of chunks still to come, whose blocks it holds already."""
         self._batches: list[PreparedBatch] = []
 
     def prepared(self, batch) -> None:
@@ -71,13 +87,18 @@ class PreparedBatches:
         for earlier in self._batches:
             if earlier.parked is None and earlier.mass is None and self.records:
                 earlier.parked = self._park(earlier)
+        prompt_after = {}
         for req in batch.context_requests:
+            end = req.context_current_position + req.context_chunk_size
+            self.allocated[req.py_request_id] = end
             if req.is_first_context_chunk:
-                self.allocated[req.py_request_id] = req.prompt_len
+                self.reserved[req.py_request_id] = req.prompt_len
+            prompt_after[req.py_request_id] = req.prompt_len - end
         for req in batch.generation_requests:
             self.allocated[req.py_request_id] = self.allocated.get(req.py_request_id, 0) + 1
+            self.reserved[req.py_request_id] = self.reserved.get(req.py_request_id, 0) + 1
         through = {r.py_request_id: self.allocated.get(r.py_request_id, 0) for r in batch.all_requests()}
-        self._batches.append(PreparedBatch(batch, through))
+        self._batches.append(PreparedBatch(batch, through, prompt_after))
         if self.records:
             self.recorder.start_batch()
 
@@ -101,6 +122,11 @@ class PreparedBatches:
     def forget(self, req_id: int) -> None:
         """The request left TensorRT-LLM's manager (finished, cancelled or paused)."""
         self.allocated.pop(req_id, None)
+        self.reserved.pop(req_id, None)
+
+    def prompt_after(self, req_id: int) -> int:
+        """Prompt tokens after the chunk of the batch prepared last (0 for a decode row)."""
+        return self.latest().prompt_after.get(req_id, 0) if self._batches else 0
 
     def recording(self, prepared: PreparedBatch, req_id: int) -> Recording:
         """What the batch's forward recorded for a request (parked, or still in the recorder)."""

@@ -43,7 +43,7 @@ import torch
 
 from trtllm_vtoken.integration.trtllm.engine_config import check_pool, engine_rope
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
-from trtllm_vtoken.integration.trtllm.state import make_step
+from trtllm_vtoken.integration.trtllm.state import make_step, new_block_span
 from trtllm_vtoken.reclaim.rerotate import KeyRerotation
 from trtllm_vtoken.reclaim.rope import RopeSpec
 from trtllm_vtoken.step import StepInput
@@ -116,10 +116,11 @@ class EngineVToken:
             if b not in step:
                 step.add_request(b)
             held = blocks.allocated_blocks[seq][0]
-            needed[b] = -(-(step.kv_len(b) + written[b]) // tpb)
+            span = new_block_span(step, b, written[b])
+            needed[b] = span.stop
             if len(held) < needed[b]:
                 raise RuntimeError(f"sequence {b}: the session holds {len(held)} blocks for {needed[b]} blocks of KV")
-            fresh.append([block.idx for block in held[step.num_blocks(b) : needed[b]]])
+            fresh.append([block.idx for block in held[span]])
         req_ids = list(owners)
         step.run(StepInput.of_lists(req_ids, [written[b] for b in req_ids], fresh, stream=stream))
         lengths = []

@@ -7,7 +7,6 @@
     scheduler_config           MAX_UTILIZATION: GUARANTEED_NO_EVICT would reserve prompt + max_new
                                blocks per request again, so freed blocks would admit nobody
     max_beam_width             1 (rewind_kv_cache removes tokens of beam 0 only)
-    enable_chunked_prefill     off: one context chunk per request
     attn_backend               "TRTLLM", the backend the hooks patch
     env_overrides              {$VTOKEN_TRTLLM: "1", $VTOKEN_TRTLLM_SETTINGS: json} where
                                TorchLlmArgs has the field (1.2 on); the same variables are also
@@ -38,7 +37,6 @@ def llm_args_dict(tokens_per_block: int = 32, settings: VTokenSettings | None = 
                             "host_cache_size": 0, "tokens_per_block": tokens_per_block},
         "scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"},
         "max_beam_width": 1,
-        "enable_chunked_prefill": False,
         "attn_backend": "TRTLLM",
     }
     if settings is not None:
@@ -88,7 +86,7 @@ def armed_llm_args(settings: VTokenSettings, tokens_per_block: int = 32, mode: s
         "kv_cache_config": api.KvCacheConfig(**plain["kv_cache_config"]),
         "scheduler_config": api.SchedulerConfig(
             capacity_scheduler_policy=api.CapacitySchedulerPolicy.MAX_UTILIZATION),
-        **{key: plain[key] for key in ("max_beam_width", "enable_chunked_prefill", "attn_backend")},
+        **{key: plain[key] for key in ("max_beam_width", "attn_backend")},
     }
     if "env_overrides" in api.TorchLlmArgs.model_fields:
         args["env_overrides"] = environment

@@ -130,9 +130,15 @@ def build_manager_class(base: type) -> type:
             # A policy that observes attention: the batches in flight get their mass enqueued now,
             # behind their forwards and before this batch's, so that their updates wait for it and
             # not for this batch's forward (mass_copy.py).
+            # A batch with a prompt chunk that is not its prompt's last (chunked prefill) takes its
+            # step now with any policy: the next chunk, in this batch, must be written after the
+            # compacted layout of the ones before it (the host waits for that batch's forward, as
+            # the plain loop does; not for this one's).
             for prepared in self._vtoken_batches.in_flight():
-                if not self.vtoken.needs_attention:
-                    self._vtoken_step(prepared, through_only=True)
+                if not self.vtoken.needs_attention or prepared.continues:
+                    if not prepared.stepped:
+                        self._vtoken_step(prepared, through_only=True)
+                        prepared.stepped = True
                 elif prepared.mass is None:
                     self._vtoken_enqueue_mass(prepared)
             super().prepare_resources(scheduled_batch)
@@ -143,7 +149,9 @@ def build_manager_class(base: type) -> type:
             super().update_resources(scheduled_batch, attn_metadata, kv_cache_dtype_byte_size)
             # Count-based policies take in the tokens up to this batch's own only (a later batch's
             # were or will be taken in by its successor's prepare_resources, before its forward).
-            self._vtoken_step(self._vtoken_batches.take(scheduled_batch), through_only=not self.vtoken.needs_attention)
+            prepared = self._vtoken_batches.take(scheduled_batch)
+            if not prepared.stepped:
+                self._vtoken_step(prepared, through_only=not self.vtoken.needs_attention)
             self._vtoken_publish(force=False)
 
         def _vtoken_step(self, prepared, through_only: bool) -> None:
@@ -230,13 +238,31 @@ def build_manager_class(base: type) -> type:
                     force)
 
         def _vtoken_release(self, req_id: int, num_tokens: int) -> None:
-            """TensorRT-LLM drops the request's last ``num_tokens`` physical tokens and the blocks
-            they leave empty; its block list must then be vToken's, or KV would be corrupted."""
+            """TensorRT-LLM drops the request's last ``num_tokens`` tokens and the blocks they leave
+            empty; its block list must then begin with vToken's and hold no more than the table's
+            tokens and those allocated ahead, or KV would be corrupted.
+
+            Allocated ahead are the prompt tokens of chunks still to come (chunked prefill:
+            ``add_sequence`` took the whole prompt's blocks at the first chunk). TensorRT-LLM
+            rewinds from the end of its list, so the blocks it lets go are the last ones, never
+            written; the table's freed tail stays in its list, as blocks the next chunks write::
+
+                before   [ table's blocks (live | freed tail) | allocated ahead        ]
+                after    [ table's blocks (live)  | freed tail , allocated ahead - lost ]
+            """
+            step = self.vtoken.step
             self.rewind_kv_cache(_RequestRef(req_id), num_tokens)
-            held = list(self.get_cache_indices(_RequestRef(req_id)))
-            if held != self.vtoken.step.block_ids(req_id):
+            held, mine = list(self.get_cache_indices(_RequestRef(req_id))), step.block_ids(req_id)
+            ahead = self._vtoken_batches.reserved.get(req_id, 0) - step.num_tokens(req_id)
+            want = -(-(step.kv_len(req_id) + max(ahead, 0)) // self.tokens_per_block)
+            if held[: len(mine)] != mine or len(held) != want:
                 raise RuntimeError(f"TensorRT-LLM holds blocks {held} for request {req_id} after rewinding "
-                                   f"{num_tokens} tokens, vToken {self.vtoken.step.block_ids(req_id)}")
+                                   f"{num_tokens} tokens, vToken {mine} and {max(ahead, 0)} tokens allocated ahead")
+
+        def vtoken_prompt_after(self, request_id: int) -> int:
+            """Prompt tokens after the chunk the forward in progress computes for the request (0
+            without chunked prefill, or for a decode row)."""
+            return self._vtoken_batches.prompt_after(request_id)
 
         def _vtoken_share_prompts(self, written) -> None:
             """Block reuse: the blocks that are or may become reusable while a request runs are its

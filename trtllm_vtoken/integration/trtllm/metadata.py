@@ -2,15 +2,17 @@
 """The attention-metadata subclass: the lengths the kernels see become physical.
 
 TensorRT-LLM's model engine hands the metadata, per step, the logical past length of every
-request (``kv_cache_params.num_cached_tokens_per_seq``) and its logical prompt length
-(``prompt_lens``); its position ids stay logical, which is what unfused RoPE rotates by. vToken
-makes the two lengths physical for generation rows:
+request (``kv_cache_params.num_cached_tokens_per_seq``: for a context row the start of its
+chunk, ``context_current_position``) and, for a generation row, its logical prompt length
+(``prompt_lens``; a context row's is its chunk's length); its position ids stay logical, which is
+what unfused RoPE rotates by. vToken makes the lengths physical:
 
-    before super().prepare():  num_cached_tokens_per_seq[i] = logical[i] - evicted(i)
-                               -> kv_lens = cached + new tokens: kernels attend [0, physical length)
-    after  super().prepare():  prompt_lens_cpu / _cuda[i] = prompt tokens still held (<= kv_lens[i]),
-                               as RocketKV's metadata does after its prefill eviction; the logical
-                               ``prompt_lens`` list is left as it was given
+    before super().prepare():  num_cached_tokens_per_seq[i] = logical[i] - evicted(i), every row
+                               -> kv_lens = cached + new tokens: kernels attend [0, physical length),
+                               and a later prompt chunk is written after the compacted earlier ones
+    after  super().prepare():  generation rows: prompt_lens_cpu / _cuda[i] = prompt tokens still
+                               held (<= kv_lens[i]), as RocketKV's metadata does after its prefill
+                               eviction; the logical ``prompt_lens`` list is left as it was given
 
 ``prepare()`` is idempotent: a second call on the same params (same objects, values as written)
 starts again from the logical values it recorded instead of subtracting twice. Captured-graph
@@ -37,7 +39,7 @@ def build_metadata_class(base: type) -> type:
 
         def _generation_rows(self):
             for i, req_id in enumerate(self.request_ids or []):
-                if i >= self.num_contexts:  # generation rows (chunked prefill is off)
+                if i >= self.num_contexts:  # generation rows
                     yield i, req_id
 
         def _vtoken_physical_cached(self, manager, params) -> None:
@@ -48,7 +50,7 @@ def build_metadata_class(base: type) -> type:
             else:
                 logical = list(cached)
             physical = list(logical)
-            for i, req_id in self._generation_rows():
+            for i, req_id in enumerate((self.request_ids or [])[: len(logical)]):
                 evicted = manager.vtoken_evicted(req_id)
                 if evicted > logical[i]:
                     raise RuntimeError(f"request {req_id}: {evicted} evicted tokens exceed its "

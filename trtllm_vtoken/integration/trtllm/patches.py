@@ -69,7 +69,10 @@ def record_queries(attention, q, k, metadata) -> None:
     (``metadata.seq_lens``); a batch with context rows is never graph-captured. A context row whose
     prompt prefix came from the reuse tree computes only the rest (``num_cached_tokens_per_seq`` of
     the row, the model engine's ``context_current_position``): its queries also attend to the
-    cached prefix, whose keys are read from the pool.
+    cached prefix, whose keys are read from the pool. A later chunk of a prompt (chunked prefill)
+    likewise: its queries attend to the earlier chunks' keys still held (the metadata made
+    ``num_cached_tokens_per_seq`` physical), and H2O's ``prefill_window`` counts from the prompt's
+    end (``vtoken_prompt_after``).
     """
     manager = getattr(metadata, "kv_cache_manager", None)
     queries = getattr(manager, "vtoken_queries", None)
@@ -87,11 +90,12 @@ def record_queries(attention, q, k, metadata) -> None:
     start = 0
     for row, length in enumerate(metadata.seq_lens[:num_contexts].tolist() if num_contexts else []):
         rows = slice(start, start + length)
-        past = cached[row] if row < len(cached) else 0  # a prefix recovered from the reuse tree
+        past = cached[row] if row < len(cached) else 0  # a reused prefix, or the prompt's earlier chunks
         past_k = queries.dequantized(local, manager.vtoken_cached_keys(metadata.request_ids[row], attention.layer_idx,
                                                                        past)) if past else None
         queries.add_prefill(row, q[rows].reshape(length, attention.num_heads, attention.head_dim),
-                            k[rows].reshape(length, attention.num_kv_heads, attention.head_dim), past_k)
+                            k[rows].reshape(length, attention.num_kv_heads, attention.head_dim), past_k,
+                            manager.vtoken_prompt_after(metadata.request_ids[row]))
         start += length
 
 

@@ -164,10 +164,14 @@ class QueryRecorder:
         """A new iteration: forgets the previous one's prefill mass."""
         self.prefill = {}
 
-    def add_prefill(self, row: int, q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None) -> None:
+    def add_prefill(self, row: int, q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None,
+                    prompt_after: int = 0) -> None:
         """Adds one layer's mass for context row ``row`` (q: [T, H, D], k: [T, Hkv, D]; past_k:
-        the keys of a reused prefix, see ``prefill_attention_mass``)."""
-        mass = prefill_mass(q, k, past_k, self.prefill_window, self.cap_bytes)
+        the keys cached before these tokens: a reused prefix or the prompt's earlier chunks, see
+        ``prefill_attention_mass``; ``prompt_after``: prompt tokens after this chunk, which hold
+        the last ``prompt_after`` of the ``prefill_window`` queries)."""
+        window = None if self.prefill_window is None else max(0, self.prefill_window - prompt_after)
+        mass = prefill_mass(q, k, past_k, window, self.cap_bytes)
         self.prefill[row] = mass if row not in self.prefill else self.prefill[row] + mass
 
     def record(self, layer_idx: int, q: torch.Tensor, num_generation: int) -> None:

@@ -138,7 +138,6 @@ REQUIRED: tuple[tuple[str, Any, str], ...] = (
     ("scheduler_config.capacity_scheduler_policy", "MAX_UTILIZATION",
      "GUARANTEED_NO_EVICT reserves full-length blocks and never credits reclaimed ones"),
     ("kv_connector_config", None, "a KV connector forces GUARANTEED_NO_EVICT (py_executor_creator.py)"),
-    ("enable_chunked_prefill", (None, False), "the hooks treat every context request as one whole chunk"),
     ("attn_backend", (None, "TRTLLM"), "the hooks patch TrtllmAttention and its metadata"),
     ("sparse_attention_config", None, "sparse attention brings its own KV-cache manager"),
     ("cache_transceiver_config", None,

@@ -53,6 +53,20 @@ def make_step(settings: VTokenSettings, tokens_per_block: int, num_blocks: int,
                       shared_blocks=shared_blocks)
 
 
+def new_block_span(step: DecodeStep, req_id: int, written: int) -> slice:
+    """Where, in a request's block list as TensorRT-LLM holds it, lie the blocks the step learns
+    with ``written`` new tokens: after the table's own, up to the blocks of its physical length
+    once they join. TensorRT-LLM may hold more (blocks allocated ahead: a prompt's later chunks,
+    or the engine session's longest prompt); those stay outside the table::
+
+        [ table's blocks | blocks of the written tokens | allocated ahead ]
+                         `------------ this span ------'
+    """
+    start = step.num_blocks(req_id) if req_id in step else 0
+    kv_len = step.kv_len(req_id) if req_id in step else 0
+    return slice(start, -(-(kv_len + written) // step.tokens_per_block))
+
+
 class VTokenState:
     """The step of one TensorRT-LLM KV-cache manager, and the glue its hooks need.
 
@@ -85,8 +99,9 @@ class VTokenState:
     def run(self, written: Sequence[tuple[int, Sequence[int], int, int]], stream: Any = None,
             batch: Any = None) -> StepOutput | None:
         """After a batch's forward: one step for its requests, given as (request id, TensorRT-LLM's
-        block list now, tokens TensorRT-LLM allocated that the table does not know yet, positions
-        the batch's forward attended to in the table's layout once they join). New requests join;
+        block list now, tokens written that the table does not know yet, positions the batch's
+        forward attended to in the table's layout once they join). The table learns the blocks of
+        the new tokens (``new_block_span``); blocks allocated ahead stay TensorRT-LLM's. New requests join;
         padding rows are skipped. ``batch``: the caller's record of the batch, passed to
         ``attention_mass`` as it is (the manager's ``PreparedBatch``: its recordings, its mass if
         enqueued). ``stream``: the execution stream (CUDA), made to wait on the copy."""
@@ -99,7 +114,13 @@ class VTokenState:
             if req_id not in step:
                 step.add_request(req_id)
                 self.requests_seen += 1
-        fresh = [blocks[step.num_blocks(r):] for r, blocks, _, _ in rows]
+        fresh = []
+        for req_id, blocks, n, _ in rows:
+            span = new_block_span(step, req_id, n)
+            if len(blocks) < span.stop:
+                raise RuntimeError(f"request {req_id}: TensorRT-LLM holds {len(blocks)} blocks for {span.stop} "
+                                   "blocks of KV")
+            fresh.append(blocks[span])
         mass = None
         if self.needs_attention:  # the batch's, in one call: [B, L] beside the rows, L their lengths once joined
             width = max(step.kv_len(r) + n for r, _, n, _ in rows)

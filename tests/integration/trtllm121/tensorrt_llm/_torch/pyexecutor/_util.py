@@ -18,7 +18,10 @@
 - ``create_py_executor_instance``: the resource manager with the KV-cache manager moved to the
   end, ``BindCapacityScheduler(max_num_sequences, kv_cache_manager.impl, None, policy,
   two_step_lookahead=mapping.has_pp())``, ``BindMicroBatchScheduler(max_batch_size,
-  max_num_tokens)``, ``SimpleScheduler``, the sampler, and ``PyExecutor`` (which warms up).
+  max_num_tokens, ctx_chunk_config)``, ``SimpleScheduler``, the sampler, and ``PyExecutor`` (which
+  warms up). ``ctx_chunk_config`` (``py_executor_creator.py``, index ids 4285525045, 3245286861):
+  None unless ``enable_chunked_prefill``; then ``(scheduler_config.context_chunking_policy or
+  FIRST_COME_FIRST_SERVED, tokens_per_block)`` (no sliding window here, so the unit is a block).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from .py_executor import PyExecutor
 from .resource_manager import KVCacheManager, ResourceManager
 from .llm_request import LlmRequest, SamplingConfig
 from .sampler import TorchSampler
-from .scheduler import BindCapacityScheduler, BindMicroBatchScheduler, SimpleScheduler
+from .scheduler import BindCapacityScheduler, BindMicroBatchScheduler, ContextChunkingPolicy, SimpleScheduler
 
 
 def get_kv_cache_manager_cls(model_config):
@@ -118,7 +121,11 @@ def create_py_executor_instance(*, model_engine, resources: dict, mapping, llm_a
     capacity = BindCapacityScheduler(max_batch_size, kv_cache_manager.impl, None,
                                      llm_args.scheduler_config.capacity_scheduler_policy,
                                      two_step_lookahead=mapping.has_pp())
-    scheduler = SimpleScheduler(capacity, BindMicroBatchScheduler(max_batch_size, max_num_tokens))
+    ctx_chunk_config = None
+    if llm_args.enable_chunked_prefill:
+        policy = llm_args.scheduler_config.context_chunking_policy or ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
+        ctx_chunk_config = (policy, kv_cache_manager.tokens_per_block)
+    scheduler = SimpleScheduler(capacity, BindMicroBatchScheduler(max_batch_size, max_num_tokens, ctx_chunk_config))
     return PyExecutor(resource_manager, scheduler, model_engine, TorchSampler(greedy_token, max_seq_len),
                       disable_overlap_scheduler=llm_args.disable_overlap_scheduler,
                       max_input_len=llm_args.max_input_len, max_batch_size=max_batch_size,

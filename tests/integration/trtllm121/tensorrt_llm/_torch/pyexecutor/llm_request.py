@@ -12,14 +12,20 @@ Imitated, per behaviour:
   takes position ids from), ``get_tokens`` / ``get_num_tokens`` / ``get_last_tokens``.
 - States ``CONTEXT_INIT`` -> ``GENERATION_IN_PROGRESS`` -> ``GENERATION_COMPLETE``;
   ``is_finished`` is the last; ``finish_by_reason`` enters it.
-- Context chunks: ``is_first_context_chunk`` is ``context_current_position ==
-  prepopulated prompt length``; ``context_chunk_size`` the rest of the prompt (chunked prefill
-  off); ``move_to_next_context_chunk`` advances ``context_current_position`` past it;
-  ``set_prepopulated_prompt_len`` (a reuse hit) starts the context there.
+- Context chunks (``llmRequest.h``; 1.2-era copies, index ids 50462803, 786144818, 5710012975):
+  ``context_chunk_size`` starts at the prompt's length (``mContextChunkSize{mPromptLen}``) and is
+  set by the micro-batch scheduler when chunked prefill is on; its setter (``setContextChunkSize``)
+  refuses a negative size or a request past its context ("only possible during the context
+  phase") and clamps to ``context_remaining_length``. ``is_first_context_chunk``:
+  ``context_current_position == prepopulated prompt length``; ``is_last_context_chunk``: position
+  + chunk reaches ``prompt_len``; ``move_to_next_context_chunk`` advances the position past the
+  chunk and sets the chunk to 0. ``set_prepopulated_prompt_len(n, tokens_per_block)`` (a reuse hit,
+  called by the C++ ``addSequence``) starts the context at ``n``; if the chunk the scheduler chose
+  then ends before the prompt's end, it is cut back so that it ends on a block boundary.
 - ``pause(max_input_len)`` (beam width 1): the generated tokens join the prompt,
   ``newPromptLen = min(maxInputLen, mPromptLen + generated)``, tokens beyond it are dropped,
-  ``mMaxNewTokens -= newPromptLen - mPromptLen``, state CONTEXT_INIT, context position 0: the
-  request is prefilled again, whole, when it is scheduled next.
+  ``mMaxNewTokens -= newPromptLen - mPromptLen``, state CONTEXT_INIT, context position 0, chunk
+  size the new prompt length: the request is prefilled again when it is scheduled next.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ class LlmRequest:
         self._tokens = list(input_tokens)
         self.context_current_position = 0  # prompt tokens already in the KV cache
         self._prepopulated_prompt_len = 0
+        self._context_chunk_size = len(input_tokens)
 
     # ---- tokens --------------------------------------------------------------------------------
     def add_new_token(self, token: int, beam: int) -> None:
@@ -111,8 +118,25 @@ class LlmRequest:
         return self.context_current_position == self._prepopulated_prompt_len
 
     @property
+    def is_last_context_chunk(self) -> bool:
+        return self.context_current_position + self.context_chunk_size == self.prompt_len
+
+    @property
     def context_chunk_size(self) -> int:
-        return self.prompt_len - self.context_current_position
+        if not self.is_context_init_state():
+            raise RuntimeError("[TensorRT-LLM][ERROR] Assertion failed: getContextChunkSize is only possible "
+                               "during the context phase")
+        return self._context_chunk_size
+
+    @context_chunk_size.setter
+    def context_chunk_size(self, size: int) -> None:
+        if not self.is_context_init_state():
+            raise RuntimeError("[TensorRT-LLM][ERROR] Assertion failed: setContextChunkSize is only possible "
+                               "during the context phase")
+        if size < 0:
+            raise RuntimeError(f"[TensorRT-LLM][ERROR] Assertion failed: The chunk size of context ({size}) "
+                               "can't be negative")
+        self._context_chunk_size = min(size, self.context_remaining_length)
 
     @property
     def context_remaining_length(self) -> int:
@@ -120,12 +144,19 @@ class LlmRequest:
 
     def move_to_next_context_chunk(self) -> None:
         self.context_current_position += self.context_chunk_size
+        self.context_chunk_size = 0
 
-    def set_prepopulated_prompt_len(self, length: int) -> None:
+    def set_prepopulated_prompt_len(self, length: int, tokens_per_block: int) -> None:
         if length >= self.prompt_len:
             raise RuntimeError(f"[TensorRT-LLM][ERROR] Assertion failed: prepopulatedPromptLen {length} < "
                                f"promptLen {self.prompt_len}")
-        self._prepopulated_prompt_len = self.context_current_position = length
+        self._prepopulated_prompt_len = length
+        if length > 0:
+            chunk = self.context_chunk_size
+            if length + chunk < self.prompt_len:  # end the chunk on a block boundary
+                chunk = (length + chunk) // tokens_per_block * tokens_per_block - length
+            self.context_current_position = length
+            self.context_chunk_size = chunk
 
     # ---- pause (MAX_UTILIZATION) -----------------------------------------------------------------
     def pause(self, max_input_len: int) -> None:
@@ -136,4 +167,5 @@ class LlmRequest:
         self.prompt_len = self.py_prompt_len = new_prompt_len
         self.state = LlmRequestState.CONTEXT_INIT
         self.context_current_position = self._prepopulated_prompt_len = 0
+        self._context_chunk_size = self.prompt_len
         self.py_batch_idx = None

@@ -12,8 +12,9 @@ real ``ModelConfig`` does.
 the class attribute at that time, so a patched ``Metadata`` is the one used); ``pad_batch``
 (a generation-only batch is padded to the next CUDA-graph batch size with the padding dummy
 ``CUDA_GRAPH_DUMMY_REQUEST_ID``, created once by ``add_dummy_requests(is_gen=True)`` and marked
-``is_cuda_graph_dummy``); ``_prepare_tp_inputs``: a context row's tokens from
-``context_current_position`` on, ``num_cached_tokens_per_seq`` = that position; a generation
+``is_cuda_graph_dummy``); ``_prepare_tp_inputs``: a context row's ``context_chunk_size`` tokens from
+``context_current_position`` on, ``num_cached_tokens_per_seq`` = that position, its prompt length
+the chunk's length (``prompt_lengths.append(len(prompt_tokens))``); a generation
 row's position and cached count ``max_beam_num_tokens - 1``, or ``max_beam_num_tokens`` when the
 overlap loop hands the previous batch's device tokens (the token sampled last is not in the
 request yet); ``attn_metadata.prepare()``; then every attention layer on its hidden states. The
@@ -126,7 +127,8 @@ class PyTorchModelEngine:
             req.py_batch_idx = i
         rows = list(scheduled_requests.context_requests) + generation
         metadata.request_ids = [r.py_request_id for r in rows]
-        metadata.prompt_lens = [r.py_prompt_len for r in rows]
+        metadata.prompt_lens = seq_lens[: len(scheduled_requests.context_requests)] + \
+            [r.py_prompt_len for r in generation]
         metadata.num_contexts = len(scheduled_requests.context_requests)
         metadata.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
         metadata.kv_cache_params = KVCacheParams(use_cache=True, num_cached_tokens_per_seq=cached)

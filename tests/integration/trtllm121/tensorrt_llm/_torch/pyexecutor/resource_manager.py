@@ -17,11 +17,14 @@ Imitated, per behaviour:
   another pipeline rank), then the layer's slice of its pool reshaped, never transposed, to
   ``[P, kv, H, tpb, D]`` (HND) or ``[P, kv, tpb, H, D]`` (NHD).
 - ``prepare_resources``: ``impl.add_sequence(id, prompt_len, beam_width, req)`` for a first
-  context chunk, ``impl.add_token(id)`` per generation request, ``impl.refresh_blocks()``.
+  context chunk (the whole prompt's blocks, whatever the chunk), nothing for a later chunk,
+  ``impl.add_token(id)`` per generation request, ``impl.refresh_blocks()``.
 - ``update_resources``: generation requests not GENERATION_COMPLETE / CONTEXT_INIT rewind their
   ``py_rewind_len`` (speculative decoding; "With overlap scheduler, the scheduler pauses a
   request and frees KV cache at iteration N, while the previous batch (N-1) is still trying to
-  update the KV cache"); every context request: ``impl.store_context_blocks(request)``.
+  update the KV cache"); every context request: ``impl.store_context_blocks(request)`` (after
+  every chunk with chunked prefill: 1.2 stores a prompt's blocks before its later chunks write
+  them; later versions wait for the last chunk, index id 56304441455).
 - ``free_resources``: ``impl.remove_sequence(id, request, pin_on_release)``.
 - ``rewind_kv_cache``: ``impl.rewind_kv_cache(id, n)``; the request object is untouched.
 - ``get_cache_indices`` / ``get_batch_cache_indices``: ``impl.get_cache_block_ids(id, window)[0]``

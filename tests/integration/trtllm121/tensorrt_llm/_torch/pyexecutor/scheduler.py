@@ -19,17 +19,29 @@ and of the C++ schedulers its ``Bind*`` classes wrap.
   ``GUARANTEED_NO_EVICT`` (TensorRT-LLM's default; ``GuaranteedNoEvictScheduler``): started
   requests first, each reserving its ``getRemainingBlocksToCompletion``; then requests still in
   their first context chunk, in order, while their remaining blocks fit the free blocks left.
-- ``BindMicroBatchScheduler(max_batch_size, max_num_tokens)``: ``MicroBatchScheduler::operator()``
-  (``microBatchScheduler.cpp``, index ids 653260947, 37123910384): the fitting requests in order,
-  those in flight skipped, at most ``max_batch_size`` of them and ``max_num_tokens`` tokens (a
-  context request counts its remaining prompt, a generation request one token; the first that
-  does not fit ends the batch); split into context and generation requests.
+- ``BindMicroBatchScheduler(max_batch_size, max_num_tokens, ctx_chunk_config)``:
+  ``MicroBatchScheduler::operator()`` (``microBatchScheduler.cpp``, index ids 653260947,
+  37123910384; the Python class, ``scheduler.py`` index id 19133766724, builds it with
+  ``max_num_tokens`` as its ``maxContextLength``): the fitting requests in order, those in flight
+  skipped, at most ``max_batch_size`` of them. A generation request counts one token and the
+  first that does not fit ``max_num_tokens`` ends the batch. Without chunking a context request
+  counts its remaining prompt the same way (longer than ``maxContextLength``: "The number of
+  context tokens exceeds the limit value", a RuntimeError). With ``ctx_chunk_config = (policy, chunk_unit_size)`` (chunked prefill;
+  ``py_executor_creator.py`` passes the tokens per block as the unit) context requests are set
+  aside with their remaining prompt as chunk; if they do not all fit the tokens the generation
+  requests left (or one is longer than ``maxContextLength``), ``setCtxRequestsChunkSize`` cuts
+  them: FIRST_COME_FIRST_SERVED gives each in turn what is left, at most ``maxContextLength`` (cut
+  down to whole units unless it is its whole remainder), EQUAL_PROGRESS adds a unit to each in
+  turn while one fits both limits. Requests left with a chunk of 0 wait; the others are
+  scheduled, those not on their last chunk first (``sortRequests``, ``inflightBatchingUtils.cpp``,
+  index id 149516547: a partition, which this double keeps stable).
 - ``SimpleScheduler.schedule_request(active_requests, inflight_request_ids)``: capacity, then
   micro batch, into a ``SchedulerOutput``.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from ...llmapi.llm_args import CapacitySchedulerPolicy
@@ -134,26 +146,82 @@ class BindCapacityScheduler:
         return scheduled, [], paused
 
 
+class ContextChunkingPolicy(str, enum.Enum):
+    FIRST_COME_FIRST_SERVED = "FIRST_COME_FIRST_SERVED"
+    EQUAL_PROGRESS = "EQUAL_PROGRESS"
+
+
 class BindMicroBatchScheduler:
     def __init__(self, max_batch_size: int, max_num_tokens: int | None = None, ctx_chunk_config=None) -> None:
-        if ctx_chunk_config is not None:
-            raise NotImplementedError("chunked prefill is not modelled (vToken turns it off)")
         self.max_batch_size, self.max_num_tokens = max_batch_size, max_num_tokens
+        self.max_context_length = max_num_tokens  # MicroBatchScheduler(ctx_chunk_config_cpp, max_num_tokens)
+        self.ctx_chunk_config = None
+        if ctx_chunk_config is not None:
+            policy, unit = ctx_chunk_config
+            self.ctx_chunk_config = (ContextChunkingPolicy(getattr(policy, "value", policy)), int(unit))
 
     def schedule(self, active_requests: list, inflight_request_ids: set) -> tuple[list, list]:
-        context, generation = [], []
-        tokens = 0
+        context, generation, to_chunk = [], [], []
+        tokens = chunked_tokens = scheduled = 0
+        limit, all_fit = self.max_context_length, True
         for req in active_requests:
             if req.py_request_id in inflight_request_ids:
                 continue
-            if len(context) + len(generation) >= self.max_batch_size:
+            if req.is_context_init_state() and self.ctx_chunk_config is not None:
+                req.context_chunk_size = req.context_remaining_length
+                to_chunk.append(req)
+                need = req.context_chunk_size
+                if limit is not None and need > limit:  # chunked later
+                    need, all_fit = limit, False
+                chunked_tokens += need
+            else:
+                need = req.context_remaining_length if req.is_context_init_state() else 1
+                if req.is_context_init_state() and limit is not None and need > limit:
+                    raise RuntimeError(f"[TensorRT-LLM][ERROR] Assertion failed: The number of context tokens ({need}) "
+                                       f"exceeds the limit value ({limit})")
+                if self.max_num_tokens is not None and tokens + need > self.max_num_tokens:
+                    break
+                tokens += need
+                (context if req.is_context_init_state() else generation).append(req)
+            scheduled += 1
+            if scheduled >= self.max_batch_size:
                 break
-            need = req.context_remaining_length if req.is_context_init_state() else 1
-            if self.max_num_tokens is not None and tokens + need > self.max_num_tokens:
-                break
-            tokens += need
-            (context if req.is_context_init_state() else generation).append(req)
-        return context, generation
+        if self.max_num_tokens is not None and chunked_tokens > self.max_num_tokens - tokens:
+            all_fit = False
+        if not all_fit:
+            self._set_chunk_sizes(to_chunk, self.max_num_tokens - tokens)
+        chunks = [req for req in to_chunk if req.context_chunk_size > 0]
+        if not all_fit:  # sortRequests: chunks that do not end their prompt first
+            chunks = [r for r in chunks if not r.is_last_context_chunk] + [r for r in chunks if r.is_last_context_chunk]
+        return context + chunks, generation
+
+    def _set_chunk_sizes(self, requests: list, capacity: int) -> None:
+        """``setCtxRequestsChunkSize``: the chunk of each request in ``requests``, ``capacity`` tokens in all."""
+        policy, unit = self.ctx_chunk_config
+        limit = self.max_context_length
+        for req in requests:
+            req.context_chunk_size = 0
+        if policy == ContextChunkingPolicy.FIRST_COME_FIRST_SERVED:
+            for req in requests:
+                wanted = req.context_remaining_length
+                size = min(capacity, wanted, limit if limit is not None else wanted)
+                if size != wanted:
+                    size = size // unit * unit
+                req.context_chunk_size = size
+                capacity -= size
+            return
+        used, progress = 0, 1
+        while used < capacity and progress:
+            progress = 0
+            for req in requests:
+                past = req.context_chunk_size
+                req.context_chunk_size = past + unit
+                grown = req.context_chunk_size - past
+                if used + grown > capacity or (limit is not None and req.context_chunk_size > limit):
+                    req.context_chunk_size = past
+                    continue
+                used += grown
+                progress += grown
 
 
 class SimpleScheduler:

@@ -96,7 +96,7 @@ class KVCacheManager:
                 self._blocks[request_id].append(block)
                 self._num_tokens[request_id] = end
             if self._num_tokens[request_id]:
-                llm_request.set_prepopulated_prompt_len(self._num_tokens[request_id])
+                llm_request.set_prepopulated_prompt_len(self._num_tokens[request_id], tpb)
         for _ in range(input_length - self._num_tokens[request_id]):
             self._update_token(request_id, add=True)
 
