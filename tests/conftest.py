@@ -75,9 +75,12 @@ def runtime_threads() -> int:
     """The suite computes with the intra-op threads the runtime chooses (``trtllm_vtoken/threads.py``):
     with every core busy in torch's parallel operators, the other work of a shared machine stalls
     the real-model tests many times over."""
+    import os
+
     from trtllm_vtoken.threads import set_threads
 
-    return set_threads()
+    # Under pytest-xdist (scripts/test.sh) the workers share the cores, each its part.
+    return set_threads(processes=int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -119,15 +119,15 @@ def test_real_model_streaming_llm_under_overlap_is_the_plain_order(smollm2_model
     from trtllm_vtoken.workloads import make_workload
 
     model = smollm2_model
-    items = make_workload("sharegpt", 6, smollm2_tokenizer, max_prompt_tokens=200)
+    items = make_workload("sharegpt", 4, smollm2_tokenizer, max_prompt_tokens=200)
     prompts = [smollm2_tokenizer.encode(item.prompt, chat=True) for item in items]
     runs = []
     for variant, overlap in (("vtoken", False), ("vtoken", True), ("naive-evict", True)):
         engine = Engine(model, EngineConfig(variant=variant, policy="streaming_llm", budget=64,
                                             policy_options={"n_sink": 4}, tokens_per_block=16, num_blocks=128,
-                                            max_batch_size=6, max_seq_len=512, overlap_scheduler=overlap),
+                                            max_batch_size=4, max_seq_len=512, overlap_scheduler=overlap),
                         smollm2_tokenizer, record_trace=True)
-        ids = [engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True), req_id=i)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=16, ignore_eos=True), req_id=i)
                for i, p in enumerate(prompts)]
         while engine.has_unfinished():
             engine.step()

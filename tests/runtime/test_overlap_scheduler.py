@@ -162,16 +162,16 @@ def test_real_model_vtoken_equals_naive_evict_under_overlap_and_native_is_unchan
     from trtllm_vtoken.workloads import make_workload
 
     model = smollm2_model
-    items = make_workload("sharegpt", 8, smollm2_tokenizer, max_prompt_tokens=200)
+    items = make_workload("sharegpt", 6, smollm2_tokenizer, max_prompt_tokens=200)
     prompts = [smollm2_tokenizer.encode(item.prompt, chat=True) for item in items]
-    real = dict(tokens_per_block=16, num_blocks=256, max_batch_size=8, max_seq_len=512, budget=0.5)
-    naive = generate(model, config(variant="naive-evict", **real), prompts, 16, smollm2_tokenizer)
-    vtoken = generate(model, config(**real), prompts, 16, smollm2_tokenizer)
+    real = dict(tokens_per_block=16, num_blocks=256, max_batch_size=6, max_seq_len=512, budget=0.5)
+    naive = generate(model, config(variant="naive-evict", **real), prompts, 12, smollm2_tokenizer)
+    vtoken = generate(model, config(**real), prompts, 12, smollm2_tokenizer)
     assert [r.evictions for r in naive] == [r.evictions for r in vtoken]
     assert [r.output_ids for r in naive] == [r.output_ids for r in vtoken]
     assert sum(len(e) for r in vtoken for e in r.evictions) > 0
-    plain = generate(model, config(variant="native", overlap_scheduler=False, **real), prompts, 16, smollm2_tokenizer)
-    overlapped = generate(model, config(variant="native", **real), prompts, 16, smollm2_tokenizer)
+    plain = generate(model, config(variant="native", overlap_scheduler=False, **real), prompts, 12, smollm2_tokenizer)
+    overlapped = generate(model, config(variant="native", **real), prompts, 12, smollm2_tokenizer)
     assert [r.output_ids for r in plain] == [r.output_ids for r in overlapped]
 
 

@@ -48,18 +48,18 @@ def test_native_greedy_equals_transformers_token_for_token(smollm2_folder, smoll
 
 def test_vtoken_agrees_with_naive_evict_on_sharegpt(smollm2_tokenizer, model):
     """Same policy and budget, dense and lazy: identical eviction decisions and greedy outputs on
-    all but at most one of 12 prompts (the physical order of keys differs, so float sums differ
+    all but at most one of 8 prompts (the physical order of keys differs, so float sums differ
     in the last bits and a near-tie may flip), logits within 1e-3 up to the first differing
     token. (``vtoken bench quality`` holds the same over 144 prompts.)"""
-    items = make_workload("sharegpt", 12, smollm2_tokenizer, max_prompt_tokens=300)
+    items = make_workload("sharegpt", 8, smollm2_tokenizer, max_prompt_tokens=300)
     prompts = [smollm2_tokenizer.encode(item.prompt, chat=True) for item in items]
     runs, engines = {}, {}
     for variant, mode in (("naive-evict", "dense"), ("vtoken", "dense"), ("vtoken", "lazy")):
         cfg = EngineConfig(variant=variant, mode=mode, policy="h2o", budget=0.5, num_blocks=1024,
-                           max_batch_size=12, check_invariants=True)
+                           max_batch_size=8, check_invariants=True)
         engine = engines[mode if variant == "vtoken" else variant] = Engine(model, cfg, smollm2_tokenizer,
                                                                             record_trace=True)
-        ids = [engine.add_request(p, SamplingParams(max_tokens=20)) for p in prompts]
+        ids = [engine.add_request(p, SamplingParams(max_tokens=16)) for p in prompts]
         while engine.has_unfinished():
             engine.step()
         runs[mode if variant == "vtoken" else variant] = [engine.pop_finished(i) for i in ids]
@@ -71,7 +71,7 @@ def test_vtoken_agrees_with_naive_evict_on_sharegpt(smollm2_tokenizer, model):
         same_decisions = sum(a.evictions == b.evictions for a, b in pairs) / len(pairs)
         print(f"\n{mode}: exact-match rate {exact:.3f}, identical eviction decisions {same_decisions:.3f} "
               f"over {len(pairs)} ShareGPT prompts")
-        assert exact >= 11 / 12 and same_decisions >= 11 / 12, mode
+        assert exact >= 7 / 8 and same_decisions >= 7 / 8, mode
         for a, b in pairs:
             agree = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y),
                          min(len(a.output_ids), len(b.output_ids)))
