@@ -69,18 +69,19 @@ def test_missing_settings_are_an_error_never_defaults():
 def test_required_llm_settings_are_checked_all_at_once():
     check_llm_args(llm_args_dict())  # what vtoken_llm_args returns passes
     bad = llm_args_dict()
-    bad["kv_cache_config"]["enable_partial_reuse"] = True
+    bad["kv_cache_config"]["host_cache_size"] = 1 << 30
     bad["max_beam_width"] = 2
     bad["scheduler_config"] = {"capacity_scheduler_policy": type("E", (), {"name": "GUARANTEED_NO_EVICT"})()}
     with pytest.raises(ValueError) as err:
         check_llm_args(bad)
     lines = str(err.value).splitlines()
     assert len(lines) == 4
-    assert "kv_cache_config.enable_partial_reuse must be False (got True)" in lines[1]
+    assert "kv_cache_config.host_cache_size must be None or 0 (got 1073741824)" in lines[1]
     assert "max_beam_width must be None or 1 (got 2)" in lines[2]
     assert "capacity_scheduler_policy must be 'MAX_UTILIZATION' (got 'GUARANTEED_NO_EVICT')" in lines[3]
-    # TensorRT-LLM's defaults: fine; chunked prefill too
-    check_llm_args({**llm_args_dict(), "disable_overlap_scheduler": False, "enable_chunked_prefill": True})
+    # TensorRT-LLM's defaults: fine (overlap scheduler, partial reuse); chunked prefill too
+    check_llm_args({**llm_args_dict(), "disable_overlap_scheduler": False, "enable_chunked_prefill": True,
+                    "kv_cache_config": {"enable_partial_reuse": True, "copy_on_partial_reuse": False}})
 
 
 def test_disaggregated_serving_and_piecewise_cuda_graphs_are_refused():
@@ -293,9 +294,7 @@ def test_refused_settings():
     settings = VTokenSettings(policy="random", budget=8)
     keywords = dict(num_layers=1, num_kv_heads=1, head_dim=2, tokens_per_block=4, max_seq_len=8, max_batch_size=1,
                     mapping=Mapping(), vtoken_settings=settings)
-    with pytest.raises(ValueError, match="enable_partial_reuse=False"):
-        cls(KvCacheConfig(), CacheType.SELF, **keywords)  # the real default: block and partial reuse on
-    cls(KvCacheConfig(enable_partial_reuse=False), CacheType.SELF, **keywords)  # block reuse alone is fine
+    cls(KvCacheConfig(), CacheType.SELF, **keywords)  # the real default: block and partial reuse on, fine
     with pytest.raises(ValueError, match="max_beam_width=1"):
         cls(KvCacheConfig(enable_block_reuse=False), CacheType.SELF, max_beam_width=2, **keywords)
 

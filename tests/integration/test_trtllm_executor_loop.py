@@ -46,7 +46,8 @@ class Mix:
 
 
 def build_executor(policy: str, mix: Mix, overlap: bool = False, block_reuse: bool = True,
-                   chunked: tuple[int, str] | None = None, policy_options: dict | None = None):
+                   chunked: tuple[int, str] | None = None, policy_options: dict | None = None,
+                   copy_on_partial_reuse: bool = True):
     """The executor the worker builds, vToken armed through the environment. ``chunked``:
     chunked prefill with (``max_num_tokens``, ``context_chunking_policy``)."""
     import os
@@ -60,7 +61,8 @@ def build_executor(policy: str, mix: Mix, overlap: bool = False, block_reuse: bo
 
     args = llm_args_dict(tokens_per_block=TPB)
     args["kv_cache_config"]["max_tokens"] = mix.num_blocks * TPB
-    args["kv_cache_config"]["enable_block_reuse"] = block_reuse
+    args["kv_cache_config"]["enable_block_reuse"] = block_reuse  # and partial reuse, TensorRT-LLM's default
+    args["kv_cache_config"]["copy_on_partial_reuse"] = copy_on_partial_reuse
     if chunked is not None:
         args["scheduler_config"]["context_chunking_policy"] = chunked[1]
     llm_args = TorchLlmArgs(model="tiny", max_batch_size=mix.max_batch_size,
@@ -225,14 +227,14 @@ def drive(executor, requests, witness: KVWitness, overlap: bool = False) -> dict
 @pytest.mark.parametrize("loop", ["plain", "overlap"])
 @pytest.mark.parametrize("policy", ["h2o", "streaming_llm", "sliding_window", "random", "scissorhands"])
 def test_random_request_mixes_through_the_executor_loop(trtllm121, policy, loop):
-    totals = {"iterations": 0, "paused": 0, "prefilled_again": 0, "checks": 0}
+    totals = {"iterations": 0, "paused": 0, "prefilled_again": 0, "checks": 0, "copied": 0, "taken over": 0}
     for seed in (1, 2, 3):
         # Under the overlap loop TensorRT-LLM 1.2's MAX_UTILIZATION counts a request's next block
         # one token late (its host tokens lag the KV by the batch in flight, and the lookahead is
         # one step without pipeline parallelism): a pool that small runs dry with no vToken at
         # all. There, the pool holds every request's whole length, so nothing is paused.
         mix = Mix(seed, num_blocks=40 if loop == "plain" else 120)
-        executor = build_executor(policy, mix, overlap=loop == "overlap")
+        executor = build_executor(policy, mix, overlap=loop == "overlap", copy_on_partial_reuse=seed != 2)
         assert executor.event_loop.__name__ == ("_executor_loop_overlap" if loop == "overlap" else "_executor_loop")
         manager = executor.resources["kv_cache_manager"]
         assert type(manager).__qualname__.startswith("VTokenKVCacheManager")
@@ -260,7 +262,10 @@ def test_random_request_mixes_through_the_executor_loop(trtllm121, policy, loop)
         totals["paused"] += seen["paused"]
         totals["prefilled_again"] += seen["prefilled_again"]
         totals["checks"] += witness.checks
+        for kind, hits in manager.impl.partial_hits.items():
+            totals[kind] += hits
     print(policy, totals)
+    assert totals["copied"] > 0 and totals["taken over"] > 0  # partial reuse (on by default) matched
     if loop == "plain":  # the pool was small enough to pause and prefill again
         assert totals["paused"] > 0 and totals["prefilled_again"] > 0
     assert totals["iterations"] > 300 and totals["checks"] > 3000

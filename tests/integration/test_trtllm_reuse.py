@@ -24,10 +24,10 @@ from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
 SYSTEM = list(range(100, 110))  # a shared system prompt: 2 full blocks of 4 and 2 tokens
 
 
-def make_reuse_manager(policy: str, budget: int):
+def make_reuse_manager(policy: str, budget: int, partial_reuse: bool = False, copy_on_partial_reuse: bool = True):
     settings = VTokenSettings(policy=policy, budget=budget, check_invariants=True)
-    config = KvCacheConfig(enable_block_reuse=True, enable_partial_reuse=False, max_tokens=32 * TPB,
-                           tokens_per_block=TPB)
+    config = KvCacheConfig(enable_block_reuse=True, enable_partial_reuse=partial_reuse,
+                           copy_on_partial_reuse=copy_on_partial_reuse, max_tokens=32 * TPB, tokens_per_block=TPB)
     return build_manager_class(KVCacheManager)(
         config, CacheType.SELF, num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, tokens_per_block=TPB,
         max_seq_len=64, max_batch_size=4, mapping=Mapping(), dtype=DataType.BF16, vtoken_settings=settings)
@@ -244,3 +244,53 @@ def test_a_request_decides_alike_alone_and_beside_a_sharer(policy):
     alone = run_beside(policy, with_second=False)[-1]
     assert alone[-1] != list(range(len(alone[-1]))), "the budget evicts"
     assert run_beside(policy, with_second=True)[-1] == alone
+
+
+@pytest.mark.parametrize("copy_on_partial_reuse", [True, False])
+def test_partial_reuse_hands_over_true_kv_while_vtoken_evicts(copy_on_partial_reuse):
+    """Partial reuse, TensorRT-LLM's default (``loadOrAllocateBlocks``, cited in the C++ double).
+    The first request evicts (Random, budget 4). A second, arriving while it runs, shares its
+    system prompt and one more token of its third prompt block: that block is in use, so its 3
+    matched tokens are copied into a block of the second's own (with ``copy_on_partial_reuse``;
+    without it a block in use is no candidate and the second computes them). A third arrives after
+    the first left: the first's stored third block is a free leaf and is taken over whole. Each
+    computes its prompt from its prepopulated length on (not a block boundary), every position of
+    its prompt holds its token's KV before its step, and the tree never lies."""
+    manager = make_reuse_manager("random", 4, partial_reuse=True, copy_on_partial_reuse=copy_on_partial_reuse)
+    drive = Driver(manager)
+
+    def prefill(req_id: int, tokens: list[int]):
+        request = make_request(req_id, 0, 4)
+        request.__init__(request_id=req_id, max_new_tokens=4, input_tokens=tokens,
+                         sampling_config=request.sampling_config)
+        batch = ScheduledRequests(context_requests=[request])
+        manager.prepare_resources(batch)
+        start = request.context_current_position
+        drive.write(request, start, start, request.prompt_len - start)
+        blocks = manager.get_cache_indices(request)
+        for position, token in enumerate(tokens):  # reused, copied, taken over or computed: its token's KV
+            want = kv_of(token, position).to(drive.pool.dtype)
+            assert torch.equal(drive.pool[blocks[position // TPB], :, :, :, position % TPB], want), position
+        manager.update_resources(batch)
+        drive.check_tree()
+        return request, start
+
+    first = make_request(0, 0, 12)
+    first.__init__(request_id=0, max_new_tokens=12, input_tokens=SYSTEM + [1, 2, 3],
+                   sampling_config=first.sampling_config)
+    drive.run(first, new_tokens=10)
+    assert manager.vtoken.num_evicted(0) > 0
+    hits = manager.impl.partial_hits
+    second, start = prefill(1, SYSTEM + [1, 9, 9])
+    assert start == (11 if copy_on_partial_reuse else 8)
+    assert hits == {"copied": int(copy_on_partial_reuse), "taken over": 0}
+    assert manager.get_cache_indices(second)[2] != manager.get_cache_indices(first)[2]  # its own block
+    manager.free_resources(first)  # changed by vToken: released unstored; its context blocks stay stored
+    third, start = prefill(2, SYSTEM + [1, 5, 5])
+    assert start == 11 and hits["taken over"] == 1
+    assert manager.vtoken.num_evicted(2) == 0
+    for request in (second, third):
+        manager.free_resources(request)
+    drive.check_tree()
+    assert manager.get_num_free_blocks() == 32
+

@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The LLM arguments vToken needs (TensorRT-LLM 1.2.1 ``TorchLlmArgs`` names only).
 
-    kv_cache_config            block reuse on (TensorRT-LLM's default; prompt blocks are never
-                               relocated), partial reuse off (it rewrites a taken-over block), no
-                               host offload
+    kv_cache_config            block reuse on and partial reuse on (TensorRT-LLM's defaults; prompt
+                               blocks are never relocated), no host offload
     scheduler_config           MAX_UTILIZATION: GUARANTEED_NO_EVICT would reserve prompt + max_new
                                blocks per request again, so freed blocks would admit nobody
     max_beam_width             1 (rewind_kv_cache removes tokens of beam 0 only)
@@ -33,8 +32,7 @@ def llm_args_dict(tokens_per_block: int = 32, settings: VTokenSettings | None = 
     if tokens_per_block <= 0:
         raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
     args: dict[str, Any] = {
-        "kv_cache_config": {"enable_block_reuse": True, "enable_partial_reuse": False,
-                            "host_cache_size": 0, "tokens_per_block": tokens_per_block},
+        "kv_cache_config": {"enable_block_reuse": True, "host_cache_size": 0, "tokens_per_block": tokens_per_block},
         "scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"},
         "max_beam_width": 1,
         "attn_backend": "TRTLLM",

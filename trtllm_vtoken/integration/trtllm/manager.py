@@ -83,10 +83,6 @@ def build_manager_class(base: type) -> type:
     class VTokenKVCacheManager(ManagerMass, base):
         def __init__(self, kv_cache_config, kv_cache_type, *args, vtoken_settings: VTokenSettings | None = None,
                      **kwargs) -> None:
-            if getattr(kv_cache_config, "enable_partial_reuse", False) and \
-                    getattr(kv_cache_config, "enable_block_reuse", False):
-                raise ValueError("vToken needs kv_cache_config.enable_partial_reuse=False (a partly matched block "
-                                 "is taken over and rewritten, which the shared-prefix rule does not cover)")
             self._vtoken_reuse = bool(getattr(kv_cache_config, "enable_block_reuse", False))
             if kwargs.get("max_beam_width", 1) != 1:
                 raise ValueError("vToken needs max_beam_width=1")

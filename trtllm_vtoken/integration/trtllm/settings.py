@@ -127,7 +127,6 @@ class VTokenSettings:
 
 # (dotted path in the LLM args, required value, why)
 REQUIRED: tuple[tuple[str, Any, str], ...] = (
-    ("kv_cache_config.enable_partial_reuse", False, "a partly matched block is taken over and rewritten"),
     ("kv_cache_config.host_cache_size", (None, 0), "offload streams would race the relocation copies"),
     ("kv_cache_config.max_attention_window", None, "window detachment moves the block list's front"),
     ("kv_cache_config.dtype", (None, "auto", "fp8"),

@@ -103,7 +103,16 @@ class KVCacheManager(BaseResourceManager):
         self.num_pools = len(self._pools)
         self.max_blocks_per_seq = math.ceil(max_seq_len / tokens_per_block)
         self.impl = KVCacheManagerCpp(tokens_per_block=tokens_per_block, blocks_in_primary_pool=self.blocks_in_primary_pool,
-                                      enable_block_reuse=self.enable_block_reuse, max_sequence_length=max_seq_len)
+                                      enable_block_reuse=self.enable_block_reuse, max_sequence_length=max_seq_len,
+                                      enable_partial_reuse=kv_cache_config.enable_partial_reuse,
+                                      copy_on_partial_reuse=kv_cache_config.copy_on_partial_reuse,
+                                      onboard=self._copy_tokens)
+
+    def _copy_tokens(self, source: int, block: int, count: int) -> None:
+        """The KV of a block's first ``count`` tokens into another block, every pool and layer (the
+        C++ transfer manager's ``onboard`` of a partly matched block, on the pools it owns)."""
+        for pool in self._pools:
+            pool[block, :, :, :, :count] = pool[source, :, :, :, :count]
 
     # ---- test views ---------------------------------------------------------------------------
     def stored_blocks(self) -> dict[tuple, int]:

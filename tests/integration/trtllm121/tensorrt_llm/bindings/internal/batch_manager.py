@@ -32,7 +32,17 @@ Imitated, per behaviour:
   ``prompt_len - 1`` tokens (a reference per holder; a stored block nobody holds is taken back
   out of the free queue) and sets the request's prepopulated length
   (``context_current_position``); a block taken from the free queue for new content leaves the
-  tree. Partial reuse is not modelled (vToken refuses it).
+  tree.
+- Partial reuse (``enable_partial_reuse``, TensorRT-LLM's default; ``WindowBlockManager::
+  loadOrAllocateBlocks`` and ``KVCacheBlock::findMatchingBlock``, 1.2-era copy index id
+  1277673704): where the chain of full blocks ends, a stored block that continues it and shares
+  the prompt's next tokens (or equals them, if stored partly filled) matches those tokens: the
+  best among the children that are free leaves (any child with ``copy_on_partial_reuse``). A
+  block someone holds or that has children is copied (``getFreeBlock``, then the transfer
+  manager's ``onboard`` of the matched tokens' KV, the ``onboard`` callback here); a free leaf is
+  taken over (``claimLeafBlock``: out of the free queue and out of the tree) and the request
+  writes its own tokens after the matched ones. Matching stops there; the prepopulated length may
+  end inside a block (``setPrepopulatedPromptLen``).
 Beam width 1 only (vToken's requirement; ``removeToken`` checks it too). Bound without argument
 names, so positional only (nanobind ``.def("remove_sequence", &BaseKVCacheManager::removeSequence)``,
 index id 585945368); ``llm_request`` is an ``OptionalRef`` that takes ``None`` (index id 1039870972).
@@ -57,8 +67,12 @@ class KvCacheStats:
 
 class KVCacheManager:
     def __init__(self, *, tokens_per_block: int, blocks_in_primary_pool: int, enable_block_reuse: bool,
-                 max_sequence_length: int) -> None:
+                 max_sequence_length: int, enable_partial_reuse: bool = False, copy_on_partial_reuse: bool = True,
+                 onboard=None) -> None:
         self.tokens_per_block = tokens_per_block
+        self.enable_partial_reuse, self.copy_on_partial_reuse = enable_partial_reuse, copy_on_partial_reuse
+        self._onboard = onboard  # (source block, new block, tokens): copies their KV (the pools' owner)
+        self.partial_hits = {"copied": 0, "taken over": 0}  # test view
         self.max_num_blocks = blocks_in_primary_pool
         self.enable_block_reuse = enable_block_reuse
         self.max_token_num = max_sequence_length
@@ -85,20 +99,67 @@ class KVCacheManager:
             raise RuntimeError(f"[TensorRT-LLM][ERROR] Assertion failed: emplaceDone (sequence {request_id} exists)")
         self._blocks[request_id], self._num_tokens[request_id] = [], 0
         if self.enable_block_reuse and llm_request is not None:
-            tokens, tpb = llm_request.get_tokens(0), self.tokens_per_block
-            for end in range(tpb, input_length, tpb):  # full blocks within the first length - 1 tokens
-                block = self._tree.get(tuple(tokens[:end]))
-                if block is None:
-                    break
-                if self._refs[block] == 0:
-                    self._free.remove(block)
-                self._refs[block] += 1
-                self._blocks[request_id].append(block)
-                self._num_tokens[request_id] = end
+            self._load_blocks(request_id, llm_request.get_tokens(0), input_length - 1)  # the last token: never
             if self._num_tokens[request_id]:
-                llm_request.set_prepopulated_prompt_len(self._num_tokens[request_id], tpb)
+                llm_request.set_prepopulated_prompt_len(self._num_tokens[request_id], self.tokens_per_block)
         for _ in range(input_length - self._num_tokens[request_id]):
             self._update_token(request_id, add=True)
+
+    def _load_blocks(self, request_id: int, tokens: list[int], usable: int) -> None:
+        """``loadOrAllocateBlocks``: the stored chain of full blocks over the first ``usable``
+        tokens, then at most one partly matching block (partial reuse)."""
+        tpb, sequence = self.tokens_per_block, self._blocks[request_id]
+        for start in range(0, usable, tpb):
+            end = min(start + tpb, usable)
+            block = self._tree.get(tuple(tokens[:end]))
+            if block is not None and end - start == tpb:  # a full block: shared
+                self._hold(block)
+                sequence.append(block)
+                self._num_tokens[request_id] = end
+                continue
+            matched = (block, end - start) if block is not None else self._partial_match(tokens, start, end)
+            if matched is None:
+                return
+            block, count = matched
+            if self._refs[block] or not self._is_leaf(self._key_of[block]):  # in use: its tokens copied
+                new = self._take_free_block()
+                if self._onboard is not None:
+                    self._onboard(block, new, count)
+                block = new
+                self.partial_hits["copied"] += 1
+            else:  # a free leaf: taken over, out of the tree
+                del self._tree[self._key_of.pop(block)]
+                self._hold(block)
+                self.partial_hits["taken over"] += 1
+            sequence.append(block)
+            self._num_tokens[request_id] = start + count
+            return
+
+    def _partial_match(self, tokens: list[int], start: int, end: int) -> tuple[int, int] | None:
+        """``findMatchingBlock`` with partial reuse: the stored child of the chain ``tokens[:start]``
+        sharing the most leading tokens with ``tokens[start:end]`` (the first such on a tie)."""
+        if not self.enable_partial_reuse:
+            return None
+        best, best_count, prefix = None, 0, tuple(tokens[:start])
+        for key, block in self._tree.items():
+            if not start < len(key) <= start + self.tokens_per_block or key[:start] != prefix:
+                continue
+            if not (self.copy_on_partial_reuse or (self._refs[block] == 0 and self._is_leaf(key))):
+                continue
+            count = 0
+            while start + count < min(len(key), end) and key[start + count] == tokens[start + count]:
+                count += 1
+            if count > best_count:
+                best, best_count = block, count
+        return (best, best_count) if best is not None else None
+
+    def _is_leaf(self, key: tuple) -> bool:
+        return not any(len(other) > len(key) and other[: len(key)] == key for other in self._tree)
+
+    def _hold(self, block: int) -> None:
+        if self._refs[block] == 0:
+            self._free.remove(block)
+        self._refs[block] += 1
 
     def add_token(self, request_id: int, /) -> None:
         self._sequence(request_id)
