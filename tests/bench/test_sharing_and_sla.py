@@ -25,23 +25,31 @@ def test_sharing_config_rejects_degrees_that_do_not_divide_the_requests():
         SharingBenchConfig(requests=6, degrees=(4,))
 
 
-def test_sla_selects_the_highest_level_within_the_sla():
-    levels = [{"clients": c, "latency_p95_s": p} for c, p in ((1, 1.0), (2, 1.2), (4, 1.9), (8, 1.4))]
-    assert select(levels, 1.5)["clients"] == 8
+def test_sla_selects_the_highest_throughput_within_the_sla():
+    """C_sel as the paper defines it: the feasible point with the highest throughput, which need
+    not be the largest C that meets the SLA."""
+    levels = [{"clients": c, "latency_p95_s": p, "tokens_per_s": t}
+              for c, p, t in ((1, 1.0, 10.0), (2, 1.2, 18.0), (4, 1.9, 30.0), (8, 1.4, 16.0))]
+    assert select(levels, 1.5)["clients"] == 2  # 8 meets the SLA too, with less throughput
+    assert select(levels, 2.0)["clients"] == 4
     assert select(levels, 0.5) is None
+    tie = [{"clients": c, "latency_p95_s": 1.0, "tokens_per_s": 5.0} for c in (2, 4)]
+    assert select(tie, 1.0)["clients"] == 2
     with pytest.raises(ValueError, match="ascending"):
         SlaBenchConfig(concurrency=(4, 2))
+    with pytest.raises(ValueError, match="c_ref"):
+        SlaBenchConfig(concurrency=(2, 4), c_ref=8)
 
 
-def test_sla_reference_is_the_largest_level_naive_evict_fits_and_says_whether_the_budget_binds():
+def test_sla_reference_is_naive_evict_at_c_ref_and_says_whether_the_budget_binds():
     def level(clients, waited_steps=0, preemptions=0):
         return {"clients": clients, "waited_steps": waited_steps, "preemptions": preemptions}
 
-    reference, binds = reference_level([level(4), level(8), level(12, waited_steps=3), level(16, preemptions=1)])
+    reference, binds = reference_level([level(4), level(8), level(12, waited_steps=3), level(16, preemptions=1)], 8)
     assert (reference["clients"], binds) == (8, True)
-    reference, binds = reference_level([level(4), level(8), level(16)])
-    assert (reference["clients"], binds) == (16, False)  # the top of the scan: equal C, not capacity
-    reference, binds = reference_level([level(4, waited_steps=1), level(8, waited_steps=9)])
+    reference, binds = reference_level([level(4), level(8), level(16)], 8)
+    assert (reference["clients"], binds) == (8, False)  # never binds: equal C, not capacity
+    reference, binds = reference_level([level(4, waited_steps=1), level(8, waited_steps=9)], 4)
     assert (reference["clients"], binds) == (4, True)
 
 

@@ -38,6 +38,8 @@ def register(bench) -> None:
     sla.add_argument("--num-blocks", type=int, default=None,
                      help="KV block budget (default 96; --quick: 40, where naive-evict must wait at C = 8)")
     sla.add_argument("--repeats", type=int, default=3, help="runs per (variant, C), alternating (default 3)")
+    sla.add_argument("--c-ref", type=int, default=8,
+                     help="the reference concurrency: the SLA is 1.05 x naive-evict's p95 there (default 8, the paper's)")
     add_output_options(sla, "levels 2,4,8, two requests per client, 24 new tokens, 40 blocks", run_sla)
 
     sharing = bench.add_parser(
@@ -153,7 +155,8 @@ def run_sla(args: argparse.Namespace) -> int:
         raise ValueError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
     blocks = args.num_blocks if args.num_blocks is not None else 40 if args.quick else 96
     cfg = SlaBenchConfig(concurrency=levels, requests_per_client=2 if args.quick else args.requests_per_client,
-                         num_blocks=blocks, max_output_tokens=24 if args.quick else 48, repeats=args.repeats)
+                         num_blocks=blocks, max_output_tokens=24 if args.quick else 48, repeats=args.repeats,
+                         c_ref=args.c_ref)
     _, model, tokenizer = load_model(None)
     with tqdm(total=len(levels) * len(VARIANTS) * cfg.repeats, desc="bench sla", unit="run", disable=None,
               file=sys.stderr) as bar:
