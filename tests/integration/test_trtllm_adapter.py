@@ -79,9 +79,13 @@ def test_required_llm_settings_are_checked_all_at_once():
     assert "kv_cache_config.host_cache_size must be None or 0 (got 1073741824)" in lines[1]
     assert "max_beam_width must be None or 1 (got 2)" in lines[2]
     assert "capacity_scheduler_policy must be 'MAX_UTILIZATION' (got 'GUARANTEED_NO_EVICT')" in lines[3]
-    # TensorRT-LLM's defaults: fine (overlap scheduler, partial reuse); chunked prefill too
+    # TensorRT-LLM's defaults: fine (overlap scheduler, partial reuse); chunked prefill and NGram too
     check_llm_args({**llm_args_dict(), "disable_overlap_scheduler": False, "enable_chunked_prefill": True,
-                    "kv_cache_config": {"enable_partial_reuse": True, "copy_on_partial_reuse": False}})
+                    "kv_cache_config": {"enable_partial_reuse": True, "copy_on_partial_reuse": False},
+                    "speculative_config": {"decoding_type": "NGram", "max_draft_len": 4}})
+    for other in ("MTP", "Eagle", "Draft_Target"):  # drafts vToken's step does not see
+        with pytest.raises(ValueError, match="speculative_config.decoding_type must be None or 'NGram'"):
+            check_llm_args({**llm_args_dict(), "speculative_config": {"decoding_type": other}})
 
 
 def test_disaggregated_serving_and_piecewise_cuda_graphs_are_refused():

@@ -47,9 +47,10 @@ class Mix:
 
 def build_executor(policy: str, mix: Mix, overlap: bool = False, block_reuse: bool = True,
                    chunked: tuple[int, str] | None = None, policy_options: dict | None = None,
-                   copy_on_partial_reuse: bool = True):
+                   copy_on_partial_reuse: bool = True, **llm_args):
     """The executor the worker builds, vToken armed through the environment. ``chunked``:
-    chunked prefill with (``max_num_tokens``, ``context_chunking_policy``)."""
+    chunked prefill with (``max_num_tokens``, ``context_chunking_policy``); ``llm_args``: more
+    ``TorchLlmArgs`` fields (``speculative_config``, ...)."""
     import os
 
     options = POLICY_OPTIONS.get(policy, {}) if policy_options is None else policy_options
@@ -67,7 +68,8 @@ def build_executor(policy: str, mix: Mix, overlap: bool = False, block_reuse: bo
         args["scheduler_config"]["context_chunking_policy"] = chunked[1]
     llm_args = TorchLlmArgs(model="tiny", max_batch_size=mix.max_batch_size,
                             max_num_tokens=chunked[0] if chunked else 256, enable_chunked_prefill=chunked is not None,
-                            max_seq_len=96, max_input_len=96, disable_overlap_scheduler=not overlap, **args)
+                            max_seq_len=96, max_input_len=96, disable_overlap_scheduler=not overlap, **args,
+                            **llm_args)
     return create_py_executor(llm_args=llm_args)
 
 

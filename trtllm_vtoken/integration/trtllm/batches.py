@@ -13,6 +13,10 @@ Per batch it keeps what ``update_resources`` needs once the batch's forward has 
   decode row; the decode queries the batch recorded attended to exactly that many tokens;
 - which of its context rows have more of their prompt to come (``continues``): with chunked
   prefill a request's next chunk is scheduled while this one's forward may be in flight;
+- speculative decoding (NGram): a decode row carries its token and ``k`` draft tokens, all
+  allocated and written; ``update_resources`` rewinds the rejected ones (``py_rewind_len``)
+  before vToken's step, which then takes in the row's token and the accepted drafts only
+  (``rewound``), and the mass of their queries only;
 - its recordings for the policy: each context row's prefill mass and each decode row's queries.
   The query recorder is one static buffer (captured CUDA graphs write into it on replay), which
   the next batch's forward overwrites: a batch still in flight when the next one is prepared has
@@ -20,8 +24,9 @@ Per batch it keeps what ``update_resources`` needs once the batch's forward has 
   a copy on the stream, after its forward and before the next one).
 
 The rows of a batch's recordings follow its request lists as the forward saw them: context
-requests first, then generation requests (the overlap loop sorts the generation list after
-``prepare_resources``; the lists are read when the rows are needed, not before).
+requests first, then generation requests, each decode row 1 + its draft tokens' queries (the
+overlap loop sorts the generation list after ``prepare_resources``; the lists are read when the
+rows are needed, not before).
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ if TYPE_CHECKING:
     from trtllm_vtoken.integration.trtllm.mass_copy import MassCopy
 
 Recording = tuple[str, "torch.Tensor | None"]
-"""("prefill", a prompt's mass [prompt_len] or None) or ("decode", its queries [layers, heads, dim])."""
+"""("prefill", a prompt's mass [prompt_len] or None) or ("decode", its queries [1 + drafts, layers,
+heads, dim])."""
 
 
 @dataclass
@@ -61,10 +67,15 @@ class PreparedBatch:
         """A context row of this batch has more of its prompt to prefill (chunked prefill)."""
         return any(self.prompt_after.values())
 
-    def recording_rows(self) -> tuple[list[int], int]:
-        """The batch's request ids in the forward's row order, and how many are context rows."""
-        contexts = list(self.batch.context_requests)
-        return [r.py_request_id for r in contexts + list(self.batch.generation_requests)], len(contexts)
+    def recording_rows(self) -> tuple[list[int], int, list[int]]:
+        """The batch's request ids in the forward's row order, how many are context rows, and each
+        decode row's first query in the recorder (its token, then its draft tokens'; a last entry
+        ends the list)."""
+        contexts, generation = list(self.batch.context_requests), list(self.batch.generation_requests)
+        starts = [0]
+        for request in generation:
+            starts.append(starts[-1] + 1 + len(getattr(request, "py_draft_tokens", None) or ()))
+        return [r.py_request_id for r in contexts + generation], len(contexts), starts
 
 
 class PreparedBatches:
@@ -94,9 +105,10 @@ class PreparedBatches:
             if req.is_first_context_chunk:
                 self.reserved[req.py_request_id] = req.prompt_len
             prompt_after[req.py_request_id] = req.prompt_len - end
-        for req in batch.generation_requests:
-            self.allocated[req.py_request_id] = self.allocated.get(req.py_request_id, 0) + 1
-            self.reserved[req.py_request_id] = self.reserved.get(req.py_request_id, 0) + 1
+        for req in batch.generation_requests:  # its token and its draft tokens (add_token each)
+            count = 1 + len(getattr(req, "py_draft_tokens", None) or ())
+            self.allocated[req.py_request_id] = self.allocated.get(req.py_request_id, 0) + count
+            self.reserved[req.py_request_id] = self.reserved.get(req.py_request_id, 0) + count
         through = {r.py_request_id: self.allocated.get(r.py_request_id, 0) for r in batch.all_requests()}
         self._batches.append(PreparedBatch(batch, through, prompt_after))
         if self.records:
@@ -119,6 +131,13 @@ class PreparedBatches:
         """The batches prepared and not yet updated, oldest first (their forwards were launched)."""
         return list(self._batches)
 
+    def rewound(self, prepared: PreparedBatch, req_id: int, count: int) -> None:
+        """TensorRT-LLM rewound the request's last ``count`` tokens of this batch (its rejected
+        draft tokens): they were never written for the table."""
+        for counts in (self.allocated, self.reserved, prepared.through):
+            if req_id in counts:
+                counts[req_id] -= count
+
     def forget(self, req_id: int) -> None:
         """The request left TensorRT-LLM's manager (finished, cancelled or paused)."""
         self.allocated.pop(req_id, None)
@@ -132,19 +151,26 @@ class PreparedBatches:
         """What the batch's forward recorded for a request (parked, or still in the recorder)."""
         if prepared.parked is not None:
             return prepared.parked.get(req_id, ("decode", None))
-        ids, contexts = prepared.recording_rows()
+        ids, contexts, starts = prepared.recording_rows()
         row = ids.index(req_id)
         if row < contexts:
             return "prefill", self.recorder.prefill.get(row)
-        return "decode", self.recorder.q[row - contexts] if self.recorder.q is not None else None
+        return "decode", self._queries(starts, row - contexts)
+
+    def _queries(self, starts: list[int], row: int):
+        q = self.recorder.q
+        if q is None or starts[row + 1] > q.shape[0]:  # not recorded (rows past the buffer: padding)
+            return None
+        return q[starts[row] : starts[row + 1]]
 
     def _park(self, prepared: PreparedBatch) -> dict[int, Recording]:
-        recorder = self.recorder
-        ids, contexts = prepared.recording_rows()
+        ids, contexts, starts = prepared.recording_rows()
         parked: dict[int, Recording] = {}
         for row, req_id in enumerate(ids):
             if row < contexts:
-                parked[req_id] = ("prefill", recorder.prefill.get(row))
-            elif recorder.q is not None and row - contexts < recorder.q.shape[0]:
-                parked[req_id] = ("decode", recorder.q[row - contexts].clone())
+                parked[req_id] = ("prefill", self.recorder.prefill.get(row))
+            else:
+                queries = self._queries(starts, row - contexts)
+                if queries is not None:
+                    parked[req_id] = ("decode", queries.clone())
         return parked

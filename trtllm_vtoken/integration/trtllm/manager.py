@@ -94,9 +94,13 @@ def build_manager_class(base: type) -> type:
             super().__init__(kv_cache_config, kv_cache_type, *args, **kwargs)
             pools = manager_pools(self)
             self._vtoken_local = layer_offsets(self)
-            # A decoding request holds a block at least and decodes one token: no batch has more
-            # decode rows than the pool has blocks, max_batch_size or max_num_tokens allow.
-            decode_rows = min(kwargs.get("max_batch_size", 1), kwargs.get("max_num_tokens", 8192), pools[0].shape[0])
+            # A decoding request holds a block at least and decodes one token and its draft tokens
+            # (speculative decoding): no batch has more decode queries than max_batch_size rows of
+            # them, the pool's blocks or max_num_tokens allow.
+            spec_config = kwargs.get("spec_config")
+            drafts = (getattr(spec_config, "max_total_draft_tokens", None) or 0) if spec_config is not None else 0
+            decode_rows = min(min(kwargs.get("max_batch_size", 1), pools[0].shape[0]) * (1 + drafts),
+                              kwargs.get("max_num_tokens", 8192))
             self._vtoken_cap = settings.mass_workspace_mib << 20
             self._vtoken_stream = StreamMarks(pools[0].device)
             self.vtoken_queries = QueryRecorder(decode_rows, len(self.kv_cache_pool_mapping), pools[0].shape[5],
@@ -143,9 +147,17 @@ def build_manager_class(base: type) -> type:
 
         def update_resources(self, scheduled_batch, attn_metadata=None, kv_cache_dtype_byte_size=None) -> None:
             super().update_resources(scheduled_batch, attn_metadata, kv_cache_dtype_byte_size)
+            prepared = self._vtoken_batches.take(scheduled_batch)
+            # Speculative decoding: super() rewound each decode row's rejected draft tokens
+            # (``py_rewind_len``, for the requests neither complete nor paused back to context):
+            # the table never learns them, nor does their queries' mass reach the policy.
+            for req in scheduled_batch.generation_requests:
+                rewind = getattr(req, "py_rewind_len", 0)
+                if rewind > 0 and req.py_request_id in self._vtoken_held and \
+                        req.state.name not in ("GENERATION_COMPLETE", "CONTEXT_INIT"):
+                    self._vtoken_batches.rewound(prepared, req.py_request_id, rewind)
             # Count-based policies take in the tokens up to this batch's own only (a later batch's
             # were or will be taken in by its successor's prepare_resources, before its forward).
-            prepared = self._vtoken_batches.take(scheduled_batch)
             if not prepared.stepped:
                 self._vtoken_step(prepared, through_only=not self.vtoken.needs_attention)
             self._vtoken_publish(force=False)

@@ -58,21 +58,34 @@ class ManagerMass:
 
     def _vtoken_device_mass(self, rows: list[tuple[int, int, list[int]]], prepared, width: int) -> torch.Tensor:
         """The mass [B, width] on the device: a prompt's as the forward summed it, the decode
-        rows' recomputed from their queries for all of them at once (one pass per pool)."""
-        pools = self.vtoken.step.executor.pools
+        rows' recomputed from their queries for all of them at once (one pass per pool).
+
+        A decode row with draft tokens recorded one query per token; the step takes in its token
+        and the accepted drafts (``attended`` less the table's length before the step), so only
+        their queries count, each over the positions it attended (causal)::
+
+            queries   [ token | draft 1 | ... | draft a | rejected ... ]
+            attended  kv - a, kv - a + 1, ..., kv         (kv: the row's attended length)
+        """
+        step = self.vtoken.step
+        pools = step.executor.pools
         out = torch.zeros(len(rows), width, dtype=torch.float32, device=pools[0].device)
-        decode: list[tuple[int, torch.Tensor]] = []  # (row in out, the request's queries)
-        for i, (req_id, kv_len, _) in enumerate(rows):
+        index, query_rows, blocks, kv_lens = [], [], [], []  # one entry per decode query counted
+        for i, (req_id, kv_len, block_ids) in enumerate(rows):
             kind, recorded = self._vtoken_batches.recording(prepared, req_id)
             if kind == "decode" and recorded is not None and kv_len > 0:
-                decode.append((i, recorded))
+                before = step.kv_len(req_id) if req_id in step else 0
+                counted = min(max(1, kv_len - before), recorded.shape[0])
+                for j in range(counted):
+                    index.append(i)
+                    query_rows.append(recorded[j])
+                    blocks.append(block_ids)
+                    kv_lens.append(kv_len - counted + 1 + j)
             elif kind == "prefill" and recorded is not None:  # a prompt: its mass was summed during the forward
                 part = recorded[:kv_len]
                 out[i, : len(part)] = part
-        if decode:
-            index = [i for i, _ in decode]
-            q = torch.stack([recorded for _, recorded in decode])  # [Bd, local layers, heads, dim]
-            blocks, kv_lens = [rows[i][2] for i in index], [rows[i][1] for i in index]
+        if index:
+            q = torch.stack(query_rows)  # [queries, local layers, heads, dim]
             mapping = self.kv_cache_pool_mapping.tolist()  # [local layers, 2]: (pool, layer in pool)
             for pool_index, pool in enumerate(pools):  # a pool per num_kv_heads
                 local = [layer for layer, (p, _) in enumerate(mapping) if p == pool_index]
@@ -82,5 +95,5 @@ class ManagerMass:
                     queries = queries.float() * scales.view(1, len(local), 1, 1)
                 part = decode_mass(queries, pool, blocks, kv_lens, [mapping[layer][1] for layer in local],
                                    self._vtoken_cap)
-                out[index, : part.shape[1]] += part
+                out[:, : part.shape[1]].index_add_(0, torch.as_tensor(index, device=out.device), part)
         return out

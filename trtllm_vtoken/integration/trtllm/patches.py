@@ -84,7 +84,7 @@ def record_queries(attention, q, k, metadata) -> None:
     num_contexts = metadata.num_contexts
     local = manager.local_layer(attention.layer_idx)
     queries.note_kv_scale(local, attention)
-    queries.record(local, q, metadata.num_seqs - num_contexts)
+    queries.record(local, q, int(metadata.seq_lens[num_contexts : metadata.num_seqs].sum()))  # decode rows' tokens
     params = getattr(metadata, "kv_cache_params", None)
     cached = getattr(params, "num_cached_tokens_per_seq", None) or []
     start = 0

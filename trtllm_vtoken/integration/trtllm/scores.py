@@ -121,10 +121,10 @@ class QueryRecorder:
 
     The buffer is allocated by the first ``record``, which TensorRT-LLM's warm-up forwards make
     before any graph is captured; captured graphs then copy into the same memory on every replay.
-    ``max_batch_size`` is the most decode rows a batch really holds (the manager bounds it by the
-    pool's blocks, ``max_batch_size`` and ``max_num_tokens``): rows past it, the padding a
-    captured batch size adds after the real requests, are not recorded. Its size is
-    ``max_batch_size x num_layers x num_heads x head_dim`` in the queries' dtype.
+    ``max_batch_size`` is the most decode queries a batch really holds (the manager bounds it by
+    the pool's blocks, ``max_batch_size`` rows of 1 + draft tokens and ``max_num_tokens``): rows
+    past it, the padding a captured batch size adds after the real requests, are not recorded. Its
+    size is ``max_batch_size x num_layers x num_heads x head_dim`` in the queries' dtype.
 
     Prefill mass is computed as the forward goes (``mass.prefill_mass``: the prompt's last
     ``prefill_window`` queries, or all of them; at most ``cap_bytes`` of workspace per layer).
@@ -176,7 +176,8 @@ class QueryRecorder:
 
     def record(self, layer_idx: int, q: torch.Tensor, num_generation: int) -> None:
         """q: [num_tokens, num_heads * head_dim]; the last ``num_generation`` tokens are the decode
-        rows (TensorRT-LLM orders context tokens first)."""
+        rows' (TensorRT-LLM orders context tokens first; a decode row with draft tokens has one
+        query per token, its own first)."""
         flat = q.reshape(q.shape[0], -1)
         num_heads = flat.shape[1] // self.head_dim
         if self.q is None:

@@ -133,7 +133,10 @@ REQUIRED: tuple[tuple[str, Any, str], ...] = (
      "NVFP4 KV keeps per-block scales in a second pool, which vToken's relocation does not move with the codes"),
     ("kv_cache_config.sink_token_length", (None, 0), "use the streaming_llm policy instead"),
     ("max_beam_width", (None, 1), "rewind_kv_cache needs beam width 1"),
-    ("speculative_config", None, "speculative decoding assumes logical = physical KV length"),
+    ("speculative_config.decoding_type", (None, "NGram"),
+     "only NGram's drafts are written into the target's KV cache and rewound by update_resources as "
+     "vToken's step expects; two-model drafting keeps a second KV-cache manager vToken does not drive, and "
+     "MTP / Eagle3 one-model write drafts vToken's query recorder does not read"),
     ("scheduler_config.capacity_scheduler_policy", "MAX_UTILIZATION",
      "GUARANTEED_NO_EVICT reserves full-length blocks and never credits reclaimed ones"),
     ("kv_connector_config", None, "a KV connector forces GUARANTEED_NO_EVICT (py_executor_creator.py)"),

@@ -6,6 +6,7 @@ from .llm_args import (  # noqa: F401
     CudaGraphConfig,
     KvCacheConfig,
     KvCacheConnectorConfig,
+    NGramDecodingConfig,
     SchedulerConfig,
     TorchLlmArgs,
 )

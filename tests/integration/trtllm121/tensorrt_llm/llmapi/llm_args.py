@@ -15,6 +15,12 @@ What it imitates:
 - pydantic's coercion of nested dicts (``kv_cache_config={...}``) and enum names ("MAX_UTILIZATION").
 - ``coerce_env_overrides_to_str``: ``env_overrides`` values become strings.
 - ``TorchLlmArgs.model_fields``, the pydantic v2 class attribute listing the fields.
+- ``NGramDecodingConfig`` (``DecodingBaseConfig`` fields, ``decoding_type = "NGram"``,
+  ``max_matching_ngram_size = 2``, ``is_keep_all``, ``is_use_oldest``, ``is_public_pool`` all True;
+  ``max_total_draft_tokens`` defaults to ``max_draft_len``) as ``speculative_config``, a dict with
+  ``decoding_type: NGram`` validated into it; its ``spec_dec_mode`` (``speculative/interface.py``,
+  1.2-era copy index id 2550156383): NGram needs a KV-cache rewind and does not support the
+  overlap scheduler. Other decoding types are not modelled.
 An older build is modelled too: with ``TLLM_DOUBLE_TORCH_LLM_ARGS_WITHOUT_ENV_OVERRIDES=1`` in the
 environment at import, ``BaseLlmArgs`` has no ``env_overrides`` field (the 1.1-era copy, index id
 1090804222: ``orchestrator_type`` is its last public field), so passing it is an unknown key.
@@ -98,6 +104,33 @@ class KvCacheConnectorConfig(StrictBaseModel):
     REQUIRED = ("connector_module", "connector_scheduler_class", "connector_worker_class")
 
 
+class SpeculativeDecodingMode(enum.Enum):
+    NGRAM = "NGRAM"
+
+    def needs_kv_cache_rewind(self) -> bool:
+        return self == SpeculativeDecodingMode.NGRAM
+
+    def support_overlap_scheduler(self) -> bool:
+        return False  # MTP / Eagle3 one-model and draft-model modes only, none of them modelled
+
+
+class NGramDecodingConfig(StrictBaseModel):
+    FIELDS = {"max_draft_len": None, "max_total_draft_tokens": None, "speculative_model": None,
+              "max_concurrency": None, "load_format": None, "decoding_type": "NGram", "max_matching_ngram_size": 2,
+              "is_keep_all": True, "is_use_oldest": True, "is_public_pool": True}
+
+    def __init__(self, **values: Any) -> None:
+        super().__init__(**values)
+        if self.decoding_type != "NGram":
+            raise ValueError(f"decoding_type\n  Input should be 'NGram' (got {self.decoding_type!r})")
+        if self.max_total_draft_tokens is None:
+            self.max_total_draft_tokens = self.max_draft_len
+
+    @property
+    def spec_dec_mode(self) -> SpeculativeDecodingMode:
+        return SpeculativeDecodingMode.NGRAM
+
+
 _BASE_LLM_ARGS = {
     "model": None, "tokenizer": None, "tokenizer_mode": "auto", "custom_tokenizer": None,
     "skip_tokenizer_init": False, "trust_remote_code": False, "tensor_parallel_size": 1, "dtype": "auto",
@@ -137,7 +170,8 @@ class TorchLlmArgs(StrictBaseModel):
     FIELDS = {**_BASE_LLM_ARGS, **_TORCH_LLM_ARGS}
     REQUIRED = ("model",)
     NESTED = {"kv_cache_config": KvCacheConfig, "scheduler_config": SchedulerConfig,
-              "cuda_graph_config": CudaGraphConfig, "kv_connector_config": KvCacheConnectorConfig}
+              "cuda_graph_config": CudaGraphConfig, "kv_connector_config": KvCacheConnectorConfig,
+              "speculative_config": NGramDecodingConfig}
 
     def _validate(self, name: str, value: Any) -> Any:
         if name == "env_overrides" and value is not None:

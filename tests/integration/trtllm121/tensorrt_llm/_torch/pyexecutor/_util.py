@@ -8,7 +8,8 @@
   run (``_get_token_num_for_estimation``: blocks for the dummy requests' prompts plus one generated
   token each, two with the overlap scheduler); ``build_managers`` constructs the manager class with
   the real keywords (``_create_kv_cache_manager``: ``num_layers`` the model's whole layer count,
-  ``dtype`` the model's as a ``DataType``, ``mapping``, ``max_beam_width``, ...) into
+  ``dtype`` the model's as a ``DataType``, ``mapping``, ``max_beam_width``, the model engine's
+  ``spec_config``, ...) into
   ``resources["kv_cache_manager"]``; ``configure_kv_cache_capacity(py_executor)`` enqueues the
   dummy context requests (``_create_dummy_context_requests``: prompts of
   ``min(max_num_tokens, max_seq_len - 1)`` random ids, ``max_tokens=1``, ``end_id=-1``),
@@ -93,7 +94,8 @@ class KvCacheCreator:
             self._kv_cache_config, CacheType.SELF, num_layers=config.num_hidden_layers,
             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
             tokens_per_block=self._tokens_per_block, max_seq_len=self._max_seq_len,
-            max_batch_size=self._max_batch_size, mapping=self._mapping, dtype=DataType.BF16, spec_config=None,
+            max_batch_size=self._max_batch_size, mapping=self._mapping, dtype=DataType.BF16,
+            spec_config=self._model_engine.spec_config,
             max_num_tokens=self._max_num_tokens, model_config=None, max_beam_width=self._max_beam_width,
             is_draft=False, kv_connector_manager=self._kv_connector_manager, sparse_attn_config=None,
             is_estimating_kv_cache=estimating_kv_cache)
@@ -114,7 +116,7 @@ class KvCacheCreator:
 
 
 def create_py_executor_instance(*, model_engine, resources: dict, mapping, llm_args, max_seq_len: int,
-                                max_batch_size: int, max_num_tokens: int) -> PyExecutor:
+                                max_batch_size: int, max_num_tokens: int, drafter=None) -> PyExecutor:
     resource_manager = ResourceManager(resources)
     resource_manager.resource_managers.move_to_end("kv_cache_manager", last=True)
     kv_cache_manager = resources["kv_cache_manager"]
@@ -129,4 +131,4 @@ def create_py_executor_instance(*, model_engine, resources: dict, mapping, llm_a
     return PyExecutor(resource_manager, scheduler, model_engine, TorchSampler(greedy_token, max_seq_len),
                       disable_overlap_scheduler=llm_args.disable_overlap_scheduler,
                       max_input_len=llm_args.max_input_len, max_batch_size=max_batch_size,
-                      max_num_sequences=max_batch_size)
+                      max_num_sequences=max_batch_size, drafter=drafter)

@@ -22,6 +22,11 @@ Imitated, per behaviour:
   chunk and sets the chunk to 0. ``set_prepopulated_prompt_len(n, tokens_per_block)`` (a reuse hit,
   called by the C++ ``addSequence``) starts the context at ``n``; if the chunk the scheduler chose
   then ends before the prompt's end, it is cut back so that it ends on a block boundary.
+- Speculative decoding: ``py_draft_tokens`` (placeholders set by the executor, then the
+  drafter's tokens padded to the maximum), ``py_draft_pages_allocated`` (the KV slots
+  ``prepare_resources`` took for them), ``py_num_accepted_draft_tokens`` and ``py_rewind_len``
+  (set by the sampler); ``get_draft_token_length(request)`` is ``len(py_draft_tokens)``.
+  ``request_id`` is the C++ id as the drafter reads it.
 - ``pause(max_input_len)`` (beam width 1): the generated tokens join the prompt,
   ``newPromptLen = min(maxInputLen, mPromptLen + generated)``, tokens beyond it are dropped,
   ``mMaxNewTokens -= newPromptLen - mPromptLen``, state CONTEXT_INIT, context position 0, chunk
@@ -69,6 +74,9 @@ class LlmRequest:
         self.is_cuda_graph_dummy = False
         self.py_rewind_len = 0
         self.py_draft_tokens: list[int] = []
+        self.py_last_draft_tokens: list[int] = []
+        self.py_draft_pages_allocated = 0
+        self.py_num_accepted_draft_tokens = 0
         self.py_decoding_iter = 0
         self.py_batch_idx: int | None = None
         self.max_beam_num_tokens = len(input_tokens)
@@ -76,6 +84,10 @@ class LlmRequest:
         self.context_current_position = 0  # prompt tokens already in the KV cache
         self._prepopulated_prompt_len = 0
         self._context_chunk_size = len(input_tokens)
+
+    @property
+    def request_id(self) -> int:
+        return self.py_request_id
 
     # ---- tokens --------------------------------------------------------------------------------
     def add_new_token(self, token: int, beam: int) -> None:
@@ -169,3 +181,8 @@ class LlmRequest:
         self.context_current_position = self._prepopulated_prompt_len = 0
         self._context_chunk_size = self.prompt_len
         self.py_batch_idx = None
+
+
+def get_draft_token_length(request) -> int:
+    """Draft tokens the request carries this iteration (0 without any)."""
+    return len(request.py_draft_tokens) if request.py_draft_tokens is not None else 0

@@ -17,7 +17,8 @@ the class attribute at that time, so a patched ``Metadata`` is the one used); ``
 the chunk's length (``prompt_lengths.append(len(prompt_tokens))``); a generation
 row's position and cached count ``max_beam_num_tokens - 1``, or ``max_beam_num_tokens`` when the
 overlap loop hands the previous batch's device tokens (the token sampled last is not in the
-request yet); ``attn_metadata.prepare()``; then every attention layer on its hidden states. The
+request yet); a generation row with draft tokens (speculative decoding) carries its input token
+and its drafts at the positions after it (``seq_len`` 1 + drafts); ``attn_metadata.prepare()``; then every attention layer on its hidden states. The
 hidden state of a token is the embedding of its id (what the layers compute from it is the
 double's; what the KV cache receives and where is the real op's, see ``TrtllmAttention``).
 
@@ -74,6 +75,10 @@ class PyTorchModelEngine:
         # validate_cuda_graph_config (llm_args.py): powers of two and multiples of 8 up to max_batch_size
         default = [s for s in (1, 2, 4) + tuple(range(8, 129, 8)) if s <= self.batch_size]
         self.cuda_graph_batch_sizes = sorted(sizes) if sizes else (default if graphs is not None else [])
+        self.spec_config = spec_config
+        if spec_config is not None and self.cuda_graph_batch_sizes:
+            raise NotImplementedError("the double does not model CUDA-graph padding with draft tokens: "
+                                      "pass cuda_graph_config=None with a speculative_config")
         self.attn_metadata = None
         self.padding_dummy_request = None
         self.iter_counter = 0
@@ -118,10 +123,12 @@ class PyTorchModelEngine:
         for req in generation:
             in_flight = new_tensors_device is not None and req.py_batch_idx is not None and not req.is_dummy_request
             past = req.max_beam_num_tokens if in_flight else req.max_beam_num_tokens - 1
+            drafts = [] if req.is_dummy_request else list(req.py_draft_tokens)
             tokens.append(new_tensors_device.new_tokens[req.py_request_id] if in_flight else req.get_last_tokens(0))
-            positions.append(past)
+            tokens += drafts
+            positions += range(past, past + 1 + len(drafts))
             cached.append(past)
-            seq_lens.append(1)
+            seq_lens.append(1 + len(drafts))
             self.row_positions.append(past)
         for i, req in enumerate(list(scheduled_requests.context_requests) + generation):
             req.py_batch_idx = i

@@ -9,10 +9,16 @@ from ``add_dummy_requests``, a forward, ``free_resources``; no ``update_resource
 loop: ``_executor_loop`` when ``disable_overlap_scheduler``, else ``_executor_loop_overlap``.
 
 ``_executor_loop``, one iteration:
-    _prepare_and_schedule_batch   _fetch_and_activate_new_requests, then _schedule (capacity +
-                                  micro batch); None when shut down with nothing left
+    _prepare_and_schedule_batch   _fetch_and_activate_new_requests, with a drafter
+                                  _prepare_draft_requests (every generation request's
+                                  py_draft_tokens = max_total_draft_tokens placeholder zeros,
+                                  py_draft_pages_allocated the same: the KV-cache manager and the
+                                  scheduler count them), then _schedule (capacity + micro batch);
+                                  None when shut down with nothing left
     _pause_requests               req.pause(max_input_len); _terminate_request -> free_resources
     resource_manager.prepare_resources(batch)
+    drafter                       prepare_draft_tokens(batch, resource_manager) and
+                                  pad_draft_tokens_for_cuda_graph(batch) (NGram; speculative/ngram.py)
     _forward_step                 model_engine.forward(batch, resource_manager, None)
     _sample_async                 sampler.sample_async
     _update_request_states        a context request whose prompt is done -> GENERATION_IN_PROGRESS
@@ -60,8 +66,10 @@ class Response:
 class PyExecutor:
     def __init__(self, resource_manager, scheduler, model_engine, sampler, *, disable_overlap_scheduler: bool = False,
                  max_input_len: int = 2048, max_batch_size: int = 8, max_num_sequences: int = 8,
-                 start_worker: bool = False) -> None:
+                 drafter=None, start_worker: bool = False) -> None:
         self.resource_manager, self.scheduler = resource_manager, scheduler
+        self.drafter = drafter
+        self.use_spec_decode = drafter is not None
         self.model_engine, self.sampler = model_engine, sampler
         self.disable_overlap_scheduler, self.max_input_len = disable_overlap_scheduler, max_input_len
         self.max_batch_size, self.max_num_active_requests = max_batch_size, max_num_sequences
@@ -147,6 +155,9 @@ class PyExecutor:
             self._pause_requests(scheduled_batch.paused_requests)
             if scheduled_batch.batch_size > 0:
                 self.resource_manager.prepare_resources(scheduled_batch)
+                if self.drafter is not None and self.use_spec_decode:
+                    self.drafter.prepare_draft_tokens(scheduled_batch, self.resource_manager)
+                    self.drafter.pad_draft_tokens_for_cuda_graph(scheduled_batch)
                 batch_outputs = self._forward_step(scheduled_batch)
                 sample_state = self.sampler.sample_async(scheduled_batch, batch_outputs)
                 self._update_request_states(scheduled_batch)
@@ -185,6 +196,8 @@ class PyExecutor:
         self._fetch_and_activate_new_requests()
         if self.should_stop_processing:
             return None
+        if self.drafter is not None:
+            self._prepare_draft_requests()
         output = self.scheduler.schedule_request(self.active_requests, self.inflight_req_ids)
         batch = ScheduledRequests(output.context_requests, output.generation_requests, output.paused_requests)
         if batch.batch_size == 0 and not output.paused_requests and self.active_requests and \
@@ -194,6 +207,16 @@ class PyExecutor:
                                f"{self.resource_manager.get_resource_manager('kv_cache_manager').get_num_free_blocks()} "
                                "free blocks")
         return batch
+
+    def _prepare_draft_requests(self) -> None:
+        max_total_draft_tokens = self.model_engine.spec_config.max_total_draft_tokens
+        for req in self.active_requests:
+            if req.state != LlmRequestState.GENERATION_IN_PROGRESS:
+                continue
+            req.py_last_draft_tokens = req.py_draft_tokens
+            drafting = max_total_draft_tokens > 0 and self.use_spec_decode
+            req.py_draft_tokens = [0] * max_total_draft_tokens if drafting else []
+            req.py_draft_pages_allocated = max_total_draft_tokens if drafting else 0
 
     def _fetch_and_activate_new_requests(self) -> None:
         arrived = [r for when, r in self._waiting if when <= self.iter_counter]

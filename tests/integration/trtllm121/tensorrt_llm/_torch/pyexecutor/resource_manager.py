@@ -18,7 +18,8 @@ Imitated, per behaviour:
   ``[P, kv, H, tpb, D]`` (HND) or ``[P, kv, tpb, H, D]`` (NHD).
 - ``prepare_resources``: ``impl.add_sequence(id, prompt_len, beam_width, req)`` for a first
   context chunk (the whole prompt's blocks, whatever the chunk), nothing for a later chunk,
-  ``impl.add_token(id)`` per generation request, ``impl.refresh_blocks()``.
+  ``impl.add_token(id)`` per generation request and once more per draft token it carries
+  (``get_draft_token_length``: the executor's placeholders), ``impl.refresh_blocks()``.
 - ``update_resources``: generation requests not GENERATION_COMPLETE / CONTEXT_INIT rewind their
   ``py_rewind_len`` (speculative decoding; "With overlap scheduler, the scheduler pauses a
   request and frees KV cache at iteration N, while the previous batch (N-1) is still trying to
@@ -51,7 +52,7 @@ import torch
 
 from ...bindings import CacheType, DataType
 from ...bindings.internal.batch_manager import KVCacheManager as KVCacheManagerCpp
-from .llm_request import LlmRequest, LlmRequestState, SamplingConfig
+from .llm_request import LlmRequest, LlmRequestState, SamplingConfig, get_draft_token_length
 
 
 class BaseResourceManager:
@@ -131,6 +132,8 @@ class KVCacheManager(BaseResourceManager):
                 self.impl.add_sequence(req.py_request_id, req.prompt_len, req.sampling_config.beam_width, req)
         for req in scheduled_batch.generation_requests:
             self.impl.add_token(req.py_request_id)
+            for _ in range(get_draft_token_length(req)):
+                self.impl.add_token(req.py_request_id)
         self.impl.refresh_blocks()
 
     def update_resources(self, scheduled_batch, attn_metadata=None, kv_cache_dtype_byte_size=None) -> None:

@@ -23,8 +23,8 @@ and of the C++ schedulers its ``Bind*`` classes wrap.
   ``MicroBatchScheduler::operator()`` (``microBatchScheduler.cpp``, index ids 653260947,
   37123910384; the Python class, ``scheduler.py`` index id 19133766724, builds it with
   ``max_num_tokens`` as its ``maxContextLength``): the fitting requests in order, those in flight
-  skipped, at most ``max_batch_size`` of them. A generation request counts one token and the
-  first that does not fit ``max_num_tokens`` ends the batch. Without chunking a context request
+  skipped, at most ``max_batch_size`` of them. A generation request counts one token and its
+  draft tokens, and the first that does not fit ``max_num_tokens`` ends the batch. Without chunking a context request
   counts its remaining prompt the same way (longer than ``maxContextLength``: "The number of
   context tokens exceeds the limit value", a RuntimeError). With ``ctx_chunk_config = (policy, chunk_unit_size)`` (chunked prefill;
   ``py_executor_creator.py`` passes the tokens per block as the unit) context requests are set
@@ -175,7 +175,7 @@ class BindMicroBatchScheduler:
                     need, all_fit = limit, False
                 chunked_tokens += need
             else:
-                need = req.context_remaining_length if req.is_context_init_state() else 1
+                need = req.context_remaining_length if req.is_context_init_state() else 1 + len(req.py_draft_tokens)
                 if req.is_context_init_state() and limit is not None and need > limit:
                     raise RuntimeError(f"[TensorRT-LLM][ERROR] Assertion failed: The number of context tokens ({need}) "
                                        f"exceeds the limit value ({limit})")

@@ -23,7 +23,8 @@ Imitated, per behaviour:
   mMaxNewTokens`` minus those the sequence holds.
 - ``getNeededBlocksOneStep(req, twoStepsLookAhead)``: a first context chunk needs its prompt's
   blocks; a generation request needs a block when its LOGICAL length (``mPromptLen`` + generated
-  tokens) crosses a boundary in the next step (or two); other states need none.
+  tokens) crosses a boundary in the next step (or two), a step adding the token and its draft
+  tokens (at most the tokens it may still add); other states need none.
 - Block reuse (``enable_block_reuse``): full blocks enter the reuse tree keyed by the token chain
   up to their end: ``storeContextBlocks`` for the first ``len(tokens) - 1`` tokens (full blocks
   only); ``removeSequence`` with a request (``releaseBlocks(seq, llmRequest)``) every block of the
@@ -265,7 +266,7 @@ class KVCacheManager:
         if req.is_generation_in_progress_state():
             generated = req.max_num_generated_tokens
             steps_left = req.max_new_tokens - generated + 1
-            per_step = min(1, steps_left)
+            per_step = min(len(req.py_draft_tokens) + 1, steps_left)  # the token and its drafts
             past = req.prompt_len + generated - 1
             after = past + (2 if two_steps_look_ahead else 1) * per_step
             if after > self.max_token_num:

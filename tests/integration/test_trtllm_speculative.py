@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+"""NGram speculative decoding with VTokenKVCacheManager, through the 1.2.1 executor-loop double
+(``trtllm121``; the drafter in ``_torch/speculative/ngram.py``, the draft handling of the loop,
+the model engine, the sampler and the KV-cache manager each cite their source).
+
+Per iteration TensorRT-LLM gives every decode row ``max_draft_len`` placeholder drafts before
+scheduling, allocates KV for the token and its drafts (``add_token`` each), lets the drafter fill
+them from its n-gram pool (padded to the maximum), runs the row's token and drafts in one forward,
+accepts the drafts the target agrees with, and rewinds the rejected ones' KV in
+``update_resources`` before vToken's step. The mixes: prompts of random tokens; two requests in
+three continue by copying their own text (so the pool's drafts are often right), the third by a
+pseudo-random choice (so they are wrong). NGram turns the overlap scheduler off (the executor
+creator), so the plain loop runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.test_trtllm_executor_loop import KVWitness, Mix, build_executor, drive, random_requests
+
+SPEC = {"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 2}
+
+
+def copying_token(request) -> int:
+    """The double's model: most requests repeat their text with a period of 5 to 8 tokens (drafts
+    from the pool hit); every third one picks a pseudo-random token (drafts miss)."""
+    tokens = request.get_tokens(0)
+    if request.py_request_id % 3 == 0 or len(tokens) < 9:
+        return (request.py_request_id * 7919 + len(tokens) * 104729) % 500 + 2
+    return tokens[-(5 + request.py_request_id % 4)]
+
+
+def build(policy: str, mix: Mix, monkeypatch):
+    from tensorrt_llm._torch.pyexecutor import _util
+
+    monkeypatch.setattr(_util, "greedy_token", copying_token)
+    return build_executor(policy, mix, overlap=True, speculative_config=SPEC, cuda_graph_config=None)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streaming_llm", "sliding_window", "random", "scissorhands"])
+def test_ngram_drafting_through_the_executor_loop(trtllm121, policy, monkeypatch):
+    """Every check of the random mixes holds with drafts (block lists, density, every live
+    token's K and V after each update); after each update every table knows exactly the
+    request's tokens but the last sampled one (the row's token and its accepted drafts, never a
+    rejected draft); drafts were both accepted and rewound; the pool's blocks all come back."""
+    accepted = rewound = 0
+    for seed in (1, 2):
+        mix = Mix(seed, num_requests=24, num_blocks=60)
+        executor = build(policy, mix, monkeypatch)
+        assert executor.event_loop.__name__ == "_executor_loop"  # NGram: the creator turned overlap off
+        assert executor.resource_manager.get_resource_manager("spec_resource_manager") is not None
+        manager = executor.resources["kv_cache_manager"]
+        free_after_warmup = manager.get_num_free_blocks()
+        witness = KVWitness(executor)
+        update, step = executor.resource_manager.update_resources, manager.vtoken.step
+
+        def update_then_check(batch, *args, _update=update):
+            nonlocal accepted, rewound
+            for req in batch.generation_requests:
+                accepted += req.py_num_accepted_draft_tokens
+                rewound += req.py_rewind_len
+            _update(batch, *args)
+            for req in executor.active_requests:
+                if req.py_request_id in step and not req.is_context_init_state():
+                    assert step.num_tokens(req.py_request_id) == req.get_num_tokens(0) - 1, req.py_request_id
+
+        executor.resource_manager.update_resources = update_then_check
+        requests = random_requests(mix)
+        drive(executor, requests, witness)
+        assert all(executor.responses[r.py_request_id].finish_reason.name in ("END_ID", "LENGTH", "CANCELLED")
+                   for r, _, _ in requests)
+        assert not step.request_ids() and manager.get_num_free_blocks() == free_after_warmup
+        assert witness.checks > 500 and step.stats.tokens_evicted > 0
+    assert accepted > 50 and rewound > 50
+
+
+def test_a_decode_rows_mass_counts_its_token_and_accepted_drafts_only(trtllm121, monkeypatch):
+    """H2O: the mass a decode row with drafts brings to the step is, per position, the sum over
+    its token's and its accepted drafts' queries of each one's softmax over the positions it
+    attended (the specification, ``scores.batch_decode_attention_mass``, one query at a time);
+    the rejected drafts' queries add nothing."""
+    from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass
+
+    mix = Mix(3, num_requests=12, num_blocks=60)
+    executor = build("h2o", mix, monkeypatch)
+    manager = executor.resources["kv_cache_manager"]
+    step, device_mass, checked = manager.vtoken.step, manager._vtoken_device_mass, []
+    requests = {}
+
+    def checked_mass(rows, prepared, width):
+        out = device_mass(rows, prepared, width)
+        by_id = {r.py_request_id: r for r in prepared.batch.generation_requests}
+        pool = step.executor.pools[0]
+        for i, (req_id, kv_len, blocks) in enumerate(rows):
+            req = by_id.get(req_id)
+            if req is None or not req.py_draft_tokens:
+                continue
+            kind, queries = manager._vtoken_batches.recording(prepared, req_id)
+            counted = 1 + req.py_num_accepted_draft_tokens
+            assert kv_len - step.kv_len(req_id) == counted
+            want = torch.zeros(kv_len)
+            for j in range(counted):  # query j attended the positions before its own, and its own
+                mass = batch_decode_attention_mass(queries[j][None], pool, [blocks], [kv_len - counted + 1 + j])[0]
+                want[: mass.shape[0]] += mass
+            torch.testing.assert_close(out[i, : want.shape[0]], want, rtol=1e-4, atol=1e-5)
+            assert not out[i, want.shape[0]:].any()
+            checked.append(counted)
+        return out
+
+    manager._vtoken_device_mass = checked_mass
+    for req, arrival, _ in random_requests(mix):
+        requests[req.py_request_id] = req
+        executor.enqueue_request(req, arrival)
+    executor.run()
+    assert len(checked) > 30 and max(checked) > 1 and min(checked) == 1  # some drafts accepted, some not
