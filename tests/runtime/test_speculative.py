@@ -32,8 +32,11 @@ def test_ngram_drafts_follow_the_latest_earlier_occurrence():
         NGramDecodingConfig.of({"decoding_type": "Eagle3"})
     with pytest.raises(ValueError, match="unknown"):
         NGramDecodingConfig.of({"max_draft_len": 2, "is_keep_all": True})
-    with pytest.raises(ValueError, match="overlap_scheduler=False"):
-        EngineConfig(speculative_config=SPEC)
+    with pytest.warns(UserWarning, match="turns the overlap scheduler off"):  # as TensorRT-LLM does for NGram
+        assert not EngineConfig(speculative_config=SPEC).overlap_scheduler
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False"):
+        EngineConfig(speculative_config=SPEC, overlap_scheduler=False, enable_chunked_prefill=True, max_num_tokens=64,
+                     prefix_caching=False)
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,7 @@ def add_engine_args(parser: argparse.ArgumentParser, variant: bool = True) -> No
                         "--no-prefix-caching")
     g.add_argument("--max-draft-len", type=_positive_int, default=None, metavar="K",
                    help="speculative decoding with n-gram drafts of up to K tokens for greedy requests (TensorRT-LLM's "
-                        "NGram mode, matching n-grams of up to 3); needs --no-overlap-scheduler")
+                        "NGram mode, matching n-grams of up to 3); it turns the overlap scheduler off, as TensorRT-LLM does")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallelism: split the model over N rank processes (gloo on CPU, NCCL on CUDA); "
                         "at most the model's KV heads")

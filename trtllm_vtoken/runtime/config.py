@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -92,7 +93,8 @@ class EngineConfig:
     """The step of iteration N runs beside the forward of N+1, as TensorRT-LLM's overlap scheduler
     orders it (``runtime/overlap.py``, docs/overlap.md): the evictions of policies that observe
     attention take effect one iteration later (naive-evict and vtoken alike); count-based policies
-    decide before the next forward. False: each iteration's step ends it (beside sampling)."""
+    decide before the next forward. False: each iteration's step ends it (beside sampling).
+    Speculative decoding turns it off, as TensorRT-LLM's executor creator does for NGram."""
     prefill_decision: Literal["at_once", "lagged"] = "at_once"
     """Overlap scheduler, policies that observe attention: "at_once" takes a new request's step
     (its prompt's eviction) before its first decode forward, as the plain order does (the engine
@@ -113,8 +115,10 @@ class EngineConfig:
     speculative_config: NGramDecodingConfig | dict | None = None
     """Speculative decoding with n-gram drafts (TensorRT-LLM's ``NGramDecodingConfig`` fields, or
     a dict of them with ``decoding_type="NGram"``): greedy decode rows verify up to
-    ``max_draft_len`` draft tokens a step (``runtime/speculation.py``). For now with
-    ``overlap_scheduler=False`` and without chunked prefill."""
+    ``max_draft_len`` draft tokens a step (``runtime/speculation.py``). Without chunked prefill
+    for now. It turns the overlap scheduler off (a warning says so), as TensorRT-LLM does for NGram:
+    the drafts come from the tokens just sampled, and a step beside the next forward would take its
+    drafts in before the forward has verified them."""
     synchronous_copies: bool = False
     """On CUDA: wait on the host for every relocation instead of ordering the compute stream
     after its event (the ablation of the asynchronous side-stream copy)."""
@@ -162,9 +166,13 @@ class EngineConfig:
         if self.max_num_tokens is not None:
             require_positive(self, "max_num_tokens")
         object.__setattr__(self, "speculative_config", NGramDecodingConfig.of(self.speculative_config))
-        if self.speculative_config is not None and (self.overlap_scheduler or self.enable_chunked_prefill):
-            raise ValueError("speculative_config needs overlap_scheduler=False and no chunked prefill for now (a "
-                             "step taken beside the next forward would have to learn which drafts it accepted)")
+        if self.speculative_config is not None and self.enable_chunked_prefill:
+            raise ValueError("speculative_config needs enable_chunked_prefill=False for now")
+        if self.speculative_config is not None and self.overlap_scheduler:
+            warnings.warn("speculative_config turns the overlap scheduler off (as TensorRT-LLM does for NGram: a "
+                          "step beside the next forward would take its drafts in before they are verified)",
+                          stacklevel=3)
+            object.__setattr__(self, "overlap_scheduler", False)
         if self.enable_chunked_prefill:
             if self.max_num_tokens is None:
                 raise ValueError("enable_chunked_prefill needs max_num_tokens (the tokens of one iteration)")
