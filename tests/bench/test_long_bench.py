@@ -24,7 +24,7 @@ def test_long_bench_runs_its_three_parts_on_the_tiny_model():
     model = LlamaForCausalLM(LlamaConfig.tiny()).eval()
     cfg = LongBenchConfig(prompt_tokens=96, budgets=(16, 24), chunk=16, max_output_tokens=4, tokens_per_block=4,
                           pool_blocks=24, batch_prompts=3, batch_prompt_tokens=48, max_seq_len=160,
-                          check_invariants=True)
+                          check_invariants=True, repeats=2)
     ticks = []
     result = run_long_bench(cfg, model, Bytes(), progress=type("P", (), {"update": lambda self, n: ticks.append(n)})())
     assert len(ticks) == steps(cfg)
@@ -33,6 +33,9 @@ def test_long_bench_runs_its_three_parts_on_the_tiny_model():
         assert row["vtoken_equals_naive_evict"]
         assert runs["vtoken"]["peak_blocks"] <= row["peak_bound_blocks"] < runs["native"]["peak_blocks"]
         assert runs["vtoken"]["tokens_evicted"] == runs["naive-evict"]["tokens_evicted"] > 0
+        for run in runs.values():  # the median of 2 alternating runs, with both timings' range
+            assert run["ttft_s_min"] <= run["ttft_s"] <= run["ttft_s_max"]
+            assert run["decode_tokens_per_s_min"] <= run["decode_tokens_per_s"] <= run["decode_tokens_per_s_max"]
     longest = result["longest"]
     assert longest["native"]["prompt_tokens"] < 24 * 4 < longest["vtoken"]["prompt_tokens"]
     assert longest["vtoken"]["served"]["peak_blocks"] <= 24
@@ -40,3 +43,5 @@ def test_long_bench_runs_its_three_parts_on_the_tiny_model():
     assert all(len(p) == 48 for p in documents(Bytes(), 3, 48))
     with pytest.raises(ValueError, match="whole blocks"):
         LongBenchConfig(chunk=100)
+    with pytest.raises(ValueError, match="repeats"):
+        LongBenchConfig(repeats=0)

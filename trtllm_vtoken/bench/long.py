@@ -5,7 +5,9 @@ between them (``EngineConfig.enable_chunked_prefill``), on the real model.
     one document   one long document (standard-library sources) at each budget, chunks of
                    ``chunk`` tokens: peak blocks the request held, time to first token, decode
                    tokens/s; native, naive-evict and vtoken dense under the same chunks, and
-                   whether vtoken's decisions and tokens equal naive-evict's
+                   whether vtoken's decisions and tokens equal naive-evict's. Every row runs
+                   ``repeats`` times in alternating order (``bench/repeats.py``): the median run
+                   by time to first token, with the range of both timings
     longest        the longest prompt each variant's admission takes in a pool of
                    ``pool_blocks`` blocks at the smallest budget; that prompt is then served in
                    that pool to show it completes
@@ -42,10 +44,12 @@ class LongBenchConfig:
     max_seq_len: int = 8192
     check_invariants: bool = False
     """I1/I2/I4 after every relocation: they read the KV, which would dominate the timings."""
+    repeats: int = 3
+    """Runs of each one-document row, alternating."""
 
     def __post_init__(self) -> None:
         require_positive(self, "prompt_tokens", "chunk", "max_output_tokens", "tokens_per_block", "pool_blocks",
-                         "batch_prompts", "batch_prompt_tokens", "max_seq_len")
+                         "batch_prompts", "batch_prompt_tokens", "max_seq_len", "repeats")
         if not self.budgets or min(self.budgets) < 1:
             raise ValueError(f"budgets must be positive token counts, got {self.budgets}")
         if self.chunk % self.tokens_per_block:
@@ -119,6 +123,7 @@ def longest_admitted(cfg: LongBenchConfig, model, variant: str, budget: int) -> 
 
 
 def run_long_bench(cfg: LongBenchConfig, model, tokenizer, progress=None) -> dict[str, Any]:
+    from trtllm_vtoken.bench.repeats import run_alternating
     from trtllm_vtoken.runtime.engine import Engine
 
     def tick() -> None:
@@ -127,15 +132,19 @@ def run_long_bench(cfg: LongBenchConfig, model, tokenizer, progress=None) -> dic
 
     document = documents(tokenizer, 1, cfg.prompt_tokens)
     roomy = -(-(cfg.prompt_tokens + cfg.max_output_tokens) // cfg.tokens_per_block) + 2
+
+    def one(label: str, point: tuple[str, int]) -> dict[str, Any]:
+        variant, budget = point
+        return serve(Engine(model, cfg.engine_config(variant, budget, roomy)), document, cfg.max_output_tokens)
+
+    points = [("native", ("native", cfg.budgets[0]))] + \
+        [(f"{variant} {budget}", (variant, budget)) for budget in cfg.budgets for variant in VARIANTS[1:]]
+    measured = dict(zip([label for label, _ in points],
+                        run_alternating(points, cfg.repeats, one, progress, key="ttft_s",
+                                        spread=("decode_tokens_per_s",))))
     single = []
-    native = serve(Engine(model, cfg.engine_config("native", cfg.budgets[0], roomy)), document, cfg.max_output_tokens)
-    tick()
     for budget in cfg.budgets:
-        runs = {"native": native}
-        for variant in VARIANTS[1:]:
-            runs[variant] = serve(Engine(model, cfg.engine_config(variant, budget, roomy)), document,
-                                  cfg.max_output_tokens)
-            tick()
+        runs = {"native": measured["native"], **{v: measured[f"{v} {budget}"] for v in VARIANTS[1:]}}
         same = runs["vtoken"]["outputs"] == runs["naive-evict"]["outputs"] and \
             runs["vtoken"]["evictions"] == runs["naive-evict"]["evictions"]
         bound = -(-(budget + cfg.chunk) // cfg.tokens_per_block) + 1
@@ -162,7 +171,7 @@ def run_long_bench(cfg: LongBenchConfig, model, tokenizer, progress=None) -> dic
 
 def steps(cfg: LongBenchConfig) -> int:
     """Progress units of ``run_long_bench``."""
-    return 1 + 2 * len(cfg.budgets) + 2 * len(VARIANTS)
+    return cfg.repeats * (1 + 2 * len(cfg.budgets)) + 2 * len(VARIANTS)
 
 
 def plot_long(result: dict[str, Any], path) -> None:

@@ -26,6 +26,9 @@ def register(bench) -> None:
                       help="the fixed pool of the longest-prompt and batch parts, in 16-token blocks (default 96)")
     long.add_argument("--batch-prompts", type=int, default=6, help="long prompts sent at once (default 6)")
     long.add_argument("--batch-prompt-tokens", type=int, default=1024, help="tokens of each (default 1024)")
+    long.add_argument("--repeats", type=int, default=3,
+                      help="runs of each one-document row, alternating; the median run by time to first token and "
+                           "both timings' range (default 3)")
     long.add_argument("--check", action="store_true",
                       help="check I1/I2/I4 after every relocation (they read the KV: slower, timings not comparable)")
     add_output_options(long, "a 1,024-token document, budgets 128 and 256, chunks of 128, a 48-block pool, "
@@ -42,23 +45,27 @@ def run_long(args: argparse.Namespace) -> int:
 
     if args.quick:
         cfg = LongBenchConfig(prompt_tokens=1024, budgets=(128, 256), chunk=128, max_output_tokens=8, pool_blocks=48,
-                              batch_prompts=4, batch_prompt_tokens=512, check_invariants=args.check)
+                              batch_prompts=4, batch_prompt_tokens=512, check_invariants=args.check,
+                              repeats=args.repeats)
     else:
         cfg = LongBenchConfig(prompt_tokens=args.prompt_tokens, budgets=parse_list(args.budgets, int, "--budgets"),
                               chunk=args.chunk, max_output_tokens=args.new_tokens, pool_blocks=args.pool_blocks,
                               batch_prompts=args.batch_prompts, batch_prompt_tokens=args.batch_prompt_tokens,
-                              check_invariants=args.check)
+                              check_invariants=args.check, repeats=args.repeats)
     _, model, tokenizer = load_model(None)
     with tqdm(total=steps(cfg), desc="bench long", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_long_bench(cfg, model, tokenizer, progress=bar)
     print(f"vtoken bench long: {cfg.policy}, chunks of {cfg.chunk} tokens, blocks of {cfg.tokens_per_block}, "
           f"{cfg.max_output_tokens} new tokens")
-    print(f"one {cfg.prompt_tokens}-token document:")
+    print(f"one {cfg.prompt_tokens}-token document ({cfg.repeats} alternating runs per row: the median by first "
+          "token, each timing's range):")
     print(format_table(
-        ["budget", "variant", "peak blocks", "bound (budget + chunk + 1 block)", "first token s", "decode tok/s",
-         "tokens evicted", "vtoken == naive-evict"],
+        ["budget", "variant", "peak blocks", "bound (budget + chunk + 1 block)", "first token s [min-max]",
+         "decode tok/s [min-max]", "tokens evicted", "vtoken == naive-evict"],
         [[row["budget"], variant, run["peak_blocks"], row["peak_bound_blocks"] if variant == "vtoken" else "-",
-          run["ttft_s"], run["decode_tokens_per_s"], run["tokens_evicted"],
+          f"{run['ttft_s']:.2f} [{run['ttft_s_min']:.2f}-{run['ttft_s_max']:.2f}]",
+          f"{run['decode_tokens_per_s']:.2f} [{run['decode_tokens_per_s_min']:.2f}-"
+          f"{run['decode_tokens_per_s_max']:.2f}]", run["tokens_evicted"],
           row["vtoken_equals_naive_evict"] if variant == "vtoken" else "-"]
          for row in result["single"] for variant, run in row["runs"].items()]))
     print(f"the longest prompt served in {cfg.pool_blocks} blocks ({cfg.pool_blocks * cfg.tokens_per_block} tokens), "
@@ -66,7 +73,8 @@ def run_long(args: argparse.Namespace) -> int:
     print(format_table(["variant", "prompt tokens", "peak blocks", "s"],
                        [[v, r["prompt_tokens"], r["served"]["peak_blocks"] if r["served"] else "-",
                          r["served"]["wall_s"] if r["served"] else "-"] for v, r in result["longest"].items()]))
-    print(f"{cfg.batch_prompts} prompts of {cfg.batch_prompt_tokens} tokens at once, the same pool:")
+    print(f"{cfg.batch_prompts} prompts of {cfg.batch_prompt_tokens} tokens at once, the same pool (one run; "
+          "the counts are deterministic):")
     print(format_table(["variant", "most running", "peak blocks", "preemptions", "last first token s", "s"],
                        [[v, r["most_running"], r["peak_blocks"], r["preemptions"], r["ttft_s"], r["wall_s"]]
                         for v, r in result["batch"].items()]))
