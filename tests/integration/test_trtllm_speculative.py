@@ -32,11 +32,12 @@ def copying_token(request) -> int:
     return tokens[-(5 + request.py_request_id % 4)]
 
 
-def build(policy: str, mix: Mix, monkeypatch):
+def build(policy: str, mix: Mix, monkeypatch, chunked: tuple[int, str] | None = None):
     from tensorrt_llm._torch.pyexecutor import _util
 
     monkeypatch.setattr(_util, "greedy_token", copying_token)
-    return build_executor(policy, mix, overlap=True, speculative_config=SPEC, cuda_graph_config=None)
+    return build_executor(policy, mix, overlap=True, speculative_config=SPEC, cuda_graph_config=None,
+                          chunked=chunked)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "streaming_llm", "sliding_window", "random", "scissorhands"])
@@ -44,11 +45,12 @@ def test_ngram_drafting_through_the_executor_loop(trtllm121, policy, monkeypatch
     """Every check of the random mixes holds with drafts (block lists, density, every live
     token's K and V after each update); after each update every table knows exactly the
     request's tokens but the last sampled one (the row's token and its accepted drafts, never a
-    rejected draft); drafts were both accepted and rewound; the pool's blocks all come back."""
+    rejected draft); drafts were both accepted and rewound; the pool's blocks all come back. The
+    second mix also prefills its prompts in chunks (16 tokens an iteration) beside the drafts."""
     accepted = rewound = 0
-    for seed in (1, 2):
+    for seed, chunked in ((1, None), (2, (16, "FIRST_COME_FIRST_SERVED"))):
         mix = Mix(seed, num_requests=24, num_blocks=60)
-        executor = build(policy, mix, monkeypatch)
+        executor = build(policy, mix, monkeypatch, chunked)
         assert executor.event_loop.__name__ == "_executor_loop"  # NGram: the creator turned overlap off
         assert executor.resource_manager.get_resource_manager("spec_resource_manager") is not None
         manager = executor.resources["kv_cache_manager"]
