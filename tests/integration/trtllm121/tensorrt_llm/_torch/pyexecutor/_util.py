@@ -6,7 +6,8 @@
   ``KvCacheCreator`` reads it as a module global, so a patch of the module attribute applies.
 - ``KvCacheCreator``: ``try_prepare_estimation`` sizes a first, small KV cache for the estimation
   run (``_get_token_num_for_estimation``: blocks for the dummy requests' prompts plus one generated
-  token each, two with the overlap scheduler); ``build_managers`` constructs the manager class with
+  token each, two with the overlap scheduler, and the draft tokens of a speculative config, twice
+  with the overlap scheduler); ``build_managers`` constructs the manager class with
   the real keywords (``_create_kv_cache_manager``: ``num_layers`` the model's whole layer count,
   ``dtype`` the model's as a ``DataType``, ``mapping``, ``max_beam_width``, the model engine's
   ``spec_config``, ...) into
@@ -77,7 +78,8 @@ class KvCacheCreator:
         return requests
 
     def _get_token_num_for_estimation(self) -> int:
-        extra = 2 if self._overlap else 1
+        drafts = getattr(self._model_engine.spec_config, "max_total_draft_tokens", 0) or 0
+        extra = 1 + drafts + ((1 + drafts) if self._overlap else 0)
         if self._dummy_reqs is None:
             self._dummy_reqs = self._create_dummy_context_requests(max(1, self._max_seq_len - 1))
         tpb = self._tokens_per_block

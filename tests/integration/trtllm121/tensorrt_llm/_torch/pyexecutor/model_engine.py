@@ -11,7 +11,8 @@ real ``ModelConfig`` does.
 ``_set_up_attn_metadata`` (one ``attn_backend.Metadata`` object for the engine's life, built from
 the class attribute at that time, so a patched ``Metadata`` is the one used); ``pad_batch``
 (a generation-only batch is padded to the next CUDA-graph batch size with the padding dummy
-``CUDA_GRAPH_DUMMY_REQUEST_ID``, created once by ``add_dummy_requests(is_gen=True)`` and marked
+``CUDA_GRAPH_DUMMY_REQUEST_ID``, created once by ``add_dummy_requests(is_gen=True,
+max_num_draft_tokens=...)`` (the spec config's ``max_total_draft_tokens``) and marked
 ``is_cuda_graph_dummy``); ``_prepare_tp_inputs``: a context row's ``context_chunk_size`` tokens from
 ``context_current_position`` on, ``num_cached_tokens_per_seq`` = that position, its prompt length
 the chunk's length (``prompt_lengths.append(len(prompt_tokens))``); a generation
@@ -76,9 +77,7 @@ class PyTorchModelEngine:
         default = [s for s in (1, 2, 4) + tuple(range(8, 129, 8)) if s <= self.batch_size]
         self.cuda_graph_batch_sizes = sorted(sizes) if sizes else (default if graphs is not None else [])
         self.spec_config = spec_config
-        if spec_config is not None and self.cuda_graph_batch_sizes:
-            raise NotImplementedError("the double does not model CUDA-graph padding with draft tokens: "
-                                      "pass cuda_graph_config=None with a speculative_config")
+        self.max_total_draft_tokens = spec_config.max_total_draft_tokens if spec_config is not None else 0
         self.attn_metadata = None
         self.padding_dummy_request = None
         self.iter_counter = 0
@@ -100,7 +99,8 @@ class PyTorchModelEngine:
         if size is None or size == len(generation):
             return generation
         if self.padding_dummy_request is None:
-            dummies = kv_cache_manager.add_dummy_requests([CUDA_GRAPH_DUMMY_REQUEST_ID], is_gen=True)
+            dummies = kv_cache_manager.add_dummy_requests([CUDA_GRAPH_DUMMY_REQUEST_ID], is_gen=True,
+                                                          max_num_draft_tokens=self.max_total_draft_tokens)
             if dummies is None:
                 return generation
             self.padding_dummy_request = dummies[0]
@@ -123,7 +123,7 @@ class PyTorchModelEngine:
         for req in generation:
             in_flight = new_tensors_device is not None and req.py_batch_idx is not None and not req.is_dummy_request
             past = req.max_beam_num_tokens if in_flight else req.max_beam_num_tokens - 1
-            drafts = [] if req.is_dummy_request else list(req.py_draft_tokens)
+            drafts = list(req.py_draft_tokens)  # a padding dummy's too: every row of a graph has as many
             tokens.append(new_tensors_device.new_tokens[req.py_request_id] if in_flight else req.get_last_tokens(0))
             tokens += drafts
             positions += range(past, past + 1 + len(drafts))
@@ -158,8 +158,11 @@ class PyTorchModelEngine:
         for batch_size in reversed(self.cuda_graph_batch_sizes):
             if kv_cache_manager.get_num_free_blocks() < batch_size:
                 continue
-            requests = kv_cache_manager.add_dummy_requests(list(range(batch_size - 1)), is_gen=True) or []
-            longest = kv_cache_manager.add_dummy_requests([batch_size - 1], token_nums=[2], is_gen=True)
+            drafts = self.max_total_draft_tokens
+            requests = kv_cache_manager.add_dummy_requests(list(range(batch_size - 1)), is_gen=True,
+                                                           max_num_draft_tokens=drafts) or []
+            longest = kv_cache_manager.add_dummy_requests([batch_size - 1], token_nums=[2 + drafts], is_gen=True,
+                                                          max_num_draft_tokens=drafts)
             batch = ScheduledRequests(generation_requests=(longest or []) + requests)
             try:
                 self.forward(batch, resource_manager)

@@ -34,7 +34,8 @@ Imitated, per behaviour:
 - ``add_dummy_requests(request_ids, token_nums=None, is_gen=False, prepare_resource=True, ...)``:
   None when no block is free; else requests (``max_new_tokens`` 1, tokens ``[1] * token_num``,
   ``is_dummy_request``), added to the C++ manager directly (no ``prepare_resources``); a
-  generation dummy has ``prompt_len = token_num - 1`` and state GENERATION_IN_PROGRESS.
+  generation dummy has ``prompt_len = token_num - 1``, state GENERATION_IN_PROGRESS and
+  ``max_num_draft_tokens`` draft tokens (1s), a KV slot each.
 - ``copy_batch_block_offsets``: per pool, ``block * layers_in_pool * kv_factor + {0, 1}``.
 - ``get_needed_resource_to_completion``: blocks of ``orig_prompt_len + max_new_tokens``.
 - ``ResourceManager``: an ordered dict of managers; ``prepare_resources`` / ``update_resources``
@@ -166,6 +167,10 @@ class KVCacheManager(BaseResourceManager):
             if is_gen:
                 req.state = LlmRequestState.GENERATION_IN_PROGRESS
                 req.prompt_len = req.py_prompt_len = token_num - 1
+                req.py_draft_tokens = [1] * max_num_draft_tokens
+                if prepare_resource:
+                    for _ in range(max_num_draft_tokens):
+                        self.impl.add_token(req_id)
             requests.append(req)
         return requests
 
