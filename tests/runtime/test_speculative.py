@@ -34,9 +34,7 @@ def test_ngram_drafts_follow_the_latest_earlier_occurrence():
         NGramDecodingConfig.of({"max_draft_len": 2, "is_keep_all": True})
     with pytest.warns(UserWarning, match="turns the overlap scheduler off"):  # as TensorRT-LLM does for NGram
         assert not EngineConfig(speculative_config=SPEC).overlap_scheduler
-    with pytest.raises(ValueError, match="enable_chunked_prefill=False"):
-        EngineConfig(speculative_config=SPEC, overlap_scheduler=False, enable_chunked_prefill=True, max_num_tokens=64,
-                     prefix_caching=False)
+
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +103,44 @@ def test_vtoken_equals_naive_evict_with_drafting(model, policy):
         for a, b in zip(reference, out):
             assert a.evictions == b.evictions and a.output_ids == b.output_ids, f"{variant} {mode}: {a.req_id}"
         assert engine.speculation.stats.drafted > engine.speculation.stats.accepted
+    assert any(any(r.evictions) for r in reference)
+
+
+CHUNKED = dict(enable_chunked_prefill=True, max_num_tokens=12, prefix_caching=False, lazy_background=False)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES.names()))
+def test_drafting_beside_chunked_prefill_keeps_outputs_and_the_iterations_tokens(model, policy):
+    """Prompts of 22-38 tokens prefilled in chunks of 8 beside decode rows with drafts: a decode
+    row's drafts count in ``max_num_tokens`` before the prompts' chunks (as TensorRT-LLM's
+    micro-batch scheduler counts them), so no iteration computes more than 12 tokens; greedy
+    output is native's one token at a time; vtoken dense and lazy equal naive-evict."""
+    options = {"n_sink": 2} if policy == "streaming_llm" else {}
+    plain, _ = run(model, variant="native", **CHUNKED)
+    reference = None
+    for variant, mode in (("native", "dense"), ("naive-evict", "dense"), ("vtoken", "dense"), ("vtoken", "lazy")):
+        computed: list[int] = []
+        values = dict(tokens_per_block=4, num_blocks=200, max_batch_size=4, max_seq_len=80, check_invariants=True,
+                      overlap_scheduler=False, variant=variant, mode=mode, policy=policy, budget=16,
+                      policy_options=options, speculative_config=SPEC, **CHUNKED)
+        engine = Engine(model, EngineConfig(**values), record_trace=True)
+        forward = engine.forwards.run
+        engine.forwards.run = lambda ids, tokens, *a, _run=forward, **k: (computed.append(sum(map(len, tokens))),
+                                                                           _run(ids, tokens, *a, **k))[1]
+        ids = [engine.add_request(p, PARAMS, req_id=i) for i, p in enumerate(prompts())]
+        per_step = []
+        while engine.has_unfinished():
+            computed.clear()
+            engine.step()
+            per_step.append(sum(computed))
+        out = [engine.pop_finished(i) for i in ids]
+        assert max(per_step) <= 12 and engine.speculation.stats.drafted > engine.speculation.stats.accepted > 0
+        if variant == "native":
+            assert [r.output_ids for r in out] == [r.output_ids for r in plain]
+            continue
+        reference = reference or out
+        for a, b in zip(reference, out):
+            assert a.evictions == b.evictions and a.output_ids == b.output_ids, f"{variant} {mode}: {a.req_id}"
     assert any(any(r.evictions) for r in reference)
 
 

@@ -115,8 +115,9 @@ class EngineConfig:
     speculative_config: NGramDecodingConfig | dict | None = None
     """Speculative decoding with n-gram drafts (TensorRT-LLM's ``NGramDecodingConfig`` fields, or
     a dict of them with ``decoding_type="NGram"``): greedy decode rows verify up to
-    ``max_draft_len`` draft tokens a step (``runtime/speculation.py``). Without chunked prefill
-    for now. It turns the overlap scheduler off (a warning says so), as TensorRT-LLM does for NGram:
+    ``max_draft_len`` draft tokens a step (``runtime/speculation.py``); with ``max_num_tokens`` the
+    drafts count in it before the prompts' chunks. It turns the overlap scheduler off (a warning
+    says so), as TensorRT-LLM does for NGram:
     the drafts come from the tokens just sampled, and a step beside the next forward would take its
     drafts in before the forward has verified them."""
     synchronous_copies: bool = False
@@ -166,8 +167,6 @@ class EngineConfig:
         if self.max_num_tokens is not None:
             require_positive(self, "max_num_tokens")
         object.__setattr__(self, "speculative_config", NGramDecodingConfig.of(self.speculative_config))
-        if self.speculative_config is not None and self.enable_chunked_prefill:
-            raise ValueError("speculative_config needs enable_chunked_prefill=False for now")
         if self.speculative_config is not None and self.overlap_scheduler:
             warnings.warn("speculative_config turns the overlap scheduler off (as TensorRT-LLM does for NGram: a "
                           "step beside the next forward would take its drafts in before they are verified)",

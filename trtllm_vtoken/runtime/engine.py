@@ -181,10 +181,13 @@ class Engine:
         """Runs one iteration; returns what each request that changed produced."""
         reported, self._reported = self._reported, []
         decode = self.scheduler.schedule_decode()
-        prefill = self.scheduler.schedule_prefill(len(decode))
+        # Draft tokens count in the iteration's tokens before the prompts' (TensorRT-LLM's
+        # micro-batch scheduler counts a decode row's drafts with it, then fits the context chunks).
+        drafts = None if self.speculation is None else self.speculation.draft(decode, self._draft_budget(decode))
+        prefill = self.scheduler.schedule_prefill(len(decode) + sum(map(len, (drafts or {}).values())))
         if self.config.overlap_scheduler:
             return self._step_overlapped(reported, decode, prefill)
-        results, masses = self._run_forwards(decode, prefill)
+        results, masses = self._run_forwards(decode, prefill, drafts)
         self.forwards.wait()  # the step reads the forwards' attention
         # One step for every row the forwards ran, begun before sampling: its new tokens join the
         # table, the policy decides for the whole batch (a request's cached chain is cut before
@@ -265,13 +268,19 @@ class Engine:
         kv.start_step(rows, mass, overlap=self.config.step_overlap, forward_between=True)
         self._stepped = rows
 
-    def _run_forwards(self, decode: list[int], prefill: list[int]):
-        """This iteration's forwards: the decode rows at once, each prefill on its own. Returns
-        their rows (request, last logits, new tokens) and each forward's mass."""
+    def _draft_budget(self, decode: list[int]) -> int | None:
+        """Draft tokens this iteration may carry: what ``max_num_tokens`` leaves after one token per
+        decode row (None: no limit)."""
+        limit = self.config.max_num_tokens
+        return None if limit is None else max(0, limit - len(decode))
+
+    def _run_forwards(self, decode: list[int], prefill: list[int], drafts: dict[int, list[int]] | None = None):
+        """This iteration's forwards: the decode rows at once (with their ``drafts``, speculative
+        decoding), each prefill on its own. Returns their rows (request, last logits, new tokens)
+        and each forward's mass."""
         results: list[tuple[Request, torch.Tensor, int]] = []
         masses: list[torch.Tensor | None] = []  # each forward's [rows, L], its rows in results in order
         if decode:
-            drafts = self.speculation.draft(decode) if self.speculation is not None else None
             if drafts:
                 tokens = [[self.requests[r].pending, *drafts.get(r, ())] for r in decode]
                 logits, mass = self.forwards.run(decode, tokens, verify=True)
