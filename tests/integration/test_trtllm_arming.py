@@ -160,20 +160,30 @@ def test_arming_values():
 
 def test_the_triton_models_llm_arms_a_worker_that_ignores_env_overrides():
     """The serving loop makes vToken's arguments before it imports tensorrt_llm, so its worker
-    arms by the environment route too (imported first, this build's LLM would be refused)."""
+    arms by the environment route too (imported first, this build's LLM would be refused). The
+    engine settings TensorRT-LLM has too reach its LLM under its names (``trtllm_options``):
+    the worker builds its executor with chunked prefill, NGram drafting and block reuse off."""
     code = """
-import json, pathlib, tempfile
+import json, pathlib, tempfile, warnings
 from trtllm_vtoken.integration.trtllm.arming import read_record
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.serving.settings import ServingSettings
 from trtllm_vtoken.serving.trtllm_loop import make_trtllm_loop
 
 folder = pathlib.Path(tempfile.mkdtemp()); (folder / "config.json").write_text("{}")
-engine = EngineConfig(policy="sliding_window", budget=12, tokens_per_block=4, max_batch_size=4, max_seq_len=64)
+warnings.simplefilter("ignore")  # drafting turns the overlap scheduler off, as TensorRT-LLM does
+engine = EngineConfig(policy="sliding_window", budget=12, tokens_per_block=4, max_batch_size=4, max_seq_len=64,
+                      max_num_tokens=32, enable_chunked_prefill=True, prefix_caching=False,
+                      speculative_config={"max_draft_len": 2, "max_matching_ngram_size": 2})
 loop = make_trtllm_loop(ServingSettings(engine, model=str(folder), backend="trtllm"))
-print(json.dumps({"record": read_record(loop.stats_file), "manager": loop.llm.worker_report["manager"]}))
+args = loop.llm.args
+print(json.dumps({"record": read_record(loop.stats_file), "manager": loop.llm.worker_report["manager"],
+                  "args": [args.max_num_tokens, args.enable_chunked_prefill, args.disable_overlap_scheduler,
+                           args.kv_cache_config.enable_block_reuse, args.speculative_config.decoding_type,
+                           args.speculative_config.max_draft_len, args.max_batch_size]}))
 loop.stop()
 """
     got = worker_report(run_client(code, **IGNORES_OVERRIDES))
     assert got["manager"] == "VTokenKVCacheManager[KVCacheManager]" == got["record"]["manager"]
     assert got["record"]["settings"]["policy"] == "sliding_window"
+    assert got["args"] == [32, True, True, False, "NGram", 2, 4]

@@ -148,10 +148,35 @@ class TRTLLMLoop:
             self._started.discard(req_id)
 
 
+def trtllm_options(engine) -> dict[str, Any]:
+    """The LLM arguments, in TensorRT-LLM's names, that the engine settings give beside vToken's
+    own (policy, budget, block size): the batch and its tokens, the overlap scheduler, chunked
+    prefill, NGram drafting (``speculative_config``: its fields) and the KV cache's block reuse
+    and FP8 dtype (``kv_cache_config``: fields to set on vToken's ``KvCacheConfig``)."""
+    options: dict[str, Any] = {"max_batch_size": engine.max_batch_size, "max_seq_len": engine.max_seq_len,
+                               "disable_overlap_scheduler": not engine.overlap_scheduler,
+                               "enable_chunked_prefill": engine.enable_chunked_prefill}
+    if engine.max_num_tokens is not None:
+        options["max_num_tokens"] = engine.max_num_tokens
+    kv_cache = {}
+    if not engine.prefix_caching:
+        kv_cache["enable_block_reuse"] = False
+    if engine.kv_cache_dtype == "fp8":
+        kv_cache["dtype"] = "fp8"
+    if kv_cache:
+        options["kv_cache_config"] = kv_cache
+    spec = engine.speculative_config
+    if spec is not None:
+        options["speculative_config"] = {"max_draft_len": spec.max_draft_len,
+                                         "max_matching_ngram_size": spec.max_matching_ngram_size}
+    return options
+
+
 def make_trtllm_loop(settings, on_stats: Callable[[dict[str, float]], None] | None = None) -> TRTLLMLoop:
     """The LLM for the Triton model's settings, with vToken's hooks, wrapped in a started loop
     whose metrics reach ``on_stats``. vToken's arguments are made before ``import tensorrt_llm``,
-    so the settings reach the executor worker on every TensorRT-LLM build (``startup.py``)."""
+    so the settings reach the executor worker on every TensorRT-LLM build (``startup.py``); the
+    engine settings TensorRT-LLM has too go with them (``trtllm_options``)."""
     from trtllm_vtoken.integration.trtllm import vtoken_llm_args
     from trtllm_vtoken.runtime.checkpoint import resolve_model
 
@@ -161,8 +186,12 @@ def make_trtllm_loop(settings, on_stats: Callable[[dict[str, float]], None] | No
     stats_file = Path(tempfile.mkdtemp(prefix="vtoken-trtllm-")) / "stats.json"
     args = vtoken_llm_args(policy=engine.policy, budget=engine.budget, tokens_per_block=engine.tokens_per_block,
                            policy_options=dict(engine.policy_options), stats_file=str(stats_file))
+    options = trtllm_options(engine)
     import tensorrt_llm
 
-    llm = tensorrt_llm.LLM(str(resolve_model(settings.model)), max_batch_size=engine.max_batch_size,
-                           max_seq_len=engine.max_seq_len, **args)
+    for key, value in options.pop("kv_cache_config", {}).items():
+        setattr(args["kv_cache_config"], key, value)
+    if "speculative_config" in options:
+        options["speculative_config"] = tensorrt_llm.llmapi.NGramDecodingConfig(**options["speculative_config"])
+    llm = tensorrt_llm.LLM(str(resolve_model(settings.model)), **options, **args)
     return TRTLLMLoop(llm, tensorrt_llm, stats_file, on_stats).start()
