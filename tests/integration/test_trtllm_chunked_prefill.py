@@ -138,3 +138,30 @@ def test_a_later_chunk_scores_the_keys_still_held_and_counts_the_window_from_the
     if window is not None:  # nothing observed until the prompt's last 6 queries
         assert all(total == 0 for _, _, after, total in calls if after >= window)
         assert all(total > 0 for _, _, after, total in calls if after < window)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "scissorhands"])
+def test_a_decoding_request_decides_alike_beside_a_chunked_prompt(trtllm121, policy):
+    """Under the overlap loop only the chunked prompt's own step is taken early: a request that
+    decodes while another prompt is prefilled in chunks, in the same batches, takes every step
+    (tokens known, victims) as it does alone."""
+    from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
+
+    rng = random.Random(11)
+    short, long = ([rng.randrange(2, 500) for _ in range(n)] for n in (14, 60))
+    traces = {}
+    for beside in (False, True):
+        executor = build_executor(policy, Mix(0, num_blocks=120), overlap=True, block_reuse=False,
+                                  chunked=(16, "FIRST_COME_FIRST_SERVED"))
+        trace = trace_victims(executor.resources["kv_cache_manager"])
+        executor.enqueue_request(LlmRequest(request_id=100, max_new_tokens=24, input_tokens=short,
+                                            sampling_config=SamplingConfig(1)))
+        if beside:  # arrives while the first decodes: its chunks share that request's batches
+            executor.enqueue_request(LlmRequest(request_id=101, max_new_tokens=4, input_tokens=long,
+                                                sampling_config=SamplingConfig(1)), 2)
+        executor.run()
+        traces[beside] = trace[100]
+        if beside:
+            assert len([n for n, _ in trace[101] if n < len(long)]) >= 3  # several chunks beside it
+    assert traces[True] == traces[False] and any(v for _, v in traces[False])
+

@@ -31,7 +31,7 @@ rows are needed, not before).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trtllm_vtoken.integration.trtllm.scores import QueryRecorder
@@ -58,14 +58,13 @@ class PreparedBatch:
     """The batch's recordings, copied out of the recorder before the next forward (else None)."""
     mass: MassCopy | None = None
     """Its attention mass, enqueued before the next forward (``mass_copy.py``), else None."""
-    stepped: bool = False
-    """Its step was taken before the next forward (``prepare_resources``): nothing is left for
-    ``update_resources``."""
+    stepped: set[int] = field(default_factory=set)
+    """Its requests whose step was taken before the next forward (``prepare_resources``):
+    ``update_resources`` leaves them out."""
 
-    @property
-    def continues(self) -> bool:
-        """A context row of this batch has more of its prompt to prefill (chunked prefill)."""
-        return any(self.prompt_after.values())
+    def continuing(self) -> set[int]:
+        """Its context requests with more of their prompt to prefill (chunked prefill)."""
+        return {req_id for req_id, after in self.prompt_after.items() if after}
 
     def recording_rows(self) -> tuple[list[int], int, list[int]]:
         """The batch's request ids in the forward's row order, how many are context rows, and each

@@ -130,16 +130,21 @@ def build_manager_class(base: type) -> type:
             # A policy that observes attention: the batches in flight get their mass enqueued now,
             # behind their forwards and before this batch's, so that their updates wait for it and
             # not for this batch's forward (mass_copy.py).
-            # A batch with a prompt chunk that is not its prompt's last (chunked prefill) takes its
-            # step now with any policy: the next chunk, in this batch, must be written after the
-            # compacted layout of the ones before it (the host waits for that batch's forward, as
-            # the plain loop does; not for this one's).
+            # A prompt chunk that is not its prompt's last (chunked prefill) takes its step now
+            # with any policy: its next chunk, in this batch, must be written after the compacted
+            # layout of the ones before it (the host waits for that batch's forward, as the plain
+            # loop does; not for this one's). Only those requests: the batch's other rows keep the
+            # order they have without chunks, so no request decides otherwise for what runs beside it.
             for prepared in self._vtoken_batches.in_flight():
-                if not self.vtoken.needs_attention or prepared.continues:
-                    if not prepared.stepped:
-                        self._vtoken_step(prepared, through_only=True)
-                        prepared.stepped = True
-                elif prepared.mass is None:
+                if not self.vtoken.needs_attention:
+                    self._vtoken_step(prepared, through_only=True)
+                    prepared.stepped.update(prepared.through)
+                    continue
+                now = prepared.continuing() - prepared.stepped
+                if now:
+                    self._vtoken_step(prepared, through_only=True, only=now)
+                    prepared.stepped.update(now)
+                if prepared.mass is None:
                     self._vtoken_enqueue_mass(prepared)
             super().prepare_resources(scheduled_batch)
             self._vtoken_held.update(r.py_request_id for r in scheduled_batch.all_requests())
@@ -158,11 +163,10 @@ def build_manager_class(base: type) -> type:
                     self._vtoken_batches.rewound(prepared, req.py_request_id, rewind)
             # Count-based policies take in the tokens up to this batch's own only (a later batch's
             # were or will be taken in by its successor's prepare_resources, before its forward).
-            if not prepared.stepped:
-                self._vtoken_step(prepared, through_only=not self.vtoken.needs_attention)
+            self._vtoken_step(prepared, through_only=not self.vtoken.needs_attention)
             self._vtoken_publish(force=False)
 
-        def _vtoken_step(self, prepared, through_only: bool) -> None:
+        def _vtoken_step(self, prepared, through_only: bool, only: set[int] | None = None) -> None:
             """One step for the batch's requests. The executor loop frees the requests that
             finished with a batch (_handle_responses, a stop or EOS token, max_tokens reached:
             KvCacheCreator's estimation requests finish on their first token) BEFORE it calls
@@ -171,9 +175,10 @@ def build_manager_class(base: type) -> type:
             TensorRT-LLM allocated for a request: under the overlap loop that includes the token
             the next batch's forward (already launched) writes, so the plan counts its slot as
             taken; the decode queries of this batch attended to the tokens up to its own
-            (``through``). ``through_only``: only those, and requests with none new are skipped."""
+            (``through``). ``through_only``: only those, and requests with none new are skipped.
+            ``only``: these requests of the batch; the batch's requests stepped already are left out."""
             scheduled_batch, step = prepared.batch, self.vtoken.step
-            written = self._vtoken_written(prepared, through_only)
+            written = self._vtoken_written(prepared, through_only, only)
             if self._vtoken_reuse:
                 blocks_of = {req_id: blocks for req_id, blocks, _, _ in written}
                 self._vtoken_share_prompts([(r.py_request_id, blocks_of[r.py_request_id], r.prompt_len)

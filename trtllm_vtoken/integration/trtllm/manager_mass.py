@@ -20,13 +20,16 @@ from trtllm_vtoken.integration.trtllm.state import CUDA_GRAPH_DUMMY_REQUEST_ID
 
 
 class ManagerMass:
-    def _vtoken_written(self, prepared, through_only: bool) -> list[tuple[int, list[int], int, int]]:
+    def _vtoken_written(self, prepared, through_only: bool,
+                        only: set[int] | None = None) -> list[tuple[int, list[int], int, int]]:
         """(request id, its block list, tokens TensorRT-LLM allocated that the table does not
-        know yet, positions the batch's forward attended to) of the batch's requests still held."""
+        know yet, positions the batch's forward attended to) of the batch's requests still held
+        and not stepped yet (``only``: of these)."""
         step, allocated, written = self.vtoken.step, self._vtoken_batches.allocated, []
         for r in prepared.batch.context_requests + prepared.batch.generation_requests:
             req_id = r.py_request_id
-            if req_id not in self._vtoken_held:
+            if req_id not in self._vtoken_held or req_id in prepared.stepped or \
+                    (only is not None and req_id not in only):
                 continue
             known = step.num_tokens(req_id) if req_id in step else 0
             new = (prepared.through[req_id] if through_only else allocated[req_id]) - known
