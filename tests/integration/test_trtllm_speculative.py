@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.test_trtllm_executor_loop import KVWitness, Mix, build_executor, drive, random_requests
+from tests.integration.test_trtllm_executor_loop import KVWitness, Mix, build_executor, drive, random_requests, \
+    trace_victims
 
 SPEC = {"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 2}
 
@@ -120,3 +121,30 @@ def test_a_decode_rows_mass_counts_its_token_and_accepted_drafts_only(trtllm121,
         executor.enqueue_request(req, arrival)
     executor.run()
     assert len(checked) > 30 and max(checked) > 1 and min(checked) == 1  # some drafts accepted, some not
+
+
+@pytest.mark.parametrize("policy", ["streaming_llm", "h2o"])
+def test_with_a_private_pool_a_request_decides_alike_alone_and_beside_another(trtllm121, policy, monkeypatch):
+    """``is_public_pool=False``: a request's drafts come from its own text only, so its
+    acceptance, and the steps (tokens known, victims) its policy takes, are the same alone and
+    beside another request repeating the same text."""
+    from tensorrt_llm._torch.pyexecutor import _util
+    from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
+
+    monkeypatch.setattr(_util, "greedy_token", copying_token)
+    prompt = [7, 8, 9, 10, 11, 12, 13, 7, 8, 9, 10, 11, 12, 13]
+    traces = {}
+    for beside in (False, True):
+        executor = build_executor(policy, Mix(0, num_blocks=120), block_reuse=False,
+                                  speculative_config={**SPEC, "is_public_pool": False})
+        trace = trace_victims(executor.resources["kv_cache_manager"])
+        executor.enqueue_request(LlmRequest(request_id=101, max_new_tokens=30, input_tokens=prompt,
+                                            sampling_config=SamplingConfig(1)))
+        if beside:
+            executor.enqueue_request(LlmRequest(request_id=102, max_new_tokens=30, input_tokens=prompt[::-1],
+                                                sampling_config=SamplingConfig(1)), 1)
+        executor.run()
+        traces[beside] = trace[101]
+    assert traces[True] == traces[False] and any(v for _, v in traces[False])
+    assert any(n2 - n1 > 1 for (n1, _), (n2, _) in zip(traces[False], traces[False][1:]))  # drafts accepted
+
