@@ -179,8 +179,9 @@ class EngineConfig:
                 raise ValueError(f"max_num_tokens ({self.max_num_tokens}) must leave a block ({self.tokens_per_block} "
                                  f"tokens) for prefill chunks beside max_batch_size ({self.max_batch_size}) decode rows")
             if self.prefix_caching:
-                raise ValueError("enable_chunked_prefill needs prefix_caching=False for now (a prompt's blocks "
-                                 "are keyed at admission, before the later chunks write them)")
+                raise ValueError("enable_chunked_prefill needs prefix_caching=False: a request decides after each "
+                                 "chunk, and one that took a cached prefix would skip the decisions inside it, so "
+                                 "its evictions, and its answer, would depend on what ran before it")
             if self.mode == "lazy" and self.lazy_background:
                 raise ValueError("enable_chunked_prefill with mode='lazy' needs lazy_background=False: background "
                                  "compaction frees a chunk's holes two iterations late, past the peak admission counts")
