@@ -66,15 +66,23 @@ class PreparedBatch:
         """Its context requests with more of their prompt to prefill (chunked prefill)."""
         return {req_id for req_id, after in self.prompt_after.items() if after}
 
-    def recording_rows(self) -> tuple[list[int], int, list[int]]:
-        """The batch's request ids in the forward's row order, how many are context rows, and each
-        decode row's first query in the recorder (its token, then its draft tokens'; a last entry
-        ends the list)."""
-        contexts, generation = list(self.batch.context_requests), list(self.batch.generation_requests)
-        starts = [0]
-        for request in generation:
-            starts.append(starts[-1] + 1 + len(getattr(request, "py_draft_tokens", None) or ()))
-        return [r.py_request_id for r in contexts + generation], len(contexts), starts
+    _rows: dict[int, tuple[str, int, int]] | None = field(default=None, init=False, repr=False)
+
+    def recording_rows(self) -> dict[int, tuple[str, int, int]]:
+        """Request -> where the forward recorded it: ("prefill", context row, 0), or ("decode",
+        first query, end) in the recorder's decode queries (its token, then its draft tokens').
+        Read from the request lists the first time it is asked, after the forward (the lists are
+        final then), and kept: the step asks for every row of the batch."""
+        if self._rows is None:
+            contexts = self.batch.context_requests
+            rows = {r.py_request_id: ("prefill", i, 0) for i, r in enumerate(contexts)}
+            start = 0
+            for request in self.batch.generation_requests:
+                end = start + 1 + len(getattr(request, "py_draft_tokens", None) or ())
+                rows[request.py_request_id] = ("decode", start, end)
+                start = end
+            self._rows = rows
+        return self._rows
 
 
 class PreparedBatches:
@@ -150,26 +158,22 @@ class PreparedBatches:
         """What the batch's forward recorded for a request (parked, or still in the recorder)."""
         if prepared.parked is not None:
             return prepared.parked.get(req_id, ("decode", None))
-        ids, contexts, starts = prepared.recording_rows()
-        row = ids.index(req_id)
-        if row < contexts:
-            return "prefill", self.recorder.prefill.get(row)
-        return "decode", self._queries(starts, row - contexts)
+        return self._recorded(*prepared.recording_rows()[req_id])
 
-    def _queries(self, starts: list[int], row: int):
+    def _recorded(self, kind: str, start: int, end: int) -> Recording:
+        if kind == "prefill":
+            return kind, self.recorder.prefill.get(start)
         q = self.recorder.q
-        if q is None or starts[row + 1] > q.shape[0]:  # not recorded (rows past the buffer: padding)
-            return None
-        return q[starts[row] : starts[row + 1]]
+        if q is None or end > q.shape[0]:  # not recorded (rows past the buffer: padding)
+            return kind, None
+        return kind, q[start:end]
 
     def _park(self, prepared: PreparedBatch) -> dict[int, Recording]:
-        ids, contexts, starts = prepared.recording_rows()
         parked: dict[int, Recording] = {}
-        for row, req_id in enumerate(ids):
-            if row < contexts:
-                parked[req_id] = ("prefill", self.recorder.prefill.get(row))
-            else:
-                queries = self._queries(starts, row - contexts)
-                if queries is not None:
-                    parked[req_id] = ("decode", queries.clone())
+        for req_id, where in prepared.recording_rows().items():
+            kind, recorded = self._recorded(*where)
+            if kind == "prefill":
+                parked[req_id] = (kind, recorded)
+            elif recorded is not None:
+                parked[req_id] = (kind, recorded.clone())
         return parked

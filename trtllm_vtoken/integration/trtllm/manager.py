@@ -97,8 +97,7 @@ def build_manager_class(base: type) -> type:
             # A decoding request holds a block at least and decodes one token and its draft tokens
             # (speculative decoding): no batch has more decode queries than max_batch_size rows of
             # them, the pool's blocks or max_num_tokens allow.
-            spec_config = kwargs.get("spec_config")
-            drafts = (getattr(spec_config, "max_total_draft_tokens", None) or 0) if spec_config is not None else 0
+            drafts = getattr(kwargs.get("spec_config"), "max_total_draft_tokens", None) or 0
             decode_rows = min(min(kwargs.get("max_batch_size", 1), pools[0].shape[0]) * (1 + drafts),
                               kwargs.get("max_num_tokens", 8192))
             self._vtoken_cap = settings.mass_workspace_mib << 20

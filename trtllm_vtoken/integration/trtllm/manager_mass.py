@@ -77,8 +77,10 @@ class ManagerMass:
         for i, (req_id, kv_len, block_ids) in enumerate(rows):
             kind, recorded = self._vtoken_batches.recording(prepared, req_id)
             if kind == "decode" and recorded is not None and kv_len > 0:
-                before = step.kv_len(req_id) if req_id in step else 0
-                counted = min(max(1, kv_len - before), recorded.shape[0])
+                counted = 1
+                if recorded.shape[0] > 1:  # draft tokens: the token's and the accepted drafts' queries
+                    before = step.kv_len(req_id) if req_id in step else 0
+                    counted = min(max(1, kv_len - before), recorded.shape[0])
                 for j in range(counted):
                     index.append(i)
                     query_rows.append(recorded[j])
