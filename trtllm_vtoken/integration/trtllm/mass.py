@@ -4,9 +4,10 @@
     prefill_mass   one context row, inside the attention hook (layer by layer)
     decode_mass    a batch's decode rows, all layers of one pool, in ``update_resources``
 
-CUDA tensors with Triton installed take the Triton kernels (``mass_triton.py``); everything else
-the bounded torch passes (``mass_torch.py``). Both compute ``scores.py``'s specification and hold
-at most ``cap_bytes`` of workspace (``VTokenSettings.mass_workspace_mib``).
+CUDA tensors with Triton installed take the Triton kernels (``mass_triton.py``); a bf16 context
+row on a CPU with AMX-BF16 the C++ tile pass (``mass_amx.py``); everything else the bounded torch
+passes (``mass_torch.py``). All compute ``scores.py``'s specification and hold at most
+``cap_bytes`` of workspace (``VTokenSettings.mass_workspace_mib``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from functools import cache
 
 import torch
 
+from trtllm_vtoken.integration.trtllm.mass_amx import amx_available, prefill_mass_amx
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch, prefill_mass_torch
 
@@ -26,9 +28,14 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def mass_backend(device: torch.device | str) -> str:
-    """"triton" for CUDA tensors where Triton is installed, else "torch"."""
-    return "triton" if torch.device(device).type == "cuda" and triton_installed() else "torch"
+def mass_backend(device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """The pass tensors of this device (and dtype) take: "triton" for CUDA tensors where Triton is
+    installed; "amx" for bf16 CPU tensors of a context row where the C++ core runs AMX-BF16 (a
+    prompt whose workspace exceeds the cap still takes "torch"; decode rows always do); else "torch"."""
+    device = torch.device(device)
+    if device.type == "cuda" and triton_installed():
+        return "triton"
+    return "amx" if device.type == "cpu" and dtype == torch.bfloat16 and amx_available() else "torch"
 
 
 def prefill_mass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None, window: int | None = None,
@@ -38,7 +45,8 @@ def prefill_mass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None =
         from trtllm_vtoken.integration.trtllm.mass_triton import prefill_mass_triton
 
         return prefill_mass_triton(q, k, past_k, window, cap_bytes=cap_bytes)
-    return prefill_mass_torch(q, k, past_k, window, cap_bytes)
+    mass = prefill_mass_amx(q, k, past_k, window, cap_bytes)
+    return mass if mass is not None else prefill_mass_torch(q, k, past_k, window, cap_bytes)
 
 
 def decode_mass(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[Sequence[int]], kv_lens: Sequence[int],

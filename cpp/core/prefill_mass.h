@@ -1,0 +1,50 @@
+// SPDX-License-Identifier: Apache-2.0
+// H2O's prefill attention mass of one context row on x86 CPUs with AMX-BF16: the keys' scores
+// are tile products of the bf16 rows with float32 sums (as the attention's own kernels on these
+// CPUs compute them), then one exact float32 softmax per query row and its column sums.
+//
+// The specification is scores.prefill_attention_mass (Python); mass_torch.py is the portable
+// pass. This one differs from them in how, not what: equal to float32 rounding (the suite checks
+// it on random shapes, GQA groups, reused prefixes, windows and strided inputs).
+//
+// Every buffer lives in the caller's workspace (prefill_mass_workspace_bytes): the manager
+// allocates it as one tensor, so its size is what the cap (mass_workspace_mib) bounds and what
+// the estimation forward sees.
+#pragma once
+
+#include <cstdint>
+
+namespace vtoken {
+
+// Rows of a [tokens, heads, head_dim] bf16 tensor whose last dimension is contiguous:
+// element [t, h, d] at data[t * token_stride + h * head_stride + d] (strides in elements).
+struct Bf16Rows {
+  const uint16_t* data = nullptr;
+  int64_t token_stride = 0;
+  int64_t head_stride = 0;
+};
+
+struct PrefillMassArgs {
+  Bf16Rows q;       // [num_tokens, num_heads, head_dim]: the row's queries (rotated)
+  Bf16Rows k;       // [num_tokens, num_kv_heads, head_dim]: the row's own keys
+  Bf16Rows past_k;  // [num_past, num_kv_heads, head_dim]: keys before them (a reused prefix, earlier chunks)
+  int64_t num_tokens = 0, num_past = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  int64_t first_query = 0;  // queries [first_query, num_tokens) observe (H2O's prefill window)
+};
+
+// True where the CPU has AMX-BF16 and AVX-512 (BF16) and the OS grants this process the tile
+// state (asked once, on the first call).
+bool prefill_mass_amx_supported();
+
+// Bytes of workspace the pass needs over num_keys keys with this many threads (at most one per KV head).
+int64_t prefill_mass_workspace_bytes(int64_t num_keys, int64_t num_kv_heads, int64_t head_dim, int64_t threads);
+
+// mass[j] for j < num_past + num_tokens (overwritten): the sum over heads and observing queries
+// of the query's softmax weight on key j. Threads take whole KV heads and the heads' sums are
+// added in head order, so the result does not depend on the thread count. Throws
+// std::invalid_argument (nothing written) for inconsistent shapes or a workspace smaller than
+// prefill_mass_workspace_bytes, std::runtime_error where AMX is not supported.
+void prefill_mass_amx(const PrefillMassArgs& args, uint8_t* workspace, int64_t workspace_bytes, int64_t threads,
+                      float* mass);
+
+}  // namespace vtoken

@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The prefill mass pass on x86 CPUs with AMX-BF16 (``cpp/core/prefill_mass.cpp``), for bf16 rows.
+
+The bounded torch pass (``mass_torch.py``) converts bf16 queries and keys to float32 first: torch
+has no CPU product of bf16 matrices with float32 results, and a bf16 result would round the
+scores before the softmax. This pass multiplies the bf16 rows in AMX tiles with float32 sums (as
+the attention's own kernels do on these CPUs), then runs the same exact float32 softmax and
+column sums, reading each KV head's keys once.
+
+Its workspace is one tensor, sized by the kernel's own count (``prefill_mass_workspace_bytes``)
+and allocated here, so the cap bounds it as it bounds the torch pass; threads (torch's count, at
+most one per KV head) are given up one by one until it fits. Where it does not apply (another
+dtype, a CPU or OS without AMX, the package built without its C++ core, a prompt whose
+workspace exceeds the cap with one thread) the caller takes the torch pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trtllm_vtoken.core import native
+
+
+def amx_available() -> bool:
+    """The C++ core is built and this CPU and OS run AMX-BF16 (asks the OS once for the tile state)."""
+    core = native.load()
+    return core is not None and core.prefill_mass_amx_supported()
+
+
+def amx_workspace_bytes(num_keys: int, num_kv_heads: int, head_dim: int, cap_bytes: int,
+                        threads: int | None = None) -> tuple[int, int] | None:
+    """(threads, bytes) of the pass over ``num_keys`` keys within ``cap_bytes``: the most threads
+    up to ``threads`` (default torch's count) whose workspace fits, or None if one thread's does not."""
+    core = native.load()
+    if core is None:
+        return None
+    for count in range(min(threads or torch.get_num_threads(), num_kv_heads), 0, -1):
+        size = core.prefill_mass_workspace_bytes(num_keys, num_kv_heads, head_dim, count)
+        if size <= cap_bytes:
+            return count, size
+    return None
+
+
+def prefill_mass_amx(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, window: int | None,
+                     cap_bytes: int, threads: int | None = None) -> torch.Tensor | None:
+    """``scores.prefill_attention_mass`` (same arguments, same result to float32 rounding) of a
+    bf16 CPU row, or None where this pass does not apply (the caller takes the torch pass)."""
+    tensors = (q, k) if past_k is None else (q, k, past_k)
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors) or not amx_available():
+        return None
+    num_tokens, _, head_dim = q.shape
+    num_keys = num_tokens + (0 if past_k is None else past_k.shape[0])
+    plan = amx_workspace_bytes(num_keys, k.shape[1], head_dim, cap_bytes, threads)
+    if plan is None:
+        return None
+    count, size = plan
+    first = 0 if window is None else max(0, num_tokens - window)
+    if first >= num_tokens:  # no query observes (an empty window)
+        return torch.zeros(num_keys, dtype=torch.float32)
+    workspace = torch.empty(size, dtype=torch.uint8)
+    mass = torch.empty(num_keys, dtype=torch.float32)
+    native.load().prefill_mass_amx(q, k, past_k, first, workspace, count, mass)
+    return mass
