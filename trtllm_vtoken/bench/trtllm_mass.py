@@ -11,7 +11,9 @@ the attention it observes, on the same tensors, in one run.
                               the block table, then torch's fused attention (SDPA)
     prefill  one context row of T tokens, one layer:
                specification  scores.prefill_attention_mass (T <= 2,048: it is slow)
-               mass pass      mass.prefill_mass; and with H2O's prefill_window of 64 queries
+               mass pass      mass.prefill_mass (on CPU: the AMX tile pass for bf16 where the
+                              CPU has it, else the bounded torch pass; the row names it);
+                              and with H2O's prefill_window of 64 queries
                attention      torch's fused causal attention (SDPA) of the same q, k, v
 
 Every way runs ``rounds`` times in alternating order; each ratio to the attention is given as the
@@ -35,7 +37,7 @@ import torch
 from trtllm_vtoken.bench.memory import peak_transient_bytes
 from trtllm_vtoken.bench.repeats import at_most_verdict
 from trtllm_vtoken.config_base import require_positive
-from trtllm_vtoken.integration.trtllm.mass import decode_mass, mass_backend, prefill_mass
+from trtllm_vtoken.integration.trtllm.mass import decode_mass, mass_backend, prefill_mass, prefill_pass
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass, prefill_attention_mass
 
@@ -132,7 +134,7 @@ def prefill_section(cfg: TrtllmMassBenchConfig, tokens: int, dtype: torch.dtype,
         ways["specification"] = lambda: prefill_attention_mass(q, k)
         difference = (ways["mass pass"]() - ways["specification"]()).abs().max().item()
     times = time_ways(ways, cfg.rounds, sync, progress)
-    return {"tokens": tokens, "dtype": str(dtype).removeprefix("torch."), "ms": times,
+    return {"tokens": tokens, "dtype": str(dtype).removeprefix("torch."), "pass": prefill_pass(q, k), "ms": times,
             "max_abs_difference": difference,
             "mass_pass_to_attention": ratio_summary(times["mass pass"], times["attention"]),
             "windowed_to_attention": ratio_summary(times[f"mass pass, window {WINDOW}"], times["attention"]),

@@ -91,9 +91,9 @@ def run_trtllm_mass(args: argparse.Namespace) -> int:
     print("prefill: one context row, one layer")
     window = next(name for name in result["prefill"][0]["ms"] if "window" in name)
     print(format_table(
-        ["tokens", "dtype", "mass ms", f"{window.split(', ')[1]} ms", "attention ms", "specification ms",
+        ["tokens", "dtype", "pass", "mass ms", f"{window.split(', ')[1]} ms", "attention ms", "specification ms",
          "mass / attention", f"{window.split(', ')[1]} / attention", "peak MiB (mass, spec)"],
-        [[row["tokens"], row["dtype"], statistics.median(row["ms"]["mass pass"]), statistics.median(row["ms"][window]),
+        [[row["tokens"], row["dtype"], row["pass"], statistics.median(row["ms"]["mass pass"]), statistics.median(row["ms"][window]),
           statistics.median(row["ms"]["attention"]),
           statistics.median(row["ms"]["specification"]) if "specification" in row["ms"] else "-",
           _ratio(row["mass_pass_to_attention"]), _ratio(row["windowed_to_attention"]),

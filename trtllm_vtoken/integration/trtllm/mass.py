@@ -18,7 +18,7 @@ from functools import cache
 
 import torch
 
-from trtllm_vtoken.integration.trtllm.mass_amx import amx_available, prefill_mass_amx
+from trtllm_vtoken.integration.trtllm.mass_amx import amx_available, amx_plan, prefill_mass_amx
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch, prefill_mass_torch
 
@@ -38,15 +38,25 @@ def mass_backend(device: torch.device | str, dtype: torch.dtype | None = None) -
     return "amx" if device.type == "cpu" and dtype == torch.bfloat16 and amx_available() else "torch"
 
 
+def prefill_pass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None,
+                 cap_bytes: int = DEFAULT_CAP_BYTES) -> str:
+    """The pass ``prefill_mass`` runs for this context row: "triton", "amx" or "torch"."""
+    if mass_backend(q.device) == "triton":
+        return "triton"
+    return "amx" if amx_plan(q, k, past_k, cap_bytes) is not None else "torch"
+
+
 def prefill_mass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None, window: int | None = None,
                  cap_bytes: int = DEFAULT_CAP_BYTES) -> torch.Tensor:
     """``scores.prefill_attention_mass`` of one context row, float32 [num_past + num_tokens]."""
-    if mass_backend(q.device) == "triton":
+    chosen = prefill_pass(q, k, past_k, cap_bytes)
+    if chosen == "triton":
         from trtllm_vtoken.integration.trtllm.mass_triton import prefill_mass_triton
 
         return prefill_mass_triton(q, k, past_k, window, cap_bytes=cap_bytes)
-    mass = prefill_mass_amx(q, k, past_k, window, cap_bytes)
-    return mass if mass is not None else prefill_mass_torch(q, k, past_k, window, cap_bytes)
+    if chosen == "amx":
+        return prefill_mass_amx(q, k, past_k, window, cap_bytes)
+    return prefill_mass_torch(q, k, past_k, window, cap_bytes)
 
 
 def decode_mass(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[Sequence[int]], kv_lens: Sequence[int],

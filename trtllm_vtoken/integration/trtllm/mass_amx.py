@@ -41,19 +41,27 @@ def amx_workspace_bytes(num_keys: int, num_kv_heads: int, head_dim: int, cap_byt
     return None
 
 
-def prefill_mass_amx(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, window: int | None,
-                     cap_bytes: int, threads: int | None = None) -> torch.Tensor | None:
-    """``scores.prefill_attention_mass`` (same arguments, same result to float32 rounding) of a
-    bf16 CPU row, or None where this pass does not apply (the caller takes the torch pass)."""
+def amx_plan(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, cap_bytes: int,
+             threads: int | None = None) -> tuple[int, int] | None:
+    """(threads, workspace bytes) of this pass for a context row, or None where it does not apply:
+    not every tensor bf16 on CPU, no AMX, or one thread's workspace over ``cap_bytes``."""
     tensors = (q, k) if past_k is None else (q, k, past_k)
     if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors) or not amx_available():
         return None
-    num_tokens, _, head_dim = q.shape
-    num_keys = num_tokens + (0 if past_k is None else past_k.shape[0])
-    plan = amx_workspace_bytes(num_keys, k.shape[1], head_dim, cap_bytes, threads)
+    num_keys = q.shape[0] + (0 if past_k is None else past_k.shape[0])
+    return amx_workspace_bytes(num_keys, k.shape[1], q.shape[2], cap_bytes, threads)
+
+
+def prefill_mass_amx(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, window: int | None,
+                     cap_bytes: int, threads: int | None = None) -> torch.Tensor | None:
+    """``scores.prefill_attention_mass`` (same arguments, same result to float32 rounding) of a
+    bf16 CPU row, or None where this pass does not apply (``amx_plan``; the caller takes the torch pass)."""
+    plan = amx_plan(q, k, past_k, cap_bytes, threads)
     if plan is None:
         return None
     count, size = plan
+    num_tokens = q.shape[0]
+    num_keys = num_tokens + (0 if past_k is None else past_k.shape[0])
     first = 0 if window is None else max(0, num_tokens - window)
     if first >= num_tokens:  # no query observes (an empty window)
         return torch.zeros(num_keys, dtype=torch.float32)
