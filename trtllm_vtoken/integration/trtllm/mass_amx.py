@@ -27,6 +27,15 @@ def amx_available() -> bool:
     return core is not None and core.prefill_mass_amx_supported()
 
 
+def describe() -> str:
+    """One line for ``vtoken info``: which pass a CPU context row's mass takes here."""
+    if native.load() is None:
+        return "torch (the C++ core is not built)"
+    if not amx_available():
+        return "torch (this CPU or OS has no AMX-BF16)"
+    return "amx for bf16 rows (C++ core, AMX-BF16 tiles), torch for other dtypes"
+
+
 def amx_workspace_bytes(num_keys: int, num_kv_heads: int, head_dim: int, cap_bytes: int,
                         threads: int | None = None) -> tuple[int, int] | None:
     """(threads, bytes) of the pass over ``num_keys`` keys within ``cap_bytes``: the most threads
