@@ -17,8 +17,10 @@
 #      warm and flushed and H2O's pass alone; again with H2O's pass over up to 4 threads; then
 #      under the overlap scheduler with a 2 ms simulated forward (cpp-at-once-overlap, cpp-overlap)
 #   6. H2O's attention mass on the TensorRT-LLM path: the Triton kernels compiled, against their
-#      torch specification (tests/integration/test_mass_triton.py, -m cuda), and timed against
-#      torch's flash SDPA of the same shapes, with their peak memory (vtoken bench trtllm-mass)
+#      torch specification (tests/integration/test_mass_triton.py, -m cuda); a batch's mass
+#      enqueued behind a forward in flight and read back behind the next one under
+#      torch.cuda.set_sync_debug_mode("error") (test_mass_copy_stream.py); the kernels timed
+#      against torch's flash SDPA of the same shapes, with their peak memory (vtoken bench trtllm-mass)
 #   7. where tensorrt_llm imports and the package is installed (the gpu Docker image) and
 #      $VTOKEN_TRTLLM_MODEL names a model folder: examples/trtllm/run_llm.py --check
 # Uses the machine's python3 and its torch; the repository is put on PYTHONPATH, nothing is
@@ -89,7 +91,8 @@ timeout 120 $py -m trtllm_vtoken.cli bench step --steps 10 --repeats 2 --impl cp
   2>&1 | tee "$out/bench_step_threads.txt" || status=1
 
 banner "H2O's attention mass: Triton kernels"
-timeout 180 $py -m pytest -q -m cuda tests/integration/test_mass_triton.py -p no:cacheprovider 2>&1 \
+timeout 180 $py -m pytest -q -m cuda tests/integration/test_mass_triton.py tests/integration/test_mass_copy_stream.py \
+  -p no:cacheprovider 2>&1 \
   | tee "$out/mass_kernel_tests.txt" || status=1
 timeout 180 $py -m trtllm_vtoken.cli bench trtllm-mass --device cuda --batch 64 --context 4096 \
   --prompts 512,2048,8192,32768 --prompt-dtypes bfloat16 --rounds 3 --out "$out/trtllm_mass" 2>&1 \

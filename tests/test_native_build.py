@@ -37,3 +37,17 @@ def test_flat_index_and_chunked_array_agree_with_std_containers(tmp_path):
     assert compiled.returncode == 0, compiled.stderr
     ran = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0 and "PASS" in ran.stdout, ran.stdout + ran.stderr
+
+
+@pytest.mark.skipif(not shutil.which("g++"), reason="needs g++")
+def test_the_amx_mass_pass_builds_and_steps_aside_without_amx(tmp_path):
+    """cpp/core/prefill_mass.cpp where the compiler or target has no AMX (-DVTOKEN_AMX=0): it
+    compiles, says it is unsupported, and refuses to run (the package then takes the torch pass)."""
+    binary = tmp_path / "prefill_mass_fallback_test"
+    compiled = subprocess.run(["g++", "-O1", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-DVTOKEN_AMX=0", "-o",
+                               str(binary), str(ROOT / "cpp" / "tests" / "prefill_mass_fallback_test.cpp"),
+                               str(ROOT / "cpp" / "core" / "prefill_mass.cpp"), "-pthread"],
+                              capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stderr
+    ran = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and "PASS" in ran.stdout, ran.stdout + ran.stderr

@@ -24,14 +24,21 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+// AMX intrinsics: GCC 11 and Clang 12 onwards; elsewhere (or with -DVTOKEN_AMX=0) the pass
+// reports itself unsupported and callers take the portable one.
+#ifndef VTOKEN_AMX
+#if defined(__x86_64__) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define VTOKEN_AMX 1
+#else
+#define VTOKEN_AMX 0
+#endif
+#endif
+#if VTOKEN_AMX
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#else
-#define VTOKEN_AMX 0
 #endif
 
 namespace vtoken {

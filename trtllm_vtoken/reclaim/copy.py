@@ -148,11 +148,12 @@ class TorchCopyExecutor(CopyExecutor):
             for pool in self.pools:
                 relocate_slots(pool, src_t, dst_t)
             return CopyHandle()
+        from trtllm_vtoken.reclaim.upload import to_device
+
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)  # the KV to move was written by work queued there
-        indices = torch.from_numpy(np.stack([src_slots, dst_slots]).astype(np.int64)).pin_memory()
         with torch.cuda.stream(self._stream):
-            on_device = indices.to(self.device, non_blocking=True)
+            on_device = to_device(np.stack([src_slots, dst_slots]), torch.int64, self.device)
             if self.copy_delay_cycles:
                 torch.cuda._sleep(self.copy_delay_cycles)
             for pool in self.pools:

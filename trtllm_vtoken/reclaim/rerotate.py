@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from trtllm_vtoken.reclaim.rope import RopeSpec, apply_rotation, rotation_at
+from trtllm_vtoken.reclaim.upload import to_device
 
 
 class LiveSlots(Protocol):
@@ -121,8 +122,8 @@ class KeyRerotation:
         if stream is not None:
             with torch.cuda.stream(stream):
                 return self.rotate_slots(slots, shifts, count=count)
-        slots_t = torch.as_tensor(np.asarray(slots, dtype=np.int64)).to(self.device, non_blocking=True)
-        shifts_t = torch.as_tensor(np.asarray(shifts, dtype=np.int64)).to(self.device, non_blocking=True)
+        slots_t = to_device(slots, torch.int64, self.device)
+        shifts_t = to_device(shifts, torch.int64, self.device)
         for pool in self.pools:
             if self.uses_kernel:
                 from trtllm_vtoken.reclaim.cuda_kernel import rerotate_keys_cuda

@@ -65,6 +65,7 @@ from trtllm_vtoken.integration.trtllm.scores import QueryRecorder
 from trtllm_vtoken.integration.trtllm.settings import VTokenSettings
 from trtllm_vtoken.integration.trtllm.state import VTokenState
 from trtllm_vtoken.integration.trtllm.stats import StatsFile, state_snapshot
+from trtllm_vtoken.reclaim.upload import to_device
 
 
 def check_parallel_layout(mapping: Any, settings: VTokenSettings) -> None:
@@ -227,9 +228,11 @@ def build_manager_class(base: type) -> type:
             pool_index, index = self.kv_cache_pool_mapping[self.local_layer(layer_idx)].tolist()
             pool = self.vtoken.step.executor.pools[pool_index]  # [blocks, layers, kv, H, tpb, D]
             blocks = self.get_batch_cache_indices([request_id])[0]
-            positions = torch.arange(count)
-            ids = torch.as_tensor(blocks, dtype=torch.long)[positions // self.tokens_per_block]
-            return pool[ids.to(pool.device), index, 0, :, (positions % self.tokens_per_block).to(pool.device)]
+            positions = np.arange(count)
+            ids = np.asarray(blocks, dtype=np.int64)[positions // self.tokens_per_block]
+            # during the forward: uploads that do not wait for the stream (upload.py)
+            return pool[to_device(ids, torch.int64, pool.device), index, 0, :,
+                        to_device(positions % self.tokens_per_block, torch.int64, pool.device)]
 
         def vtoken_evicted(self, request_id: int) -> int:
             """Logical minus physical tokens of a request (0 for unknown and padding rows)."""

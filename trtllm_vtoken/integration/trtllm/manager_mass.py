@@ -17,6 +17,7 @@ import torch
 from trtllm_vtoken.integration.trtllm.mass import decode_mass
 from trtllm_vtoken.integration.trtllm.mass_copy import MassCopy
 from trtllm_vtoken.integration.trtllm.state import CUDA_GRAPH_DUMMY_REQUEST_ID
+from trtllm_vtoken.reclaim.upload import to_device
 
 
 class ManagerMass:
@@ -100,5 +101,5 @@ class ManagerMass:
                     queries = queries.float() * scales.view(1, len(local), 1, 1)
                 part = decode_mass(queries, pool, blocks, kv_lens, [mapping[layer][1] for layer in local],
                                    self._vtoken_cap)
-                out[:, : part.shape[1]].index_add_(0, torch.as_tensor(index, device=out.device), part)
+                out[:, : part.shape[1]].index_add_(0, to_device(index, torch.int64, out.device), part)
         return out

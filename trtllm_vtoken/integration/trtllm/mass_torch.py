@@ -24,6 +24,7 @@ from trtllm_vtoken.integration.trtllm.mass_plan import (
     PrefillMassPlan,
     padded_block_table,
 )
+from trtllm_vtoken.reclaim.upload import to_device
 
 
 def prefill_mass_torch(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None,
@@ -80,9 +81,9 @@ def decode_mass_torch(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence
     num_blocks = table.shape[1]
     plan = DecodeMassPlan.of(batch, num_blocks, tpb, num_heads, num_kv_heads, head_dim, pool.element_size(),
                              cap_bytes)
-    device_table = torch.from_numpy(table).to(pool.device)
+    device_table = to_device(table, torch.int64, pool.device)  # no host wait on CUDA (upload.py)
     dead = torch.arange(num_blocks * tpb, device=pool.device)[None, :] >= \
-        torch.as_tensor(list(kv_lens), device=pool.device)[:, None]  # [B, nb * tpb]
+        to_device(kv_lens, torch.int64, pool.device)[:, None]  # [B, nb * tpb]
     pool_layers = list(layers) if layers is not None else list(range(num_layers))
     scores_buffer = torch.empty(plan.rows * num_heads * num_blocks * tpb, dtype=torch.float32, device=pool.device)
     scale = 1.0 / math.sqrt(head_dim)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES, padded_block_table
+from trtllm_vtoken.reclaim.upload import to_device
 
 
 @triton.jit
@@ -104,10 +105,9 @@ def decode_mass_triton(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequenc
     layer_chunk = min(num_layers, cap_bytes // unit_bytes)
     row_chunk = min(batch, cap_bytes // (unit_bytes * layer_chunk))
     q = q.contiguous()
-    device_table = torch.from_numpy(table).to(pool.device)
-    lens = torch.as_tensor(list(kv_lens), dtype=torch.int32, device=pool.device)
-    pool_layers = torch.as_tensor(list(layers) if layers is not None else range(num_layers), dtype=torch.int32,
-                                  device=pool.device)
+    device_table = to_device(table, torch.int64, pool.device)  # no host wait (upload.py)
+    lens = to_device(kv_lens, torch.int32, pool.device)
+    pool_layers = to_device(layers if layers is not None else range(num_layers), torch.int32, pool.device)
     scores = torch.empty(row_chunk * layer_chunk * num_heads * padded, dtype=torch.float32, device=pool.device)
     lse = torch.empty(row_chunk * layer_chunk * num_heads, dtype=torch.float32, device=pool.device)
     group = num_heads // num_kv_heads
