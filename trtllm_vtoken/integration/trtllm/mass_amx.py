@@ -24,13 +24,16 @@ from trtllm_vtoken.core import native
 def amx_available() -> bool:
     """The C++ core is built and this CPU and OS run AMX-BF16 (asks the OS once for the tile state)."""
     core = native.load()
-    return core is not None and core.prefill_mass_amx_supported()
+    supported = getattr(core, "prefill_mass_amx_supported", None)  # None: no core, or one built before the pass
+    return supported is not None and supported()
 
 
 def describe() -> str:
     """One line for ``vtoken info``: which pass a CPU context row's mass takes here."""
     if native.load() is None:
         return "torch (the C++ core is not built)"
+    if not hasattr(native.load(), "prefill_mass_amx_supported"):
+        return "torch (the C++ core was built without the AMX pass: reinstall the package)"
     if not amx_available():
         return "torch (this CPU or OS has no AMX-BF16)"
     return "amx for bf16 rows (C++ core, AMX-BF16 tiles), torch for other dtypes"
@@ -40,9 +43,9 @@ def amx_workspace_bytes(num_keys: int, num_kv_heads: int, head_dim: int, cap_byt
                         threads: int | None = None) -> tuple[int, int] | None:
     """(threads, bytes) of the pass over ``num_keys`` keys within ``cap_bytes``: the most threads
     up to ``threads`` (default torch's count) whose workspace fits, or None if one thread's does not."""
-    core = native.load()
-    if core is None:
+    if not amx_available():
         return None
+    core = native.load()
     for count in range(min(threads or torch.get_num_threads(), num_kv_heads), 0, -1):
         size = core.prefill_mass_workspace_bytes(num_keys, num_kv_heads, head_dim, count)
         if size <= cap_bytes:
