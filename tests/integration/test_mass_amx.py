@@ -14,7 +14,7 @@ import torch
 from tests.integration.test_mass_passes import SHAPES, random_prefill
 from trtllm_vtoken.bench.memory import PeakMemory
 from trtllm_vtoken.core import native
-from trtllm_vtoken.integration.trtllm.mass import mass_backend, prefill_mass
+from trtllm_vtoken.integration.trtllm.mass import mass_backend, prefill_mass, prefill_pass
 from trtllm_vtoken.integration.trtllm.mass_amx import amx_available, amx_workspace_bytes, prefill_mass_amx
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import prefill_mass_torch
@@ -51,8 +51,8 @@ def test_amx_pass_reads_strided_rows_of_real_sizes(tokens, past):
 
 def test_context_rows_in_bf16_take_it_and_others_do_not():
     q, k, past_k, window = random_prefill(3, torch.bfloat16)
-    assert mass_backend("cpu", torch.bfloat16) == "amx"
-    assert mass_backend("cpu", torch.float32) == mass_backend("cpu") == "torch"
+    assert prefill_pass(q, k, past_k) == "amx"
+    assert prefill_pass(q.float(), k.float()) == mass_backend("cpu") == "torch"
     assert prefill_mass_amx(q.float(), k.float(), None, None, DEFAULT_CAP_BYTES) is None
     mixed = None if past_k is None else past_k.float()  # e.g. a dequantized FP8 prefix
     if mixed is not None:

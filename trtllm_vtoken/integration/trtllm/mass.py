@@ -18,7 +18,7 @@ from functools import cache
 
 import torch
 
-from trtllm_vtoken.integration.trtllm.mass_amx import amx_available, amx_plan, prefill_mass_amx
+from trtllm_vtoken.integration.trtllm.mass_amx import amx_plan, prefill_mass_amx
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch, prefill_mass_torch
 
@@ -28,14 +28,10 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def mass_backend(device: torch.device | str, dtype: torch.dtype | None = None) -> str:
-    """The pass tensors of this device (and dtype) take: "triton" for CUDA tensors where Triton is
-    installed; "amx" for bf16 CPU tensors of a context row where the C++ core runs AMX-BF16 (a
-    prompt whose workspace exceeds the cap still takes "torch"; decode rows always do); else "torch"."""
-    device = torch.device(device)
-    if device.type == "cuda" and triton_installed():
-        return "triton"
-    return "amx" if device.type == "cpu" and dtype == torch.bfloat16 and amx_available() else "torch"
+def mass_backend(device: torch.device | str) -> str:
+    """"triton" for CUDA tensors where Triton is installed, else "torch" (the decode pass; a
+    context row's pass, which may also be "amx", is ``prefill_pass``'s)."""
+    return "triton" if torch.device(device).type == "cuda" and triton_installed() else "torch"
 
 
 def prefill_pass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None,

@@ -42,7 +42,8 @@ def describe() -> str:
 def amx_workspace_bytes(num_keys: int, num_kv_heads: int, head_dim: int, cap_bytes: int,
                         threads: int | None = None) -> tuple[int, int] | None:
     """(threads, bytes) of the pass over ``num_keys`` keys within ``cap_bytes``: the most threads
-    up to ``threads`` (default torch's count) whose workspace fits, or None if one thread's does not."""
+    up to ``threads`` (default torch's count) whose workspace fits; None if one thread's does not
+    or this CPU has no AMX pass (``amx_available``)."""
     if not amx_available():
         return None
     core = native.load()
@@ -58,7 +59,7 @@ def amx_plan(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, cap_
     """(threads, workspace bytes) of this pass for a context row, or None where it does not apply:
     not every tensor bf16 on CPU, no AMX, or one thread's workspace over ``cap_bytes``."""
     tensors = (q, k) if past_k is None else (q, k, past_k)
-    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors) or not amx_available():
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
         return None
     num_keys = q.shape[0] + (0 if past_k is None else past_k.shape[0])
     return amx_workspace_bytes(num_keys, k.shape[1], q.shape[2], cap_bytes, threads)
