@@ -47,7 +47,7 @@ def test_kernels_in_the_interpreter():
     assert " passed" in run.stdout and "failed" not in run.stdout
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", range(3))
 def test_prefill_kernels_equal_the_specification(device, seed, dtype):
     q, k, past_k, window = (t.to(device) if isinstance(t, torch.Tensor) else t for t in random_prefill(seed, dtype))
@@ -56,11 +56,15 @@ def test_prefill_kernels_equal_the_specification(device, seed, dtype):
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("seed", range(3))
 def test_decode_kernels_equal_the_specification(device, seed, dtype):
-    q, pool, block_lists, kv_lens, layers = random_decode(seed, dtype)
-    q, pool = q.to(device), pool.to(device)
+    """Each way of forming scores (``dot_kind``): "ieee", "half", and for an FP8 pool "split"
+    (float32 queries, as the manager scales them, against the codes)."""
+    fp8 = dtype == torch.float8_e4m3fn
+    q, pool, block_lists, kv_lens, layers = random_decode(seed, torch.float32 if fp8 else dtype)
+    q, pool = q.to(device), pool.to(dtype).to(device)
+    assert mass_triton.dot_kind(q, pool) == {torch.float32: "ieee", torch.float8_e4m3fn: "split"}.get(dtype, "half")
     want = batch_decode_attention_mass(q, pool, block_lists, kv_lens, layers)
     padded = -(-max(kv_lens) // pool.shape[4]) * pool.shape[4]
     one_unit = q.shape[2] * (padded + 1) * 4  # a (row, layer)'s workspace: a chunk of one

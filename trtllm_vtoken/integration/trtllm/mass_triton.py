@@ -19,7 +19,9 @@ Prefill, per context row (flash-style, two passes over the keys, workspace O(hea
     mass:    grid (key tiles, kv_heads)      sum over the query tiles that see the key tile and the
                                              group's heads of exp(score - lse)
 
-The suite runs both under ``TRITON_INTERPRET=1`` on CPU tensors against ``scores.py``.
+Scores are tile products (``dot_kind``), on the tensor cores wherever that is exact. The suite
+runs both passes under ``TRITON_INTERPRET=1`` on CPU tensors against ``scores.py``
+(``test_mass_triton.py``) and builds them for sm_80 to sm_120 (``test_mass_triton_build.py``).
 """
 
 from __future__ import annotations
@@ -35,19 +37,98 @@ from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES, padded
 from trtllm_vtoken.reclaim.upload import to_device
 
 
+def interpreting() -> bool:
+    """Do the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, on CPU tensors)?"""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def tile_size(n: int) -> int:
+    """A tile dimension holding n: a power of two, at least the 16 ``tl.dot`` takes."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def dot_kind(q: torch.Tensor, k: torch.Tensor) -> str:
+    """How the kernels form a tile of scores q . k (their DOT), each as exact as the float32
+    specification: "half" where queries and keys share a half dtype (products of half values are
+    exact in float32; the tensor cores sum them in float32); "split" for FP8 keys (their codes
+    are exact in bf16, and so is each of three bf16 parts of a float32 query: three tensor-core
+    products); "ieee" otherwise (float32, which TF32 would round, and mixed dtypes)."""
+    if k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return "split"
+    return "half" if q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16) else "ieee"
+
+
+def prefill_tiles(head_dim: int, dot: str) -> tuple[int, int, int]:
+    """(block_m, block_n, num_stages) of the prefill kernels: 64 queries by up to 64 keys of half
+    values, pipelined three deep; 32 by up to 32 in float32, whose products run on the FMA units
+    out of registers, two deep; the key tile within 16 KiB. So both kernels fit the 99 KiB of
+    shared memory per block of the smallest sm_80+ parts (sm_86, sm_89, sm_120) without spilling
+    registers, which ``test_mass_triton_build.py`` checks for each architecture."""
+    half = dot != "ieee"
+    block_m = 64 if half else 32
+    row_bytes = tile_size(head_dim) * (2 if half else 4)
+    block_n = block_m
+    while block_n > 16 and block_n * row_bytes > 16 << 10:
+        block_n //= 2
+    return block_m, block_n, 3 if half else 2
+
+
+@triton.jit
+def _load_keys(past_ptr, k_ptr, position, d, kv_head, num_past, num_keys, past_token, k_token, kv_head_stride,
+               DIM: tl.constexpr):
+    """Keys [positions, DIM_P2] of one KV head from the past keys then the row's own, 0 past the end.
+    One load through pointers chosen per position: two masked loads would each take a pipelined
+    tile of shared memory (192 KiB at head_dim 256 in bf16, past the 163 KiB an A100 grants)."""
+    in_past = position < num_past
+    rows = tl.where(in_past, past_ptr + position * past_token, k_ptr + (position - num_past) * k_token)
+    return tl.load(rows[:, None] + kv_head * kv_head_stride + d[None, :],
+                   mask=(position < num_keys)[:, None] & (d < DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _half_product(a, b, acc, EMULATE: tl.constexpr):
+    """acc + a @ b of half tiles in float32, on the tensor cores; EMULATE (the interpreter, whose
+    half products are not exact) as IEEE float32 products of the same values, which are exact."""
+    if EMULATE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, out_dtype=tl.float32)
+
+
+@triton.jit
+def _tile_scores(q, k, scale, DOT: tl.constexpr, EMULATE: tl.constexpr):
+    """Scores [queries, keys] of a query tile and a key tile, float32, formed as ``dot_kind`` says."""
+    keys = tl.trans(k)
+    s = tl.zeros([q.shape[0], k.shape[0]], tl.float32)
+    if DOT == "half":
+        s = _half_product(q, keys, s, EMULATE)
+    elif DOT == "split":  # q = hi + mid + lo, each bf16: float32's 24 significant bits
+        keys = keys.to(tl.bfloat16)
+        rest = q.to(tl.float32)
+        for _ in tl.static_range(3):
+            part = rest.to(tl.bfloat16)
+            s = _half_product(part, keys, s, EMULATE)
+            rest -= part.to(tl.float32)
+    else:
+        s = tl.dot(q.to(tl.float32), keys.to(tl.float32), s, input_precision="ieee")
+    return s * scale
+
+
 @triton.jit
 def _decode_scores_kernel(q_ptr, pool_ptr, table_ptr, lens_ptr, layers_ptr, scores_ptr, lse_ptr,
                           row0, layer0, num_layers_chunk, width, scale,
                           q_row, q_layer, q_head, p_block, p_layer, p_head, p_token, table_row,
                           NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-                          TPB: tl.constexpr, TPB_P2: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr):
+                          TPB: tl.constexpr, TPB_P2: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr,
+                          DOT: tl.constexpr, EMULATE: tl.constexpr):
     row, layer, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_len = tl.load(lens_ptr + row0 + row)
     pool_layer = tl.load(layers_ptr + layer0 + layer)
     g, d, t = tl.arange(0, GROUP_P2), tl.arange(0, DIM_P2), tl.arange(0, TPB_P2)
     heads = kv_head * GROUP + g
+    # The group's queries as the rows of one tile product (padded to the tensor cores' 16), so
+    # no [group, tokens, head_dim] product is ever held in registers.
     q = tl.load(q_ptr + (row0 + row) * q_row + (layer0 + layer) * q_layer + heads[:, None] * q_head + d[None, :],
-                mask=(g < GROUP)[:, None] & (d < DIM)[None, :], other=0.0).to(tl.float32)
+                mask=(g < GROUP)[:, None] & (d < DIM)[None, :], other=0.0)
     unit = (row * num_layers_chunk + layer) * NUM_HEADS  # this (row, layer)'s first head in the workspace
     running_max = tl.full([GROUP_P2], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_P2], tl.float32)
@@ -56,9 +137,8 @@ def _decode_scores_kernel(q_ptr, pool_ptr, table_ptr, lens_ptr, layers_ptr, scor
         position = j * TPB + t
         live = (position < kv_len) & (t < TPB)
         k = tl.load(pool_ptr + block * p_block + pool_layer * p_layer + kv_head * p_head
-                    + t[:, None] * p_token + d[None, :], mask=live[:, None] & (d < DIM)[None, :],
-                    other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [group, tokens]
+                    + t[:, None] * p_token + d[None, :], mask=live[:, None] & (d < DIM)[None, :], other=0.0)
+        s = _tile_scores(q, k, scale, DOT, EMULATE)  # [group, tokens]
         s = tl.where(live[None, :], s, float("-inf"))
         tl.store(scores_ptr + (unit + heads)[:, None] * width + position[None, :], s,
                  mask=(g < GROUP)[:, None] & live[None, :])
@@ -111,8 +191,8 @@ def decode_mass_triton(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequenc
     scores = torch.empty(row_chunk * layer_chunk * num_heads * padded, dtype=torch.float32, device=pool.device)
     lse = torch.empty(row_chunk * layer_chunk * num_heads, dtype=torch.float32, device=pool.device)
     group = num_heads // num_kv_heads
-    sizes = dict(NUM_HEADS=num_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), TPB=tpb,
-                 TPB_P2=triton.next_power_of_2(tpb), DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim))
+    sizes = dict(NUM_HEADS=num_heads, GROUP=group, GROUP_P2=tile_size(group), TPB=tpb, TPB_P2=tile_size(tpb),
+                 DIM=head_dim, DIM_P2=tile_size(head_dim), DOT=dot_kind(q, pool), EMULATE=interpreting())
     for layer0 in range(0, num_layers, layer_chunk):
         layers_here = min(layer_chunk, num_layers - layer0)
         for row0 in range(0, batch, row_chunk):
@@ -128,34 +208,10 @@ def decode_mass_triton(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequenc
 
 
 @triton.jit
-def _load_keys(past_ptr, k_ptr, position, d, kv_head, num_past, num_keys, past_token, k_token, kv_head_stride,
-               DIM: tl.constexpr):
-    """Keys [positions, DIM_P2] of one KV head from the past keys then the row's own, 0 past the end."""
-    in_past = position < num_past
-    own = (position >= num_past) & (position < num_keys)
-    past = tl.load(past_ptr + position[:, None] * past_token + kv_head * kv_head_stride + d[None, :],
-                   mask=in_past[:, None] & (d < DIM)[None, :], other=0.0)
-    mine = tl.load(k_ptr + (position - num_past)[:, None] * k_token + kv_head * kv_head_stride + d[None, :],
-                   mask=own[:, None] & (d < DIM)[None, :], other=0.0)
-    return tl.where(in_past[:, None], past, mine)
-
-
-@triton.jit
-def _tile_scores(q, k, scale, FLOAT32_DOT: tl.constexpr):
-    """Scores [queries, keys] of a query tile and a key tile, float32. Half-precision tiles go to
-    the tensor cores as they are (exact products, float32 sums); FLOAT32_DOT: IEEE float32
-    instead (float32 inputs, which TF32 would round, and the interpreter, whose bf16 product is
-    not exact)."""
-    if FLOAT32_DOT:
-        return tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee") * scale
-    return tl.dot(q, tl.trans(k).to(q.dtype), out_dtype=tl.float32) * scale
-
-
-@triton.jit
 def _prefill_lse_kernel(q_ptr, past_ptr, k_ptr, lse_ptr, num_past, num_keys, num_queries, query_start, scale,
                         q_token, q_head, past_token, k_token, kv_head_stride,
                         GROUP: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLOAT32_DOT: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr):
     tile, head = tl.program_id(0), tl.program_id(1)
     m, d = tile * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, DIM_P2)
     query_position = query_start + m  # among the keys
@@ -167,7 +223,7 @@ def _prefill_lse_kernel(q_ptr, past_ptr, k_ptr, lse_ptr, num_past, num_keys, num
         n = n0 + tl.arange(0, BLOCK_N)
         k = _load_keys(past_ptr, k_ptr, n, d, head // GROUP, num_past, num_keys, past_token, k_token,
                        kv_head_stride, DIM)
-        s = _tile_scores(q, k, scale, FLOAT32_DOT)
+        s = _tile_scores(q, k, scale, DOT, EMULATE)
         s = tl.where(n[None, :] <= query_position[:, None], s, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(s, axis=1))
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(s - new_max[:, None]), axis=1)
@@ -179,7 +235,7 @@ def _prefill_lse_kernel(q_ptr, past_ptr, k_ptr, lse_ptr, num_past, num_keys, num
 def _prefill_mass_kernel(q_ptr, past_ptr, k_ptr, lse_ptr, mass_ptr, num_past, num_keys, num_queries, query_start,
                          scale, q_token, q_head, past_token, k_token, kv_head_stride,
                          GROUP: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLOAT32_DOT: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr):
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     n, d = tile * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, DIM_P2)
     k = _load_keys(past_ptr, k_ptr, n, d, kv_head, num_past, num_keys, past_token, k_token, kv_head_stride, DIM)
@@ -193,21 +249,17 @@ def _prefill_mass_kernel(q_ptr, past_ptr, k_ptr, lse_ptr, mass_ptr, num_past, nu
             q = tl.load(q_ptr + m[:, None] * q_token + head * q_head + d[None, :],
                         mask=(m < num_queries)[:, None] & (d < DIM)[None, :], other=0.0)
             lse = tl.load(lse_ptr + head * num_queries + m, mask=m < num_queries, other=0.0)
-            s = _tile_scores(q, k, scale, FLOAT32_DOT)
+            s = _tile_scores(q, k, scale, DOT, EMULATE)
             total += tl.sum(tl.where(sees, tl.exp(s - lse[:, None]), 0.0), axis=0)
     tl.store(mass_ptr + kv_head * num_keys + n, total, mask=n < num_keys)
 
 
-def interpreting() -> bool:
-    """Do the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, on CPU tensors)?"""
-    return bool(triton.knobs.runtime.interpret)
-
-
 def prefill_mass_triton(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None,
-                        window: int | None = None, cap_bytes: int = DEFAULT_CAP_BYTES, block_m: int = 64,
-                        block_n: int = 64) -> torch.Tensor:
+                        window: int | None = None, cap_bytes: int = DEFAULT_CAP_BYTES, block_m: int | None = None,
+                        block_n: int | None = None) -> torch.Tensor:
     """``scores.prefill_attention_mass`` (same arguments, same result); its workspace is one
-    float32 per query and head plus one per key and KV head (ValueError beyond ``cap_bytes``)."""
+    float32 per query and head plus one per key and KV head (ValueError beyond ``cap_bytes``).
+    ``block_m`` / ``block_n``: query and key tile sizes in place of ``prefill_tiles``' (tests)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     num_past = 0 if past_k is None else past_k.shape[0]
@@ -228,8 +280,11 @@ def prefill_mass_triton(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor |
     mass = torch.empty(num_kv_heads, num_keys, dtype=torch.float32, device=q.device)
     common = (num_past, num_keys, num_queries, num_past + first, 1.0 / math.sqrt(head_dim), queries.stride(0),
               queries.stride(1), past.stride(0), k.stride(0), k.stride(1))
-    sizes = dict(GROUP=num_heads // num_kv_heads, DIM=head_dim, DIM_P2=max(16, triton.next_power_of_2(head_dim)),
-                 BLOCK_M=block_m, BLOCK_N=block_n, FLOAT32_DOT=q.dtype == torch.float32 or interpreting())
+    dot = dot_kind(q, k)
+    tiles_m, tiles_n, num_stages = prefill_tiles(head_dim, dot)
+    block_m, block_n = block_m or tiles_m, block_n or tiles_n
+    sizes = dict(GROUP=num_heads // num_kv_heads, DIM=head_dim, DIM_P2=tile_size(head_dim), BLOCK_M=block_m,
+                 BLOCK_N=block_n, DOT=dot, EMULATE=interpreting(), num_stages=num_stages)
     if num_queries:
         _prefill_lse_kernel[(triton.cdiv(num_queries, block_m), num_heads)](queries, past, k, lse, *common, **sizes)
         _prefill_mass_kernel[(triton.cdiv(num_keys, block_n), num_kv_heads)](queries, past, k, lse, mass, *common,
