@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from trtllm_vtoken.bench.host_cost import OPERATIONS, run_host_bench, time_registration
 from trtllm_vtoken.bench.trtllm_mass import TrtllmMassBenchConfig
@@ -52,6 +53,13 @@ def test_the_cli_writes_both_micro_benches_with_the_mass_passes_against_the_atte
         TrtllmMassBenchConfig(batch=0)
     with pytest.raises(ValueError, match="prompt dtype"):
         TrtllmMassBenchConfig(prompt_dtypes=("int8",))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_the_mass_bench_on_cuda_without_a_device_is_a_one_line_error(tmp_path, capsys):
+    assert main(["bench", "trtllm-mass", "--quick", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "vtoken: error: vtoken bench trtllm-mass --device cuda needs a CUDA device"
 
 
 def test_variants_can_run_without_prefix_caching():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from trtllm_vtoken.bench.memory import PeakMemory
+from trtllm_vtoken.integration.trtllm import mass
 from trtllm_vtoken.integration.trtllm.mass import decode_mass, mass_backend, prefill_mass
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES, DecodeMassPlan, PrefillMassPlan
 from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch, prefill_mass_torch
@@ -73,6 +74,22 @@ def test_decode_pass_equals_its_specification(seed, dtype):
     for cap in (DEFAULT_CAP_BYTES, tight):  # tight: a row, and a block or two of its keys, at a time
         got = decode_mass_torch(q, pool, block_lists, kv_lens, layers, cap)
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("version, usable", [("3.1.0", False), ("3.2.0", True), ("3.6.0+git1a2b3c", True),
+                                             ("4.0.0", True), ("2.3.1", False), ("unknown", False)])
+def test_cuda_pools_take_the_kernels_only_with_a_triton_they_support(monkeypatch, version, usable):
+    """Torch builds before 2.6 ship Triton 3.0 / 3.1, which the kernels do not build with: their
+    CUDA pools take the torch passes (``TRITON_MIN``)."""
+    monkeypatch.setattr(mass.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(mass.importlib.metadata, "version", lambda name: version)
+    mass.triton_usable.cache_clear()
+    try:
+        assert mass.triton_usable() is usable
+        assert mass.mass_backend("cuda") == ("triton" if usable else "torch")
+    finally:
+        monkeypatch.undo()
+        mass.triton_usable.cache_clear()
 
 
 def test_cpu_tensors_take_the_torch_pass_and_bad_input_is_refused():

@@ -53,7 +53,8 @@ DECODE = [("smollm2-135m", torch.bfloat16, 32), ("llama-3.1-8b", torch.bfloat16,
           ("gemma-2-9b", torch.bfloat16, 32)]
 PREFILL = [("smollm2-135m", torch.bfloat16, False), ("llama-3.1-70b", torch.bfloat16, True),
            ("gemma-2-9b", torch.bfloat16, False), ("phi-3-mini", torch.float16, False),
-           ("llama-3.1-8b", torch.float32, False), ("gemma-2-9b", torch.float32, False)]
+           ("llama-3.1-8b", torch.float32, False), ("gemma-2-9b", torch.float32, False),
+           ("smollm2-135m", torch.float32, True)]
 # sm_90 (the H100 / H200 of gpu_checks.sh) builds every case; the others the cases that push
 # their limits: the widest tiles, float32, FP8.
 WIDEST = {("decode", 2), ("decode", 3), ("decode", 4), ("prefill", 2), ("prefill", 4), ("prefill", 5)}
@@ -152,9 +153,10 @@ def test_kernels_fit_the_architecture_in_registers_and_on_tensor_cores(monkeypat
 
 def test_the_prefill_tiles_follow_the_dtype_and_head_dim():
     """The shapes the kernels above were built with (``prefill_tiles``)."""
-    assert mass_triton.prefill_tiles(64, "half") == (64, 64, 3)
-    assert mass_triton.prefill_tiles(128, "half") == (64, 64, 3)
-    assert mass_triton.prefill_tiles(256, "half") == (64, 32, 3)
-    assert mass_triton.prefill_tiles(96, "split") == (64, 64, 3)
-    assert mass_triton.prefill_tiles(128, "ieee") == (32, 32, 2)
-    assert mass_triton.prefill_tiles(256, "ieee") == (32, 16, 2)
+    assert mass_triton.prefill_tiles(64, "half") == (64, 64, 3, 4)
+    assert mass_triton.prefill_tiles(128, "half") == (64, 64, 3, 4)
+    assert mass_triton.prefill_tiles(256, "half") == (64, 32, 3, 4)
+    assert mass_triton.prefill_tiles(96, "split") == (64, 64, 3, 4)
+    assert mass_triton.prefill_tiles(128, "ieee") == (32, 32, 1, 8)
+    assert mass_triton.prefill_tiles(256, "ieee") == (32, 32, 1, 8)
+    assert mass_triton.prefill_tiles(512, "ieee") == (32, 16, 1, 8)

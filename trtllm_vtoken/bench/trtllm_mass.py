@@ -146,6 +146,8 @@ def run_trtllm_mass_bench(cfg: TrtllmMassBenchConfig, progress=None) -> dict[str
     """The decode section, then a prefill section per prompt length and dtype. ``progress``
     advances once per round of each section."""
     device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("vtoken bench trtllm-mass --device cuda needs a CUDA device")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     result = {"config": asdict(cfg), "device": str(device), "backend": mass_backend(device),
               "torch_threads": torch.get_num_threads(), "cap_bytes": DEFAULT_CAP_BYTES,

@@ -4,7 +4,7 @@
     prefill_mass   one context row, inside the attention hook (layer by layer)
     decode_mass    a batch's decode rows, all layers of one pool, in ``update_resources``
 
-CUDA tensors with Triton installed take the Triton kernels (``mass_triton.py``); a bf16 context
+CUDA tensors with Triton 3.2 or later installed take the Triton kernels (``mass_triton.py``); a bf16 context
 row on a CPU with AMX-BF16 the C++ tile pass (``mass_amx.py``); everything else the bounded torch
 passes (``mass_torch.py``). All compute ``scores.py``'s specification and hold at most
 ``cap_bytes`` of workspace (``VTokenSettings.mass_workspace_mib``).
@@ -12,6 +12,7 @@ passes (``mass_torch.py``). All compute ``scores.py``'s specification and hold a
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from collections.abc import Sequence
 from functools import cache
@@ -23,15 +24,28 @@ from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch, prefill_mass_torch
 
 
+# The oldest Triton the kernels build and compute right with (tests/integration/test_mass_triton*.py
+# run against 3.2 to 3.9; 3.0 and 3.1 lack what they use): torch 2.6's. Older torch builds ship
+# older Triton, and their CUDA pools take the torch passes.
+TRITON_MIN = (3, 2)
+
+
 @cache
-def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+def triton_usable() -> bool:
+    """Is a Triton of ``TRITON_MIN`` or later installed (read from its metadata, not imported)?"""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        release = importlib.metadata.version("triton").split("+")[0].split(".")
+        return tuple(int(part) for part in release[:2]) >= TRITON_MIN
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
 
 
 def mass_backend(device: torch.device | str) -> str:
-    """"triton" for CUDA tensors where Triton is installed, else "torch" (the decode pass; a
-    context row's pass, which may also be "amx", is ``prefill_pass``'s)."""
-    return "triton" if torch.device(device).type == "cuda" and triton_installed() else "torch"
+    """"triton" for CUDA tensors where a usable Triton is installed (``triton_usable``), else
+    "torch" (the decode pass; a context row's pass, which may also be "amx", is ``prefill_pass``'s)."""
+    return "triton" if torch.device(device).type == "cuda" and triton_usable() else "torch"
 
 
 def prefill_pass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None,

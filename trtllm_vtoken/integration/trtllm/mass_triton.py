@@ -27,6 +27,7 @@ runs both passes under ``TRITON_INTERPRET=1`` on CPU tensors against ``scores.py
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -38,8 +39,11 @@ from trtllm_vtoken.reclaim.upload import to_device
 
 
 def interpreting() -> bool:
-    """Do the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, on CPU tensors)?"""
-    return bool(triton.knobs.runtime.interpret)
+    """Do the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, on CPU tensors)?
+    Triton before 3.4 has no ``knobs`` and reads the variable itself."""
+    if hasattr(triton, "knobs"):
+        return bool(triton.knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def tile_size(n: int) -> int:
@@ -58,19 +62,19 @@ def dot_kind(q: torch.Tensor, k: torch.Tensor) -> str:
     return "half" if q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16) else "ieee"
 
 
-def prefill_tiles(head_dim: int, dot: str) -> tuple[int, int, int]:
-    """(block_m, block_n, num_stages) of the prefill kernels: 64 queries by up to 64 keys of half
-    values, pipelined three deep; 32 by up to 32 in float32, whose products run on the FMA units
-    out of registers, two deep; the key tile within 16 KiB. So both kernels fit the 99 KiB of
-    shared memory per block of the smallest sm_80+ parts (sm_86, sm_89, sm_120) without spilling
-    registers, which ``test_mass_triton_build.py`` checks for each architecture."""
-    half = dot != "ieee"
-    block_m = 64 if half else 32
-    row_bytes = tile_size(head_dim) * (2 if half else 4)
-    block_n = block_m
-    while block_n > 16 and block_n * row_bytes > 16 << 10:
+def prefill_tiles(head_dim: int, dot: str) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_stages, num_warps) of the prefill kernels. Half tiles: 64 queries
+    by up to 64 keys, the key tile within 16 KiB, pipelined three deep by four warps, so that both
+    kernels fit the 99 KiB of shared memory per block of the smallest sm_80+ parts (sm_86, sm_89,
+    sm_120). Float32 tiles, whose products run on the FMA units out of registers: 32 by 32 (16
+    keys past head_dim 256), unpipelined, by eight warps: the sizes at which Triton 3.6 and 3.9
+    both keep them in registers on every architecture ``test_mass_triton_build.py`` builds for."""
+    if dot == "ieee":
+        return 32, 32 if head_dim <= 256 else 16, 1, 8
+    block_n = 64
+    while block_n > 16 and block_n * tile_size(head_dim) * 2 > 16 << 10:
         block_n //= 2
-    return block_m, block_n, 3 if half else 2
+    return 64, block_n, 3, 4
 
 
 @triton.jit
@@ -281,10 +285,11 @@ def prefill_mass_triton(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor |
     common = (num_past, num_keys, num_queries, num_past + first, 1.0 / math.sqrt(head_dim), queries.stride(0),
               queries.stride(1), past.stride(0), k.stride(0), k.stride(1))
     dot = dot_kind(q, k)
-    tiles_m, tiles_n, num_stages = prefill_tiles(head_dim, dot)
+    tiles_m, tiles_n, num_stages, num_warps = prefill_tiles(head_dim, dot)
     block_m, block_n = block_m or tiles_m, block_n or tiles_n
     sizes = dict(GROUP=num_heads // num_kv_heads, DIM=head_dim, DIM_P2=tile_size(head_dim), BLOCK_M=block_m,
-                 BLOCK_N=block_n, DOT=dot, EMULATE=interpreting(), num_stages=num_stages)
+                 BLOCK_N=block_n, DOT=dot, EMULATE=interpreting(), num_stages=num_stages,
+                 num_warps=num_warps)
     if num_queries:
         _prefill_lse_kernel[(triton.cdiv(num_queries, block_m), num_heads)](queries, past, k, lse, *common, **sizes)
         _prefill_mass_kernel[(triton.cdiv(num_keys, block_n), num_kv_heads)](queries, past, k, lse, mass, *common,
