@@ -87,6 +87,8 @@ def test_cuda_pools_take_the_kernels_only_with_a_triton_they_support(monkeypatch
     try:
         assert mass.triton_usable() is usable
         assert mass.mass_backend("cuda") == ("triton" if usable else "torch")
+        assert mass.describe_cuda() == (f"Triton kernels (triton {version})" if usable else
+                                        f"torch passes (triton {version}: the kernels need 3.2 or later)")
     finally:
         monkeypatch.undo()
         mass.triton_usable.cache_clear()

@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from trtllm_vtoken.core import native
-    from trtllm_vtoken.integration.trtllm import mass_amx
+    from trtllm_vtoken.integration.trtllm import mass, mass_amx
     from trtllm_vtoken.policies import POLICIES
     from trtllm_vtoken.reclaim import cuda_kernel
     from trtllm_vtoken.reclaim.step_batch import COMPACTIONS
@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
           "batch (EngineConfig.step_overlap), the TensorRT-LLM manager at once)")
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
     print(f"CUDA relocation kernel: {cuda_kernel.describe()}")
+    print(f"H2O mass on CUDA pools (TensorRT-LLM manager): {mass.describe_cuda()}")
     print(f"H2O prefill mass on CPU (TensorRT-LLM manager): {mass_amx.describe()}")
     print(f"numpy {numpy.__version__}")
     print(f"policies: {', '.join(POLICIES.names())}")

@@ -42,6 +42,19 @@ def triton_usable() -> bool:
         return False
 
 
+def describe_cuda() -> str:
+    """What CUDA pools' mass passes are here, for ``vtoken info``."""
+    if importlib.util.find_spec("triton") is None:
+        return "torch passes (Triton is not installed)"
+    try:
+        version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        version = "of unknown version"
+    if triton_usable():
+        return f"Triton kernels (triton {version})"
+    return f"torch passes (triton {version}: the kernels need {'.'.join(map(str, TRITON_MIN))} or later)"
+
+
 def mass_backend(device: torch.device | str) -> str:
     """"triton" for CUDA tensors where a usable Triton is installed (``triton_usable``), else
     "torch" (the decode pass; a context row's pass, which may also be "amx", is ``prefill_pass``'s)."""
