@@ -81,8 +81,8 @@ def prefill_tiles(head_dim: int, dot: str) -> tuple[int, int, int, int]:
 def _load_keys(past_ptr, k_ptr, position, d, kv_head, num_past, num_keys, past_token, k_token, kv_head_stride,
                DIM: tl.constexpr):
     """Keys [positions, DIM_P2] of one KV head from the past keys then the row's own, 0 past the end.
-    One load through pointers chosen per position: two masked loads would each take a pipelined
-    tile of shared memory (192 KiB at head_dim 256 in bf16, past the 163 KiB an A100 grants)."""
+    One load through pointers chosen per position: two masked loads each took a pipelined tile of
+    shared memory (192 KiB at head_dim 256 in bf16 with 64-key tiles, past the 163 KiB of an A100)."""
     in_past = position < num_past
     rows = tl.where(in_past, past_ptr + position * past_token, k_ptr + (position - num_past) * k_token)
     return tl.load(rows[:, None] + kv_head * kv_head_stride + d[None, :],
