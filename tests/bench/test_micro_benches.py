@@ -44,7 +44,9 @@ def test_the_cli_writes_both_micro_benches_with_the_mass_passes_against_the_atte
     decode = mass["decode"]
     assert mass["config"]["batch"] == 8 and mass["backend"] == "torch" and decode["max_abs_difference"] < 1e-5
     assert all(len(ms) == 3 for ms in decode["ms"].values())  # alternating rounds, each way
-    for summary in [decode["mass_pass_to_attention"]] + [r["mass_pass_to_attention"] for r in mass["prefill"]]:
+    assert all(len(ms) == 3 for ms in decode["ms"].values()) and len(decode["ms"]) == 4
+    for summary in [decode["mass_pass_to_attention"], decode["mass_pass_to_contiguous_attention"]] + \
+            [r["mass_pass_to_attention"] for r in mass["prefill"]]:
         assert summary["ratio_min"] <= summary["ratio"] <= summary["ratio_max"]  # the spread, and its verdict
         assert summary["verdict"] in ("<= 1x", "> 1x", "within the spread")
     assert [r["tokens"] for r in mass["prefill"]] == [256, 512]

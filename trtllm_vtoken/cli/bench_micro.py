@@ -88,6 +88,8 @@ def run_trtllm_mass(args: argparse.Namespace) -> int:
                        [[way, statistics.median(ms), min(ms), max(ms),
                          _mib(decode["peak_transient_bytes"].get(way))] for way, ms in decode["ms"].items()]))
     print(f"mass pass / attention: {_ratio(decode['mass_pass_to_attention'])}")
+    print(f"mass pass / attention over K, V laid out contiguously beforehand (what a fused paged attention "
+          f"reads): {_ratio(decode['mass_pass_to_contiguous_attention'])}")
     print("prefill: one context row, one layer")
     window = next(name for name in result["prefill"][0]["ms"] if "window" in name)
     print(format_table(
