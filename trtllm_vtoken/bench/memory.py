@@ -18,11 +18,13 @@ from torch.utils._pytree import tree_flatten
 
 class PeakMemory(TorchDispatchMode):
     """``largest``: the largest storage the code inside allocates; ``peak``: the most bytes its
-    allocations hold at once (its result included while it lives)."""
+    allocations hold at once (its result included while it lives); ``sizes``: every allocation's
+    bytes, in order."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live, self.peak, self.largest = 0, 0, 0
+        self.sizes: list[int] = []
         self._storages: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -35,6 +37,7 @@ class PeakMemory(TorchDispatchMode):
             if storage._cdata in inputs or storage._cdata in self._storages:
                 continue  # in place, out=, or a view
             self._storages.add(storage._cdata)
+            self.sizes.append(storage.nbytes())
             self.live += storage.nbytes()
             self.largest = max(self.largest, storage.nbytes())
             self.peak = max(self.peak, self.live)
