@@ -56,10 +56,17 @@ PREFILL = [("smollm2-135m", torch.bfloat16, False), ("llama-3.1-70b", torch.bflo
            ("llama-3.1-8b", torch.float32, False), ("gemma-2-9b", torch.float32, False),
            ("smollm2-135m", torch.float32, True)]
 # sm_90 (the H100 / H200 of gpu_checks.sh) builds every case; the others the cases that push
-# their limits: the widest tiles, float32, FP8.
+# their limits: the widest tiles, float32, FP8 (sm_89 and later: TensorRT-LLM's and Triton's FP8).
 WIDEST = {("decode", 2), ("decode", 3), ("decode", 4), ("prefill", 2), ("prefill", 4), ("prefill", 5)}
-CASES = [(arch, kind, i) for kind, cases in (("decode", DECODE), ("prefill", PREFILL)) for i in range(len(cases))
-         for arch in SHARED_BYTES if arch == 90 or (kind, i) in WIDEST]
+
+
+def cases():
+    for kind, table in (("decode", DECODE), ("prefill", PREFILL)):
+        for index, (model, dtype, extra) in enumerate(table):
+            for arch in SHARED_BYTES:
+                if (arch == 90 or (kind, index) in WIDEST) and not (dtype.itemsize == 1 and arch < 89):
+                    name = f"sm_{arch}-{kind}-{model}-{str(dtype).removeprefix('torch.')}"
+                    yield pytest.param(arch, kind, model, dtype, extra, id=name)
 
 
 class ArchitectureDriver:
@@ -128,13 +135,8 @@ def prefill_launch(model: str, dtype: torch.dtype, reused: bool):
     return lambda: mass_triton.prefill_mass_triton(q, k, past_k)
 
 
-@pytest.mark.parametrize("arch, kind, index", CASES,
-                         ids=[f"sm_{a}-{k}-{(DECODE if k == 'decode' else PREFILL)[i][0]}-"
-                              f"{str((DECODE if k == 'decode' else PREFILL)[i][1]).split('.')[-1]}" for a, k, i in CASES])
-def test_kernels_fit_the_architecture_in_registers_and_on_tensor_cores(monkeypatch, arch, kind, index):
-    model, dtype, extra = (DECODE if kind == "decode" else PREFILL)[index]
-    if dtype.itemsize == 1 and arch < 89:
-        pytest.skip("FP8 KV caches need sm_89 or later (TensorRT-LLM's and Triton's FP8 types)")
+@pytest.mark.parametrize("arch, kind, model, dtype, extra", list(cases()))
+def test_kernels_fit_the_architecture_in_registers_and_on_tensor_cores(monkeypatch, arch, kind, model, dtype, extra):
     launch = decode_launch(model, dtype, extra) if kind == "decode" else prefill_launch(model, dtype, extra)
     built = build(monkeypatch, arch, launch)
     assert len(built) == 2
