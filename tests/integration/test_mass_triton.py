@@ -50,10 +50,11 @@ def test_kernels_in_the_interpreter():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", range(3))
 def test_prefill_kernels_equal_the_specification(device, seed, dtype):
-    q, k, past_k, window = (t.to(device) if isinstance(t, torch.Tensor) else t for t in random_prefill(seed, dtype))
-    want = prefill_attention_mass(q, k, chunk=5, past_k=past_k, window=window)
+    q, k, past_k, window = random_prefill(seed, dtype)
+    want = prefill_attention_mass(q, k, chunk=5, past_k=past_k, window=window)  # on the CPU
+    q, k, past_k = (t.to(device) if t is not None else None for t in (q, k, past_k))
     got = mass_triton.prefill_mass_triton(q, k, past_k, window, block_m=16, block_n=16)
-    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
@@ -63,14 +64,15 @@ def test_decode_kernels_equal_the_specification(device, seed, dtype):
     (float32 queries, as the manager scales them, against the codes)."""
     fp8 = dtype == torch.float8_e4m3fn
     q, pool, block_lists, kv_lens, layers = random_decode(seed, torch.float32 if fp8 else dtype)
-    q, pool = q.to(device), pool.to(dtype).to(device)
+    pool = pool.to(dtype)
+    want = batch_decode_attention_mass(q, pool, block_lists, kv_lens, layers)  # on the CPU
+    q, pool = q.to(device), pool.to(device)
     assert mass_triton.dot_kind(q, pool) == {torch.float32: "ieee", torch.float8_e4m3fn: "split"}.get(dtype, "half")
-    want = batch_decode_attention_mass(q, pool, block_lists, kv_lens, layers)
     padded = -(-max(kv_lens) // pool.shape[4]) * pool.shape[4]
     one_unit = q.shape[2] * (padded + 1) * 4  # a (row, layer)'s workspace: a chunk of one
     for cap in (1 << 20, one_unit) if seed % 2 else (one_unit,):
         got = mass_triton.decode_mass_triton(q, pool, block_lists, kv_lens, layers, cap)
-        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="cap"):
         mass_triton.decode_mass_triton(q, pool, block_lists, kv_lens, layers, one_unit - 1)
 
