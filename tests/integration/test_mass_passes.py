@@ -83,7 +83,7 @@ def test_cuda_pools_take_the_kernels_only_with_a_triton_they_support(monkeypatch
     CUDA pools take the torch passes (``TRITON_MIN``)."""
     monkeypatch.setattr(mass.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(mass.importlib.metadata, "version", lambda name: version)
-    mass.triton_usable.cache_clear()
+    mass.triton_version.cache_clear(), mass.triton_usable.cache_clear()
     try:
         assert mass.triton_usable() is usable
         assert mass.mass_backend("cuda") == ("triton" if usable else "torch")
@@ -91,7 +91,7 @@ def test_cuda_pools_take_the_kernels_only_with_a_triton_they_support(monkeypatch
                                         f"torch passes (triton {version}: the kernels need 3.2 or later)")
     finally:
         monkeypatch.undo()
-        mass.triton_usable.cache_clear()
+        mass.triton_version.cache_clear(), mass.triton_usable.cache_clear()
 
 
 def test_cpu_tensors_take_the_torch_pass_and_bad_input_is_refused():

@@ -91,8 +91,10 @@ class ArchitectureDriver:
 
 
 class CompileOnly:
-    """A kernel as the launchers call it (``kernel[grid](*args, **options)``), compiling instead
-    of launching; the compiled kernels are kept in ``built``."""
+    """A kernel as the launchers call it (``kernel[grid](*args, **options)``: Triton's
+    ``KernelInterface.__getitem__`` in ``triton/runtime/jit.py``, which runs ``run(..., warmup=False)``),
+    compiling instead of launching through the same ``run`` (``warmup``); the compiled kernels are
+    kept in ``built``."""
 
     def __init__(self, kernel, built: list) -> None:
         self.kernel, self.built = kernel, built

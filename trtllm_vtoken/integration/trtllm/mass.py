@@ -4,9 +4,9 @@
     prefill_mass   one context row, inside the attention hook (layer by layer)
     decode_mass    a batch's decode rows, all layers of one pool, in ``update_resources``
 
-CUDA tensors with Triton 3.2 or later installed take the Triton kernels (``mass_triton.py``); a bf16 context
-row on a CPU with AMX-BF16 the C++ tile pass (``mass_amx.py``); everything else the bounded torch
-passes (``mass_torch.py``). All compute ``scores.py``'s specification and hold at most
+CUDA tensors with Triton 3.2 or later installed take the Triton kernels (``mass_triton.py``);
+a bf16 context row on a CPU with AMX-BF16 the C++ tile pass (``mass_amx.py``); everything else
+the bounded torch passes (``mass_torch.py``). All compute ``scores.py``'s specification and hold at most
 ``cap_bytes`` of workspace (``VTokenSettings.mass_workspace_mib``).
 """
 
@@ -31,25 +31,31 @@ TRITON_MIN = (3, 2)
 
 
 @cache
-def triton_usable() -> bool:
-    """Is a Triton of ``TRITON_MIN`` or later installed (read from its metadata, not imported)?"""
+def triton_version() -> str | None:
+    """The installed Triton's version (from its metadata, not imported), or None without one."""
     if importlib.util.find_spec("triton") is None:
-        return False
+        return None
     try:
-        release = importlib.metadata.version("triton").split("+")[0].split(".")
-        return tuple(int(part) for part in release[:2]) >= TRITON_MIN
-    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@cache
+def triton_usable() -> bool:
+    """Is a Triton of ``TRITON_MIN`` or later installed? (Asked per pass: decided once.)"""
+    version = triton_version()
+    try:
+        return version is not None and tuple(int(part) for part in version.split("+")[0].split(".")[:2]) >= TRITON_MIN
+    except ValueError:
         return False
 
 
 def describe_cuda() -> str:
     """What CUDA pools' mass passes are here, for ``vtoken info``."""
-    if importlib.util.find_spec("triton") is None:
+    version = triton_version()
+    if version is None:
         return "torch passes (Triton is not installed)"
-    try:
-        version = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        version = "of unknown version"
     if triton_usable():
         return f"Triton kernels (triton {version})"
     return f"torch passes (triton {version}: the kernels need {'.'.join(map(str, TRITON_MIN))} or later)"
