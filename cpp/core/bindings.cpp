@@ -125,7 +125,7 @@ nb::tuple step_batch_on(TokenTable& t, const int64_t* req_ids, size_t batch, con
 void bind_slots(nb::module_& m);    // slot_bindings.cpp
 void bind_flights(nb::module_& m);  // flight_bindings.cpp
 void bind_decode(nb::module_& m);   // decode_bindings.cpp
-void bind_prefill_mass(nb::module_& m);  // mass_bindings.cpp
+void bind_mass_passes(nb::module_& m);  // mass_bindings.cpp
 
 NB_MODULE(_core, m) {
   m.doc() = "C++ token table and relocation planners (mirror of the Python specification)";
@@ -140,7 +140,7 @@ NB_MODULE(_core, m) {
   bind_slots(m);
   bind_flights(m);
   bind_decode(m);
-  bind_prefill_mass(m);
+  bind_mass_passes(m);
   m.def("set_compaction_timed", &vtoken::set_compaction_timed, "on"_a,
         "Process-wide: whether step_batch times each compaction's plan and commit (the decode call's "
         "(decide, plan, commit) seconds; cpp/core/batch.h). A diagnostic, off by default: its per-request marks "

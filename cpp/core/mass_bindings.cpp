@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Python bindings of the AMX prefill mass pass (prefill_mass.h): torch's bf16 tensors arrive
-// through DLPack as they are (strided views included; nothing is copied or converted).
+// Python bindings of the AMX mass passes (prefill_mass.h, decode_mass.h): torch's tensors arrive
+// through DLPack as they are (strided views of the pool included; nothing is copied or converted).
 #include <optional>
 #include <stdexcept>
 
@@ -8,6 +8,8 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 
+#include "amx.h"
+#include "decode_mass.h"
 #include "prefill_mass.h"
 
 namespace nb = nanobind;
@@ -18,11 +20,17 @@ namespace {
 using Rows = nb::ndarray<nb::ro, nb::ndim<3>, nb::device::cpu>;
 using Workspace = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Mass = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Queries = nb::ndarray<nb::ro, nb::ndim<4>, nb::device::cpu>;
+using Keys = nb::ndarray<nb::ro, nb::ndim<5>, nb::device::cpu>;
+using Table = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Longs = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using BatchMass = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+const nb::dlpack::dtype kBf16{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
 
 // [tokens, heads, head_dim] bf16 with a contiguous last dimension.
 vtoken::Bf16Rows bf16_rows(const Rows& t, const char* name, int64_t heads, int64_t head_dim) {
-  const nb::dlpack::dtype bf16{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
-  if (t.dtype() != bf16) throw std::invalid_argument(std::string("prefill_mass_amx: ") + name + " must be bfloat16");
+  if (t.dtype() != kBf16) throw std::invalid_argument(std::string("prefill_mass_amx: ") + name + " must be bfloat16");
   if (static_cast<int64_t>(t.shape(1)) != heads || static_cast<int64_t>(t.shape(2)) != head_dim ||
       (t.shape(2) > 1 && t.stride(2) != 1)) {
     throw std::invalid_argument(std::string("prefill_mass_amx: ") + name +
@@ -31,11 +39,58 @@ vtoken::Bf16Rows bf16_rows(const Rows& t, const char* name, int64_t heads, int64
   return {static_cast<const uint16_t*>(t.data()), t.stride(0), t.stride(1)};
 }
 
-}  // namespace
+// The decode pass's bf16 operands with a contiguous last dimension.
+template <class Array>
+const uint16_t* bf16_data(const Array& t, const char* name) {
+  if (t.dtype() != kBf16) throw std::invalid_argument(std::string("decode_mass_amx: ") + name + " must be bfloat16");
+  if (t.shape(t.ndim() - 1) > 1 && t.stride(t.ndim() - 1) != 1)
+    throw std::invalid_argument(std::string("decode_mass_amx: ") + name + " needs a contiguous last dimension");
+  return static_cast<const uint16_t*>(t.data());
+}
+
+void bind_decode_mass(nb::module_& m) {
+  m.def("decode_mass_amx_applies", &vtoken::decode_mass_amx_applies, "tokens_per_block"_a, "head_dim"_a,
+        "Whether the AMX decode pass takes this pool geometry (decode_mass.h).");
+  m.def("decode_mass_workspace_bytes", &vtoken::decode_mass_workspace_bytes, "max_kv_len"_a, "tokens_per_block"_a,
+        "head_dim"_a, "batch"_a, "threads"_a, "Bytes of workspace decode_mass_amx needs (decode_mass.h).");
+  m.def(
+      "decode_mass_amx",
+      [](Queries q, Keys keys, Table block_table, Longs kv_lens, Longs layers, Workspace workspace, int64_t threads,
+         BatchMass mass) {
+        vtoken::DecodeMassArgs a;
+        a.q = bf16_data(q, "q");
+        a.keys = bf16_data(keys, "keys");
+        a.batch = static_cast<int64_t>(q.shape(0));
+        a.num_layers = static_cast<int64_t>(q.shape(1));
+        a.num_heads = static_cast<int64_t>(q.shape(2));
+        a.head_dim = static_cast<int64_t>(q.shape(3));
+        a.q_row_stride = q.stride(0), a.q_layer_stride = q.stride(1), a.q_head_stride = q.stride(2);
+        a.num_pool_blocks = static_cast<int64_t>(keys.shape(0));
+        a.num_pool_layers = static_cast<int64_t>(keys.shape(1));
+        a.num_kv_heads = static_cast<int64_t>(keys.shape(2));
+        a.tokens_per_block = static_cast<int64_t>(keys.shape(3));
+        a.block_stride = keys.stride(0), a.layer_stride = keys.stride(1), a.kv_head_stride = keys.stride(2);
+        a.token_stride = keys.stride(3);
+        if (static_cast<int64_t>(keys.shape(4)) != a.head_dim)
+          throw std::invalid_argument("decode_mass_amx: keys and queries differ in head_dim");
+        if (static_cast<int64_t>(block_table.shape(0)) != a.batch || static_cast<int64_t>(kv_lens.shape(0)) != a.batch ||
+            static_cast<int64_t>(layers.shape(0)) != a.num_layers || static_cast<int64_t>(mass.shape(0)) != a.batch)
+          throw std::invalid_argument("decode_mass_amx: block_table, kv_lens and mass need a row per query row, "
+                                      "layers a pool layer per query layer");
+        a.block_table = block_table.data();
+        a.table_width = static_cast<int64_t>(block_table.shape(1));
+        a.kv_lens = kv_lens.data();
+        a.layers = layers.data();
+        nb::gil_scoped_release released;
+        vtoken::decode_mass_amx(a, workspace.data(), static_cast<int64_t>(workspace.shape(0)), threads, mass.data(),
+                                static_cast<int64_t>(mass.shape(1)));
+      },
+      "q"_a, "keys"_a, "block_table"_a, "kv_lens"_a, "layers"_a, "workspace"_a.noconvert(), "threads"_a,
+      "mass"_a.noconvert(),
+      "mass[b, j] = H2O's decode mass of row b's position j over the given layers, overwritten; decode_mass.h.");
+}
 
 void bind_prefill_mass(nb::module_& m) {
-  m.def("prefill_mass_amx_supported", &vtoken::prefill_mass_amx_supported,
-        "Whether this CPU has AMX-BF16 and AVX-512 BF16 and the OS grants the tile state.");
   m.def("prefill_mass_workspace_bytes", &vtoken::prefill_mass_workspace_bytes, "num_keys"_a, "num_kv_heads"_a,
         "head_dim"_a, "threads"_a, "Bytes of workspace prefill_mass_amx needs (prefill_mass.h).");
   m.def(
@@ -63,4 +118,13 @@ void bind_prefill_mass(nb::module_& m) {
       "q"_a, "k"_a, "past_k"_a.none(), "first_query"_a, "workspace"_a.noconvert(), "threads"_a,
       "mass"_a.noconvert(),
       "mass[j] = H2O's prefill mass of key j (past keys, then the row's own), overwritten; prefill_mass.h.");
+}
+
+}  // namespace
+
+void bind_mass_passes(nb::module_& m) {
+  m.def("amx_bf16_supported", &vtoken::amx_bf16_supported,
+        "Whether this CPU has AMX-BF16 and AVX-512 BF16 and the OS grants the tile state (amx.h).");
+  bind_prefill_mass(m);
+  bind_decode_mass(m);
 }

@@ -21,25 +21,8 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <thread>
-#include <vector>
 
-// AMX intrinsics: GCC 11 and Clang 12 onwards; elsewhere (or with -DVTOKEN_AMX=0) the pass
-// reports itself unsupported and callers take the portable one.
-#ifndef VTOKEN_AMX
-#if defined(__x86_64__) && defined(__linux__) && \
-    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
-#define VTOKEN_AMX 1
-#else
-#define VTOKEN_AMX 0
-#endif
-#endif
-#if VTOKEN_AMX
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx.h"
 
 namespace vtoken {
 namespace {
@@ -47,7 +30,7 @@ namespace {
 constexpr int64_t kTileRows = 16;   // queries per tile (an AMX tile's rows)
 constexpr int64_t kChunk = 32;      // bf16 dims per tile row (64 bytes)
 constexpr int64_t kSuperBlock = 64; // keys per pass of the four C tiles
-constexpr int64_t kAlign = 64;
+constexpr int64_t kAlign = kWorkspaceAlign;
 
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
@@ -70,35 +53,6 @@ struct Layout {
 int64_t threads_used(int64_t threads, int64_t num_kv_heads) { return std::max<int64_t>(1, std::min(threads, num_kv_heads)); }
 
 #if VTOKEN_AMX
-#define VTOKEN_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
-
-// exp(x) for x <= 0 in float32: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-7 series
-// (relative error under 2e-7), times 2^n. Below -87 the result is clamped at e^-87 (~1.6e-38),
-// which no softmax sum can tell from the true value.
-VTOKEN_AMX_TARGET inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts: exact n * hi
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 const uint16_t* key_row(const PrefillMassArgs& a, int64_t key, int64_t kv_head) {
   const Bf16Rows& src = key < a.num_past ? a.past_k : a.k;
   const int64_t t = key < a.num_past ? key : key - a.num_past;
@@ -219,19 +173,6 @@ VTOKEN_AMX_TARGET void worker(const PrefillMassArgs& a, const Layout& l, int64_t
   _tile_release();
 }
 
-bool cpu_and_os_support_amx() {
-  unsigned eax, ebx, ecx, edx;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  const bool avx512 = (ebx >> 16 & 1) && (ebx >> 30 & 1);        // AVX512F, AVX512BW
-  const bool amx = (edx >> 22 & 1) && (edx >> 24 & 1);           // AMX-BF16, AMX-TILE
-  if (!avx512 || !amx || !__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !(eax >> 5 & 1)) return false;  // AVX512_BF16
-  unsigned xcr0_low, xcr0_high;
-  __asm__("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
-  const unsigned wanted = (7u << 5) | (3u << 17);  // opmask + ZMM state, tile config + tile data
-  if ((xcr0_low & wanted) != wanted) return false;
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;  // Linux: ask for the tile state
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
-}
 #endif
 
 void check_args(const PrefillMassArgs& a) {
@@ -249,15 +190,6 @@ void check_args(const PrefillMassArgs& a) {
 
 }  // namespace
 
-bool prefill_mass_amx_supported() {
-#if VTOKEN_AMX
-  static const bool supported = cpu_and_os_support_amx();
-  return supported;
-#else
-  return false;
-#endif
-}
-
 int64_t prefill_mass_workspace_bytes(int64_t num_keys, int64_t num_kv_heads, int64_t head_dim, int64_t threads) {
   if (num_keys < 1 || num_kv_heads < 1 || head_dim < 1 || threads < 1)
     throw std::invalid_argument("prefill mass workspace: keys, kv heads, head_dim and threads must be positive");
@@ -272,21 +204,13 @@ void prefill_mass_amx(const PrefillMassArgs& a, uint8_t* workspace, int64_t work
   if (workspace_bytes < needed)
     throw std::invalid_argument("prefill mass: workspace of " + std::to_string(workspace_bytes) + " bytes, " +
                                 std::to_string(needed) + " needed");
-  if (!prefill_mass_amx_supported()) throw std::runtime_error("prefill mass: this CPU or OS has no AMX-BF16");
+  if (!amx_bf16_supported()) throw std::runtime_error("prefill mass: this CPU or OS has no AMX-BF16");
 #if VTOKEN_AMX
   const Layout l(num_keys, a.num_kv_heads, a.head_dim);
   const int64_t n = threads_used(threads, a.num_kv_heads);
-  const uintptr_t misalign = reinterpret_cast<uintptr_t>(workspace) % kAlign;
-  uint8_t* base = workspace + (misalign ? kAlign - misalign : 0);
+  uint8_t* base = aligned_start(workspace);
   float* partials = reinterpret_cast<float*>(base + n * l.per_thread);
-  if (n == 1) {
-    worker(a, l, 0, 1, base, partials);
-  } else {
-    std::vector<std::thread> pool;
-    for (int64_t t = 1; t < n; ++t) pool.emplace_back(worker, std::cref(a), std::cref(l), t, n, base + t * l.per_thread, partials);
-    worker(a, l, 0, n, base, partials);
-    for (std::thread& t : pool) t.join();
-  }
+  run_workers(n, [&](int64_t t) { worker(a, l, t, n, base + t * l.per_thread, partials); });
   for (int64_t j = 0; j < num_keys; ++j) {  // head order: the same sum for any thread count
     float sum = 0.0f;
     for (int64_t h = 0; h < a.num_kv_heads; ++h) sum += partials[h * l.keys16 + j];

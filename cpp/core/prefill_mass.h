@@ -32,10 +32,6 @@ struct PrefillMassArgs {
   int64_t first_query = 0;  // queries [first_query, num_tokens) observe (H2O's prefill window)
 };
 
-// True where the CPU has AMX-BF16 and AVX-512 (BF16) and the OS grants this process the tile
-// state (asked once, on the first call).
-bool prefill_mass_amx_supported();
-
 // Bytes of workspace the pass needs over num_keys keys with this many threads (at most one per KV head).
 int64_t prefill_mass_workspace_bytes(int64_t num_keys, int64_t num_kv_heads, int64_t head_dim, int64_t threads);
 
@@ -43,7 +39,7 @@ int64_t prefill_mass_workspace_bytes(int64_t num_keys, int64_t num_kv_heads, int
 // of the query's softmax weight on key j. Threads take whole KV heads and the heads' sums are
 // added in head order, so the result does not depend on the thread count. Throws
 // std::invalid_argument (nothing written) for inconsistent shapes or a workspace smaller than
-// prefill_mass_workspace_bytes, std::runtime_error where AMX is not supported.
+// prefill_mass_workspace_bytes, std::runtime_error where AMX is not supported (amx_bf16_supported, amx.h).
 void prefill_mass_amx(const PrefillMassArgs& args, uint8_t* workspace, int64_t workspace_bytes, int64_t threads,
                       float* mass);
 

@@ -5,8 +5,11 @@ the attention it observes, on the same tensors, in one run.
     decode   a batch of decode rows over a bf16 pool in TensorRT-LLM's layout:
                specification  scores.batch_decode_attention_mass (every layer's keys gathered
                               to float32 at once, up to 256 MiB)
-               mass pass      mass.decode_mass (the manager's: bounded torch pass on CPU, the
-                              Triton kernels on CUDA)
+               mass pass      mass.decode_mass (the manager's: on CPU the AMX tile pass where
+                              the CPU has it, else the bounded torch pass; the Triton kernels
+                              on CUDA); the header names it
+               torch pass     mass_torch.decode_mass_torch, where the mass pass is another
+                              (what CPUs without AMX run)
                attention      a decode attention over the same pool: K and V gathered through
                               the block table, then torch's fused attention (SDPA)
     prefill  one context row of T tokens, one layer:
@@ -37,8 +40,9 @@ import torch
 from trtllm_vtoken.bench.memory import peak_transient_bytes
 from trtllm_vtoken.bench.repeats import at_most_verdict
 from trtllm_vtoken.config_base import require_positive
-from trtllm_vtoken.integration.trtllm.mass import decode_mass, mass_backend, prefill_mass, prefill_pass
+from trtllm_vtoken.integration.trtllm.mass import decode_mass, decode_pass, mass_backend, prefill_mass, prefill_pass
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
+from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch
 from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass, prefill_attention_mass
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, TOKENS_PER_BLOCK = 30, 9, 3, 64, 32
@@ -122,13 +126,16 @@ def decode_section(cfg: TrtllmMassBenchConfig, sync, progress) -> dict[str, Any]
             "mass pass": lambda: decode_mass(q, pool, block_lists, kv_lens),
             "attention": lambda: attention(gathered, live),
             CONTIGUOUS: lambda: attention(contiguous.__getitem__, None)}
+    chosen = decode_pass(q, pool, kv_lens)
+    if chosen != "torch":
+        ways["torch pass"] = lambda: decode_mass_torch(q, pool, block_lists, kv_lens)
     difference = (ways["mass pass"]() - ways["specification"]()).abs().max().item()
     times = time_ways(ways, cfg.rounds, sync, progress)
-    return {"ms": times, "max_abs_difference": difference,
+    return {"pass": chosen, "ms": times, "max_abs_difference": difference,
             "mass_pass_to_attention": ratio_summary(times["mass pass"], times["attention"]),
             "mass_pass_to_contiguous_attention": ratio_summary(times["mass pass"], times[CONTIGUOUS]),
             "peak_transient_bytes": {name: peak_transient_bytes(ways[name], pool.device)
-                                     for name in ("specification", "mass pass")}}
+                                     for name in ways if "attention" not in name}}
 
 
 def prefill_section(cfg: TrtllmMassBenchConfig, tokens: int, dtype: torch.dtype, sync, progress) -> dict[str, Any]:

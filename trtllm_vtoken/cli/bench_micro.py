@@ -80,7 +80,7 @@ def run_trtllm_mass(args: argparse.Namespace) -> int:
               file=sys.stderr) as bar:
         result = run_trtllm_mass_bench(cfg, progress=bar)
     decode = result["decode"]
-    print(f"vtoken bench trtllm-mass: {result['device']} ({result['backend']} decode pass, each prefill row's pass "
+    print(f"vtoken bench trtllm-mass: {result['device']} ({decode['pass']} decode pass, each prefill row's pass "
           f"named; {result['torch_threads']} torch threads), {cfg.rounds} alternating rounds; ranges over the rounds")
     print(f"decode: batch {cfg.batch}, context {cfg.context}, 30 layers, bf16 pool (mass pass - specification: "
           f"{decode['max_abs_difference']:.2e} at most)")

@@ -5,8 +5,8 @@
     decode_mass    a batch's decode rows, all layers of one pool, in ``update_resources``
 
 CUDA tensors with Triton 3.2 or later installed take the Triton kernels (``mass_triton.py``);
-a bf16 context row on a CPU with AMX-BF16 the C++ tile pass (``mass_amx.py``); everything else
-the bounded torch passes (``mass_torch.py``). All compute ``scores.py``'s specification and hold at most
+bf16 context rows and bf16 pools on a CPU with AMX-BF16 the C++ tile passes (``mass_amx.py``);
+everything else the bounded torch passes (``mass_torch.py``). All compute ``scores.py``'s specification and hold at most
 ``cap_bytes`` of workspace (``VTokenSettings.mass_workspace_mib``).
 """
 
@@ -19,7 +19,7 @@ from functools import cache
 
 import torch
 
-from trtllm_vtoken.integration.trtllm.mass_amx import amx_plan, prefill_mass_amx
+from trtllm_vtoken.integration.trtllm.mass_amx import amx_plan, decode_amx_plan, decode_mass_amx, prefill_mass_amx
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch, prefill_mass_torch
 
@@ -63,7 +63,8 @@ def describe_cuda() -> str:
 
 def mass_backend(device: torch.device | str) -> str:
     """"triton" for CUDA tensors where a usable Triton is installed (``triton_usable``), else
-    "torch" (the decode pass; a context row's pass, which may also be "amx", is ``prefill_pass``'s)."""
+    "torch": the family of passes a device takes (on CPU, bf16 rows and pools may take "amx":
+    ``prefill_pass`` and ``decode_pass`` name the pass of given tensors)."""
     return "triton" if torch.device(device).type == "cuda" and triton_usable() else "torch"
 
 
@@ -88,11 +89,22 @@ def prefill_mass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None =
     return prefill_mass_torch(q, k, past_k, window, cap_bytes)
 
 
+def decode_pass(q: torch.Tensor, pool: torch.Tensor, kv_lens: Sequence[int],
+                cap_bytes: int = DEFAULT_CAP_BYTES) -> str:
+    """The pass ``decode_mass`` runs for these rows: "triton", "amx" or "torch"."""
+    if mass_backend(pool.device) == "triton":
+        return "triton"
+    return "amx" if decode_amx_plan(q, pool, kv_lens, cap_bytes) is not None else "torch"
+
+
 def decode_mass(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[Sequence[int]], kv_lens: Sequence[int],
                 layers: Sequence[int] | None = None, cap_bytes: int = DEFAULT_CAP_BYTES) -> torch.Tensor:
     """``scores.batch_decode_attention_mass`` of a batch's decode rows, float32 [batch, max(kv_lens)]."""
-    if mass_backend(pool.device) == "triton":
+    chosen = decode_pass(q, pool, kv_lens, cap_bytes)
+    if chosen == "triton":
         from trtllm_vtoken.integration.trtllm.mass_triton import decode_mass_triton
 
         return decode_mass_triton(q, pool, block_lists, kv_lens, layers, cap_bytes)
+    if chosen == "amx":
+        return decode_mass_amx(q, pool, block_lists, kv_lens, layers, cap_bytes)
     return decode_mass_torch(q, pool, block_lists, kv_lens, layers, cap_bytes)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The prefill mass pass on x86 CPUs with AMX-BF16 (``cpp/core/prefill_mass.cpp``), for bf16 rows.
+"""The mass passes on x86 CPUs with AMX-BF16 (``cpp/core``), for bf16 rows and pools.
 
-The bounded torch pass (``mass_torch.py``) converts bf16 queries and keys to float32 first: torch
+Prefill (``prefill_mass.cpp``): the bounded torch pass (``mass_torch.py``) converts bf16 queries and keys to float32 first: torch
 has no CPU product of bf16 matrices with float32 results, and a bf16 result would round the
 scores before the softmax. This pass multiplies the bf16 rows in AMX tiles with float32 sums (as
 the attention's own kernels do on these CPUs), then runs the same exact float32 softmax and
@@ -12,31 +12,40 @@ and allocated here, so the cap bounds it as it bounds the torch pass; threads (t
 most one per KV head) are given up one by one until it fits. Where it does not apply (another
 dtype, a CPU or OS without AMX, the package built without its C++ core, a prompt whose
 workspace exceeds the cap with one thread) the caller takes the torch pass.
+
+Decode (``decode_mass.cpp``): the torch pass gathers each layer's keys through the block table
+and converts them to float32 before scoring them (the keys cross memory about four times). This
+pass loads each block's keys as AMX tiles where the pool holds them, scores a KV head's queries
+with float32 sums, and adds each query head's float32 softmax into the row's mass: the keys are
+read once, in bf16. Threads take whole rows; its workspace (one row's scores per thread) is
+allocated here under the cap, as above.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from trtllm_vtoken.core import native
+from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES, padded_block_table
 
 
 def amx_available() -> bool:
     """The C++ core is built and this CPU and OS run AMX-BF16 (asks the OS once for the tile state)."""
-    core = native.load()
-    supported = getattr(core, "prefill_mass_amx_supported", None)  # None: no core, or one built before the pass
+    supported = getattr(native.load(), "amx_bf16_supported", None)  # None: no core, or one built before the passes
     return supported is not None and supported()
 
 
 def describe() -> str:
-    """One line for ``vtoken info``: which pass a CPU context row's mass takes here."""
+    """One line for ``vtoken info``: which passes a CPU row's mass takes here."""
     if native.load() is None:
         return "torch (the C++ core is not built)"
-    if not hasattr(native.load(), "prefill_mass_amx_supported"):
-        return "torch (the C++ core was built without the AMX pass: reinstall the package)"
+    if not hasattr(native.load(), "decode_mass_amx"):
+        return "torch (the C++ core was built without the AMX passes: reinstall the package)"
     if not amx_available():
         return "torch (this CPU or OS has no AMX-BF16)"
-    return "amx for bf16 rows (C++ core, AMX-BF16 tiles), torch for other dtypes"
+    return "amx for bf16 context rows and pools (C++ core, AMX-BF16 tiles), torch for other dtypes"
 
 
 def amx_workspace_bytes(num_keys: int, num_kv_heads: int, head_dim: int, cap_bytes: int,
@@ -81,4 +90,41 @@ def prefill_mass_amx(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | No
     workspace = torch.empty(size, dtype=torch.uint8)
     mass = torch.empty(num_keys, dtype=torch.float32)
     native.load().prefill_mass_amx(q, k, past_k, first, workspace, count, mass)
+    return mass
+
+
+def decode_amx_plan(q: torch.Tensor, pool: torch.Tensor, kv_lens: Sequence[int], cap_bytes: int,
+                    threads: int | None = None) -> tuple[int, int] | None:
+    """(threads, workspace bytes) of the decode pass for these rows, or None where it does not
+    apply: q or the pool not bf16 on CPU, no AMX, a geometry it does not take (an odd head_dim,
+    tokens_per_block neither below 16 nor a multiple of it), or one thread's workspace over ``cap_bytes``."""
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in (q, pool)) or not amx_available():
+        return None
+    core = native.load()
+    tpb, head_dim = pool.shape[4], pool.shape[5]
+    if not kv_lens or min(kv_lens) < 1 or not core.decode_mass_amx_applies(tpb, head_dim):
+        return None
+    for count in range(min(threads or torch.get_num_threads(), len(kv_lens)), 0, -1):
+        size = core.decode_mass_workspace_bytes(max(kv_lens), tpb, head_dim, len(kv_lens), count)
+        if size <= cap_bytes:
+            return count, size
+    return None
+
+
+def decode_mass_amx(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[Sequence[int]],
+                    kv_lens: Sequence[int], layers: Sequence[int] | None = None, cap_bytes: int = DEFAULT_CAP_BYTES,
+                    threads: int | None = None) -> torch.Tensor | None:
+    """``scores.batch_decode_attention_mass`` (same arguments, same result to float32 rounding)
+    of bf16 rows over a bf16 CPU pool, or None where this pass does not apply (``decode_amx_plan``;
+    the caller takes the torch pass)."""
+    plan = decode_amx_plan(q, pool, kv_lens, cap_bytes, threads)
+    if plan is None:
+        return None
+    count, size = plan
+    table = torch.from_numpy(padded_block_table(block_lists, kv_lens, pool.shape[4], q.shape[0]))
+    pool_layers = torch.tensor(list(layers) if layers is not None else range(q.shape[1]), dtype=torch.int64)
+    workspace = torch.empty(size, dtype=torch.uint8)
+    mass = torch.empty(q.shape[0], max(kv_lens), dtype=torch.float32)
+    native.load().decode_mass_amx(q, pool[:, :, 0], table, torch.tensor(list(kv_lens), dtype=torch.int64),
+                                  pool_layers, workspace, count, mass)
     return mass

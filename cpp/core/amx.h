@@ -1,0 +1,82 @@
+// SPDX-License-Identifier: Apache-2.0
+// What the AMX mass passes (prefill_mass.cpp, decode_mass.cpp) share: whether this build, CPU and
+// OS run AMX-BF16 tiles, the tiles' configuration record, and a float32 exp for softmax rows.
+//
+// AMX intrinsics come with GCC 11 and Clang 12 onwards on x86-64 Linux; elsewhere (or with
+// -DVTOKEN_AMX=0) the passes compile, report themselves unsupported, and callers take the
+// portable torch passes.
+#pragma once
+
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#ifndef VTOKEN_AMX
+#if defined(__x86_64__) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define VTOKEN_AMX 1
+#else
+#define VTOKEN_AMX 0
+#endif
+#endif
+#if VTOKEN_AMX
+#include <immintrin.h>
+#endif
+
+namespace vtoken {
+
+// True where the CPU has AMX-BF16 and AVX-512 (F, BW, BF16) and the OS grants this process the
+// tile state (asked once, on the first call); always false in a build without AMX.
+bool amx_bf16_supported();
+
+// The passes' workspaces are caller-allocated byte tensors: each pass asks for kWorkspaceAlign
+// bytes more than its regions and starts them at the first 64-byte boundary (tile rows, cache lines).
+constexpr int64_t kWorkspaceAlign = 64;
+inline uint8_t* aligned_start(uint8_t* workspace) {
+  const uintptr_t misalign = reinterpret_cast<uintptr_t>(workspace) % kWorkspaceAlign;
+  return workspace + (misalign ? kWorkspaceAlign - misalign : 0);
+}
+
+// work(t) for t in [0, n): t = 0 on the calling thread, each other on a thread of its own
+// (a pass runs once per step or context row, so threads are not kept between calls).
+template <class Work>
+void run_workers(int64_t n, const Work& work) {
+  std::vector<std::thread> others;
+  for (int64_t t = 1; t < n; ++t) others.emplace_back([&work, t] { work(t); });
+  work(0);
+  for (std::thread& thread : others) thread.join();
+}
+
+#if VTOKEN_AMX
+#define VTOKEN_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+
+// The 64-byte record _tile_loadconfig reads (palette 1): per tile, its rows and bytes per row.
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// exp(x) for x <= 0 (and tiny positive x) in float32: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
+// degree-7 series (relative error under 2e-7), times 2^n. Below -87 the result is clamped at
+// e^-87 (~1.6e-38), which no softmax sum can tell from the true value.
+VTOKEN_AMX_TARGET inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts: exact n * hi
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+}  // namespace vtoken
