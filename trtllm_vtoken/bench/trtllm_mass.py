@@ -19,7 +19,7 @@ the attention it observes, on the same tensors, in one run.
                               and with H2O's prefill_window of 64 queries
                attention      torch's fused causal attention (SDPA) of the same q, k, v
 
-Every way runs ``rounds`` times in alternating order; each ratio to the attention is given as the
+Every way runs once untimed, then ``rounds`` times in alternating order; each ratio to the attention is given as the
 median round's with its range over the rounds (mass of round i over attention of round i), and a
 verdict that claims a side of the target only outside that range. Transient memory: the largest
 bytes each mass way holds at once beside its inputs (``PeakMemory`` on CPU, the allocator's peak
@@ -70,7 +70,12 @@ class TrtllmMassBenchConfig:
 
 
 def time_ways(ways: dict[str, Callable[[], Any]], rounds: int, sync: Callable[[], None], progress=None) -> dict:
-    """Milliseconds of each way per round, the ways in alternating order round by round."""
+    """Milliseconds of each way per round, the ways in alternating order round by round, after
+    one untimed call of each (first calls at a shape pay one-time costs: kernel selection,
+    allocator growth, page faults)."""
+    for fn in ways.values():
+        fn()
+    sync()
     times: dict[str, list[float]] = {name: [] for name in ways}
     for round_ in range(rounds):
         for name, fn in (list(ways.items()) if round_ % 2 == 0 else list(reversed(ways.items()))):
