@@ -2,6 +2,9 @@
 // amx_bf16_supported (amx.h): CPUID for the instructions, XCR0 and Linux's arch_prctl for the state.
 #include "amx.h"
 
+#include <stdexcept>
+#include <string>
+
 #if VTOKEN_AMX
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -36,6 +39,13 @@ bool amx_bf16_supported() {
 #else
   return false;
 #endif
+}
+
+void require_workspace_and_amx(const char* pass, int64_t workspace_bytes, int64_t needed) {
+  if (workspace_bytes < needed)
+    throw std::invalid_argument(std::string(pass) + ": workspace of " + std::to_string(workspace_bytes) + " bytes, " +
+                                std::to_string(needed) + " needed");
+  if (!amx_bf16_supported()) throw std::runtime_error(std::string(pass) + ": this CPU or OS has no AMX-BF16");
 }
 
 }  // namespace vtoken

@@ -29,6 +29,10 @@ namespace vtoken {
 // tile state (asked once, on the first call); always false in a build without AMX.
 bool amx_bf16_supported();
 
+// What a pass checks last, after its arguments: std::invalid_argument for a workspace of fewer
+// than `needed` bytes, then std::runtime_error where AMX is not supported. `pass` names it.
+void require_workspace_and_amx(const char* pass, int64_t workspace_bytes, int64_t needed);
+
 // The passes' workspaces are caller-allocated byte tensors: each pass asks for kWorkspaceAlign
 // bytes more than its regions and starts them at the first 64-byte boundary (tile rows, cache lines).
 constexpr int64_t kWorkspaceAlign = 64;

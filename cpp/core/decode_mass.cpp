@@ -236,10 +236,7 @@ void decode_mass_amx(const DecodeMassArgs& a, uint8_t* workspace, int64_t worksp
   check_args(a, mass_width);
   const int64_t longest = *std::max_element(a.kv_lens, a.kv_lens + a.batch);
   const int64_t needed = decode_mass_workspace_bytes(longest, a.tokens_per_block, a.head_dim, a.batch, threads);
-  if (workspace_bytes < needed)
-    throw std::invalid_argument("decode mass: workspace of " + std::to_string(workspace_bytes) + " bytes, " +
-                                std::to_string(needed) + " needed");
-  if (!amx_bf16_supported()) throw std::runtime_error("decode mass: this CPU or OS has no AMX-BF16");
+  require_workspace_and_amx("decode mass", workspace_bytes, needed);
 #if VTOKEN_AMX
   const Layout l(longest, a.tokens_per_block, a.head_dim);
   const int64_t n = threads_used(threads, a.batch);

@@ -201,10 +201,7 @@ void prefill_mass_amx(const PrefillMassArgs& a, uint8_t* workspace, int64_t work
   check_args(a);
   const int64_t num_keys = a.num_past + a.num_tokens;
   const int64_t needed = prefill_mass_workspace_bytes(num_keys, a.num_kv_heads, a.head_dim, threads);
-  if (workspace_bytes < needed)
-    throw std::invalid_argument("prefill mass: workspace of " + std::to_string(workspace_bytes) + " bytes, " +
-                                std::to_string(needed) + " needed");
-  if (!amx_bf16_supported()) throw std::runtime_error("prefill mass: this CPU or OS has no AMX-BF16");
+  require_workspace_and_amx("prefill mass", workspace_bytes, needed);
 #if VTOKEN_AMX
   const Layout l(num_keys, a.num_kv_heads, a.head_dim);
   const int64_t n = threads_used(threads, a.num_kv_heads);
