@@ -2,19 +2,22 @@
 // The AMX decode mass pass (decode_mass.h). Per row, layer, KV head and (up to) 16 query heads of
 // its group, the keys are read once, where the pool holds them:
 //
-//   scores [kv_len, 16 lanes] float32 = A (16 keys x 32 dims, bf16, loaded from the block)
-//                                       . B (32 dims x 16 query heads, the queries in pairs)
-//                                       per 16 keys, summed over the head's 32-dim chunks
-//   lane h: e = exp(scale * s - scale * max_h), 1 / sum_h        (one key's lanes: one vector)
-//   mass[key] += sum_h e[key, h] / sum_h                           (float32, AVX-512)
+//   tile [16 keys, 16 lanes] float32 = A (16 keys x 32 dims, bf16, loaded from the block)
+//                                      . B (32 dims x 16 query heads, the queries in pairs)
+//                                      summed over the head's 32-dim chunks
+//   scores[h, key]  = tile[key, h]    for the group's heads h only (a gather per head and tile)
+//   head h: e = exp(scale * s - scale * max_h), 1 / sum_h         (16 positions per vector)
+//   mass[key] += sum_h e[h, key] / sum_h                            (float32, AVX-512 FMAs)
 //
 // Keys lie [tokens_per_block, head_dim] per block and KV head, so 16 consecutive keys are one tile
-// load (rows head_dim apart); keys past a row's kv_len are scored with the tile but never read
-// back. Lanes past the group's query heads hold zero queries and a zero inverse.
+// load (rows token_stride apart); keys past a row's kv_len are scored with the tile but never read
+// back. With positions along the vector, the exponentials are the group's heads' only (3 of 16
+// lanes at SmolLM2's group of 3) and the sum over heads needs no horizontal reduction.
 //
 // Workspace, per thread (64-byte aligned regions):
-//   scores   [kv_len padded to the block][16] float32
-//   queries  [chunks][16 pairs][16 lanes][2] bf16     (dims zero-padded to the chunk)
+//   scores   [16 lanes][kv_len + 16, padded to 16] float32
+//   tile     [16][16] float32                          (one tile product, L1-resident)
+//   queries  [chunks][16 pairs][16 lanes][2] bf16      (dims zero-padded to the chunk)
 #include "decode_mass.h"
 
 #include <algorithm>
