@@ -143,7 +143,8 @@ VTOKEN_AMX_TARGET void add_softmax_mass(const Layout& l, float* scores, int64_t 
       sum = _mm512_add_ps(sum, e);
     }
     if (tail) {
-      const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(row + whole), vscale, vmax)));
+      const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(row + whole), vscale, vmax);
+      const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpositive(x));
       _mm512_storeu_ps(row + whole, e);
       sum = _mm512_add_ps(sum, e);
     }

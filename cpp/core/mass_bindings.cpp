@@ -73,8 +73,9 @@ void bind_decode_mass(nb::module_& m) {
         a.token_stride = keys.stride(3);
         if (static_cast<int64_t>(keys.shape(4)) != a.head_dim)
           throw std::invalid_argument("decode_mass_amx: keys and queries differ in head_dim");
-        if (static_cast<int64_t>(block_table.shape(0)) != a.batch || static_cast<int64_t>(kv_lens.shape(0)) != a.batch ||
-            static_cast<int64_t>(layers.shape(0)) != a.num_layers || static_cast<int64_t>(mass.shape(0)) != a.batch)
+        const auto rows = [](const auto& t) { return static_cast<int64_t>(t.shape(0)); };
+        if (rows(block_table) != a.batch || rows(kv_lens) != a.batch || rows(layers) != a.num_layers ||
+            rows(mass) != a.batch)
           throw std::invalid_argument("decode_mass_amx: block_table, kv_lens and mass need a row per query row, "
                                       "layers a pool layer per query layer");
         a.block_table = block_table.data();

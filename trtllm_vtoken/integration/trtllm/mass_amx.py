@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The mass passes on x86 CPUs with AMX-BF16 (``cpp/core``), for bf16 rows and pools.
 
-Prefill (``prefill_mass.cpp``): the bounded torch pass (``mass_torch.py``) converts bf16 queries and keys to float32 first: torch
-has no CPU product of bf16 matrices with float32 results, and a bf16 result would round the
-scores before the softmax. This pass multiplies the bf16 rows in AMX tiles with float32 sums (as
+Prefill (``prefill_mass.cpp``): the bounded torch pass (``mass_torch.py``) converts bf16 queries
+and keys to float32 first: torch has no CPU product of bf16 matrices with float32 results, and a
+bf16 result would round the scores before the softmax. This pass multiplies the bf16 rows in AMX tiles with float32 sums (as
 the attention's own kernels do on these CPUs), then runs the same exact float32 softmax and
 column sums, reading each KV head's keys once.
 
