@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The AMX decode mass pass (``mass_amx.decode_mass_amx``, ``cpp/core/decode_mass.cpp``) equals
 its specification (``scores.batch_decode_attention_mass``) on random pools, block tables, lengths,
-GQA groups and layer maps, and at real geometries (head dims on and off the tiles' 32 dims,
+GQA groups and layer maps, at every edge of its tiles, and at real geometries (head dims on and off the tiles' 32 dims,
 tokens_per_block below 16, groups wider than a tile's 16 query heads) with whatever the pool holds
 past each row's length (NaN here); gives the same result for any thread count; keeps its workspace
 in the one tensor it allocates, under the cap at Llama-3.1-70B shapes and 32k tokens; refuses bad
@@ -9,6 +9,8 @@ input before writing anything; and steps aside (the torch pass runs) wherever it
 Skipped where the C++ core is not built or the CPU or OS has no AMX-BF16."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -74,6 +76,25 @@ def test_amx_decode_pass_reads_real_geometries_from_a_fragmented_pool(heads, kv_
     assert not got.isnan().any()
     sums = got.sum(dim=1)  # each query head's weights sum to 1 over what it attends
     torch.testing.assert_close(sums, torch.full_like(sums, float(layers * heads)), rtol=1e-5, atol=1e-4)
+
+
+def test_amx_decode_pass_at_the_tiles_edges():
+    """Every edge of the tiles at once: blocks of 1 to 128 tokens (tiles of 1, 2 or 16 keys),
+    head dims from 2 to 160 on and off the 32-dim chunk (partial chunks of 2 to 30 dims), groups
+    of 1, 2, 16 and 17 query heads (one tile of heads, or two), lengths of one position, a block
+    and a position past it, and two threads."""
+    gen = torch.Generator().manual_seed(5)
+    for tpb, dim, (heads, kv_heads) in itertools.product([1, 2, 16, 128], [2, 30, 32, 34, 66, 160],
+                                                         [(1, 1), (16, 1), (17, 1), (6, 3)]):
+        kv_lens = [1, 2 * tpb + 1, 37, 5 * tpb]
+        needed = [-(-n // tpb) for n in kv_lens]
+        order = torch.randperm(sum(needed) + 2, generator=gen).tolist()
+        block_lists = [order[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(kv_lens))]
+        pool = torch.randn(len(order), 2, 2, kv_heads, tpb, dim, generator=gen).bfloat16()
+        q = torch.randn(len(kv_lens), 2, heads, dim, generator=gen).bfloat16()
+        want = batch_decode_attention_mass(q, pool, block_lists, kv_lens, [1, 0])
+        got = decode_mass_amx(q, pool, block_lists, kv_lens, [1, 0], threads=2)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=lambda m: f"{tpb=} {dim=} {heads=}: {m}")
 
 
 def test_pools_and_rows_it_does_not_take_go_to_the_torch_pass():
