@@ -41,6 +41,12 @@ inline uint8_t* aligned_start(uint8_t* workspace) {
   return workspace + (misalign ? kWorkspaceAlign - misalign : 0);
 }
 
+// The threads a pass runs: the caller's count, at least one, at most one per unit of work
+// (a KV head, a row), since a unit is never split.
+inline int64_t threads_used(int64_t threads, int64_t units) {
+  return threads < 1 ? 1 : (threads < units ? threads : units);
+}
+
 // work(t) for t in [0, n): t = 0 on the calling thread, each other on a thread of its own
 // (a pass runs once per step or context row, so threads are not kept between calls).
 template <class Work>

@@ -55,7 +55,6 @@ struct Layout {
   int64_t total(int64_t threads) const { return kWorkspaceAlign + threads * per_thread; }
 };
 
-int64_t threads_used(int64_t threads, int64_t batch) { return std::max<int64_t>(1, std::min(threads, batch)); }
 
 #if VTOKEN_AMX
 // Tiles: 0 scores (C), 1 keys (A), 2 queries (B); 3 and 4 the keys and queries of a partial last chunk.

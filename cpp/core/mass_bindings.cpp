@@ -28,24 +28,21 @@ using BatchMass = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>
 
 const nb::dlpack::dtype kBf16{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
 
-// [tokens, heads, head_dim] bf16 with a contiguous last dimension.
-vtoken::Bf16Rows bf16_rows(const Rows& t, const char* name, int64_t heads, int64_t head_dim) {
-  if (t.dtype() != kBf16) throw std::invalid_argument(std::string("prefill_mass_amx: ") + name + " must be bfloat16");
-  if (static_cast<int64_t>(t.shape(1)) != heads || static_cast<int64_t>(t.shape(2)) != head_dim ||
-      (t.shape(2) > 1 && t.stride(2) != 1)) {
-    throw std::invalid_argument(std::string("prefill_mass_amx: ") + name +
-                                " must be [tokens, heads, head_dim] with a contiguous last dimension");
-  }
-  return {static_cast<const uint16_t*>(t.data()), t.stride(0), t.stride(1)};
+// The data of a bf16 operand of `pass` with a contiguous last dimension.
+template <class Array>
+const uint16_t* bf16_data(const Array& t, const char* pass, const char* name) {
+  if (t.dtype() != kBf16) throw std::invalid_argument(std::string(pass) + ": " + name + " must be bfloat16");
+  if (t.shape(t.ndim() - 1) > 1 && t.stride(t.ndim() - 1) != 1)
+    throw std::invalid_argument(std::string(pass) + ": " + name + " needs a contiguous last dimension");
+  return static_cast<const uint16_t*>(t.data());
 }
 
-// The decode pass's bf16 operands with a contiguous last dimension.
-template <class Array>
-const uint16_t* bf16_data(const Array& t, const char* name) {
-  if (t.dtype() != kBf16) throw std::invalid_argument(std::string("decode_mass_amx: ") + name + " must be bfloat16");
-  if (t.shape(t.ndim() - 1) > 1 && t.stride(t.ndim() - 1) != 1)
-    throw std::invalid_argument(std::string("decode_mass_amx: ") + name + " needs a contiguous last dimension");
-  return static_cast<const uint16_t*>(t.data());
+// The prefill pass's [tokens, heads, head_dim] rows.
+vtoken::Bf16Rows bf16_rows(const Rows& t, const char* name, int64_t heads, int64_t head_dim) {
+  const uint16_t* data = bf16_data(t, "prefill_mass_amx", name);
+  if (static_cast<int64_t>(t.shape(1)) != heads || static_cast<int64_t>(t.shape(2)) != head_dim)
+    throw std::invalid_argument(std::string("prefill_mass_amx: ") + name + " must be [tokens, heads, head_dim]");
+  return {data, t.stride(0), t.stride(1)};
 }
 
 void bind_decode_mass(nb::module_& m) {
@@ -58,8 +55,8 @@ void bind_decode_mass(nb::module_& m) {
       [](Queries q, Keys keys, Table block_table, Longs kv_lens, Longs layers, Workspace workspace, int64_t threads,
          BatchMass mass) {
         vtoken::DecodeMassArgs a;
-        a.q = bf16_data(q, "q");
-        a.keys = bf16_data(keys, "keys");
+        a.q = bf16_data(q, "decode_mass_amx", "q");
+        a.keys = bf16_data(keys, "decode_mass_amx", "keys");
         a.batch = static_cast<int64_t>(q.shape(0));
         a.num_layers = static_cast<int64_t>(q.shape(1));
         a.num_heads = static_cast<int64_t>(q.shape(2));

@@ -30,7 +30,6 @@ namespace {
 constexpr int64_t kTileRows = 16;   // queries per tile (an AMX tile's rows)
 constexpr int64_t kChunk = 32;      // bf16 dims per tile row (64 bytes)
 constexpr int64_t kSuperBlock = 64; // keys per pass of the four C tiles
-constexpr int64_t kAlign = kWorkspaceAlign;
 
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
@@ -41,16 +40,15 @@ struct Layout {
   Layout(int64_t num_keys, int64_t num_kv_heads, int64_t head_dim)
       : keys64(round_up(num_keys, kSuperBlock)), keys16(round_up(num_keys, 16)),
         chunks(round_up(head_dim, kChunk) / kChunk) {
-    packed_bytes = round_up(keys64 * chunks * kChunk * 2, kAlign);
-    scores_bytes = round_up(kTileRows * keys64 * 4, kAlign);
-    queries_bytes = round_up(kTileRows * chunks * kChunk * 2, kAlign);
+    packed_bytes = round_up(keys64 * chunks * kChunk * 2, kWorkspaceAlign);
+    scores_bytes = round_up(kTileRows * keys64 * 4, kWorkspaceAlign);
+    queries_bytes = round_up(kTileRows * chunks * kChunk * 2, kWorkspaceAlign);
     per_thread = packed_bytes + scores_bytes + queries_bytes;
-    partials_bytes = round_up(num_kv_heads * keys16 * 4, kAlign);
+    partials_bytes = round_up(num_kv_heads * keys16 * 4, kWorkspaceAlign);
   }
-  int64_t total(int64_t threads) const { return kAlign + threads * per_thread + partials_bytes; }
+  int64_t total(int64_t threads) const { return kWorkspaceAlign + threads * per_thread + partials_bytes; }
 };
 
-int64_t threads_used(int64_t threads, int64_t num_kv_heads) { return std::max<int64_t>(1, std::min(threads, num_kv_heads)); }
 
 #if VTOKEN_AMX
 const uint16_t* key_row(const PrefillMassArgs& a, int64_t key, int64_t kv_head) {

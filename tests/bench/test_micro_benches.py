@@ -48,7 +48,9 @@ def test_the_cli_writes_both_micro_benches_with_the_mass_passes_against_the_atte
     # the decode pass the manager takes here, and the torch pass beside it where that is another
     assert decode["pass"] == ("amx" if amx_available() else "torch") and f"({decode['pass']} decode pass" in printed
     assert len(decode["ms"]) == (5 if decode["pass"] == "amx" else 4)
+    assert (decode["torch_pass_to_contiguous_attention"] is None) == (decode["pass"] == "torch")
     for summary in [decode["mass_pass_to_attention"], decode["mass_pass_to_contiguous_attention"]] + \
+            [s for s in [decode["torch_pass_to_contiguous_attention"]] if s is not None] + \
             [r["mass_pass_to_attention"] for r in mass["prefill"]]:
         assert summary["ratio_min"] <= summary["ratio"] <= summary["ratio_max"]  # the spread, and its verdict
         assert summary["verdict"] in ("<= 1x", "> 1x", "within the spread")

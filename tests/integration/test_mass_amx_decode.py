@@ -37,6 +37,14 @@ def test_amx_decode_pass_equals_its_specification(seed):
         assert torch.equal(decode_mass_amx(q, pool, block_lists, kv_lens, layers, threads=threads), got)
 
 
+def shuffled_block_lists(kv_lens, tpb, gen):
+    """(pool blocks, each row's block list): the blocks its length needs, anywhere in a pool of
+    four blocks more (which no row holds)."""
+    needed = [-(-n // tpb) for n in kv_lens]
+    order = torch.randperm(sum(needed) + 4, generator=gen).tolist()
+    return len(order), [order[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(kv_lens))]
+
+
 def nan_filled_pool(num_blocks, layers, kv_heads, tpb, dim, block_lists, kv_lens, gen):
     """A pool whose every position no row attends holds NaN (unwritten memory may hold anything);
     the attended keys and every value random."""
@@ -62,10 +70,8 @@ def test_amx_decode_pass_reads_real_geometries_from_a_fragmented_pool(heads, kv_
     gen = torch.Generator().manual_seed(dim + tpb)
     layers, pool_layers = 2, 3
     kv_lens = [1, tpb, 3 * tpb + 5, 130]
-    needed = [-(-n // tpb) for n in kv_lens]
-    order = torch.randperm(sum(needed) + 4, generator=gen).tolist()
-    block_lists = [order[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(kv_lens))]
-    pool = nan_filled_pool(len(order), pool_layers, kv_heads, tpb, dim, block_lists, kv_lens, gen)
+    num_blocks, block_lists = shuffled_block_lists(kv_lens, tpb, gen)
+    pool = nan_filled_pool(num_blocks, pool_layers, kv_heads, tpb, dim, block_lists, kv_lens, gen)
     buffer = torch.randn(layers, 6, heads, dim, generator=gen).bfloat16()
     q = buffer[:, : len(kv_lens)].transpose(0, 1)  # [rows, layers, heads, dim], not contiguous
     assert not q.is_contiguous()
@@ -87,10 +93,8 @@ def test_amx_decode_pass_at_the_tiles_edges():
     for tpb, dim, (heads, kv_heads) in itertools.product([1, 2, 16, 128], [2, 30, 32, 34, 66, 160],
                                                          [(1, 1), (16, 1), (17, 1), (6, 3)]):
         kv_lens = [1, 2 * tpb + 1, 37, 5 * tpb]
-        needed = [-(-n // tpb) for n in kv_lens]
-        order = torch.randperm(sum(needed) + 2, generator=gen).tolist()
-        block_lists = [order[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(kv_lens))]
-        pool = torch.randn(len(order), 2, 2, kv_heads, tpb, dim, generator=gen).bfloat16()
+        num_blocks, block_lists = shuffled_block_lists(kv_lens, tpb, gen)
+        pool = torch.randn(num_blocks, 2, 2, kv_heads, tpb, dim, generator=gen).bfloat16()
         q = torch.randn(len(kv_lens), 2, heads, dim, generator=gen).bfloat16()
         want = batch_decode_attention_mass(q, pool, block_lists, kv_lens, [1, 0])
         got = decode_mass_amx(q, pool, block_lists, kv_lens, [1, 0], threads=2)

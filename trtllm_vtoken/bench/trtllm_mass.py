@@ -139,6 +139,8 @@ def decode_section(cfg: TrtllmMassBenchConfig, sync, progress) -> dict[str, Any]
     return {"pass": chosen, "ms": times, "max_abs_difference": difference,
             "mass_pass_to_attention": ratio_summary(times["mass pass"], times["attention"]),
             "mass_pass_to_contiguous_attention": ratio_summary(times["mass pass"], times[CONTIGUOUS]),
+            "torch_pass_to_contiguous_attention": (ratio_summary(times["torch pass"], times[CONTIGUOUS])
+                                                   if "torch pass" in times else None),
             "peak_transient_bytes": {name: peak_transient_bytes(ways[name], pool.device)
                                      for name in ways if "attention" not in name}}
 

@@ -90,6 +90,9 @@ def run_trtllm_mass(args: argparse.Namespace) -> int:
     print(f"mass pass / attention: {_ratio(decode['mass_pass_to_attention'])}")
     print(f"mass pass / attention over K, V laid out contiguously beforehand (what a fused paged attention "
           f"reads): {_ratio(decode['mass_pass_to_contiguous_attention'])}")
+    if decode["torch_pass_to_contiguous_attention"] is not None:
+        print(f"torch pass (where the manager takes another) / that attention: "
+              f"{_ratio(decode['torch_pass_to_contiguous_attention'])}")
     print("prefill: one context row, one layer")
     window = next(name for name in result["prefill"][0]["ms"] if "window" in name)
     print(format_table(

@@ -70,7 +70,8 @@ def mass_backend(device: torch.device | str) -> str:
 
 def prefill_pass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None,
                  cap_bytes: int = DEFAULT_CAP_BYTES) -> str:
-    """The pass ``prefill_mass`` runs for this context row: "triton", "amx" or "torch"."""
+    """The pass ``prefill_mass`` runs for this context row: "triton", "amx" or "torch" (what it
+    decides, named; ``prefill_mass`` decides once, by trying the AMX pass)."""
     if mass_backend(q.device) == "triton":
         return "triton"
     return "amx" if amx_plan(q, k, past_k, cap_bytes) is not None else "torch"
@@ -79,19 +80,18 @@ def prefill_pass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None =
 def prefill_mass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None, window: int | None = None,
                  cap_bytes: int = DEFAULT_CAP_BYTES) -> torch.Tensor:
     """``scores.prefill_attention_mass`` of one context row, float32 [num_past + num_tokens]."""
-    chosen = prefill_pass(q, k, past_k, cap_bytes)
-    if chosen == "triton":
+    if mass_backend(q.device) == "triton":
         from trtllm_vtoken.integration.trtllm.mass_triton import prefill_mass_triton
 
         return prefill_mass_triton(q, k, past_k, window, cap_bytes=cap_bytes)
-    if chosen == "amx":
-        return prefill_mass_amx(q, k, past_k, window, cap_bytes)
-    return prefill_mass_torch(q, k, past_k, window, cap_bytes)
+    mass = prefill_mass_amx(q, k, past_k, window, cap_bytes)  # None where it does not apply (amx_plan)
+    return mass if mass is not None else prefill_mass_torch(q, k, past_k, window, cap_bytes)
 
 
 def decode_pass(q: torch.Tensor, pool: torch.Tensor, kv_lens: Sequence[int],
                 cap_bytes: int = DEFAULT_CAP_BYTES) -> str:
-    """The pass ``decode_mass`` runs for these rows: "triton", "amx" or "torch"."""
+    """The pass ``decode_mass`` runs for these rows: "triton", "amx" or "torch" (what it decides,
+    named; ``decode_mass`` decides once, by trying the AMX pass)."""
     if mass_backend(pool.device) == "triton":
         return "triton"
     return "amx" if decode_amx_plan(q, pool, kv_lens, cap_bytes) is not None else "torch"
@@ -100,11 +100,9 @@ def decode_pass(q: torch.Tensor, pool: torch.Tensor, kv_lens: Sequence[int],
 def decode_mass(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[Sequence[int]], kv_lens: Sequence[int],
                 layers: Sequence[int] | None = None, cap_bytes: int = DEFAULT_CAP_BYTES) -> torch.Tensor:
     """``scores.batch_decode_attention_mass`` of a batch's decode rows, float32 [batch, max(kv_lens)]."""
-    chosen = decode_pass(q, pool, kv_lens, cap_bytes)
-    if chosen == "triton":
+    if mass_backend(pool.device) == "triton":
         from trtllm_vtoken.integration.trtllm.mass_triton import decode_mass_triton
 
         return decode_mass_triton(q, pool, block_lists, kv_lens, layers, cap_bytes)
-    if chosen == "amx":
-        return decode_mass_amx(q, pool, block_lists, kv_lens, layers, cap_bytes)
-    return decode_mass_torch(q, pool, block_lists, kv_lens, layers, cap_bytes)
+    mass = decode_mass_amx(q, pool, block_lists, kv_lens, layers, cap_bytes)  # None where it does not apply
+    return mass if mass is not None else decode_mass_torch(q, pool, block_lists, kv_lens, layers, cap_bytes)

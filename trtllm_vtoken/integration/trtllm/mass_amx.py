@@ -3,9 +3,9 @@
 
 Prefill (``prefill_mass.cpp``): the bounded torch pass (``mass_torch.py``) converts bf16 queries
 and keys to float32 first: torch has no CPU product of bf16 matrices with float32 results, and a
-bf16 result would round the scores before the softmax. This pass multiplies the bf16 rows in AMX tiles with float32 sums (as
-the attention's own kernels do on these CPUs), then runs the same exact float32 softmax and
-column sums, reading each KV head's keys once.
+bf16 result would round the scores before the softmax. This pass multiplies the bf16 rows in AMX
+tiles with float32 sums (as the attention's own kernels do on these CPUs), then runs the same
+exact float32 softmax and column sums, reading each KV head's keys once.
 
 Its workspace is one tensor, sized by the kernel's own count (``prefill_mass_workspace_bytes``)
 and allocated here, so the cap bounds it as it bounds the torch pass; threads (torch's count, at
@@ -55,9 +55,16 @@ def amx_workspace_bytes(num_keys: int, num_kv_heads: int, head_dim: int, cap_byt
     or this CPU has no AMX pass (``amx_available``)."""
     if not amx_available():
         return None
-    core = native.load()
-    for count in range(min(threads or torch.get_num_threads(), num_kv_heads), 0, -1):
-        size = core.prefill_mass_workspace_bytes(num_keys, num_kv_heads, head_dim, count)
+    return _most_threads_within(cap_bytes, min(threads or torch.get_num_threads(), num_kv_heads),
+                                lambda count: native.load().prefill_mass_workspace_bytes(num_keys, num_kv_heads,
+                                                                                          head_dim, count))
+
+
+def _most_threads_within(cap_bytes: int, most: int, workspace_bytes) -> tuple[int, int] | None:
+    """(threads, bytes): the most threads up to ``most`` whose ``workspace_bytes(threads)`` fits
+    ``cap_bytes`` (each thread holds its own region, so fewer threads need less); None if one's does not."""
+    for count in range(most, 0, -1):
+        size = workspace_bytes(count)
         if size <= cap_bytes:
             return count, size
     return None
@@ -104,11 +111,10 @@ def decode_amx_plan(q: torch.Tensor, pool: torch.Tensor, kv_lens: Sequence[int],
     tpb, head_dim = pool.shape[4], pool.shape[5]
     if not kv_lens or min(kv_lens) < 1 or not core.decode_mass_amx_applies(tpb, head_dim):
         return None
-    for count in range(min(threads or torch.get_num_threads(), len(kv_lens)), 0, -1):
-        size = core.decode_mass_workspace_bytes(max(kv_lens), tpb, head_dim, len(kv_lens), count)
-        if size <= cap_bytes:
-            return count, size
-    return None
+    longest = max(kv_lens)
+    return _most_threads_within(cap_bytes, min(threads or torch.get_num_threads(), len(kv_lens)),
+                                lambda count: core.decode_mass_workspace_bytes(longest, tpb, head_dim, len(kv_lens),
+                                                                               count))
 
 
 def decode_mass_amx(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[Sequence[int]],
