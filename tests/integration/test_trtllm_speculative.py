@@ -147,3 +147,55 @@ def test_with_a_private_pool_a_request_decides_alike_alone_and_beside_another(tr
     assert traces[True] == traces[False] and any(v for _, v in traces[False])
     assert any(n2 - n1 > 1 for (n1, _), (n2, _) in zip(traces[False], traces[False][1:]))  # drafts accepted
 
+
+
+@pytest.mark.parametrize("sm_version", ["90", "100"])
+def test_the_recorder_holds_each_decode_rows_queries_whichever_rows_run_as_context(trtllm121, sm_version,
+                                                                                    monkeypatch):
+    """Where the spec mode's ``extend_ctx`` holds (``speculative/interface.py``: Hopper under one
+    build's rule, Ampere under every one; SM 90 here), the model engine counts the rows with drafts
+    among ``num_contexts`` and runs them as chunked context rows (``num_chunked_ctx_requests`` of
+    them). After every forward the recorder must still hold, for each decode row, its token's and
+    its drafts' queries exactly as the kernel got them, and a prefill mass for the prompts' rows
+    only."""
+    monkeypatch.setenv("TLLM_DOUBLE_SM_VERSION", sm_version)
+    executor = build("h2o", Mix(4, num_requests=10, num_blocks=60), monkeypatch)
+    engine, manager = executor.model_engine, executor.resources["kv_cache_manager"]
+    forward, seen = engine.forward, {"rows": 0, "extended": 0}
+
+    def forward_then_compare(batch, *args, **kwargs):
+        out = forward(batch, *args, **kwargs)
+        metadata, prepared = engine.attn_metadata, manager._vtoken_batches.latest()
+        lens = metadata.seq_lens.tolist()
+        generating = {r.py_request_id for r in batch.generation_requests}
+        assert set(manager.vtoken_queries.prefill) <= set(range(len(batch.context_requests)))
+        for row, req_id in enumerate(metadata.request_ids):
+            if req_id not in generating:
+                continue
+            kind, queries = manager._vtoken_batches.recording(prepared, req_id)
+            assert kind == "decode" and queries.shape[0] == lens[row]
+            start = sum(lens[:row])
+            for layer in engine.model.layers:
+                kernel = layer.attn.rotated_q[start : start + lens[row]]
+                assert torch.equal(queries[:, manager.local_layer(layer.layer_idx)], kernel), (req_id, row)
+            seen["rows"] += 1
+        seen["extended"] += metadata.num_chunked_ctx_requests
+        return out
+
+    engine.forward = forward_then_compare
+    for req, arrival, _ in random_requests(Mix(4, num_requests=10, num_blocks=60)):
+        executor.enqueue_request(req, arrival)
+    executor.run()
+    assert seen["rows"] > 30
+    assert (seen["extended"] > 0) == (sm_version == "90")
+
+
+def test_prompt_rows_reads_the_rows_run_as_context_and_refuses_an_impossible_count():
+    from types import SimpleNamespace
+
+    from trtllm_vtoken.integration.trtllm.patches import prompt_rows
+
+    assert prompt_rows(SimpleNamespace(num_contexts=3)) == 3  # builds without the field
+    assert prompt_rows(SimpleNamespace(num_contexts=3, num_chunked_ctx_requests=2)) == 1
+    with pytest.raises(RuntimeError, match="2 decode rows among its 1 context rows"):
+        prompt_rows(SimpleNamespace(num_contexts=1, num_chunked_ctx_requests=2))

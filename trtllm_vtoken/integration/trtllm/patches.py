@@ -72,7 +72,8 @@ def record_queries(attention, q, k, metadata) -> None:
     cached prefix, whose keys are read from the pool. A later chunk of a prompt (chunked prefill)
     likewise: its queries attend to the earlier chunks' keys still held (the metadata made
     ``num_cached_tokens_per_seq`` physical), and H2O's ``prefill_window`` counts from the prompt's
-    end (``vtoken_prompt_after``).
+    end (``vtoken_prompt_after``). Decode rows with draft tokens that the engine runs as context
+    rows are decode rows here (``prompt_rows``).
     """
     manager = getattr(metadata, "kv_cache_manager", None)
     queries = getattr(manager, "vtoken_queries", None)
@@ -81,7 +82,7 @@ def record_queries(attention, q, k, metadata) -> None:
     width, kv_width = attention.num_heads * attention.head_dim, attention.num_kv_heads * attention.head_dim
     if k is None:
         q, k = q[..., :width], q[..., width : width + kv_width]
-    num_contexts = metadata.num_contexts
+    num_contexts = prompt_rows(metadata)
     local = manager.local_layer(attention.layer_idx)
     queries.note_kv_scale(local, attention)
     queries.record(local, q, int(metadata.seq_lens[num_contexts : metadata.num_seqs].sum()))  # decode rows' tokens
@@ -97,6 +98,18 @@ def record_queries(attention, q, k, metadata) -> None:
                             k[rows].reshape(length, attention.num_kv_heads, attention.head_dim), past_k,
                             manager.vtoken_prompt_after(metadata.request_ids[row]))
         start += length
+
+
+def prompt_rows(metadata) -> int:
+    """The rows of the batch that prefill a prompt (they come first). ``num_contexts`` also counts
+    the decode rows with draft tokens where the model engine runs them as chunked context rows (the
+    spec mode's ``extend_ctx``, which depends on the GPU); ``num_chunked_ctx_requests`` says how
+    many of those it added (``_prepare_tp_inputs``, ``model_engine.py``)."""
+    extended = int(getattr(metadata, "num_chunked_ctx_requests", 0) or 0)
+    if not 0 <= extended <= metadata.num_contexts:
+        raise RuntimeError(f"the attention metadata counts {extended} decode rows among its "
+                           f"{metadata.num_contexts} context rows")
+    return metadata.num_contexts - extended
 
 
 def rope_fusion_problems(model) -> list[str]:

@@ -15,6 +15,13 @@ def mpi_rank() -> int:
     return int(os.environ.get("TLLM_DOUBLE_RANK", "0"))
 
 
+def get_sm_version() -> int:
+    """The GPU's compute capability as major * 10 + minor (``_utils.get_sm_version``, read from the
+    device properties). The double has no GPU: 90 (H100 / H200, where vToken's users run), or
+    ``TLLM_DOUBLE_SM_VERSION`` (tests of what depends on the architecture)."""
+    return int(os.environ.get("TLLM_DOUBLE_SM_VERSION", "90"))
+
+
 # ---- the MPI communicator of the worker processes ---------------------------------------------------
 # ``_utils.py`` (1.2-era copy, index id 52995752): ``comm = pkl5.Intracomm(MPI.COMM_WORLD)`` at
 # import, ``set_mpi_comm(new_comm)`` replaces it (MPI sessions), ``mpi_comm()`` returns it,

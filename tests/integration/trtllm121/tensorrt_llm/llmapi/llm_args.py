@@ -19,8 +19,9 @@ What it imitates:
   ``max_matching_ngram_size = 2``, ``is_keep_all``, ``is_use_oldest``, ``is_public_pool`` all True;
   ``max_total_draft_tokens`` defaults to ``max_draft_len``) as ``speculative_config``, a dict with
   ``decoding_type: NGram`` validated into it; its ``spec_dec_mode`` (``speculative/interface.py``,
-  1.2-era copy index id 2550156383): NGram needs a KV-cache rewind and does not support the
-  overlap scheduler. Other decoding types are not modelled.
+  index ids 2550156383, 735060080): NGram needs a KV-cache rewind, does not support the overlap
+  scheduler, and ``extend_ctx`` (its rows with drafts as context rows) depends on the GPU.
+  Other decoding types are not modelled.
 An older build is modelled too: with ``TLLM_DOUBLE_TORCH_LLM_ARGS_WITHOUT_ENV_OVERRIDES=1`` in the
 environment at import, ``BaseLlmArgs`` has no ``env_overrides`` field (the 1.1-era copy, index id
 1090804222: ``orchestrator_type`` is its last public field), so passing it is an unknown key.
@@ -112,6 +113,24 @@ class SpeculativeDecodingMode(enum.Enum):
 
     def support_overlap_scheduler(self) -> bool:
         return False  # MTP / Eagle3 one-model and draft-model modes only, none of them modelled
+
+    def use_one_engine(self) -> bool:
+        return False  # NGram drafts beside the target's engine
+
+    def extend_ctx(self, attention_backend) -> bool:
+        """Whether the model engine runs generation rows with drafts as chunked context rows
+        (``num_contexts`` counts them). ``speculative/interface.py``: copies index ids 735060080 and
+        2550156383 return ``not issubclass(backend, TrtllmAttention) or get_sm_version() != 100``
+        (only Blackwell's XQA kernels take the drafts as generation rows), later ones test
+        ``get_sm_version() < 120`` (index ids 4078530504, 10039271475). Which one 1.2.1 ships is not
+        established, and Ampere is extended under both: vToken must take either way
+        (``TLLM_DOUBLE_SM_VERSION`` 90 extends here, 100 does not)."""
+        from .._torch.attention_backend.trtllm import TrtllmAttention
+        from .._utils import get_sm_version
+
+        if self.use_one_engine():
+            return False
+        return not issubclass(attention_backend, TrtllmAttention) or get_sm_version() != 100
 
 
 class NGramDecodingConfig(StrictBaseModel):

@@ -19,7 +19,11 @@ the chunk's length (``prompt_lengths.append(len(prompt_tokens))``); a generation
 row's position and cached count ``max_beam_num_tokens - 1``, or ``max_beam_num_tokens`` when the
 overlap loop hands the previous batch's device tokens (the token sampled last is not in the
 request yet); a generation row with draft tokens (speculative decoding) carries its input token
-and its drafts at the positions after it (``seq_len`` 1 + drafts); ``attn_metadata.prepare()``; then every attention layer on its hidden states. The
+and its drafts at the positions after it (``seq_len`` 1 + drafts), and the rows with drafts
+("extend" requests, padding dummies last) come before those without; where the spec mode's
+``extend_ctx(attn_backend)`` holds, ``num_contexts`` counts the rows with drafts too, their
+prompt lengths are 1 + drafts, and ``num_chunked_ctx_requests`` says how many they are (0
+otherwise); ``attn_metadata.prepare()``; then every attention layer on its hidden states. The
 hidden state of a token is the embedding of its id (what the layers compute from it is the
 double's; what the KV cache receives and where is the real op's, see ``TrtllmAttention``).
 
@@ -37,6 +41,7 @@ import torch
 from torch import nn
 
 from ..attention_backend.interface import KVCacheParams
+from .llm_request import get_draft_token_length
 from ..modules.attention import Attention, get_attention_backend
 
 TINY = {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -120,6 +125,11 @@ class PyTorchModelEngine:
             seq_lens.append(len(chunk))
         self.row_positions = list(cached)  # test view: each row's first logical position
         generation = self._padded(scheduled_requests, kv_cache_manager)
+        # rows with drafts ("extend" requests, padding dummies last) before the rows without
+        extend = [r for r in generation if get_draft_token_length(r) > 0 and not r.is_dummy_request] + \
+            [r for r in generation if get_draft_token_length(r) > 0 and r.is_dummy_request]
+        generation = extend + [r for r in generation if get_draft_token_length(r) == 0]
+        extend_ctx = self.spec_config is not None and self.spec_config.spec_dec_mode.extend_ctx(self.attn_backend)
         for req in generation:
             in_flight = new_tensors_device is not None and req.py_batch_idx is not None and not req.is_dummy_request
             past = req.max_beam_num_tokens if in_flight else req.max_beam_num_tokens - 1
@@ -135,8 +145,10 @@ class PyTorchModelEngine:
         rows = list(scheduled_requests.context_requests) + generation
         metadata.request_ids = [r.py_request_id for r in rows]
         metadata.prompt_lens = seq_lens[: len(scheduled_requests.context_requests)] + \
-            [r.py_prompt_len for r in generation]
+            [1 + get_draft_token_length(r) if extend_ctx and r in extend else r.py_prompt_len for r in generation]
         metadata.num_contexts = len(scheduled_requests.context_requests)
+        metadata.num_chunked_ctx_requests = len(extend) if extend_ctx else 0
+        metadata.num_contexts += metadata.num_chunked_ctx_requests
         metadata.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
         metadata.kv_cache_params = KVCacheParams(use_cache=True, num_cached_tokens_per_seq=cached)
         metadata.prepare()
