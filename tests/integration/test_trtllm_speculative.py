@@ -199,3 +199,16 @@ def test_prompt_rows_reads_the_rows_run_as_context_and_refuses_an_impossible_cou
     assert prompt_rows(SimpleNamespace(num_contexts=3, num_chunked_ctx_requests=2)) == 1
     with pytest.raises(RuntimeError, match="2 decode rows among its 1 context rows"):
         prompt_rows(SimpleNamespace(num_contexts=1, num_chunked_ctx_requests=2))
+
+
+def test_decode_rows_with_drafts_are_read_before_those_without(trtllm121):
+    """The model engine's rows: context rows, then the generation rows with draft tokens, then
+    those without (``_prepare_tp_inputs``); a batch mixing them is read in that order."""
+    from tests.integration.trtllm_doubles import ScheduledRequests, make_request
+    from trtllm_vtoken.integration.trtllm.batches import PreparedBatch
+
+    plain, drafted, prompt = make_request(1, 5, 4), make_request(2, 5, 4), make_request(3, 5, 4)
+    plain.py_draft_tokens, drafted.py_draft_tokens = [], [7, 8]
+    batch = ScheduledRequests(context_requests=[prompt], generation_requests=[plain, drafted])
+    rows = PreparedBatch(batch, through={}, prompt_after={}).recording_rows()
+    assert rows == {3: ("prefill", 0, 0), 2: ("decode", 0, 3), 1: ("decode", 3, 4)}

@@ -24,9 +24,9 @@ Per batch it keeps what ``update_resources`` needs once the batch's forward has 
   a copy on the stream, after its forward and before the next one).
 
 The rows of a batch's recordings follow its request lists as the forward saw them: context
-requests first, then generation requests, each decode row 1 + its draft tokens' queries (the
-overlap loop sorts the generation list after ``prepare_resources``; the lists are read when the
-rows are needed, not before).
+requests first, then generation requests (those with draft tokens first), each decode row 1 +
+its draft tokens' queries (the overlap loop sorts the generation list after
+``prepare_resources``; the lists are read when the rows are needed, not before).
 """
 
 from __future__ import annotations
@@ -77,12 +77,21 @@ class PreparedBatch:
             contexts = self.batch.context_requests
             rows = {r.py_request_id: ("prefill", i, 0) for i, r in enumerate(contexts)}
             start = 0
-            for request in self.batch.generation_requests:
+            for request in decode_row_order(self.batch.generation_requests):
                 end = start + 1 + len(getattr(request, "py_draft_tokens", None) or ())
                 rows[request.py_request_id] = ("decode", start, end)
                 start = end
             self._rows = rows
         return self._rows
+
+
+def decode_row_order(generation_requests) -> list:
+    """The generation requests in the order of the forward's rows: those with draft tokens first,
+    then those without (``_prepare_tp_inputs``, ``model_engine.py``; NGram pads every row's drafts
+    to the same count, so the order is the list's whenever it drafts)."""
+    drafts = [bool(getattr(r, "py_draft_tokens", None)) for r in generation_requests]
+    return [r for r, d in zip(generation_requests, drafts) if d] + \
+        [r for r, d in zip(generation_requests, drafts) if not d]
 
 
 class PreparedBatches:
