@@ -88,6 +88,22 @@ def test_required_llm_settings_are_checked_all_at_once():
             check_llm_args({**llm_args_dict(), "speculative_config": {"decoding_type": other}})
 
 
+def test_pipeline_parallelism_is_refused_tensor_parallelism_is_not():
+    """``PyExecutor._executor_loop_pp`` (py_executor.py, index ids 736889464, 3542389387) never
+    hands ``scheduled_batch.paused_requests`` to ``_pause_requests``, which the single-rank loops
+    do (TensorRT-LLM issue #18115); vToken needs MAX_UTILIZATION, the policy that pauses."""
+    from tests.integration.trtllm121.tensorrt_llm.llmapi.llm_args import TorchLlmArgs
+
+    check_llm_args({**llm_args_dict(), "tensor_parallel_size": 4, "pipeline_parallel_size": 1})
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size must be None or 1 \(got 2\): TensorRT-LLM's "
+                                         r"pipeline-parallel loop .* issue #18115"):
+        check_llm_args({**llm_args_dict(), "pipeline_parallel_size": 2})
+    args = TorchLlmArgs(model="tiny", **{k: v for k, v in llm_args_dict().items() if k != "kv_cache_config"},
+                        pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be None or 1"):
+        check_llm_args(args)
+
+
 def test_disaggregated_serving_and_piecewise_cuda_graphs_are_refused():
     """TorchLlmArgs fields (1.2-era llmapi/llm_args.py: ``cache_transceiver_config``,
     ``TorchCompileConfig.enable_piecewise_cuda_graph``), as a mapping and as the args double."""

@@ -44,7 +44,9 @@ a whole block at a time (``state.make_step``: its physical length stays congruen
 
 Under tensor / pipeline parallelism every rank's manager runs the same step: the mass is summed
 over the ranks before scoring and, with ``check_invariants``, the table digests are compared
-after it (``ranks.py``, ``trtllm_vtoken.consistency``).
+after it (``ranks.py``, ``trtllm_vtoken.consistency``). The LLM arguments' check refuses pipeline
+parallelism for now (``settings.py``: TensorRT-LLM's pipeline-parallel loop never pauses what
+MAX_UTILIZATION pauses).
 """
 
 from __future__ import annotations

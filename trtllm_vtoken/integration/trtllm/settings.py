@@ -140,6 +140,10 @@ REQUIRED: tuple[tuple[str, Any, str], ...] = (
     ("scheduler_config.capacity_scheduler_policy", "MAX_UTILIZATION",
      "GUARANTEED_NO_EVICT reserves full-length blocks and never credits reclaimed ones"),
     ("kv_connector_config", None, "a KV connector forces GUARANTEED_NO_EVICT (py_executor_creator.py)"),
+    ("pipeline_parallel_size", (None, 1),
+     "TensorRT-LLM's pipeline-parallel loop (_executor_loop_pp) never frees or resets the requests "
+     "MAX_UTILIZATION pauses (TensorRT-LLM issue #18115): they keep their blocks while the scheduler has "
+     "counted them free, so the batch it admitted can find none; use tensor parallelism"),
     ("attn_backend", (None, "TRTLLM"), "the hooks patch TrtllmAttention and its metadata"),
     ("sparse_attention_config", None, "sparse attention brings its own KV-cache manager"),
     ("cache_transceiver_config", None,
