@@ -30,6 +30,14 @@ def test_flags_pair_with_prompts_or_apply_to_all():
     assert request_evictions(parse(), 2) == [None, None]
     with pytest.raises(ValueError, match="'native' evicts nothing"):  # a budget given once applies to all
         request_evictions(parse("--request-policy", "native", "--request-policy", "h2o", "--request-budget", "8"), 2)
+    args = parse("--request-policy", "native", "--request-policy", "streaming_llm", "--request-budget", "-",
+                 "--request-budget", "32")  # '-': unset for that prompt
+    assert request_evictions(args, 2) == [EvictionSettings(policy="native"),
+                                          EvictionSettings("streaming_llm", Budget(tokens=32))]
+    assert request_evictions(parse("--request-sinks", "-", "--request-sinks", "2"), 2) == \
+        [EvictionSettings(), EvictionSettings(n_sink=2)]
+    with pytest.raises(SystemExit):
+        parse("--request-sinks", "x")
     with pytest.raises(ValueError, match="given 2 times for 3 prompts"):
         request_evictions(parse("--request-window", "8", "--request-window", "9"), 3)
     with pytest.raises(ValueError, match="--request-sinks given 2 times"):

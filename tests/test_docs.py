@@ -6,8 +6,9 @@
   guarded by ``if __name__ == "__main__":`` (the tensor-parallel example, whose rank processes
   re-import their module) only defines its names here; tests/runtime/test_tensor_parallel.py runs
   what it runs.
-- Every ``vtoken ...`` command line of a ```bash block parses with the CLI's own parser, and
-  every ``python <file>`` / ``bash <file>`` / ``scripts/...`` it names exists.
+- Every ``vtoken ...`` command line of a ```bash block parses with the CLI's own parser, every
+  one-process ``vtoken generate`` line runs, and every ``python <file>`` / ``bash <file>`` /
+  ``scripts/...`` it names exists.
 - Every relative link of README.md, docs/ and benchmarks/RESULTS.md points at a file that exists,
   and every ``#anchor`` at a heading of the page it names.
 - benchmarks/ holds only records that RESULTS.md cites, and stays small; README.md and
@@ -94,6 +95,19 @@ def test_shell_commands_parse_and_name_existing_files(page):
                 assert (ROOT / argv[1]).is_file(), f"{page.name}: {argv[1]} does not exist"
             elif argv[0].startswith("scripts/"):
                 assert (ROOT / argv[0]).is_file(), f"{page.name}: {argv[0]} does not exist"
+
+
+@pytest.mark.slow
+def test_generate_commands_run_as_written(smollm2_folder, capsys):
+    """Every one-process ``vtoken generate`` line of the pages runs and exits 0 (the ``--tp`` one
+    spawns rank processes: tests/runtime/test_tensor_parallel.py runs that path)."""
+    from trtllm_vtoken.cli import main
+
+    commands = {shlex.join(argv): argv for page in PAGES for block in fenced_blocks(page, "bash")
+                for argv in command_lines(block) if argv[:2] == ["vtoken", "generate"] and "--tp" not in argv}
+    assert len(commands) >= 2
+    for line, argv in commands.items():
+        assert main(argv[1:]) == 0, f"`{line}`: {capsys.readouterr().err}"
 
 
 def test_results_commands_parse():

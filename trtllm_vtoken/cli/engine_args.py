@@ -98,16 +98,26 @@ def add_request_eviction_args(parser: argparse.ArgumentParser) -> None:
     prompt they pair with the prompts in order."""
     g = parser.add_argument_group(
         "eviction per request",
-        "Each flag may be given once (all prompts) or once per prompt (in order); unset values "
-        "come from the engine's --policy / --budget.")
-    g.add_argument("--request-policy", action="append", default=[], metavar="NAME",
+        "Each flag may be given once (all prompts) or once per prompt (in order; '-' leaves it "
+        "unset for that prompt); unset values come from the engine's --policy / --budget.")
+    g.add_argument("--request-policy", action="append", default=[], type=_unset_or(str), metavar="NAME",
                    help="a registered policy, or 'native' to evict nothing of the request")
-    g.add_argument("--request-budget", action="append", default=[], metavar="N|R",
+    g.add_argument("--request-budget", action="append", default=[], type=_unset_or(str), metavar="N|R",
                    help="live tokens the request keeps: a count (512) or a ratio (0.25)")
-    g.add_argument("--request-sinks", action="append", default=[], type=int, metavar="N",
+    g.add_argument("--request-sinks", action="append", default=[], type=_unset_or(int), metavar="N",
                    help="first tokens never evicted (attention sinks)")
-    g.add_argument("--request-window", action="append", default=[], type=int, metavar="N",
+    g.add_argument("--request-window", action="append", default=[], type=_unset_or(int), metavar="N",
                    help="newest tokens never evicted")
+
+
+def _unset_or(parse):
+    """An argparse type: '-' is None (the setting left unset for that prompt), else ``parse``."""
+
+    def value(text: str):
+        return None if text == "-" else parse(text)
+
+    value.__name__ = parse.__name__  # argparse names the type in its error
+    return value
 
 
 def request_evictions(args: argparse.Namespace, num_prompts: int) -> list:
@@ -128,5 +138,5 @@ def request_evictions(args: argparse.Namespace, num_prompts: int) -> list:
     settings = []
     for i in range(num_prompts):
         values = {k: (v[i] if len(v) > 1 else v[0]) for k, v in columns.items() if v}
-        settings.append(EvictionSettings(**values))
+        settings.append(EvictionSettings(**{k: v for k, v in values.items() if v is not None}))
     return settings
