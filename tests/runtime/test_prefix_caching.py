@@ -171,3 +171,69 @@ def test_request_settings_errors_are_value_errors(model):
     with pytest.raises(ValueError, match="variant 'native'"):
         native.add_request([1, 2, 3], SamplingParams(eviction=EvictionSettings(budget=8)))
     assert not engine.requests and not native.requests
+
+
+def drain(engine: Engine, prompt: list[int], params: SamplingParams, req_id: int):
+    engine.add_request(prompt, params, req_id=req_id)
+    while engine.has_unfinished():
+        engine.step()
+    return engine.pop_finished(req_id)
+
+
+@pytest.fixture(scope="module")
+def sharp_model() -> LlamaForCausalLM:
+    """The tiny model with its weights x3: peaked attention, so H2O's choice follows the mass."""
+    torch.manual_seed(0)
+    sharp = LlamaForCausalLM(LlamaConfig.tiny()).eval()
+    with torch.no_grad():
+        for weight in sharp.parameters():
+            weight.mul_(3.0)
+    return sharp
+
+
+@pytest.mark.parametrize("case", ["count_based_engine", "multi_turn"])
+def test_h2o_takes_no_cached_block_stored_without_its_prefix_mass(sharp_model, case):
+    """Blocks stored while no policy observed attention, and blocks a decode filled, carry no
+    prefix mass: an H2O request reusing them would score that prefix from its own queries alone
+    and evict unlike a prefill of its prompt. It takes none of them (it prefills those tokens):
+    the same decisions and tokens as with caching off. ``count_based_engine``: the engine's
+    policy observes nothing, the H2O request brings its own settings; ``multi_turn``: the engine's
+    H2O, the first turn native, the second turn's prompt the first's prompt, answer and more."""
+    native = SamplingParams(max_tokens=12, ignore_eos=True, eviction=EvictionSettings(policy="native"))
+    prefix = [(7 * i + 3) % 128 for i in range(16 if case == "multi_turn" else 24)]
+    if case == "multi_turn":
+        settings, params = dict(policy="h2o", budget=0.5), SamplingParams(max_tokens=12, ignore_eos=True)
+    else:
+        settings = dict(policy="sliding_window", budget=0.5)
+        params = SamplingParams(max_tokens=12, ignore_eos=True, eviction=EvictionSettings(policy="h2o", budget=0.5))
+    engine = Engine(sharp_model, config(variant="vtoken", **settings), record_trace=True)
+    first = drain(engine, prefix if case == "multi_turn" else prefix + [1, 2, 3], native, 0)
+    prompt = prefix + first.output_ids + [5, 6, 7] if case == "multi_turn" else prefix + [40, 50, 60, 70]
+    got = drain(engine, prompt, params, 1)
+    want = drain(Engine(sharp_model, config(variant="vtoken", prefix_caching=False, **settings), record_trace=True),
+                 prompt, params, 1)
+    assert got.evictions == want.evictions and got.output_ids == want.output_ids
+    # the first turn's prompt blocks carry the mass (the engine's H2O observed it), its answer's not
+    assert engine.stats.cached_prompt_tokens == (16 if case == "multi_turn" else 0)
+
+
+def test_a_prefix_whose_copy_the_pool_cannot_hold_is_prefilled_instead(model):
+    """A request that may evict copies its cached prefix into blocks of its own, keeping the
+    cached sources meanwhile; where the pool cannot hold both, it prefills its whole prompt
+    (admitted at once, not waiting for ever), with the tokens of a run without caching."""
+    engine = Engine(model, config(variant="vtoken", policy="streaming_llm", budget=8, num_blocks=10,
+                                  overlap_scheduler=False), record_trace=True)
+    prompt = list(range(1, 33))
+    drain(engine, prompt[:24] + [99], SamplingParams(max_tokens=1, ignore_eos=True,
+                                                     eviction=EvictionSettings(policy="native")), 0)
+    assert engine.kv.prefix.cache.num_reclaimable == 6  # the shared 24 tokens stay cached
+    engine.add_request(prompt + [7], SamplingParams(max_tokens=4, ignore_eos=True), req_id=1)
+    engine.step()
+    assert engine.requests[1].status.name == "RUNNING" and engine.stats.cached_prompt_tokens == 0
+    while engine.has_unfinished():
+        engine.step()
+    want = drain(Engine(model, config(variant="vtoken", policy="streaming_llm", budget=8, num_blocks=10,
+                                      overlap_scheduler=False, prefix_caching=False), record_trace=True),
+                 prompt + [7], SamplingParams(max_tokens=4, ignore_eos=True), 1)
+    got = engine.pop_finished(1)
+    assert got.output_ids == want.output_ids and got.evictions == want.evictions

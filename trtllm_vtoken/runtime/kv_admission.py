@@ -48,21 +48,17 @@ class KVAdmission:
         busy = relocating | self.prefix.busy_for(private) if self.prefix else relocating
         policy = None if spec is None else self._policies.setdefault(spec, spec.make())
         window = None if policy is None else policy.observed_prefill_queries()
-        cached, reclaimable = self.prefix.probe(token_ids, busy, window) if self.prefix else (0, 0)
-        held = 0 if private else cached  # cached blocks it holds in common instead of allocating
-        # A shared prefix is kept on top of the budget (its tokens are protected): count it in.
-        shared = held * cfg.tokens_per_block
-        budget = self.final_budget(prefill_len + remaining - shared, spec)
-        budget = None if budget is None else budget + shared
-        first, rest, step_tokens = self.prefill_shape(prefill_len)  # chunked prefill: its first chunk
-        if cfg.admission == "greedy":
-            free = self.pool.num_free + (self.prefix.cache.num_reclaimable - reclaimable if self.prefix else 0)
-            if free - cfg.evacuation_headroom < -(-first // cfg.tokens_per_block) - held:
+        # A policy that adds the cached prefix's attention mass to its own takes only blocks that carry it.
+        needs_payload = policy is not None and policy.observes_attention() and window is None
+        cached, reclaimable = self.prefix.probe(token_ids, busy, window, needs_payload) if self.prefix else (0, 0)
+        take_prefix = self._admit_blocks(req_id, prefill_len, remaining, spec, 0 if private else cached, reclaimable)
+        if not take_prefix and private and reclaimable:
+            # A copy keeps its cached sources out of the blocks it may take; a prefix the pool
+            # cannot hold beside the request would keep it waiting for ever. It prefills its whole
+            # prompt instead (its tokens and decisions are the same: it shares nothing either way).
+            if not self._admit_blocks(req_id, prefill_len, remaining, spec, 0, 0):
                 return None
-            self.admission.admit(req_id, first, remaining + rest, budget, force=True, cached_blocks=held,
-                                 step_tokens=step_tokens)
-        elif not self.admission.admit(req_id, first, remaining + rest, budget, cached_blocks=held,
-                                      cached_reclaimable=reclaimable, step_tokens=step_tokens):
+        elif not take_prefix:
             return None
         if self.step is not None:
             self.step.add_request(req_id, policy)
@@ -72,9 +68,31 @@ class KVAdmission:
         self.evictions.admit(req_id, "native" if spec is None else spec.name)
         if self.prefix is None:
             return 0
-        blocks = self.prefix.begin(req_id, token_ids, busy, self._copy_blocks if private else None, window)
+        blocks = self.prefix.begin(req_id, token_ids, busy, self._copy_blocks if private else None, window,
+                                   needs_payload, take_prefix)
         self.writes.add_prefix(req_id, blocks)
         return self.prefix.cached_tokens(req_id)
+
+    def _admit_blocks(self, req_id: int, prefill_len: int, remaining: int, spec: PolicySpec | None, held: int,
+                      reclaimable: int) -> bool:
+        """Admission's block count for a request holding ``held`` cached blocks in common, and
+        keeping ``reclaimable`` unheld cached blocks from being reclaimed (a copy's sources):
+        True, registered with the admission controller, or False (nothing changed)."""
+        cfg = self.config
+        # A shared prefix is kept on top of the budget (its tokens are protected): count it in.
+        shared = held * cfg.tokens_per_block
+        budget = self.final_budget(prefill_len + remaining - shared, spec)
+        budget = None if budget is None else budget + shared
+        first, rest, step_tokens = self.prefill_shape(prefill_len)  # chunked prefill: its first chunk
+        if cfg.admission == "greedy":
+            free = self.pool.num_free + (self.prefix.cache.num_reclaimable - reclaimable if self.prefix else 0)
+            if free - cfg.evacuation_headroom < -(-first // cfg.tokens_per_block) - held:
+                return False
+            self.admission.admit(req_id, first, remaining + rest, budget, force=True, cached_blocks=held,
+                                 step_tokens=step_tokens)
+            return True
+        return self.admission.admit(req_id, first, remaining + rest, budget, cached_blocks=held,
+                                    cached_reclaimable=reclaimable, step_tokens=step_tokens)
 
     def prefill_shape(self, prefill_len: int) -> tuple[int, int, int]:
         """(tokens of the first prefill forward, prompt tokens after it, most tokens one step

@@ -16,8 +16,9 @@ missing from what its policy observes at prefill. That mass depends on the prefi
 block j is the mass the prompt's first (j + 1) * B queries gave to keys [0, (j + 1) * B)
 (``paged_attention``'s ``mass_cuts``). A request reusing n blocks adds block n - 1's payload to
 its own prefill mass: its policy then observes what a fresh prefill of its prompt gives (equal up
-to float rounding). Blocks stored while no policy of the engine observes attention carry no
-payload; a request reusing them observes its own queries' mass only.
+to float rounding). Blocks stored while no policy of the engine observed attention carry no
+payload, nor do blocks a decode filled: a request whose policy adds the payload takes none of
+them (``unpaid``) and prefills those tokens itself.
 
 Private requests (``EngineConfig.prefix_reuse="copy"``, every request that may evict): such a
 request copies its cached prefix into blocks of its own at admission (``begin``) and nobody
@@ -50,20 +51,33 @@ class PrefixCaching:
         self._private: dict[int, np.ndarray | None] = {}  # private request -> its cached prefix's payload
         self._owner: dict[int, int] = {}  # block keyed by a running private request -> that request
         self._unwritten: set[int] = set()  # prompt blocks keyed in this iteration's admissions
+        self._payload_due: set[int] = set()  # of them, those whose prefill will attach a payload
         self._windowed: dict[int, bool] = {}  # request -> its policy observes its prompt's last queries only
 
     # ---- admission -----------------------------------------------------------------------------
-    def probe(self, token_ids: Sequence[int], busy: Collection[int] = (),
-              prefill_window: int | None = None) -> tuple[int, int]:
+    def probe(self, token_ids: Sequence[int], busy: Collection[int] = (), prefill_window: int | None = None,
+              needs_payload: bool = False) -> tuple[int, int]:
         """(blocks of the longest cached prefix, how many of them no request holds now); the
-        prefix stops before a block in ``busy`` (relocations in flight) and, for a policy that
-        observes the prompt's last ``prefill_window`` queries, leaves those tokens to the prefill."""
-        blocks = self.cache.match(token_ids, busy, prefill_window or 1)
+        prefix stops before a block in ``busy`` (relocations in flight), for a policy that
+        observes the prompt's last ``prefill_window`` queries leaves those tokens to the prefill,
+        and with ``needs_payload`` (a policy observing every prefill query's attention) stops
+        before a block stored without the mass its prefix paid (``unpaid``)."""
+        blocks = self.cache.match(token_ids, self.unpaid(busy) if needs_payload else busy, prefill_window or 1)
         return len(blocks), sum(1 for b in blocks if b in self.cache.unheld)
+
+    def unpaid(self, busy: Collection[int] = ()) -> set[int]:
+        """``busy`` and every cached block without an attention payload, now or from this
+        iteration's prefills: a decode block (``store``), or one stored while no policy observed
+        attention. A request that adds the prefix's payload to its own mass takes none of them,
+        else it would observe its own queries' mass only and decide unlike a prefill of its
+        whole prompt."""
+        paid = self.cache.payload.keys() | self._payload_due
+        return set(busy) | {b for b in self.cache.key_of if b not in paid}
 
     def new_iteration(self) -> None:
         """Before an iteration's admissions: the prompt blocks keyed so far have been written."""
         self._unwritten.clear()
+        self._payload_due.clear()
 
     def busy_for(self, private: bool) -> set[int]:
         """Blocks a request must not take from the cache: a private one's copy would read this
@@ -72,13 +86,16 @@ class PrefixCaching:
 
     def begin(self, req_id: int, token_ids: Sequence[int], busy: Collection[int] = (),
               copy: Callable[[list[int], list[int]], None] | None = None,
-              prefill_window: int | None = None) -> list[int]:
-        """The request takes its cached prefix; returns the blocks that start its list. With
-        ``copy`` it is a private request: fresh blocks of its own are allocated and
-        ``copy(source, destination)`` fills them with the cached blocks' KV; its references on the
-        cached blocks are dropped (they stay cached). RuntimeError if the pool lacks the copies'
-        blocks (admission counted them: that would be a bookkeeping error)."""
-        blocks = self.cache.begin(req_id, token_ids, busy, prefill_window or 1)
+              prefill_window: int | None = None, needs_payload: bool = False,
+              take_prefix: bool = True) -> list[int]:
+        """The request takes its cached prefix (``probe``'s; none without ``take_prefix``: it
+        prefills its whole prompt); returns the blocks that start its list. With ``copy`` it is a
+        private request: fresh blocks of its own are allocated and ``copy(source, destination)``
+        fills them with the cached blocks' KV; its references on the cached blocks are dropped
+        (they stay cached). RuntimeError if the pool lacks the copies' blocks (admission counted
+        them: that would be a bookkeeping error)."""
+        tail = (prefill_window or 1) if take_prefix else max(1, len(token_ids))
+        blocks = self.cache.begin(req_id, token_ids, self.unpaid(busy) if needs_payload else busy, tail)
         self._cached[req_id] = len(blocks) * self.tokens_per_block
         self._windowed[req_id] = prefill_window is not None
         if copy is None:
@@ -103,6 +120,14 @@ class PrefixCaching:
         """Keys the request's full prompt blocks (its prefill writes them before anyone reads them)."""
         self._stored[req_id] = stored = self.cache.extend(req_id, block_ids, token_ids)
         self._unwritten.update(block_ids[i] for i in stored)
+        # Its prefill attaches their payloads (prefill_mass) if its own cached prefix has one:
+        # an observing request admitted after it in this iteration may take them.
+        cached = self._cached[req_id] // self.tokens_per_block
+        if req_id in self._private:
+            due = self._private[req_id] is not None or not cached
+        else:
+            due = not cached or block_ids[cached - 1] in self.cache.payload or block_ids[cached - 1] in self._payload_due
+        (self._payload_due.update if due else self._payload_due.difference_update)(block_ids[i] for i in stored)
         self._own(req_id, block_ids, stored)
 
     def store(self, req_id: int, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
