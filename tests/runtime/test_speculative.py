@@ -170,3 +170,44 @@ def test_smollm2_drafts_change_no_greedy_token(smollm2_model, smollm2_tokenizer)
     vtoken, _ = serve(variant="vtoken", speculative_config=SPEC, check_invariants=True)
     for a, b in zip(naive, vtoken):
         assert a.evictions == b.evictions and a.output_ids == b.output_ids
+
+
+@pytest.mark.parametrize("policy", ["scissorhands", "h2o", "streaming_llm"])
+def test_a_requests_drafts_and_answer_do_not_depend_on_the_batch(model, policy):
+    """With eviction, a step taking 1 + a tokens decides elsewhere than one taking 1, so how far a
+    request drafts must not depend on what runs beside it: each decode row drafts at most its
+    share of ``max_num_tokens`` (``draft_tokens_per_row``: 2 here, of ``max_draft_len`` 3), and
+    admission counts a step's drafts in its blocks, so a tight pool never takes them away. Each
+    request alone and in the batch (prompts prefilled in chunks of 8): the same decisions and
+    tokens."""
+    options = {"n_sink": 2} if policy == "streaming_llm" else {}
+    values = dict(tokens_per_block=4, num_blocks=40, max_batch_size=4, max_seq_len=80, overlap_scheduler=False,
+                  policy=policy, budget=12, policy_options=options, speculative_config=SPEC, **CHUNKED)
+    assert EngineConfig(**values).draft_tokens_per_row == 2
+    engine = Engine(model, EngineConfig(**values), record_trace=True)
+    draft, rows = engine.speculation.draft, 0
+
+    def draft_then_check(decode, per_row):
+        nonlocal rows
+        drafts = draft(decode, per_row)
+        for req_id in decode:  # what the row proposes on its own, whatever else runs
+            request = engine.requests[req_id]
+            alone = ngram_drafts(request.prompt_ids + request.output_ids, engine.config.speculative_config,
+                                 min(request.remaining - 1, 2))
+            assert drafts.get(req_id, []) == alone, req_id
+            rows += bool(alone)
+        return drafts
+
+    engine.speculation.draft = draft_then_check
+    ids = [engine.add_request(p, PARAMS, req_id=i) for i, p in enumerate(prompts())]
+    while engine.has_unfinished():
+        engine.step()
+    together = [engine.pop_finished(i) for i in ids]
+    assert rows > 10 and any(any(r.evictions) for r in together)
+    for i, prompt in enumerate(prompts()):
+        alone = Engine(model, EngineConfig(**values), record_trace=True)
+        alone.add_request(prompt, PARAMS, req_id=i)
+        while alone.has_unfinished():
+            alone.step()
+        got = alone.pop_finished(i)
+        assert got.output_ids == together[i].output_ids and got.evictions == together[i].evictions, i

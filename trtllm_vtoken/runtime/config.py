@@ -115,9 +115,10 @@ class EngineConfig:
     speculative_config: NGramDecodingConfig | dict | None = None
     """Speculative decoding with n-gram drafts (TensorRT-LLM's ``NGramDecodingConfig`` fields, or
     a dict of them with ``decoding_type="NGram"``): greedy decode rows verify up to
-    ``max_draft_len`` draft tokens a step (``runtime/speculation.py``); with ``max_num_tokens`` the
-    drafts count in it before the prompts' chunks. It turns the overlap scheduler off (a warning
-    says so), as TensorRT-LLM does for NGram:
+    ``max_draft_len`` draft tokens a step (``runtime/speculation.py``); with ``max_num_tokens`` each
+    row at most its share of it (``draft_tokens_per_row``), and the drafts count in it before the
+    prompts' chunks. It turns the overlap scheduler off (a warning says so), as TensorRT-LLM does
+    for NGram:
     the drafts come from the tokens just sampled, and a step beside the next forward would take its
     drafts in before the forward has verified them."""
     synchronous_copies: bool = False
@@ -206,6 +207,19 @@ class EngineConfig:
         if not self.enable_chunked_prefill:
             return None
         return (self.max_num_tokens - self.max_batch_size) // self.tokens_per_block * self.tokens_per_block
+
+    @property
+    def draft_tokens_per_row(self) -> int:
+        """Draft tokens a decode row may carry (0 without ``speculative_config``): its
+        ``max_draft_len``, within an even share of ``max_num_tokens`` over a full batch of decode
+        rows. Fixed per engine, so whether and how far a request drafts, and with eviction when
+        its policy decides, does not depend on what runs beside it."""
+        if self.speculative_config is None:
+            return 0
+        if self.max_num_tokens is None:
+            return self.speculative_config.max_draft_len
+        share = (self.max_num_tokens - self.max_batch_size) // self.max_batch_size
+        return max(0, min(self.speculative_config.max_draft_len, share))
 
     @property
     def max_blocks_per_seq(self) -> int:

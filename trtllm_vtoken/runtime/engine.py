@@ -183,7 +183,8 @@ class Engine:
         decode = self.scheduler.schedule_decode()
         # Draft tokens count in the iteration's tokens before the prompts' (TensorRT-LLM's
         # micro-batch scheduler counts a decode row's drafts with it, then fits the context chunks).
-        drafts = None if self.speculation is None else self.speculation.draft(decode, self._draft_budget(decode))
+        drafts = None if self.speculation is None else \
+            self.speculation.draft(decode, self.config.draft_tokens_per_row)
         prefill = self.scheduler.schedule_prefill(len(decode) + sum(map(len, (drafts or {}).values())))
         if self.config.overlap_scheduler:
             return self._step_overlapped(reported, decode, prefill)
@@ -267,12 +268,6 @@ class Engine:
             mass = widened(mass[keep] if len(keep) < len(deferred.rows) else mass, kv.layout, kv.writes, rows)
         kv.start_step(rows, mass, overlap=self.config.step_overlap, forward_between=True)
         self._stepped = rows
-
-    def _draft_budget(self, decode: list[int]) -> int | None:
-        """Draft tokens this iteration may carry: what ``max_num_tokens`` leaves after one token per
-        decode row (None: no limit)."""
-        limit = self.config.max_num_tokens
-        return None if limit is None else max(0, limit - len(decode))
 
     def _run_forwards(self, decode: list[int], prefill: list[int], drafts: dict[int, list[int]] | None = None):
         """This iteration's forwards: the decode rows at once (with their ``drafts``, speculative

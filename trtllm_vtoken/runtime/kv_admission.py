@@ -97,11 +97,11 @@ class KVAdmission:
     def prefill_shape(self, prefill_len: int) -> tuple[int, int, int]:
         """(tokens of the first prefill forward, prompt tokens after it, most tokens one step
         writes before an eviction): the whole prompt at once, or its chunks
-        (``EngineConfig.enable_chunked_prefill``)."""
-        chunk = self.config.prefill_chunk_tokens
+        (``EngineConfig.enable_chunked_prefill``); a decode step writes its token and drafts."""
+        chunk, decode = self.config.prefill_chunk_tokens, 1 + self.config.draft_tokens_per_row
         if chunk is None or prefill_len <= chunk:
-            return prefill_len, 0, 1
-        return chunk, prefill_len - chunk, chunk
+            return prefill_len, 0, decode
+        return chunk, prefill_len - chunk, max(chunk, decode)
 
     def new_iteration(self) -> None:
         """Before an iteration's admissions (prefix caching: what earlier prefills wrote is readable)."""

@@ -288,14 +288,15 @@ class KVCacheManager(KVAdmission):
             lists = self.lists
             tokens = live = list(map(lists.kv_len, req_ids))
             held = list(map(lists.num_blocks, req_ids))
+        decode = 1 + self.config.draft_tokens_per_row  # a decode step's token and drafts
         if unprefilled is None:
             for req_id, n, k, h, rest in zip(req_ids, tokens, live, held, remaining):
-                self.admission.update(req_id, logical_len=n, live=k, remaining=rest, held=h)
+                self.admission.update(req_id, logical_len=n, live=k, remaining=rest, held=h, step_tokens=decode)
             return
         chunk = self.config.prefill_chunk_tokens  # a prompt still in chunks writes one a step
         for req_id, n, k, h, rest, unwritten in zip(req_ids, tokens, live, held, remaining, unprefilled):
             self.admission.update(req_id, logical_len=n, live=k, remaining=rest + unwritten, held=h,
-                                  step_tokens=min(chunk, unwritten) if unwritten else 1)
+                                  step_tokens=max(min(chunk, unwritten), decode) if unwritten else decode)
 
     def next_position(self, req_id: int) -> int:
         """RoPE position of the request's next token: its logical position in "keep" mode, its

@@ -49,20 +49,20 @@ class Speculation:
         self.config, self.requests, self.kv = config, requests, kv
         self.stats = SpeculationStats()
 
-    def draft(self, decode: list[int], budget: int | None = None) -> dict[int, list[int]]:
-        """Draft tokens of the decode rows whose slot is reserved (one token each): greedy rows
-        with room for them in their length and in the pool, in row order, at most ``budget`` draft
-        tokens in all (None: no limit); their reservations grow by them."""
+    def draft(self, decode: list[int], per_row: int) -> dict[int, list[int]]:
+        """Draft tokens of the decode rows whose slot is reserved (one token each): greedy rows,
+        at most ``per_row`` each (``EngineConfig.draft_tokens_per_row``) within their length, where
+        the pool holds them (admission counted them: ``step_tokens``); their reservations grow by
+        them."""
         drafts: dict[int, list[int]] = {}
         for req_id in decode:
             request = self.requests[req_id]
             if not request.params.greedy:
                 continue
-            room = request.remaining - 1 if budget is None else min(request.remaining - 1, budget)
-            proposed = ngram_drafts(request.prompt_ids + request.output_ids, self.config, room)
+            proposed = ngram_drafts(request.prompt_ids + request.output_ids, self.config,
+                                    min(request.remaining - 1, per_row))
             if proposed and self.kv.extend_reservation(req_id, len(proposed)):
                 drafts[req_id] = proposed
-                budget = None if budget is None else budget - len(proposed)
         return drafts
 
     def accept(self, decode: list[int], drafts: dict[int, list[int]], logits: torch.Tensor,
