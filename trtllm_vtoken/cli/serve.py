@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 import tempfile
@@ -64,18 +65,49 @@ OVERRIDES = ("model", "variant", "mode", "policy", "budget", "tokens_per_block",
 
 
 def run(args: argparse.Namespace) -> int:
-    from trtllm_vtoken.serving.triton import TritonServer, default_repository, prepare_repository
+    from trtllm_vtoken.serving.settings import ServingSettings
+    from trtllm_vtoken.serving.triton import MODEL, default_repository, prepare_repository, repository_parameters
 
     source = Path(args.repository) if args.repository else default_repository()
+    if not (source / MODEL / "config.pbtxt").is_file():
+        raise ValueError(f"{source} is not a model repository (no {MODEL}/config.pbtxt)")
     overrides = {k: str(getattr(args, k)) for k in OVERRIDES if getattr(args, k) is not None}
+    scratch = args.workdir is None  # a temporary folder of ours: removed unless the server failed
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vtoken-serve-"))
-    repository = prepare_repository(source, workdir / "model_repository", overrides)
+    try:
+        repository = prepare_repository(source, workdir / "model_repository", overrides)
+        ServingSettings.from_parameters(repository_parameters(repository)).check_host()
+    except BaseException:
+        if scratch:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    code = 1  # an error escaping: the folder is kept with the server's log
+    try:
+        code = _serve(args, repository, workdir)
+    except KeyboardInterrupt:
+        code = 0  # interrupted while starting: the server was stopped, nothing to keep
+        raise
+    finally:
+        if scratch and code == 0:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return code
+
+
+def _serve(args: argparse.Namespace, repository: Path, workdir: Path) -> int:
+    from trtllm_vtoken.serving.triton import TritonServer
+
     server = TritonServer(repository, workdir, args.http_port, args.grpc_port, args.metrics_port,
                           verbose=args.verbose, host=args.host)
     print(f"vtoken serve: starting tritonserver (log: {server.log_file})", file=sys.stderr)
     stop = threading.Event()
     try:
-        server.start()  # Ctrl-C here: KeyboardInterrupt, and the server is stopped below
+        try:
+            server.start()  # Ctrl-C here: KeyboardInterrupt, and the server is stopped below
+        except RuntimeError as error:  # it exited, or never got ready: the log says why
+            server.stop()
+            reason = server.last_error() or str(error).splitlines()[0]
+            print(f"vtoken: error: tritonserver did not start: {reason} (log: {server.log_file})", file=sys.stderr)
+            return 1
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         where = " (every interface)" if server.client_host != args.host else ""

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from trtllm_vtoken.runtime.config import EngineConfig
@@ -39,6 +40,24 @@ class ServingSettings:
             raise ValueError(f"threads must be >= 0 (0: chosen from the cores), got {self.threads}")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError(f"default_max_tokens must lie in [1, max_tokens_limit={self.max_tokens_limit}]")
+
+    def check_host(self) -> None:
+        """ValueError, before any server starts, where this machine cannot serve these settings:
+        a model that is neither the embedded default nor a folder with config.json, the trtllm
+        backend without TensorRT-LLM and a GPU, a CUDA device without one."""
+        import torch
+
+        from trtllm_vtoken.runtime.checkpoint import DEFAULT_MODEL
+        from trtllm_vtoken.serving.trtllm_loop import trtllm_available
+
+        if self.model != DEFAULT_MODEL and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model {self.model!r} is not a model folder (no config.json); use "
+                             f"{DEFAULT_MODEL!r} or a Hugging Face folder")
+        if self.backend == "trtllm" and not trtllm_available():
+            raise ValueError("backend 'trtllm' needs tensorrt_llm importable and a CUDA device; "
+                             "use backend 'reference' or 'auto'")
+        if str(self.engine.device).startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.engine.device!r}: torch sees no CUDA device here")
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str]) -> ServingSettings:
