@@ -54,6 +54,19 @@ def test_llm_at_a_scripts_top_level_is_refused_before_spawning(tmp_path, tiny_ll
     assert time.monotonic() - started < 60  # no model loaded, no rank started
 
 
+def test_more_ranks_than_kv_heads_is_one_line_before_any_rank_starts(tiny_llm_folder, capsys, monkeypatch):
+    from trtllm_vtoken.cli import main
+    from trtllm_vtoken.runtime.model import LlamaConfig
+
+    started = []
+    monkeypatch.setattr(RankProcesses, "__init__", lambda *a, **k: started.append(a))
+    heads = LlamaConfig.from_hf(tiny_llm_folder / "config.json").num_key_value_heads
+    assert main(["generate", "hi", "--model", str(tiny_llm_folder), "--tp", str(heads + 1)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"vtoken: error: tensor_parallel_size {heads + 1} exceeds the model's {heads} KV heads: ranks "
+                   "split attention by whole KV heads\n") and not started
+
+
 def test_a_function_called_at_top_level_is_refused_at_the_call(tmp_path, tiny_llm_folder):
     done = run_script(tmp_path, """\
         import sys

@@ -68,8 +68,13 @@ class LLM:
         self.model_path = resolve_model(model)
         self.tokenizer = Tokenizer(self.model_path)
         if self._config.tensor_parallel_size > 1:
+            from trtllm_vtoken.runtime.model import LlamaConfig
             from trtllm_vtoken.runtime.parallel.launch import RankProcesses
+            from trtllm_vtoken.runtime.parallel.partition import TensorParallelPlan
 
+            # ValueError before any rank starts (a split the model does not allow)
+            TensorParallelPlan.for_model(LlamaConfig.from_hf(self.model_path / "config.json"),
+                                         self._config.tensor_parallel_size)
             self.ranks = RankProcesses(self.model_path, self._config.tensor_parallel_size, self._config.device,
                                        threads)
         else:
