@@ -8,6 +8,10 @@ import sys
 
 from trtllm_vtoken.cli.bench_common import add_output_options, load_model, publish
 
+ALL = ("variants", "capacity", "quality", "core", "step", "overhead", "sweeps", "sla", "sharing", "shift", "invariance")
+"""What ``vtoken bench all`` runs, in this order; without ``--quick`` also ``ALL_FULL``."""
+ALL_FULL = ("utilization", "serve")
+
 
 def register(sub) -> None:
     bench = sub.add_parser("bench", help="run a benchmark").add_subparsers(dest="bench", required=True)
@@ -54,9 +58,9 @@ def register(sub) -> None:
     add_output_options(variants, "16 requests, prompts <= 256, outputs <= 48 tokens, 80 blocks", run_variants)
 
     every = bench.add_parser(
-        "all", help="every benchmark that runs on this machine, in turn",
-        description="variants, capacity, quality, core, step, overhead, sweeps, sla, sharing (and utilization "
-                    "and serve, unless --quick).")
+        "all", help="the main job's benchmarks, in turn (scripts/main.sh runs it with --quick)",
+        description=f"{', '.join(ALL)} (and {' and '.join(ALL_FULL)}, unless --quick). The others "
+                    "(host, trtllm-mass, tp, threads, overlap, long, spec, gpu, ...) run on their own.")
     add_output_options(every, "each benchmark's quick form (minutes on 2 CPU cores)", run_all)
     every.set_defaults(benchmarks=bench.choices)  # every benchmark's parser, the ones added below too
 
@@ -229,9 +233,7 @@ def run_capacity(args: argparse.Namespace) -> int:
 def run_all(args: argparse.Namespace) -> int:
     """Each benchmark in turn, parsed by its own parser as ``vtoken bench <name>`` would be; the
     first that fails ends the run (its error reported as ``vtoken`` reports any)."""
-    names = ["variants", "capacity", "quality", "core", "step", "overhead", "sweeps", "sla", "sharing", "shift",
-             "invariance"]
-    names += [] if args.quick else ["utilization", "serve"]
+    names = list(ALL) + ([] if args.quick else list(ALL_FULL))
     for name in names:
         print(f"\n== vtoken bench {name}{' --quick' if args.quick else ''} ==", flush=True)
         chosen = args.benchmarks[name].parse_args(["--out", args.out] + (["--quick"] if args.quick else []))

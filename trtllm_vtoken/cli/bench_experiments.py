@@ -258,8 +258,8 @@ def run_shift_exactness(args: argparse.Namespace) -> int:
     print(f"vtoken bench shift --exactness: {tokens} greedy tokens, budget 24, float32; max |logit difference|")
     print(format_table(["policy", "sinks", "shift vs keep (dense)", "shift vs keep (lazy)", "keep: dense vs lazy",
                         "same tokens"],
-                       [[r["policy"], r["n_sink"], r["shift_vs_keep_dense"], r["shift_vs_keep_lazy"],
-                         r["keep_dense_vs_keep_lazy"], r["same_greedy_tokens"]] for r in result["rows"]]))
+                       [[r["policy"], r["n_sink"], f"{r['shift_vs_keep_dense']:.1e}", f"{r['shift_vs_keep_lazy']:.1e}",
+                         f"{r['keep_dense_vs_keep_lazy']:.1e}", r["same_greedy_tokens"]] for r in result["rows"]]))
     publish(args.out, "shift_exactness", result)
     return 0
 

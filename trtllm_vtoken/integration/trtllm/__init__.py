@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "VTokenEngineRunner": "trtllm_vtoken.integration.trtllm.engine_runner",
     "VTokenSettings": "trtllm_vtoken.integration.trtllm.settings",
     "baseline_llm_args": "trtllm_vtoken.integration.trtllm.llm_args",
     "check_llm_args": "trtllm_vtoken.integration.trtllm.settings",
