@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Double of ``_torch/pyexecutor/resource_manager.py`` (1.2-era copy, index id 3501434665):
+"""Double of ``_torch/pyexecutor/resource_manager.py`` (index ids 77926604 and 3501434665; the
+latter also defines ``KVCacheManagerV2``, so it is later than 1.2, but the V1 parts vToken uses
+read the same in both):
 ``KVCacheManager`` (V1) over its C++ ``impl`` (``bindings/internal/batch_manager.py``) and the
 ``ResourceManager`` that the executor loop drives.
 
@@ -73,7 +75,7 @@ class BaseResourceManager:
 class KVCacheManager(BaseResourceManager):
     def __init__(self, kv_cache_config, kv_cache_type, *, num_layers: int, num_kv_heads, head_dim: int,
                  tokens_per_block: int, max_seq_len: int, max_batch_size: int, mapping, dtype: DataType = DataType.HALF,
-                 spec_config=None, layer_mask=None, vocab_size=None, max_num_tokens: int = 8192, model_config=None,
+                 spec_config=None, layer_mask=None, max_num_tokens: int = 8192, model_config=None,
                  max_beam_width: int = 1, is_draft: bool = False, kv_connector_manager=None,
                  enable_indexer_k_cache: bool = False, indexer_k_cache_quant_block_size: int = 128,
                  indexer_k_cache_index_head_dim: int = 0, is_estimating_kv_cache: bool = False,
