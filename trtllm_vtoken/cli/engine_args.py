@@ -31,16 +31,16 @@ def add_engine_args(parser: argparse.ArgumentParser, variant: bool = True) -> No
     if variant:
         g.add_argument("--variant", choices=VARIANTS, default="vtoken",
                        help="native (no eviction), naive-evict (mask dead tokens, free empty blocks) or vtoken (relocate; default)")
-    g.add_argument("--mode", choices=["dense", "lazy"], default="dense", help="vtoken compaction mode")
+    g.add_argument("--mode", choices=["dense", "lazy"], default="dense", help="vtoken compaction mode (default dense)")
     g.add_argument("--positions", choices=["keep", "shift"], default="keep",
-                   help="RoPE positions: keep (logical positions, keys never re-rotated) or shift "
+                   help="RoPE positions: keep (logical positions, keys never re-rotated; default) or shift "
                         "(physical positions; compaction re-rotates the surviving keys; no prefix caching)")
     g.add_argument("--policy", default="h2o",
-                   help="the engine's eviction policy, for requests that name none (see `vtoken info`)")
+                   help="the engine's eviction policy, for requests that name none (default h2o; see `vtoken info`)")
     g.add_argument("--budget", default="0.5",
-                   help="the engine's budget: live tokens kept, a count (256) or a ratio (0.5)")
+                   help="the engine's budget: live tokens kept, a count (256) or a ratio (0.5; the default)")
     g.add_argument("--tokens-per-block", type=int, default=16, help="tokens in one KV block (default 16)")
-    g.add_argument("--num-blocks", type=int, default=512, help="KV block budget of the pool")
+    g.add_argument("--num-blocks", type=int, default=512, help="KV block budget of the pool (default 512)")
     g.add_argument("--max-batch-size", type=int, default=32, help="requests running at once, at most (default 32)")
     g.add_argument("--max-seq-len", type=int, default=2048,
                    help="prompt + new tokens of one request, at most (default 2048)")
