@@ -19,10 +19,11 @@
                                         and without one the positions are the cache slots, which
                                         dense compaction reorders (it moves the newest tokens into
                                         the holes). TensorRT-LLM 1.1 on refuses to build such an
-                                        engine anyway (``builder.py``: "StreamingLLM is no longer
-                                        supported", PR #6379).
+                                        engine anyway (``commands/build.py`` ``build_model``:
+                                        "StreamingLLM is no longer supported", PR #6379).
 
-        pretrained_config.num_medusa_heads / max_draft_len (Medusa), redrafter_num_beams (ReDrafter)
+        pretrained_config.num_medusa_heads / max_draft_len (Medusa, EAGLE, lookahead, external
+                                        drafts), redrafter_num_beams (ReDrafter)
                                         -> refused: ``ModelRunner`` (``runtime/model_runner.py``)
                                         hands them to ``GenerationSession``, which then writes
                                         several draft tokens per step and copies the logical
@@ -71,8 +72,8 @@ def engine_problems(config: Mapping[str, Any]) -> list[str]:
     drafts = {k: pretrained.get(k) for k in ("num_medusa_heads", "max_draft_len", "redrafter_num_beams")
               if pretrained.get(k)}
     if drafts:
-        problems.append(f"it drafts tokens ({', '.join(f'{k} {v}' for k, v in drafts.items())}: Medusa or "
-                        "ReDrafter): the generation session writes several draft tokens per step and sets the "
+        problems.append(f"it drafts tokens ({', '.join(f'{k} {v}' for k, v in drafts.items())}: a "
+                        "speculative-decoding engine): the generation session writes several draft tokens per step and sets the "
                         "KV lengths after vToken's hook, which assumes one written token per step; build the "
                         "base model without draft heads")
     if pretrained.get("rope_local_base_freq") is not None:

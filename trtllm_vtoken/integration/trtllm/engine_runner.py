@@ -17,8 +17,9 @@ and before anything is bound:
     compact   dense plans, one copy for the batch, commit; the freed tail blocks go back to the
               block manager's free list
     shift     every surviving key of a shortened sequence is turned back by the tokens it lost
-              (``reclaim/rerotate.py``): the GPT attention plugin has no position input and
-              rotates each new token by its physical position, sequence_length - 1. A request
+              (``reclaim/rerotate.py``): the GPT attention plugin's RoPE does not read
+              ``position_ids``; it rotates each new token by its physical position,
+              sequence_length - 1. A request
               gives tokens up a block at a time (``Budget.unit``), so a pass per block's worth;
               in a 16-bit pool each pass starts from the value the key was written with
               (``recover``), so roundings do not add up (test_engine_drift.py has the numbers)
@@ -59,7 +60,7 @@ def check_engine_settings(settings: VTokenSettings) -> None:
             f"expose (the GPT attention plugin returns only its output): use one of {list(SCORE_FREE_POLICIES)}")
     if settings.positions != "shift":
         raise ValueError("the engine path needs positions='shift': the GPT attention plugin rotates each new "
-                         "token by its physical position (sequence_length - 1) and takes no position input")
+                         "token by its physical position (sequence_length - 1), not by position_ids")
 
 
 def physical_bound(settings: VTokenSettings, longest_prompt: int, max_new_tokens: int) -> int:
