@@ -48,8 +48,10 @@ class KVAdmission:
         busy = relocating | self.prefix.busy_for(private) if self.prefix else relocating
         policy = None if spec is None else self._policies.setdefault(spec, spec.make())
         window = None if policy is None else policy.observed_prefill_queries()
-        # A policy that adds the cached prefix's attention mass to its own takes only blocks that carry it.
-        needs_payload = policy is not None and policy.observes_attention() and window is None
+        # A policy that adds the cached prefix's attention mass to its own takes only blocks that carry
+        # it (the simulated backend, without a KV cache, computes its mass from the layout instead).
+        needs_payload = policy is not None and policy.observes_attention() and window is None and \
+            self.cache is not None
         cached, reclaimable = self.prefix.probe(token_ids, busy, window, needs_payload) if self.prefix else (0, 0)
         take_prefix = self._admit_blocks(req_id, prefill_len, remaining, spec, 0 if private else cached, reclaimable)
         if not take_prefix and private and reclaimable:
