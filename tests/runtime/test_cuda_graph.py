@@ -99,3 +99,44 @@ def test_graph_engine_matches_eager_engine(variant, mode):
     for a, b in zip(eager, graphed):
         assert a.evictions == b.evictions and a.output_ids == b.output_ids
         torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), rtol=1e-3, atol=1e-3)
+
+
+class EagerDecodeGraphs:
+    """``DecodeGraphs.run``'s contract without the capture (no GPU here): one query a row, the
+    logits and, with ``return_mass``, the [B, width] mass; no mass cuts. Records its batches."""
+
+    return_mass = True
+
+    def __init__(self, model, cache) -> None:
+        self.model, self.cache, self.batches = model, cache, []
+
+    def run(self, input_ids, positions, slots, valid):
+        self.batches.append(input_ids.shape[0])
+        ones = torch.ones(input_ids.shape[0], dtype=torch.long)
+        return self.model(input_ids, positions, slots, ones, self.cache, valid, return_mass=True, logits_at=ones - 1)
+
+
+def test_a_one_token_prefill_that_stores_a_block_takes_the_eager_forward():
+    """With 1-token blocks a one-token prompt (or one whose tokens but the last are cached) stores
+    a block at its prefill, whose mass is cut there for prefix caching; the decode graphs return no
+    cuts, so that prefill runs eagerly and the decode rows replay."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.tiny()).eval()
+    engine = Engine(model, config(variant="vtoken", policy="h2o", budget=0.5, tokens_per_block=1, num_blocks=64,
+                                  overlap_scheduler=False))
+    graphs = engine.forwards.graphs = EagerDecodeGraphs(model, engine.kv.cache)
+    eager = Engine(model, config(variant="vtoken", policy="h2o", budget=0.5, tokens_per_block=1, num_blocks=64,
+                                 overlap_scheduler=False))
+    got = run(engine, [[5]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    want = run(eager, [[5]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert got.output_ids == want.output_ids and got.evictions == want.evictions
+    assert len(graphs.batches) == 3  # the 3 decode forwards; not the prefill
+
+
+@pytest.mark.cuda
+def test_a_one_token_prompt_with_one_token_blocks_runs_under_graphs():
+    model = LlamaForCausalLM(LlamaConfig.tiny()).cuda().eval()
+    engine = Engine(model, config(variant="vtoken", policy="h2o", budget=0.5, tokens_per_block=1, num_blocks=64,
+                                  device="cuda"))
+    out = run(engine, [[5]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.output_ids) == 4

@@ -81,8 +81,10 @@ class Forwards:
         if verify and kv.needs_attention:  # the mass of the first 1 .. T queries, T the row's own at most
             cuts = [[min(j, len(row)) for j in range(1, longest + 1)] for row in tokens]
         start = time.perf_counter()
-        # Graphs captured without the mass serve no batch once a request's own policy needs it.
-        if self.graphs is not None and longest == 1 and (self.graphs.return_mass or not kv.needs_attention):
+        # Graphs captured without the mass serve no batch once a request's own policy needs it, nor
+        # a one-token prefill whose mass is cut at a block it stores (the graphs return no cuts).
+        if self.graphs is not None and longest == 1 and not cuts and \
+                (self.graphs.return_mass or not kv.needs_attention):
             logits, mass = self.graphs.run(input_ids, positions, slots, valid)
         else:
             q_lens = torch.tensor([len(t) for t in tokens]).to(device)
