@@ -187,9 +187,9 @@ def test_a_requests_drafts_and_answer_do_not_depend_on_the_batch(model, policy):
     engine = Engine(model, EngineConfig(**values), record_trace=True)
     draft, rows = engine.speculation.draft, 0
 
-    def draft_then_check(decode, per_row):
+    def draft_then_check(decode):
         nonlocal rows
-        drafts = draft(decode, per_row)
+        drafts = draft(decode)
         for req_id in decode:  # what the row proposes on its own, whatever else runs
             request = engine.requests[req_id]
             alone = ngram_drafts(request.prompt_ids + request.output_ids, engine.config.speculative_config,
@@ -211,3 +211,22 @@ def test_a_requests_drafts_and_answer_do_not_depend_on_the_batch(model, policy):
             alone.step()
         got = alone.pop_finished(i)
         assert got.output_ids == together[i].output_ids and got.evictions == together[i].evictions, i
+
+
+def test_a_request_the_pool_holds_only_without_drafts_runs_without_them(model):
+    """Admission counts a decode step's drafts in a request's blocks; a request that fits the pool
+    alone only without them is still taken, and never drafts (fixed when it is added: nothing
+    else running decides it). Sampled requests draft nothing and are counted without drafts."""
+    values = dict(tokens_per_block=4, num_blocks=3, max_batch_size=4, max_seq_len=80, overlap_scheduler=False,
+                  policy="sliding_window", budget=8, speculative_config={"max_draft_len": 4})
+    engine = Engine(model, EngineConfig(**values))
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    req_id = engine.add_request([3, 4, 5, 6, 3, 4, 5, 6], params)
+    assert engine.requests[req_id].draft_tokens == 0
+    roomy = Engine(model, EngineConfig(**{**values, "num_blocks": 8}))
+    assert roomy.requests[roomy.add_request([3, 4, 5, 6, 3, 4, 5, 6], params)].draft_tokens == 4
+    sampled = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=1)
+    assert roomy.requests[roomy.add_request([3, 4, 5, 6], sampled)].draft_tokens == 0
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.pop_finished(req_id).output_ids) == 20 and engine.speculation.stats.drafted == 0

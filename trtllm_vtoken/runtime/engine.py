@@ -135,11 +135,12 @@ class Engine:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) exceeds max_num_tokens {cfg.max_num_tokens}: "
                              "enable chunked prefill to run it over several iterations")
         spec = self.kv.resolve(params.eviction)
-        self.kv.check_fits_alone(len(prompt_ids), params.max_tokens, spec)
+        drafts = self.kv.check_fits_alone(len(prompt_ids), params.max_tokens, spec,
+                                          cfg.draft_tokens_per_row if params.greedy else 0)
         req_id = next(self._ids) if req_id is None else req_id
         if req_id in self.requests:
             raise ValueError(f"request id {req_id} is already in use")
-        self.requests[req_id] = Request(req_id, prompt_ids, params, arrival=time.perf_counter())
+        self.requests[req_id] = Request(req_id, prompt_ids, params, arrival=time.perf_counter(), draft_tokens=drafts)
         self._specs[req_id] = spec
         name = "native" if spec is None else spec.name
         self.stats.requests_by_policy[name] = self.stats.requests_by_policy.get(name, 0) + 1
@@ -183,8 +184,7 @@ class Engine:
         decode = self.scheduler.schedule_decode()
         # Draft tokens count in the iteration's tokens before the prompts' (TensorRT-LLM's
         # micro-batch scheduler counts a decode row's drafts with it, then fits the context chunks).
-        drafts = None if self.speculation is None else \
-            self.speculation.draft(decode, self.config.draft_tokens_per_row)
+        drafts = None if self.speculation is None else self.speculation.draft(decode)
         prefill = self.scheduler.schedule_prefill(len(decode) + sum(map(len, (drafts or {}).values())))
         if self.config.overlap_scheduler:
             return self._step_overlapped(reported, decode, prefill)

@@ -13,14 +13,19 @@ from trtllm_vtoken.reclaim.admission import AdmissionConfig, AdmissionController
 class KVAdmission:
     """Admission of ``KVCacheManager`` (a mixin: it reads the manager's ``config``, ``pool``,
     ``cache``, ``prefix``, ``step`` or ``lists``, ``admission``, ``writes``, ``evictions`` and
-    ``_policies``, and sets ``needs_attention``)."""
+    ``_policies``, and sets ``needs_attention`` and ``step_drafts``: request -> the draft tokens
+    each of its decode steps may carry)."""
 
     def final_budget(self, total_tokens: int, spec: PolicySpec | None = None) -> int | None:
         """Live tokens a request of ``total_tokens`` keeps at completion (None: no eviction)."""
         return None if spec is None else spec.budget.target(total_tokens)
 
-    def check_fits_alone(self, prompt_len: int, max_tokens: int, spec: PolicySpec | None = None) -> None:
-        """Raises ValueError if the request could not run even with the whole pool to itself."""
+    def check_fits_alone(self, prompt_len: int, max_tokens: int, spec: PolicySpec | None = None,
+                         drafts: int = 0) -> int:
+        """The draft tokens each of the request's decode steps may carry: ``drafts`` where the
+        request, drafting them, could run with the whole pool to itself, else 0 (it then never
+        drafts; a property of the request and the pool alone, never of the batch). Raises
+        ValueError if it could not run even without drafts."""
         cfg = self.config
         if prompt_len + max_tokens > cfg.max_seq_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
@@ -28,17 +33,21 @@ class KVAdmission:
         usable = cfg.num_blocks - cfg.evacuation_headroom
         probe = AdmissionController(BlockPool(usable, cfg.tokens_per_block),
                                     AdmissionConfig(cfg.variant, cfg.mode, cfg.fragmentation_threshold))
-        first, rest, step_tokens = self.prefill_shape(prompt_len)
-        if not probe.can_admit(first, max_tokens + rest, self.final_budget(prompt_len + max_tokens, spec),
-                               step_tokens=step_tokens):
-            raise ValueError(f"request needs more KV blocks than the pool's {usable} usable blocks "
-                             f"(prompt {prompt_len} + max_tokens {max_tokens} tokens, "
-                             f"tokens_per_block {cfg.tokens_per_block})")
+        budget = self.final_budget(prompt_len + max_tokens, spec)
+        for allowed in dict.fromkeys((drafts, 0)):
+            first, rest, step_tokens = self.prefill_shape(prompt_len, allowed)
+            if probe.can_admit(first, max_tokens + rest, budget, step_tokens=step_tokens):
+                return allowed
+        raise ValueError(f"request needs more KV blocks than the pool's {usable} usable blocks "
+                         f"(prompt {prompt_len} + max_tokens {max_tokens} tokens, "
+                         f"tokens_per_block {cfg.tokens_per_block})")
 
-    def admit(self, req_id: int, token_ids: list[int], remaining: int, spec: PolicySpec | None = None) -> int | None:
-        """Registers the request if admission allows; its prefill writes ``token_ids``. Returns
-        how many of them are cached already (their KV is there: prefill the rest), or None if it
-        does not fit now (nothing changed)."""
+    def admit(self, req_id: int, token_ids: list[int], remaining: int, spec: PolicySpec | None = None,
+              drafts: int = 0) -> int | None:
+        """Registers the request if admission allows; its prefill writes ``token_ids``, each decode
+        step 1 + ``drafts`` tokens at most (``check_fits_alone``'s). Returns how many of them are
+        cached already (their KV is there: prefill the rest), or None if it does not fit now
+        (nothing changed)."""
         cfg, prefill_len = self.config, len(token_ids)
         # A private request (it may evict; prefix_reuse="copy") copies its cached prefix into
         # blocks of its own: its decisions then depend on no other request (prefix_caching.py).
@@ -53,14 +62,17 @@ class KVAdmission:
         needs_payload = policy is not None and policy.observes_attention() and window is None and \
             self.cache is not None
         cached, reclaimable = self.prefix.probe(token_ids, busy, window, needs_payload) if self.prefix else (0, 0)
+        self.step_drafts[req_id] = drafts
         take_prefix = self._admit_blocks(req_id, prefill_len, remaining, spec, 0 if private else cached, reclaimable)
         if not take_prefix and private and reclaimable:
             # A copy keeps its cached sources out of the blocks it may take; a prefix the pool
             # cannot hold beside the request would keep it waiting for ever. It prefills its whole
             # prompt instead (its tokens and decisions are the same: it shares nothing either way).
             if not self._admit_blocks(req_id, prefill_len, remaining, spec, 0, 0):
+                del self.step_drafts[req_id]
                 return None
         elif not take_prefix:
+            del self.step_drafts[req_id]
             return None
         if self.step is not None:
             self.step.add_request(req_id, policy)
@@ -85,7 +97,8 @@ class KVAdmission:
         shared = held * cfg.tokens_per_block
         budget = self.final_budget(prefill_len + remaining - shared, spec)
         budget = None if budget is None else budget + shared
-        first, rest, step_tokens = self.prefill_shape(prefill_len)  # chunked prefill: its first chunk
+        # chunked prefill: its first chunk
+        first, rest, step_tokens = self.prefill_shape(prefill_len, self.step_drafts[req_id])
         if cfg.admission == "greedy":
             free = self.pool.num_free + (self.prefix.cache.num_reclaimable - reclaimable if self.prefix else 0)
             if free - cfg.evacuation_headroom < -(-first // cfg.tokens_per_block) - held:
@@ -96,11 +109,11 @@ class KVAdmission:
         return self.admission.admit(req_id, first, remaining + rest, budget, cached_blocks=held,
                                     cached_reclaimable=reclaimable, step_tokens=step_tokens)
 
-    def prefill_shape(self, prefill_len: int) -> tuple[int, int, int]:
+    def prefill_shape(self, prefill_len: int, drafts: int = 0) -> tuple[int, int, int]:
         """(tokens of the first prefill forward, prompt tokens after it, most tokens one step
         writes before an eviction): the whole prompt at once, or its chunks
-        (``EngineConfig.enable_chunked_prefill``); a decode step writes its token and drafts."""
-        chunk, decode = self.config.prefill_chunk_tokens, 1 + self.config.draft_tokens_per_row
+        (``EngineConfig.enable_chunked_prefill``); a decode step writes its token and ``drafts``."""
+        chunk, decode = self.config.prefill_chunk_tokens, 1 + drafts
         if chunk is None or prefill_len <= chunk:
             return prefill_len, 0, decode
         return chunk, prefill_len - chunk, max(chunk, decode)

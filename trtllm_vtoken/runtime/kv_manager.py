@@ -84,6 +84,7 @@ class KVCacheManager(KVAdmission):
         self.spec: PolicySpec | None = None if config.variant == "native" else config.policy_spec()
         """The engine's own policy (requests that set no eviction of their own run with it)."""
         self._policies: dict[PolicySpec, EvictionPolicy] = {}
+        self.step_drafts: dict[int, int] = {}  # request -> draft tokens a decode step may carry (admission)
         if config.variant == "native":
             self.lists = BlockLists(tpb)
         else:
@@ -288,13 +289,15 @@ class KVCacheManager(KVAdmission):
             lists = self.lists
             tokens = live = list(map(lists.kv_len, req_ids))
             held = list(map(lists.num_blocks, req_ids))
-        decode = 1 + self.config.draft_tokens_per_row  # a decode step's token and drafts
+        drafts = self.step_drafts  # a decode step writes its token and drafts
         if unprefilled is None:
             for req_id, n, k, h, rest in zip(req_ids, tokens, live, held, remaining):
-                self.admission.update(req_id, logical_len=n, live=k, remaining=rest, held=h, step_tokens=decode)
+                self.admission.update(req_id, logical_len=n, live=k, remaining=rest, held=h,
+                                      step_tokens=1 + drafts.get(req_id, 0))
             return
         chunk = self.config.prefill_chunk_tokens  # a prompt still in chunks writes one a step
         for req_id, n, k, h, rest, unwritten in zip(req_ids, tokens, live, held, remaining, unprefilled):
+            decode = 1 + drafts.get(req_id, 0)
             self.admission.update(req_id, logical_len=n, live=k, remaining=rest + unwritten, held=h,
                                   step_tokens=max(min(chunk, unwritten), decode) if unwritten else decode)
 
@@ -316,6 +319,7 @@ class KVCacheManager(KVAdmission):
         else:
             self.pool.free(blocks)
         self.admission.finish(req_id)
+        self.step_drafts.pop(req_id, None)
         self.evictions.release(req_id)
 
     def _free(self, blocks: list[int]) -> None:

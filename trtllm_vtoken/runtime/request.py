@@ -42,6 +42,10 @@ class Request:
     emitted_text: int = 0
     """Characters of ``text`` already reported."""
     num_preemptions: int = 0
+    draft_tokens: int = 0
+    """Draft tokens each decode step may carry (speculative decoding): the engine's
+    ``draft_tokens_per_row`` for a greedy request the pool holds drafting them alone, else 0;
+    fixed when it is added, so never a matter of what runs beside it."""
     arrival: float = 0.0
     first_token_time: float | None = None
     logprobs: list = field(default_factory=list, repr=False)

@@ -101,7 +101,8 @@ class Scheduler:
             first = len(ids) if chunk is None else min(len(ids), chunk)
             if tokens is not None and first > tokens:
                 break
-            cached = self.kv.admit(request.req_id, ids, request.remaining, self.specs[request.req_id])
+            cached = self.kv.admit(request.req_id, ids, request.remaining, self.specs[request.req_id],
+                                   request.draft_tokens)
             if cached is None:
                 break
             end = len(ids) if chunk is None else min(len(ids), cached + chunk)

@@ -49,18 +49,17 @@ class Speculation:
         self.config, self.requests, self.kv = config, requests, kv
         self.stats = SpeculationStats()
 
-    def draft(self, decode: list[int], per_row: int) -> dict[int, list[int]]:
-        """Draft tokens of the decode rows whose slot is reserved (one token each): greedy rows,
-        at most ``per_row`` each (``EngineConfig.draft_tokens_per_row``) within their length, where
-        the pool holds them (admission counted them: ``step_tokens``); their reservations grow by
-        them."""
+    def draft(self, decode: list[int]) -> dict[int, list[int]]:
+        """Draft tokens of the decode rows whose slot is reserved (one token each): at most each
+        request's ``draft_tokens`` (0 for a sampled one) within its length, where the pool holds
+        them (admission counted them: ``step_tokens``); their reservations grow by them."""
         drafts: dict[int, list[int]] = {}
         for req_id in decode:
             request = self.requests[req_id]
-            if not request.params.greedy:
+            if not request.draft_tokens:
                 continue
             proposed = ngram_drafts(request.prompt_ids + request.output_ids, self.config,
-                                    min(request.remaining - 1, per_row))
+                                    min(request.remaining - 1, request.draft_tokens))
             if proposed and self.kv.extend_reservation(req_id, len(proposed)):
                 drafts[req_id] = proposed
         return drafts
