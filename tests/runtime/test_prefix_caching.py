@@ -237,3 +237,24 @@ def test_a_prefix_whose_copy_the_pool_cannot_hold_is_prefilled_instead(model):
                  prompt + [7], SamplingParams(max_tokens=4, ignore_eos=True), 1)
     got = engine.pop_finished(1)
     assert got.output_ids == want.output_ids and got.evictions == want.evictions
+
+
+def test_an_h2o_prefill_gives_blocks_cached_without_the_mass_their_mass(sharp_model):
+    """Blocks cached without the prefix's mass (a native request computed the system prompt while
+    no policy observed attention) are not taken by H2O, but the first H2O request's prefill of
+    those tokens attaches the mass to them: the next H2O request takes them, deciding as with
+    caching off."""
+    settings = dict(policy="sliding_window", budget=0.5)
+    system = [(5 * i + 2) % 128 for i in range(32)]
+    h2o = SamplingParams(max_tokens=8, ignore_eos=True, eviction=EvictionSettings(policy="h2o", budget=0.5))
+    engine = Engine(sharp_model, config(variant="vtoken", **settings), record_trace=True)
+    drain(engine, system + [1], SamplingParams(max_tokens=2, ignore_eos=True,
+                                               eviction=EvictionSettings(policy="native")), 0)
+    cached = []
+    for req_id, suffix in ((1, [40, 41, 42]), (2, [50, 51, 52, 53])):
+        got = drain(engine, system + suffix, h2o, req_id)
+        cached.append(engine.stats.cached_prompt_tokens)
+        want = drain(Engine(sharp_model, config(variant="vtoken", prefix_caching=False, **settings),
+                            record_trace=True), system + suffix, h2o, req_id)
+        assert got.evictions == want.evictions and got.output_ids == want.output_ids
+    assert cached == [0, 32]

@@ -48,6 +48,9 @@ class PrefixCaching:
         self.tokens_per_block = pool.tokens_per_block
         self._cached: dict[int, int] = {}
         self._stored: dict[int, list[int]] = {}  # request -> prompt block indices stored at admission
+        self._paying: dict[int, list[tuple[int, int, object]]] = {}  # request -> (prompt block index,
+        # cached block, its key) whose payload its prefill attaches: the blocks it stored, and those
+        # cached without one
         self._private: dict[int, np.ndarray | None] = {}  # private request -> its cached prefix's payload
         self._owner: dict[int, int] = {}  # block keyed by a running private request -> that request
         self._unwritten: set[int] = set()  # prompt blocks keyed in this iteration's admissions
@@ -120,14 +123,22 @@ class PrefixCaching:
         """Keys the request's full prompt blocks (its prefill writes them before anyone reads them)."""
         self._stored[req_id] = stored = self.cache.extend(req_id, block_ids, token_ids)
         self._unwritten.update(block_ids[i] for i in stored)
-        # Its prefill attaches their payloads (prefill_mass) if its own cached prefix has one:
-        # an observing request admitted after it in this iteration may take them.
+        # Its prefill computes the mass its prompt's queries pay each block's prefix, a function of
+        # the tokens alone: the payload of the blocks it stored, and of those holding the same
+        # tokens cached without one (a decode filled them, or no policy observed attention then).
         cached = self._cached[req_id] // self.tokens_per_block
+        holding = {j: block_ids[j] for j in stored}
+        for j, block_id in enumerate(self.cache.match(token_ids)):  # the cached chain of its tokens
+            if j >= cached and j not in holding and block_id not in self.cache.payload:
+                holding[j] = block_id
+        self._paying[req_id] = paying = [(j, holding[j], self.cache.key_of[holding[j]]) for j in sorted(holding)]
+        # It attaches them if its own cached prefix has one: an observing request admitted after it
+        # in this iteration may take them.
         if req_id in self._private:
             due = self._private[req_id] is not None or not cached
         else:
-            due = not cached or block_ids[cached - 1] in self.cache.payload or block_ids[cached - 1] in self._payload_due
-        (self._payload_due.update if due else self._payload_due.difference_update)(block_ids[i] for i in stored)
+            due = not cached or block_ids[cached - 1] in self.cache.payload.keys() | self._payload_due
+        (self._payload_due.update if due else self._payload_due.difference_update)(b for _, b, _ in paying)
         self._own(req_id, block_ids, stored)
 
     def store(self, req_id: int, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
@@ -157,6 +168,7 @@ class PrefixCaching:
         self.cache.end(req_id, block_ids)
         self._cached.pop(req_id, None)
         self._stored.pop(req_id, None)
+        self._paying.pop(req_id, None)
         self._windowed.pop(req_id, None)
         if req_id in self._private:
             del self._private[req_id]
@@ -168,15 +180,15 @@ class PrefixCaching:
     # ---- attention mass over a cached prefix ---------------------------------------------------
     def mass_cuts(self, req_id: int) -> list[int]:
         """Query counts of the request's prefill at which to cut its attention mass: the end of
-        each prompt block stored at admission."""
+        each prompt block whose payload it attaches (``store_prompt``)."""
         cached, tpb = self._cached[req_id], self.tokens_per_block
-        return [(j + 1) * tpb - cached for j in self._stored.get(req_id, ())]
+        return [(j + 1) * tpb - cached for j, _, _ in self._paying.get(req_id, ())]
 
     def prefill_mass(self, req_id: int, block_ids: Sequence[int], mass: torch.Tensor,
                      cut_mass: torch.Tensor | None) -> torch.Tensor:
         """The mass the request's policy observes for its prefill: its own queries' ``mass`` plus
-        the cached prefix's payload; keeps the payload of the blocks it stored (``cut_mass``: the
-        rows at ``mass_cuts``). Shapes: [L] and [len(mass_cuts), L]."""
+        the cached prefix's payload; keeps the payload of the cached blocks of its prompt that lack
+        one (``cut_mass``: the rows at ``mass_cuts``). Shapes: [L] and [len(mass_cuts), L]."""
         cached, tpb = self._cached[req_id], self.tokens_per_block
         prefix = torch.zeros_like(mass)
         if cached:
@@ -186,9 +198,9 @@ class PrefixCaching:
                 return mass
             prefix[:cached] = torch.from_numpy(payload)
         if cut_mass is not None:
-            for row, j in enumerate(self._stored.get(req_id, ())):
-                block_id = block_ids[j]
-                if self.cache.is_cached(block_id):
+            for row, (j, block_id, key) in enumerate(self._paying.get(req_id, ())):
+                # still holding those tokens (a cached block no request holds may have been reused)
+                if self.cache.key_of.get(block_id) == key and block_id not in self.cache.payload:
                     end = (j + 1) * tpb
                     self.cache.attach(block_id, (prefix[:end] + cut_mass[row, :end]).numpy().astype(np.float32))
         # A policy observing the prompt's last queries only (H2O's prefill_window) took no cached
