@@ -230,3 +230,11 @@ def test_a_request_the_pool_holds_only_without_drafts_runs_without_them(model):
     while engine.has_unfinished():
         engine.step()
     assert len(engine.pop_finished(req_id).output_ids) == 20 and engine.speculation.stats.drafted == 0
+
+
+def test_a_token_limit_leaving_no_draft_per_row_is_said():
+    with pytest.warns(UserWarning, match=r"drafts nothing: max_num_tokens \(12\) leaves no draft token per row"):
+        config = EngineConfig(max_num_tokens=12, max_batch_size=8, speculative_config=SPEC, overlap_scheduler=False)
+    assert config.draft_tokens_per_row == 0
+    assert EngineConfig(max_num_tokens=40, max_batch_size=8, speculative_config=SPEC,
+                        overlap_scheduler=False).draft_tokens_per_row == 3  # (40 - 8) // 8, at most max_draft_len

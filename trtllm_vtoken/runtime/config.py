@@ -173,6 +173,10 @@ class EngineConfig:
                           "step beside the next forward would take its drafts in before they are verified)",
                           stacklevel=3)
             object.__setattr__(self, "overlap_scheduler", False)
+        if self.speculative_config is not None and self.draft_tokens_per_row == 0:
+            warnings.warn(f"speculative_config drafts nothing: max_num_tokens ({self.max_num_tokens}) leaves no draft "
+                          f"token per row beside a full batch of {self.max_batch_size} decode rows "
+                          "(draft_tokens_per_row)", stacklevel=3)
         if self.enable_chunked_prefill:
             if self.max_num_tokens is None:
                 raise ValueError("enable_chunked_prefill needs max_num_tokens (the tokens of one iteration)")
