@@ -44,6 +44,22 @@ def smollm2_model(smollm2_folder):
     return load_llama(smollm2_folder)
 
 
+@pytest.fixture(scope="module")
+def sharp_tiny_model():
+    """The tiny random Llama (seed 0) with its weights x3: peaked attention, so which tokens a
+    score policy keeps follows the mass, and drafts are often right."""
+    import torch
+
+    from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.tiny()).eval()
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.mul_(3.0)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_llm_folder(tmp_path_factory, smollm2_folder) -> Path:
     """A model folder ``LLM`` loads in a second: SmolLM2's tokenizer and chat template over a tiny

@@ -181,14 +181,8 @@ def drain(engine: Engine, prompt: list[int], params: SamplingParams, req_id: int
 
 
 @pytest.fixture(scope="module")
-def sharp_model() -> LlamaForCausalLM:
-    """The tiny model with its weights x3: peaked attention, so H2O's choice follows the mass."""
-    torch.manual_seed(0)
-    sharp = LlamaForCausalLM(LlamaConfig.tiny()).eval()
-    with torch.no_grad():
-        for weight in sharp.parameters():
-            weight.mul_(3.0)
-    return sharp
+def sharp_model(sharp_tiny_model) -> LlamaForCausalLM:
+    return sharp_tiny_model
 
 
 @pytest.mark.parametrize("case", ["count_based_engine", "multi_turn"])

@@ -14,7 +14,7 @@ from trtllm_vtoken.policies import POLICIES
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.drafting import NGramDecodingConfig, ngram_drafts
 from trtllm_vtoken.runtime.engine import Engine
-from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
+from trtllm_vtoken.runtime.model import LlamaForCausalLM
 from trtllm_vtoken.runtime.sampling import SamplingParams
 
 SPEC = {"max_draft_len": 3, "max_matching_ngram_size": 2}
@@ -38,13 +38,8 @@ def test_ngram_drafts_follow_the_latest_earlier_occurrence():
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig.tiny()).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(3.0)
-    return model
+def model(sharp_tiny_model) -> LlamaForCausalLM:
+    return sharp_tiny_model
 
 
 def prompts() -> list[list[int]]:
