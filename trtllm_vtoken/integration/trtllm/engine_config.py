@@ -73,9 +73,9 @@ def engine_problems(config: Mapping[str, Any]) -> list[str]:
               if pretrained.get(k)}
     if drafts:
         problems.append(f"it drafts tokens ({', '.join(f'{k} {v}' for k, v in drafts.items())}: a "
-                        "speculative-decoding engine): the generation session writes several draft tokens per step and sets the "
-                        "KV lengths after vToken's hook, which assumes one written token per step; build the "
-                        "base model without draft heads")
+                        "speculative-decoding engine): the generation session writes several draft tokens per "
+                        "step and sets the KV lengths after vToken's hook, which assumes one written token per "
+                        "step; build the base model without draft heads")
     if pretrained.get("rope_local_base_freq") is not None:
         problems.append(f"its local attention layers rotate with their own base (rope_local_base_freq "
                         f"{pretrained['rope_local_base_freq']!r}, Gemma-3) and vToken's re-rotation knows one "
