@@ -123,6 +123,8 @@ def test_chunked_prefill_settings_are_checked():
         EngineConfig(enable_chunked_prefill=True, max_num_tokens=40, max_batch_size=32, prefix_caching=False)
     with pytest.raises(ValueError, match="at_once"):
         EngineConfig(enable_chunked_prefill=True, max_num_tokens=256, prefix_caching=False, prefill_decision="lagged")
+    with pytest.raises(ValueError, match="only the overlap scheduler runs"):  # it would do nothing
+        EngineConfig(prefill_decision="lagged", overlap_scheduler=False)
     with pytest.raises(ValueError, match="lazy_background=False"):
         EngineConfig(enable_chunked_prefill=True, max_num_tokens=256, prefix_caching=False, mode="lazy")
     assert EngineConfig(enable_chunked_prefill=True, max_num_tokens=300, max_batch_size=32, tokens_per_block=32,

@@ -144,6 +144,9 @@ class EngineConfig:
             raise ValueError(f"positions must be 'keep' or 'shift', got {self.positions!r}")
         if self.prefill_decision not in ("at_once", "lagged"):
             raise ValueError(f"prefill_decision must be 'at_once' or 'lagged', got {self.prefill_decision!r}")
+        if self.prefill_decision == "lagged" and not self.overlap_scheduler:
+            raise ValueError("prefill_decision='lagged' decides beside the next forward, which only the overlap "
+                             "scheduler runs: with overlap_scheduler=False the prompt's decision is taken at once")
         if self.prefix_reuse not in ("copy", "share"):
             raise ValueError(f"prefix_reuse must be 'copy' or 'share', got {self.prefix_reuse!r}")
         if self.admission not in ("peak", "greedy"):
