@@ -252,3 +252,22 @@ def test_an_h2o_prefill_gives_blocks_cached_without_the_mass_their_mass(sharp_mo
                             record_trace=True), system + suffix, h2o, req_id)
         assert got.evictions == want.evictions and got.output_ids == want.output_ids
     assert cached == [0, 32]
+
+
+def test_a_copy_admitted_beside_the_prefill_giving_its_blocks_the_mass_waits_for_it(sharp_model):
+    """Two H2O requests admitted in one iteration over a system prompt cached without its mass:
+    the first's prefill gives those blocks the mass, but only when it runs; the second, a copy
+    taken at admission, must not take them before (it would keep no mass for its prefix). Both
+    decide as with caching off."""
+    settings = dict(policy="sliding_window", budget=0.5)
+    system = [(5 * i + 2) % 128 for i in range(32)]
+    h2o = SamplingParams(max_tokens=8, ignore_eos=True, eviction=EvictionSettings(policy="h2o", budget=0.5))
+    engine = Engine(sharp_model, config(variant="vtoken", **settings), record_trace=True)
+    drain(engine, system + [1], SamplingParams(max_tokens=2, ignore_eos=True,
+                                               eviction=EvictionSettings(policy="native")), 0)
+    prompts = {1: system + [40, 41, 42], 2: system + [50, 51, 52, 53]}
+    together = run(engine, list(prompts.values()), [h2o, h2o], req_ids=list(prompts))
+    for (req_id, prompt), got in zip(prompts.items(), together):
+        want = drain(Engine(sharp_model, config(variant="vtoken", prefix_caching=False, **settings),
+                            record_trace=True), prompt, h2o, req_id)
+        assert got.evictions == want.evictions and got.output_ids == want.output_ids, req_id

@@ -85,7 +85,9 @@ class PrefixCaching:
     def busy_for(self, private: bool) -> set[int]:
         """Blocks a request must not take from the cache: a private one's copy would read this
         iteration's unwritten prompt blocks; a sharing one would share a private request's."""
-        return set(self._unwritten) if private else set(self._owner)
+        # A private request also keeps the payload its prefix had at admission (``begin``): one
+        # that a prefill of this iteration is still to attach would not be there yet.
+        return self._unwritten | self._payload_due if private else set(self._owner)
 
     def begin(self, req_id: int, token_ids: Sequence[int], busy: Collection[int] = (),
               copy: Callable[[list[int], list[int]], None] | None = None,
