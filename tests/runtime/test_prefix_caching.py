@@ -211,6 +211,22 @@ def test_h2o_takes_no_cached_block_stored_without_its_prefix_mass(sharp_model, c
     assert engine.stats.cached_prompt_tokens == (16 if case == "multi_turn" else 0)
 
 
+def test_a_shared_prefix_the_pool_cannot_hold_on_top_of_the_budget_is_prefilled_instead(model):
+    """``prefix_reuse="share"``: a shared prefix is held on top of the request's budget; where the
+    pool cannot hold that, the request prefills its whole prompt (admitted, not waiting for ever)."""
+    engine = Engine(model, config(variant="vtoken", budget=0.6, tokens_per_block=1, num_blocks=24,
+                                  overlap_scheduler=False, prefix_reuse="share"))
+    system = [(7 * i + 3) % 128 for i in range(19)]
+    drain(engine, system, SamplingParams(max_tokens=1, ignore_eos=True, eviction=EvictionSettings(policy="native")), 0)
+    engine.add_request(system + [81, 68, 113], SamplingParams(
+        max_tokens=6, ignore_eos=True, eviction=EvictionSettings(policy="scissorhands", budget=0.6)), req_id=1)
+    engine.step()
+    assert engine.requests[1].status.name == "RUNNING" and engine.stats.cached_prompt_tokens == 0
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.pop_finished(1).output_ids) == 6
+
+
 def test_a_prefix_whose_copy_the_pool_cannot_hold_is_prefilled_instead(model):
     """A request that may evict copies its cached prefix into blocks of its own, keeping the
     cached sources meanwhile; where the pool cannot hold both, it prefills its whole prompt

@@ -64,10 +64,11 @@ class KVAdmission:
         cached, reclaimable = self.prefix.probe(token_ids, busy, window, needs_payload) if self.prefix else (0, 0)
         self.step_drafts[req_id] = drafts
         take_prefix = self._admit_blocks(req_id, prefill_len, remaining, spec, 0 if private else cached, reclaimable)
-        if not take_prefix and private and reclaimable:
-            # A copy keeps its cached sources out of the blocks it may take; a prefix the pool
-            # cannot hold beside the request would keep it waiting for ever. It prefills its whole
-            # prompt instead (its tokens and decisions are the same: it shares nothing either way).
+        if not take_prefix and cached:
+            # A copy keeps its cached sources out of the blocks it may take, a sharer keeps the
+            # shared prefix on top of its budget: a prefix the pool cannot hold beside the request
+            # would keep it waiting for ever. It prefills its whole prompt instead (a copy's tokens
+            # and decisions are the same: it shares nothing either way).
             if not self._admit_blocks(req_id, prefill_len, remaining, spec, 0, 0):
                 del self.step_drafts[req_id]
                 return None
