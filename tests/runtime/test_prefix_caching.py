@@ -249,23 +249,32 @@ def test_a_prefix_whose_copy_the_pool_cannot_hold_is_prefilled_instead(model):
     assert got.output_ids == want.output_ids and got.evictions == want.evictions
 
 
+UNPAID_ENGINE = dict(policy="sliding_window", budget=0.5)
+H2O_HALF = SamplingParams(max_tokens=8, ignore_eos=True, eviction=EvictionSettings(policy="h2o", budget=0.5))
+
+
+def unpaid_system_prompt(model) -> tuple[Engine, list[int]]:
+    """An engine whose policy observes nothing, after a native request cached a 32-token system
+    prompt there without its attention mass."""
+    system = [(5 * i + 2) % 128 for i in range(32)]
+    engine = Engine(model, config(variant="vtoken", **UNPAID_ENGINE), record_trace=True)
+    drain(engine, system + [1], SamplingParams(max_tokens=2, ignore_eos=True,
+                                               eviction=EvictionSettings(policy="native")), 0)
+    return engine, system
+
+
 def test_an_h2o_prefill_gives_blocks_cached_without_the_mass_their_mass(sharp_model):
     """Blocks cached without the prefix's mass (a native request computed the system prompt while
     no policy observed attention) are not taken by H2O, but the first H2O request's prefill of
     those tokens attaches the mass to them: the next H2O request takes them, deciding as with
     caching off."""
-    settings = dict(policy="sliding_window", budget=0.5)
-    system = [(5 * i + 2) % 128 for i in range(32)]
-    h2o = SamplingParams(max_tokens=8, ignore_eos=True, eviction=EvictionSettings(policy="h2o", budget=0.5))
-    engine = Engine(sharp_model, config(variant="vtoken", **settings), record_trace=True)
-    drain(engine, system + [1], SamplingParams(max_tokens=2, ignore_eos=True,
-                                               eviction=EvictionSettings(policy="native")), 0)
+    engine, system = unpaid_system_prompt(sharp_model)
     cached = []
     for req_id, suffix in ((1, [40, 41, 42]), (2, [50, 51, 52, 53])):
-        got = drain(engine, system + suffix, h2o, req_id)
+        got = drain(engine, system + suffix, H2O_HALF, req_id)
         cached.append(engine.stats.cached_prompt_tokens)
-        want = drain(Engine(sharp_model, config(variant="vtoken", prefix_caching=False, **settings),
-                            record_trace=True), system + suffix, h2o, req_id)
+        want = drain(Engine(sharp_model, config(variant="vtoken", prefix_caching=False, **UNPAID_ENGINE),
+                            record_trace=True), system + suffix, H2O_HALF, req_id)
         assert got.evictions == want.evictions and got.output_ids == want.output_ids
     assert cached == [0, 32]
 
@@ -275,15 +284,10 @@ def test_a_copy_admitted_beside_the_prefill_giving_its_blocks_the_mass_waits_for
     the first's prefill gives those blocks the mass, but only when it runs; the second, a copy
     taken at admission, must not take them before (it would keep no mass for its prefix). Both
     decide as with caching off."""
-    settings = dict(policy="sliding_window", budget=0.5)
-    system = [(5 * i + 2) % 128 for i in range(32)]
-    h2o = SamplingParams(max_tokens=8, ignore_eos=True, eviction=EvictionSettings(policy="h2o", budget=0.5))
-    engine = Engine(sharp_model, config(variant="vtoken", **settings), record_trace=True)
-    drain(engine, system + [1], SamplingParams(max_tokens=2, ignore_eos=True,
-                                               eviction=EvictionSettings(policy="native")), 0)
+    engine, system = unpaid_system_prompt(sharp_model)
     prompts = {1: system + [40, 41, 42], 2: system + [50, 51, 52, 53]}
-    together = run(engine, list(prompts.values()), [h2o, h2o], req_ids=list(prompts))
+    together = run(engine, list(prompts.values()), [H2O_HALF, H2O_HALF], req_ids=list(prompts))
     for (req_id, prompt), got in zip(prompts.items(), together):
-        want = drain(Engine(sharp_model, config(variant="vtoken", prefix_caching=False, **settings),
-                            record_trace=True), prompt, h2o, req_id)
+        want = drain(Engine(sharp_model, config(variant="vtoken", prefix_caching=False, **UNPAID_ENGINE),
+                            record_trace=True), prompt, H2O_HALF, req_id)
         assert got.evictions == want.evictions and got.output_ids == want.output_ids, req_id
