@@ -5,6 +5,7 @@ and no scratch folder left behind but the one holding a failed server's log."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import tempfile
 
 import pytest
@@ -51,3 +52,6 @@ def test_a_server_that_does_not_start_is_one_line_naming_its_log(scratch_root, c
     assert lines[1].startswith("vtoken: error: tritonserver did not start: ") and "already in use" in lines[1]
     (kept,) = scratch_root.iterdir()
     assert f"(log: {kept / 'tritonserver.log'})" in lines[1] and (kept / "tritonserver.log").is_file()
+    # the model's backend stub, started before the port failed, did not outlive the server
+    left = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub {kept}"], capture_output=True, text=True)
+    assert not left.stdout.strip(), left.stdout

@@ -231,8 +231,11 @@ class TritonServer:
         """Unloads the models (``finalize`` runs; requests still running are failed), then SIGINT,
         then SIGKILL if the server hangs. Returns its exit code; what went wrong, if anything, is
         in ``stop_problem``."""
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
+        if self.process is None:
+            return None
+        if self.process.poll() is not None:  # it exited by itself (say, a port taken after the models loaded)
+            self._kill_leftovers()
+            return self.process.returncode
         self.stop_problem = self.stop_note = None
         try:
             self.unload_models(timeout_s)
@@ -251,10 +254,19 @@ class TritonServer:
                                   "(Triton 2.51) and was killed")
             else:
                 self.stop_problem = f"tritonserver did not exit within {timeout_s:.0f} s and was killed"
+        self._kill_leftovers()
         self._log_copier.join(5)
         if code != 0 and self.stop_problem is None and self.stop_note is None:
             self.stop_problem = f"tritonserver exited with {code}: {self.last_error() or 'see its log'}"
         return code
+
+    def _kill_leftovers(self) -> None:
+        """Ends what the server started and left behind: backend stubs outlive a tritonserver
+        that exits without unloading its models. They stay in its session's process group."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def unload_models(self, timeout_s: float) -> None:
         """Asks Triton to unload every model and waits until none is left loaded."""
