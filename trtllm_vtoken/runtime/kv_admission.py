@@ -62,19 +62,15 @@ class KVAdmission:
         needs_payload = policy is not None and policy.observes_attention() and window is None and \
             self.cache is not None
         cached, reclaimable = self.prefix.probe(token_ids, busy, window, needs_payload) if self.prefix else (0, 0)
-        self.step_drafts[req_id] = drafts
-        take_prefix = self._admit_blocks(req_id, prefill_len, remaining, spec, 0 if private else cached, reclaimable)
-        if not take_prefix and cached:
-            # A copy keeps its cached sources out of the blocks it may take, a sharer keeps the
-            # shared prefix on top of its budget: a prefix the pool cannot hold beside the request
-            # would keep it waiting for ever. It prefills its whole prompt instead (a copy's tokens
-            # and decisions are the same: it shares nothing either way).
-            if not self._admit_blocks(req_id, prefill_len, remaining, spec, 0, 0):
-                del self.step_drafts[req_id]
-                return None
-        elif not take_prefix:
-            del self.step_drafts[req_id]
+        take_prefix = self._admit_blocks(req_id, prefill_len, remaining, spec, drafts, 0 if private else cached,
+                                         reclaimable)
+        # A copy keeps its cached sources out of the blocks it may take, a sharer keeps the shared
+        # prefix on top of its budget: a prefix the pool cannot hold beside the request would keep
+        # it waiting for ever. It prefills its whole prompt instead (a copy's tokens and decisions
+        # are the same: it shares nothing either way).
+        if not take_prefix and not (cached and self._admit_blocks(req_id, prefill_len, remaining, spec, drafts, 0, 0)):
             return None
+        self.step_drafts[req_id] = drafts
         if self.step is not None:
             self.step.add_request(req_id, policy)
             self.needs_attention = self.needs_attention or (policy is not None and policy.observes_attention())
@@ -88,18 +84,18 @@ class KVAdmission:
         self.writes.add_prefix(req_id, blocks)
         return self.prefix.cached_tokens(req_id)
 
-    def _admit_blocks(self, req_id: int, prefill_len: int, remaining: int, spec: PolicySpec | None, held: int,
-                      reclaimable: int) -> bool:
-        """Admission's block count for a request holding ``held`` cached blocks in common, and
-        keeping ``reclaimable`` unheld cached blocks from being reclaimed (a copy's sources):
-        True, registered with the admission controller, or False (nothing changed)."""
+    def _admit_blocks(self, req_id: int, prefill_len: int, remaining: int, spec: PolicySpec | None, drafts: int,
+                      held: int, reclaimable: int) -> bool:
+        """Admission's block count for a request whose decode steps carry ``drafts``, holding
+        ``held`` cached blocks in common and keeping ``reclaimable`` unheld cached blocks from
+        being reclaimed (a copy's sources): True, registered with the admission controller, or
+        False (nothing changed)."""
         cfg = self.config
         # A shared prefix is kept on top of the budget (its tokens are protected): count it in.
         shared = held * cfg.tokens_per_block
         budget = self.final_budget(prefill_len + remaining - shared, spec)
         budget = None if budget is None else budget + shared
-        # chunked prefill: its first chunk
-        first, rest, step_tokens = self.prefill_shape(prefill_len, self.step_drafts[req_id])
+        first, rest, step_tokens = self.prefill_shape(prefill_len, drafts)  # chunked prefill: its first chunk
         if cfg.admission == "greedy":
             free = self.pool.num_free + (self.prefix.cache.num_reclaimable - reclaimable if self.prefix else 0)
             if free - cfg.evacuation_headroom < -(-first // cfg.tokens_per_block) - held:

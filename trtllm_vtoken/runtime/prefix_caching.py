@@ -47,7 +47,6 @@ class PrefixCaching:
         self.cache = PrefixCache(pool)
         self.tokens_per_block = pool.tokens_per_block
         self._cached: dict[int, int] = {}
-        self._stored: dict[int, list[int]] = {}  # request -> prompt block indices stored at admission
         self._paying: dict[int, list[tuple[int, int, object]]] = {}  # request -> (prompt block index,
         # cached block, its key) whose payload its prefill attaches: the blocks it stored, and those
         # cached without one
@@ -123,7 +122,7 @@ class PrefixCaching:
 
     def store_prompt(self, req_id: int, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
         """Keys the request's full prompt blocks (its prefill writes them before anyone reads them)."""
-        self._stored[req_id] = stored = self.cache.extend(req_id, block_ids, token_ids)
+        stored = self.cache.extend(req_id, block_ids, token_ids)
         self._unwritten.update(block_ids[i] for i in stored)
         # Its prefill computes the mass its prompt's queries pay each block's prefix, a function of
         # the tokens alone: the payload of the blocks it stored, and of those holding the same
@@ -169,7 +168,6 @@ class PrefixCaching:
         """The request leaves (finished, cancelled or preempted): its blocks stay cached if keyed."""
         self.cache.end(req_id, block_ids)
         self._cached.pop(req_id, None)
-        self._stored.pop(req_id, None)
         self._paying.pop(req_id, None)
         self._windowed.pop(req_id, None)
         if req_id in self._private:
