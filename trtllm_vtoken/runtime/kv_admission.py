@@ -6,6 +6,7 @@ prefix it takes, held in common or copied into blocks of its own (``EngineConfig
 from __future__ import annotations
 
 from trtllm_vtoken.core import BlockPool
+from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.policies.request_settings import PolicySpec
 from trtllm_vtoken.reclaim.admission import AdmissionConfig, AdmissionController
 
@@ -13,8 +14,9 @@ from trtllm_vtoken.reclaim.admission import AdmissionConfig, AdmissionController
 class KVAdmission:
     """Admission of ``KVCacheManager`` (a mixin: it reads the manager's ``config``, ``pool``,
     ``cache``, ``prefix``, ``step`` or ``lists``, ``admission``, ``writes``, ``evictions`` and
-    ``_policies``, and sets ``needs_attention`` and ``step_drafts``: request -> the draft tokens
-    each of its decode steps may carry)."""
+    ``_policies``, and sets ``needs_attention``, ``step_drafts``: request -> the draft tokens
+    each of its decode steps may carry, and ``lag_start``: the requests whose first decode step,
+    deferred, is still to run, ``decode_lags``)."""
 
     def final_budget(self, total_tokens: int, spec: PolicySpec | None = None) -> int | None:
         """Live tokens a request of ``total_tokens`` keeps at completion (None: no eviction)."""
@@ -34,8 +36,9 @@ class KVAdmission:
         probe = AdmissionController(BlockPool(usable, cfg.tokens_per_block),
                                     AdmissionConfig(cfg.variant, cfg.mode, cfg.fragmentation_threshold))
         budget = self.final_budget(prompt_len + max_tokens, spec)
+        lags = self.decode_lags(None if spec is None else self._policies.setdefault(spec, spec.make()))
         for allowed in dict.fromkeys((drafts, 0)):
-            first, rest, step_tokens = self.prefill_shape(prompt_len, allowed)
+            first, rest, step_tokens = self.prefill_shape(prompt_len, allowed, lags)
             if probe.can_admit(first, max_tokens + rest, budget, step_tokens=step_tokens):
                 return allowed
         raise ValueError(f"request needs more KV blocks than the pool's {usable} usable blocks "
@@ -62,15 +65,19 @@ class KVAdmission:
         needs_payload = policy is not None and policy.observes_attention() and window is None and \
             self.cache is not None
         cached, reclaimable = self.prefix.probe(token_ids, busy, window, needs_payload) if self.prefix else (0, 0)
-        take_prefix = self._admit_blocks(req_id, prefill_len, remaining, spec, drafts, 0 if private else cached,
-                                         reclaimable)
+        lags = self.decode_lags(policy)
+        take_prefix = self._admit_blocks(req_id, prefill_len, remaining, spec, drafts, lags,
+                                         0 if private else cached, reclaimable)
         # A copy keeps its cached sources out of the blocks it may take, a sharer keeps the shared
         # prefix on top of its budget: a prefix the pool cannot hold beside the request would keep
         # it waiting for ever. It prefills its whole prompt instead (a copy's tokens and decisions
         # are the same: it shares nothing either way).
-        if not take_prefix and not (cached and self._admit_blocks(req_id, prefill_len, remaining, spec, drafts, 0, 0)):
+        if not take_prefix and not (cached and self._admit_blocks(req_id, prefill_len, remaining, spec, drafts, lags,
+                                                                  0, 0)):
             return None
         self.step_drafts[req_id] = drafts
+        if lags:
+            self.lag_start.add(req_id)
         if self.step is not None:
             self.step.add_request(req_id, policy)
             self.needs_attention = self.needs_attention or (policy is not None and policy.observes_attention())
@@ -85,8 +92,9 @@ class KVAdmission:
         return self.prefix.cached_tokens(req_id)
 
     def _admit_blocks(self, req_id: int, prefill_len: int, remaining: int, spec: PolicySpec | None, drafts: int,
-                      held: int, reclaimable: int) -> bool:
-        """Admission's block count for a request whose decode steps carry ``drafts``, holding
+                      lags: bool, held: int, reclaimable: int) -> bool:
+        """Admission's block count for a request whose decode steps carry ``drafts`` (and lag:
+        ``decode_lags``), holding
         ``held`` cached blocks in common and keeping ``reclaimable`` unheld cached blocks from
         being reclaimed (a copy's sources): True, registered with the admission controller, or
         False (nothing changed)."""
@@ -95,7 +103,7 @@ class KVAdmission:
         shared = held * cfg.tokens_per_block
         budget = self.final_budget(prefill_len + remaining - shared, spec)
         budget = None if budget is None else budget + shared
-        first, rest, step_tokens = self.prefill_shape(prefill_len, drafts)  # chunked prefill: its first chunk
+        first, rest, step_tokens = self.prefill_shape(prefill_len, drafts, lags)  # chunked prefill: its first chunk
         if cfg.admission == "greedy":
             free = self.pool.num_free + (self.prefix.cache.num_reclaimable - reclaimable if self.prefix else 0)
             if free - cfg.evacuation_headroom < -(-first // cfg.tokens_per_block) - held:
@@ -106,14 +114,27 @@ class KVAdmission:
         return self.admission.admit(req_id, first, remaining + rest, budget, cached_blocks=held,
                                     cached_reclaimable=reclaimable, step_tokens=step_tokens)
 
-    def prefill_shape(self, prefill_len: int, drafts: int = 0) -> tuple[int, int, int]:
+    def prefill_shape(self, prefill_len: int, drafts: int = 0, lags: bool = False) -> tuple[int, int, int]:
         """(tokens of the first prefill forward, prompt tokens after it, most tokens one step
         writes before an eviction): the whole prompt at once, or its chunks
-        (``EngineConfig.enable_chunked_prefill``); a decode step writes its token and ``drafts``."""
-        chunk, decode = self.config.prefill_chunk_tokens, 1 + drafts
+        (``EngineConfig.enable_chunked_prefill``); a decode step writes its token and ``drafts``,
+        and where its first decode step lags (``decode_lags``), the next step's as well."""
+        chunk, decode = self.config.prefill_chunk_tokens, (1 + drafts) * (2 if lags else 1)
         if chunk is None or prefill_len <= chunk:
             return prefill_len, 0, decode
         return chunk, prefill_len - chunk, max(chunk, decode)
+
+    def decode_lags(self, policy: EvictionPolicy | None) -> bool:
+        """Whether a request of this policy writes two decode steps' tokens before its first
+        decode eviction. The overlap scheduler defers the step of a row whose policy observes
+        attention to the next iteration, after that iteration's reservation
+        (``runtime/overlap.py``); its prompt, decided at once (``prefill_decision="at_once"``),
+        is evicted before the first decode, so that decode's step runs after the second decode's
+        slot is reserved. From then on each deferred step takes in the next forward's token too:
+        one token a step again (``KVCacheManager.update``)."""
+        cfg = self.config
+        return (cfg.overlap_scheduler and cfg.prefill_decision == "at_once" and policy is not None
+                and policy.observes_attention())
 
     def new_iteration(self) -> None:
         """Before an iteration's admissions (prefix caching: what earlier prefills wrote is readable)."""

@@ -85,6 +85,7 @@ class KVCacheManager(KVAdmission):
         """The engine's own policy (requests that set no eviction of their own run with it)."""
         self._policies: dict[PolicySpec, EvictionPolicy] = {}
         self.step_drafts: dict[int, int] = {}  # request -> draft tokens a decode step may carry (admission)
+        self.lag_start: set[int] = set()  # requests whose first decode step, deferred, has not run (``decode_lags``)
         if config.variant == "native":
             self.lists = BlockLists(tpb)
         else:
@@ -220,6 +221,8 @@ class KVCacheManager(KVAdmission):
         self.finish_step()  # a step begun before and not finished
         if not req_ids:
             return
+        if forward_between and self.lag_start:  # deferred steps: from now on each takes in the next token too
+            self.lag_start.difference_update(req_ids)
         fresh_lists, num_new = self.writes.take(req_ids)
         if self.step is None:
             start = time.perf_counter()
@@ -289,15 +292,15 @@ class KVCacheManager(KVAdmission):
             lists = self.lists
             tokens = live = list(map(lists.kv_len, req_ids))
             held = list(map(lists.num_blocks, req_ids))
-        drafts = self.step_drafts  # a decode step writes its token and drafts
+        drafts, lag_start = self.step_drafts, self.lag_start  # a decode step writes its token and drafts
         if unprefilled is None:
             for req_id, n, k, h, rest in zip(req_ids, tokens, live, held, remaining):
                 self.admission.update(req_id, logical_len=n, live=k, remaining=rest, held=h,
-                                      step_tokens=1 + drafts.get(req_id, 0))
+                                      step_tokens=(1 + drafts.get(req_id, 0)) * (1 + (req_id in lag_start)))
             return
         chunk = self.config.prefill_chunk_tokens  # a prompt still in chunks writes one a step
         for req_id, n, k, h, rest, unwritten in zip(req_ids, tokens, live, held, remaining, unprefilled):
-            decode = 1 + drafts.get(req_id, 0)
+            decode = (1 + drafts.get(req_id, 0)) * (1 + (req_id in lag_start))
             self.admission.update(req_id, logical_len=n, live=k, remaining=rest + unwritten, held=h,
                                   step_tokens=max(min(chunk, unwritten), decode) if unwritten else decode)
 
@@ -320,6 +323,7 @@ class KVCacheManager(KVAdmission):
             self.pool.free(blocks)
         self.admission.finish(req_id)
         self.step_drafts.pop(req_id, None)
+        self.lag_start.discard(req_id)
         self.evictions.release(req_id)
 
     def _free(self, blocks: list[int]) -> None:

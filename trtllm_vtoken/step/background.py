@@ -15,6 +15,13 @@ copy has finished:
                lazy plan after evictions and appends made meanwhile); the request may be planned
                again from the next step
 
+Under memory pressure (``StepInput.pressure``: the pool cannot give every row a block for its
+next tokens) nothing waits for a later step: the step's new plans and every plan of the batch in
+flight commit at its end, and the next forward is ordered after their copies (as lazy compaction
+without the background). A plan deferred there would hold the blocks it frees through the next
+reservation, which then finds the pool dry: a request alone could be preempted, and re-admitted
+with its output as prompt, no longer fit at all.
+
 The Python class below is the specification and serves the Python core; where the C++ core
 serves the step, it keeps the plans itself (``NativeBackgroundCompaction``, ``cpp/core/flights.h``).
 A request has one plan in flight at most. On a CPU the copy is synchronous: a plan commits at the
@@ -22,7 +29,8 @@ next step of its request. A block a plan in flight reads or writes must not beco
 caching) before it commits: ``DecodeStep.relocating_blocks`` names them.
 
 In the step, after its call: ``finish`` (the plans whose copies finished commit), ``start`` (the
-call's new plans, their copy submitted), ``output`` (what the step did, what committed).
+call's new plans, their copy submitted), ``output`` (what the step did, what committed); under
+pressure ``start``, ``order_before`` and ``finish(every=True)``.
 """
 
 from __future__ import annotations
@@ -89,16 +97,18 @@ class BackgroundCompaction:
                                              self._snapshot(req_id) if snapshot else None)
         return handle
 
-    def finish(self, req_ids: np.ndarray, rows: np.ndarray) -> StepBatchResult:
+    def finish(self, req_ids: np.ndarray, rows: np.ndarray, every: bool = False) -> StepBatchResult:
         """Commits the batch's plans whose copies have finished (planned at an earlier step), in
         the table and then, all at once, in the slot layout. Returns what they did, row by row
         (kv_lens: the lengths after them). Only the batch's requests with a plan in flight are
-        visited one by one. RuntimeError if a plan no longer applies (the step is then unusable)."""
+        visited one by one. ``every``: all of the batch's plans commit, their copies finished or
+        not (the caller ordered what reads their KV after them: ``order_before``). RuntimeError
+        if a plan no longer applies (the step is then unusable)."""
         core, slots, flying = self.core, self.slots, self.in_flight
         ready = []  # (batch index, request, flight), ascending
         for i, req_id in enumerate(req_ids.tolist()) if flying else ():
             flight = flying.get(req_id)
-            if flight is not None and (flight.handle is None or flight.handle.done()):
+            if flight is not None and (every or flight.handle is None or flight.handle.done()):
                 ready.append((i, req_id, flight))
         lengths = slots.kv_len[rows]  # a copy: unchanged where nothing commits
         for i, req_id, flight in ready:
@@ -116,6 +126,11 @@ class BackgroundCompaction:
             slots.apply_step(EMPTY, EMPTY, committed.move_src, committed.move_dst, rows, req_ids, lengths,
                              committed.freed_offsets, False, core.table)
         return committed
+
+    def order_before(self, stream: Any) -> None:
+        """Orders the work queued on ``stream`` next after every copy in flight (None: the host
+        waits for them)."""
+        order_after({id(f.handle): f.handle for f in self.in_flight.values()}.values(), stream)
 
     def blocks(self, tokens_per_block: int) -> set[int]:
         """Blocks the plans in flight read, write or will release."""
@@ -171,10 +186,11 @@ class NativeBackgroundCompaction:
                 self._before[int(req_ids[i])] = live_snapshot(self.core, self.executor, int(req_ids[i]))
         return handle
 
-    def finish(self, req_ids: np.ndarray, rows: np.ndarray) -> StepBatchResult:
+    def finish(self, req_ids: np.ndarray, rows: np.ndarray, every: bool = False) -> StepBatchResult:
         """``BackgroundCompaction.finish`` in one native call: the batch's plans whose copies have
-        finished commit in the table, then in the layout; what they did, row by row."""
-        ready = [s for s, handle in self._handles.items() if handle is None or handle.done()]
+        finished (``every``: all of them) commit in the table, then in the layout; what they did,
+        row by row."""
+        ready = [s for s, handle in self._handles.items() if every or handle is None or handle.done()]
         committed, result = self.flights.commit_ready(self.core.table, self.slots.native_layout(), req_ids, rows,
                                                       ready)
         if ready:
@@ -183,6 +199,10 @@ class NativeBackgroundCompaction:
             req_id = int(req_ids[i])
             check_conservation(req_id, self._before.pop(req_id), live_snapshot(self.core, self.executor, req_id))
         return StepBatchResult(*result)
+
+    def order_before(self, stream: Any) -> None:
+        """``BackgroundCompaction.order_before``."""
+        order_after(self._handles.values(), stream)
 
     def blocks(self, tokens_per_block: int) -> set[int]:
         """Blocks the plans in flight read, write or will release."""
@@ -227,6 +247,17 @@ def output(call: StepOutput, committed: StepBatchResult) -> StepOutput:
     lost = call.lost + call.table.kv_lens - committed.kv_lens  # from the length after the new tokens
     changed = np.diff(committed.move_offsets) + np.diff(committed.freed_offsets) + lost > 0
     return StepOutput(call.req_ids, call.victim_offsets, call.victims, committed, lost, call.num_tokens, changed)
+
+
+def order_after(handles: Iterable[Any], stream: Any) -> None:
+    """Orders ``stream``'s next work (None: the host) after each of these copies."""
+    for handle in handles:
+        if handle is None:
+            continue
+        if stream is None:
+            handle.synchronize()
+        else:
+            handle.make_stream_wait(stream)
 
 
 def blocks_of(flights: Iterable[Flight], tokens_per_block: int) -> set[int]:

@@ -257,14 +257,19 @@ class DecodeStep(StepRequests):
             self._on_victims(req_ids, out.victim_offsets, out.victims, it.listed_before)
         copied = out.num_moves
         if background is not None:  # the call planned: commit what finished, copy the new plans
+            planned = copied or out.num_freed
+            handle = None
+            if it.pressure:  # the new plans too, at once: their blocks are needed by the next reservation
+                handle = background.start(req_ids, out.table, self.checks is not None) if planned else None
+                background.order_before(it.stream)
             try:
-                committed = background.finish(req_ids, it.rows)
+                committed = background.finish(req_ids, it.rows, every=it.pressure)
             except RuntimeError as exc:  # a plan could not commit: the tables disagree now
                 self._broken = str(exc)
                 raise
             t5 = clock()
-            handle = background.start(req_ids, out.table, self.checks is not None) if copied or out.num_freed \
-                else None
+            if not it.pressure and planned:
+                handle = background.start(req_ids, out.table, self.checks is not None)
             out = committed_output(out, committed)
         else:
             t5 = t4
