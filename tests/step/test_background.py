@@ -2,7 +2,8 @@
 """Lazy compaction in the background: a plan's copy starts in its step, the plan commits at the
 request's next step once the copy has finished; meanwhile the table (and so the attention's mask)
 still points at the sources. Same decisions as committing at once; conservation (I1) checked at
-every commit; on CUDA, the compute stream does not wait for the copy."""
+every commit; on CUDA, the compute stream does not wait for the copy. Under memory pressure the
+plans commit in their own step instead, the next forward ordered after their copies."""
 
 from __future__ import annotations
 
@@ -71,6 +72,57 @@ def test_a_request_leaving_with_a_plan_in_flight_waits_for_its_copy():
     assert 0 in step.background.requests() and step.relocating_blocks()
     host.release(step.remove_request(0))
     assert not step.background.requests() and not step.relocating_blocks()
+
+
+@pytest.mark.parametrize("impl", ["python", "auto"])
+def test_under_pressure_the_plans_commit_in_their_own_step(impl):
+    """``StepInput.pressure``: a plan made in the step and a plan in flight from an earlier one
+    commit at the step's end, and the layout is lazy compaction's without the background (a plan
+    deferred there held the blocks the next reservation needed: a request running alone in a
+    pool just big enough for it was preempted)."""
+    hosts = [Host(64, 4, seed=2), Host(64, 4, seed=2)]
+    steps = [make_step(hosts[0], impl, "lazy"), make_step(hosts[1], impl, "lazy-background")]
+    outs = []
+    for step, host in zip(steps, hosts):
+        step.add_request(0, make_policy("streaming_llm", 6, n_sink=1))
+        step.add_request(1, make_policy("streaming_llm", 6, n_sink=1))
+        first = step.run(StepInput([0], [20], [0, 5], host.allocate(5)))  # no pressure: in flight
+        host.release(first.table.freed)
+        out = step.run(StepInput([0, 1], [0, 20], [0, 0, 5], host.allocate(5), pressure=True))
+        host.release(out.table.freed)
+        outs.append(out)
+    assert not steps[1].background.requests()
+    assert outs[1].table.freed_of(0) and outs[1].table.freed_of(1)  # the earlier plan and the new one
+    for req in (0, 1):
+        (ids0, slots0), (ids1, slots1) = (step.core.live_slots(req) for step in steps)
+        assert ids0.tolist() == ids1.tolist() and steps[0].num_blocks(req) == steps[1].num_blocks(req)
+        for s0, s1 in zip(slots0.tolist(), slots1.tolist()):
+            assert torch.equal(hosts[0].kv[s0 // 4, :, :, :, s0 % 4], hosts[1].kv[s1 // 4, :, :, :, s1 % 4])
+    assert sorted(hosts[0].free) == sorted(hosts[1].free)
+
+
+@pytest.mark.cuda
+def test_under_pressure_a_plan_commits_before_its_copy_has_finished_and_the_stream_waits_for_it():
+    """A copy delayed on the side stream: under pressure its plan commits at once, and work
+    queued on the compute stream after the step runs after the copy (the forward reads the
+    moved KV)."""
+    from trtllm_vtoken.core import BlockPool
+    from trtllm_vtoken.reclaim.copy import TorchCopyExecutor
+    from trtllm_vtoken.step import DecodeStep, StepConfig
+
+    pool = BlockPool(32, 4)
+    kv = torch.randn(32, 2, 2, 1, 4, 8, device="cuda")
+    executor = TorchCopyExecutor([kv], copy_delay_cycles=200_000_000)
+    step = DecodeStep(StepConfig("lazy", background=True, check_invariants=False), 32, 4,
+                      make_policy("streaming_llm", 6, n_sink=1), executor, pool.is_shared, lambda: pool.shared)
+    step.add_request(0)
+    stream = torch.cuda.current_stream()
+    out = step.run(StepInput([0], [20], [0, 5], pool.allocate(5), stream=stream, pressure=True))
+    assert 0 not in step.background.requests() and out.table.freed_of(0)
+    after = torch.cuda.Event()
+    after.record(stream)
+    after.synchronize()
+    assert out.copy.done()  # the compute stream's work waited for the copy
 
 
 @pytest.mark.cuda

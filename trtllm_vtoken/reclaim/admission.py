@@ -9,7 +9,8 @@ Each running request ``r`` reserves ``max(0, peak(r) - held(r))`` blocks of the 
     vtoken dense          ceil(min(live + remaining, max(live, budget) + S) / B)
                           (live never exceeds the budget by more than the S tokens written before
                           the step's eviction: 1 while decoding, a chunk while a prompt is
-                          prefilled in chunks; compaction keeps exactly ceil(live / B) blocks)
+                          prefilled in chunks, 2 before a first decode step the overlap
+                          scheduler defers; compaction keeps exactly ceil(live / B) blocks)
     vtoken lazy           as dense + fragmentation_threshold blocks
                           (holes are tolerated up to the threshold before compaction runs)
 

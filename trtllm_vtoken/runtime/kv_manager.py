@@ -230,8 +230,11 @@ class KVCacheManager(KVAdmission):
             self.stats.lists_seconds += time.perf_counter() - start
             return
         on_cuda = self.cache is not None and self.cache.pool.is_cuda and not self.config.synchronous_copies
-        # Memory pressure: the pool could not give every running request a block for its next token.
-        pressure = self.pool.num_free < len(req_ids) + self.config.evacuation_headroom
+        # Memory pressure: the pool could not give every row the blocks of its next decode tokens
+        # (its token and drafts: at most ceil((1 + drafts) / tokens_per_block) blocks).
+        drafts, tpb = self.step_drafts, self.config.tokens_per_block
+        needed = sum(-(-(1 + drafts.get(r, 0)) // tpb) for r in req_ids) if any(drafts.values()) else len(req_ids)
+        pressure = self.pool.num_free < needed + self.config.evacuation_headroom
         self.step.start(StepInput.of_lists(req_ids, num_new, fresh_lists, mass=mass if self.needs_attention else None,
                                            pressure=pressure, stream=torch.cuda.current_stream() if on_cuda else None),
                         overlap=overlap, forward_between=forward_between)

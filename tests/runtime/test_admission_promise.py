@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Peak admission's promise (``reclaim/admission.py``): a request it admits reaches its peak
+without anyone being preempted. Held against what the engine really holds, in the pools just big
+enough, where a block too few shows: lazy compaction in the background under memory pressure, and
+the overlap scheduler's deferred first decode step (``KVAdmission.decode_lags``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from trtllm_vtoken.core import BlockPool
+from trtllm_vtoken.policies.request_settings import EvictionSettings
+from trtllm_vtoken.runtime.config import EngineConfig
+from trtllm_vtoken.runtime.engine import Engine
+from trtllm_vtoken.runtime.sampling import SamplingParams
+
+
+def smallest_engine(model, prompt: list[int], max_tokens: int, **settings) -> tuple[Engine, int]:
+    """The engine with the fewest blocks whose ``add_request`` takes the request, and its id."""
+    for num_blocks in range(1, 64):
+        engine = Engine(model, EngineConfig(num_blocks=num_blocks, max_seq_len=128, check_invariants=True, **settings))
+        try:
+            return engine, engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        except ValueError:
+            continue
+    raise AssertionError("no pool took the request")
+
+
+def drain(engine: Engine, limit: int = 200) -> None:
+    for _ in range(limit):
+        if not engine.has_unfinished():
+            return
+        engine.step()
+        engine.kv.check_integrity()
+    raise AssertionError(f"unfinished after {limit} steps: waiting {list(engine.waiting)}, running {engine.running}")
+
+
+@pytest.mark.parametrize("tokens_per_block", [1, 4])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", ["dense", "lazy"])
+@pytest.mark.parametrize("policy", ["streaming_llm", "h2o"])
+def test_a_request_alone_in_the_smallest_pool_that_takes_it_finishes_unpreempted(sharp_tiny_model, policy, mode,
+                                                                                 overlap, tokens_per_block):
+    """Before: lazy mode's plans made under pressure held their blocks through the next
+    reservation, and an H2O request under the overlap scheduler wrote two decode tokens before
+    its first decode eviction; either way the request, alone, was preempted, and re-admitted with
+    its output as prompt, never fitted again: it waited for ever."""
+    engine, req = smallest_engine(sharp_tiny_model, [36, 6, 36, 7, 9, 11, 2], 24, policy=policy, budget=7,
+                                  mode=mode, tokens_per_block=tokens_per_block, overlap_scheduler=overlap,
+                                  prefix_caching=False)
+    drain(engine)
+    assert engine.stats.preemptions == 0
+    assert len(engine.pop_finished(req).output_ids) == 24
+
+
+@pytest.mark.parametrize(("policy", "overlap", "decision", "blocks"), [
+    ("streaming_llm", False, "at_once", 8), ("streaming_llm", True, "at_once", 8),
+    ("h2o", False, "at_once", 8), ("h2o", True, "lagged", 8),
+    ("h2o", True, "at_once", 9),  # the deferred first decode step: one token more
+])
+def test_the_smallest_pool_is_the_peak_the_request_reaches(sharp_tiny_model, monkeypatch, policy, overlap, decision,
+                                                          blocks):
+    """Dense, 1-token blocks, budget 7, prompt 7: the pool a request needs is its budget plus the
+    tokens written before an eviction, one more only where the first decode step is deferred;
+    and the request does fill it (the most blocks in use, read at each allocation)."""
+    in_use = []
+    allocate = BlockPool.allocate
+
+    def counted(pool, n):
+        taken = allocate(pool, n)
+        in_use.append(pool.num_used)
+        return taken
+
+    monkeypatch.setattr(BlockPool, "allocate", counted)
+    engine, _ = smallest_engine(sharp_tiny_model, [5] * 7, 11, policy=policy, budget=7, tokens_per_block=1,
+                                overlap_scheduler=overlap, prefill_decision=decision, prefix_caching=False)
+    assert engine.kv.pool.num_blocks == blocks
+    drain(engine)
+    assert max(in_use) == blocks and engine.stats.preemptions == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_peak_admission_preempts_no_one(sharp_tiny_model, seed):
+    """Requests of several policies and lengths in small pools, every compaction and scheduling
+    mode: all finish, no preemption, blocks all back."""
+    rng = random.Random(seed)
+    settings = dict(policy=rng.choice(["h2o", "streaming_llm", "scissorhands"]), budget=rng.randint(3, 10),
+                    tokens_per_block=rng.choice([1, 2, 4]), num_blocks=rng.randint(8, 24), mode=rng.choice(["dense", "lazy"]),
+                    overlap_scheduler=seed % 2 == 0, prefix_caching=rng.choice([False, True]),
+                    fragmentation_threshold=rng.choice([1, 2]), max_batch_size=8, max_seq_len=128,
+                    check_invariants=True)
+    engine = Engine(sharp_tiny_model, EngineConfig(**settings))
+    added = 0
+    for _ in range(6):
+        own = rng.choice([None, EvictionSettings(policy=rng.choice(["h2o", "streaming_llm"]), budget=rng.randint(3, 8))])
+        params = SamplingParams(max_tokens=rng.randint(4, 20), ignore_eos=True, eviction=own)
+        try:
+            engine.add_request([rng.randrange(1, 100) for _ in range(rng.randint(1, 12))], params)
+            added += 1
+        except ValueError:  # never fits this pool
+            continue
+    assert added
+    drain(engine, 400)
+    assert engine.stats.preemptions == 0 and engine.kv.num_available == engine.kv.pool.num_blocks
