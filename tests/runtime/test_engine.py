@@ -115,6 +115,20 @@ def test_greedy_admission_preempts_and_recomputes_without_loss(model, variant, m
         assert [r.output_ids for r in squeezed] == [r.output_ids for r in roomy]
 
 
+def test_a_preempted_request_whose_recomputation_never_fits_ends_instead_of_waiting(model):
+    """Greedy admission preempts the newest request; recomputed, it prefills its output too, all
+    of it before its policy evicts: here 6 + 3 tokens in an 8-block pool that holds it while it
+    decodes (its budget 4 + 1). Nothing else runs once the first finishes, so it could never be
+    admitted again: it ends with "length" and the tokens it had, and the engine stops."""
+    engine = Engine(model, config(policy="streaming_llm", budget=4, tokens_per_block=1, num_blocks=8,
+                                  admission="greedy", overlap_scheduler=False, prefix_caching=False, max_seq_len=128))
+    first, second = run(engine, [[3], [4] * 6], SamplingParams(max_tokens=60, ignore_eos=True))
+    assert engine.stats.preemptions == 1 and second.num_preemptions == 1
+    assert (first.finish_reason, len(first.output_ids)) == ("length", 60)
+    assert second.finish_reason == "length" and 0 < len(second.output_ids) < 60
+    assert len(second.prefill_ids()) > 8
+
+
 def test_cancel_frees_blocks_of_running_and_waiting_requests(model):
     engine = Engine(model, config(max_batch_size=2))
     ids = [engine.add_request(p, LONG) for p in prompts(4)]

@@ -186,6 +186,8 @@ class Engine:
         # micro-batch scheduler counts a decode row's drafts with it, then fits the context chunks).
         drafts = None if self.speculation is None else self.speculation.draft(decode)
         prefill = self.scheduler.schedule_prefill(len(decode) + sum(map(len, (drafts or {}).values())))
+        if not self.running and self.waiting:
+            self._end_unrunnable(reported)
         if self.config.overlap_scheduler:
             return self._step_overlapped(reported, decode, prefill)
         results, masses = self._run_forwards(decode, prefill, drafts)
@@ -268,6 +270,26 @@ class Engine:
             mass = widened(mass[keep] if len(keep) < len(deferred.rows) else mass, kv.layout, kv.writes, rows)
         kv.start_step(rows, mass, overlap=self.config.step_overlap, forward_between=True)
         self._stepped = rows
+
+    def _end_unrunnable(self, reported: list[RequestDelta]) -> None:
+        """Nothing runs and the first waiting request was not admitted: if it can never run (a
+        request preempted and recomputed prefills its output too, all of it before its policy
+        evicts: more than the whole pool, or than ``max_num_tokens`` without chunked prefill),
+        it ends with finish reason "length" and what it generated so far, instead of waiting for
+        ever. ``add_request`` refuses every request that could not run when it arrived."""
+        request = self.requests[self.waiting[0]]
+        prefill_len, cfg = len(request.prefill_ids()), self.config
+        try:
+            self.kv.check_fits_alone(prefill_len, request.remaining, self._specs[request.req_id])
+            fits = cfg.max_num_tokens is None or cfg.enable_chunked_prefill or prefill_len <= cfg.max_num_tokens
+        except ValueError:
+            fits = False
+        if fits:
+            return
+        self.waiting.popleft()
+        self.stats.finished += 1
+        self._finish(request, "length")
+        reported.append(self._output(request, [], ""))
 
     def _run_forwards(self, decode: list[int], prefill: list[int], drafts: dict[int, list[int]] | None = None):
         """This iteration's forwards: the decode rows at once (with their ``drafts``, speculative
