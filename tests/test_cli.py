@@ -222,6 +222,29 @@ def test_every_option_of_every_command_has_help():
     assert not missing, f"options without help: {missing}"
 
 
+def test_quick_sets_the_sizes_the_command_line_leaves_unset():
+    """Every benchmark's ``--quick`` sizes: each is what --quick sets where the command line gives
+    no value, and a value given explicitly wins (it was ignored before, silently)."""
+    from trtllm_vtoken.cli import build_parser
+    from trtllm_vtoken.cli.bench_common import run_sized
+
+    def sized(parser, argv: list[str]) -> dict:
+        seen: dict = {}
+        run_sized(lambda args: seen.update(vars(args)) or 0, parser.parse_args(argv))
+        return seen
+
+    checked = 0
+    for name, parser in build_parser().parse_args(["bench", "all"]).benchmarks.items():
+        for dest, value in parser.parse_args(["--quick"]).quick_sizes.items():
+            explicit = "7" if isinstance(value, int) else "3,5"
+            assert sized(parser, ["--quick"])[dest] == value, (name, dest)
+            assert str(sized(parser, ["--quick", "--" + dest.replace("_", "-"), explicit])[dest]) == explicit, \
+                (name, dest)
+            assert sized(parser, [])[dest] != value, (name, dest)  # the full size without --quick
+            checked += 1
+    assert checked >= 45
+
+
 @pytest.mark.skipif(native.load() is None, reason="the C++ core is not built")
 def test_bench_step_overlap_rows_run_under_the_overlap_scheduler_with_the_device_time(tmp_path, capsys):
     """--impl ...-overlap: the rows and their native partners run the overlap scheduler; with

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trtllm_vtoken.cli.bench_common import add_output_options, load_model, publish
+from trtllm_vtoken.cli.bench_common import Size, add_output_options, load_model, publish
 
 ALL = ("variants", "capacity", "quality", "core", "step", "overhead", "sweeps", "sla", "sharing", "shift", "invariance")
 """What ``vtoken bench all`` runs, in this order; without ``--quick`` also ``ALL_FULL``."""
@@ -19,7 +19,7 @@ def register(sub) -> None:
     core.add_argument("--batch", type=int, default=256, help="concurrent requests (default 256)")
     core.add_argument("--context", type=int, default=4096, help="live tokens per request (default 4096)")
     core.add_argument("--tokens-per-block", type=int, default=32, help="default 32")
-    core.add_argument("--steps", type=int, default=50, help="timed decode steps (default 50)")
+    core.add_argument("--steps", action=Size, type=int, default=50, help="timed decode steps (default 50)")
     core.add_argument("--mode", choices=["dense", "lazy", "both"], default="both",
                       help="compaction mode(s) to run (default both)")
     core.add_argument("--impl", choices=["calls", "python", "cpp", "all"], default="all",
@@ -27,24 +27,25 @@ def register(sub) -> None:
                            "the C++ core's step_batch, or all in one run (default; cpp skipped where the "
                            "C++ core is not built)")
     core.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
-    core.add_argument("--repeats", type=int, default=3,
+    core.add_argument("--repeats", action=Size, type=int, default=3,
                       help="runs per row in alternating order; the median run is reported (default 3)")
-    add_output_options(core, "10 steps, one run per row: a smoke run", run_core)
+    add_output_options(core, "10 steps, one run per row: a smoke run", run_core, quick=dict(steps=10, repeats=1))
 
     variants = bench.add_parser(
         "variants", help="native / naive-evict / vtoken on the real model: blocks, utilization, speed",
         description="Serve one workload with every variant from the same KV block budget.")
     variants.add_argument("--model", default=None, help="Hugging Face Llama folder (default: SmolLM2-135M)")
     variants.add_argument("--workload", default="sharegpt", help="sharegpt or longdoc")
-    variants.add_argument("--requests", type=int, default=32, help="ShareGPT requests (default 32)")
-    variants.add_argument("--max-prompt-tokens", type=int, default=512, help="longest prompt in tokens (default 512)")
-    variants.add_argument("--max-output-tokens", type=int, default=128,
+    variants.add_argument("--requests", action=Size, type=int, default=32, help="ShareGPT requests (default 32)")
+    variants.add_argument("--max-prompt-tokens", action=Size, type=int, default=512,
+                          help="longest prompt in tokens (default 512)")
+    variants.add_argument("--max-output-tokens", action=Size, type=int, default=128,
                           help="new tokens per request at most (default 128)")
     variants.add_argument("--policy", default="h2o", help="eviction policy (default h2o)")
     variants.add_argument("--budget", default="0.5",
                           help="live tokens per request: a count (256) or a ratio (0.5, the default)")
     variants.add_argument("--tokens-per-block", type=int, default=16, help="tokens in one KV block (default 16)")
-    variants.add_argument("--num-blocks", type=int, default=160, help="KV block budget (default 160)")
+    variants.add_argument("--num-blocks", action=Size, type=int, default=160, help="KV block budget (default 160)")
     variants.add_argument("--max-batch-size", type=int, default=32,
                           help="requests running at once, at most (default 32)")
     variants.add_argument("--no-check", action="store_true", help="skip I1/I2/I4 checks per relocation")
@@ -55,7 +56,8 @@ def register(sub) -> None:
                           help="the KV pool's dtype: auto (the model's, float32) or fp8 (float8_e4m3fn codes, a "
                                "scale per layer)")
     variants.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
-    add_output_options(variants, "16 requests, prompts <= 256, outputs <= 48 tokens, 80 blocks", run_variants)
+    add_output_options(variants, "16 requests, prompts <= 256, outputs <= 48 tokens, 80 blocks", run_variants,
+                       quick=dict(requests=16, max_prompt_tokens=256, max_output_tokens=48, num_blocks=80))
 
     every = bench.add_parser(
         "all", help="the main job's benchmarks, in turn (scripts/main.sh runs it with --quick)",
@@ -68,30 +70,36 @@ def register(sub) -> None:
         "utilization", help="KV utilization and retained blocks, every policy x workload (real model)",
         description="native / naive-evict / vtoken on the real model with a pool large enough for all "
                     "requests at once, for every registered policy and both workloads.")
-    util.add_argument("--requests", type=int, default=8, help="requests per workload (default 8)")
-    util.add_argument("--max-prompt-tokens", type=int, default=512, help="longest prompt in tokens (default 512)")
-    util.add_argument("--max-output-tokens", type=int, default=64, help="new tokens per request at most (default 64)")
+    util.add_argument("--requests", action=Size, type=int, default=8, help="requests per workload (default 8)")
+    util.add_argument("--max-prompt-tokens", action=Size, type=int, default=512,
+                      help="longest prompt in tokens (default 512)")
+    util.add_argument("--max-output-tokens", action=Size, type=int, default=64,
+                      help="new tokens per request at most (default 64)")
     util.add_argument("--budget", default="0.5", help="live tokens per request: a count or a ratio (default 0.5)")
-    add_output_options(util, "4 requests, prompts <= 192, 16 new tokens", run_utilization)
+    add_output_options(util, "4 requests, prompts <= 192, 16 new tokens", run_utilization,
+                       quick=dict(requests=4, max_prompt_tokens=192, max_output_tokens=16))
 
     quality = bench.add_parser(
         "quality", help="vtoken vs naive-evict greedy outputs on real prompts: exact match, ROUGE-L",
         description="Greedy generations of native, naive-evict and vtoken on the same ShareGPT prompts.")
-    quality.add_argument("--prompts", type=int, default=144, help="ShareGPT prompts compared (default 144)")
-    quality.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
+    quality.add_argument("--prompts", action=Size, type=int, default=144,
+                         help="ShareGPT prompts compared (default 144)")
+    quality.add_argument("--max-tokens", action=Size, type=int, default=64,
+                         help="greedy tokens per prompt (default 64)")
     quality.add_argument("--policy", default="h2o", help="eviction policy (default h2o)")
     quality.add_argument("--budget", default="0.5", help="live tokens per request: a count or a ratio (default 0.5)")
     quality.add_argument("--model", default=None, help="Hugging Face Llama folder (default: SmolLM2-135M)")
-    add_output_options(quality, "24 prompts, 32 tokens", run_quality)
+    add_output_options(quality, "24 prompts, 32 tokens", run_quality, quick=dict(prompts=24, max_tokens=32))
 
     capacity = bench.add_parser(
         "capacity", help="largest concurrency fitting a fixed block budget, at paper scale (simulated)",
         description="Capacity frontier of native / naive-evict / vtoken with the simulated-attention "
                     "backend, on the paper's Llama-3.1-8B and Qwen2.5-14B settings.")
-    capacity.add_argument("--scale", type=int, default=1, help="divide lengths and pools by this (default 1)")
+    capacity.add_argument("--scale", action=Size, type=int, default=1,
+                          help="divide lengths and pools by this (default 1)")
     capacity.add_argument("--budget", type=float, default=0.5, help="H2O retention ratio (default 0.5)")
     capacity.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
-    add_output_options(capacity, "--scale 8 (about a minute)", run_capacity)
+    add_output_options(capacity, "--scale 8 (about a minute)", run_capacity, quick=dict(scale=8))
 
     from trtllm_vtoken.cli import (bench_experiments, bench_gpu, bench_invariance, bench_long, bench_micro,
                                    bench_overlap, bench_serve, bench_spec, bench_step, bench_threads, bench_tp)
@@ -122,8 +130,7 @@ def run_core(args: argparse.Namespace) -> int:
     if args.impl == "all" and load_native() is None:
         impls.remove("cpp")
         print("note: the C++ core is not built; timing the Python core only", file=sys.stderr)
-    steps = 10 if args.quick else args.steps
-    repeats = 1 if args.quick else args.repeats
+    steps, repeats = args.steps, args.repeats
     rows = [(f"{impl} {mode}", CoreBenchConfig(
                 batch=args.batch, context=args.context, tokens_per_block=args.tokens_per_block, steps=steps,
                 warmup=min(5, steps), mode=mode, impl=impl, seed=args.seed))
@@ -168,8 +175,6 @@ def run_variants(args: argparse.Namespace) -> int:
 
     sizes = dict(requests=args.requests, max_prompt_tokens=args.max_prompt_tokens,
                  max_output_tokens=args.max_output_tokens, num_blocks=args.num_blocks)
-    if args.quick:
-        sizes = dict(requests=16, max_prompt_tokens=256, max_output_tokens=48, num_blocks=80)
     cfg = VariantsBenchConfig(
         workload=args.workload, policy=args.policy, budget=args.budget, tokens_per_block=args.tokens_per_block,
         max_batch_size=args.max_batch_size, check_invariants=not args.no_check,
@@ -211,7 +216,7 @@ def run_capacity(args: argparse.Namespace) -> int:
     )
     from trtllm_vtoken.report import format_table
 
-    scale = 8 if args.quick else args.scale
+    scale = args.scale
     if scale < 1:
         raise ValueError(f"--scale must be >= 1, got {scale}")
     settings = [s.scaled(scale) for s in (*PAPER_SETTINGS, PAPER_SETTINGS[0].with_fp8_kv())]
@@ -254,8 +259,7 @@ def run_quality(args: argparse.Namespace) -> int:
     )
     from trtllm_vtoken.report import format_table
 
-    cfg = QualityBenchConfig(prompts=24 if args.quick else args.prompts,
-                             max_tokens=32 if args.quick else args.max_tokens, policy=args.policy, budget=args.budget)
+    cfg = QualityBenchConfig(prompts=args.prompts, max_tokens=args.max_tokens, policy=args.policy, budget=args.budget)
     folder, model, tokenizer = load_model(args.model)
     with tqdm(total=cfg.prompts * len(RUNS), desc="bench quality", unit="req", disable=None, file=sys.stderr) as bar:
         result = run_quality_bench(cfg, model, tokenizer, progress=bar)
@@ -284,8 +288,6 @@ def run_utilization(args: argparse.Namespace) -> int:
 
     sizes = dict(requests=args.requests, max_prompt_tokens=args.max_prompt_tokens,
                  max_output_tokens=args.max_output_tokens)
-    if args.quick:
-        sizes = dict(requests=4, max_prompt_tokens=192, max_output_tokens=16)
     cfg = UtilizationBenchConfig(budget=args.budget, **sizes)
     folder, model, tokenizer = load_model(None)
     total = len(cfg.policies) * len(cfg.workloads) * len(VARIANTS)

@@ -10,37 +10,44 @@ import sys
 
 
 def register(bench) -> None:
-    from trtllm_vtoken.cli.bench_common import add_output_options
+    from trtllm_vtoken.cli.bench_common import Size, add_output_options
 
     overhead = bench.add_parser(
         "overhead", help="hooks-on/no-eviction cost vs native, and the host-time split (real model)",
         description="native vs indirection-only (vtoken hooks, budget 1.0) in one run, repeated in "
                     "alternating order; plus where a reclaiming run spends its host time.")
-    overhead.add_argument("--requests", type=int, default=16, help="ShareGPT requests served at once (default 16)")
-    overhead.add_argument("--max-output-tokens", type=int, default=64, help="new tokens per request (default 64)")
+    overhead.add_argument("--requests", action=Size, type=int, default=16,
+                          help="ShareGPT requests served at once (default 16)")
+    overhead.add_argument("--max-output-tokens", action=Size, type=int, default=64,
+                          help="new tokens per request (default 64)")
     overhead.add_argument("--repeats", type=int, default=3, help="runs per row, in alternating order (default 3)")
-    add_output_options(overhead, "8 requests, 24 new tokens, 3 repeats", run_overhead)
+    add_output_options(overhead, "8 requests, 24 new tokens, 3 repeats", run_overhead,
+                       quick=dict(requests=8, max_output_tokens=24))
 
     sweeps = bench.add_parser(
         "sweeps", help="tokens_per_block, retention ratio, lazy threshold, dense vs lazy (real model)",
         description="One knob at a time: retained KV, copies and throughput of vtoken (and naive-evict).")
-    sweeps.add_argument("--requests", type=int, default=8, help="ShareGPT requests per point (default 8)")
-    sweeps.add_argument("--max-output-tokens", type=int, default=48, help="new tokens per request (default 48)")
-    add_output_options(sweeps, "4 requests, prompts <= 128, 16 new tokens", run_sweeps)
+    sweeps.add_argument("--requests", action=Size, type=int, default=8, help="ShareGPT requests per point (default 8)")
+    sweeps.add_argument("--max-output-tokens", action=Size, type=int, default=48,
+                        help="new tokens per request (default 48)")
+    add_output_options(sweeps, "4 requests, prompts <= 128, 16 new tokens", run_sweeps,
+                       quick=dict(requests=4, max_output_tokens=16))
 
     sla = bench.add_parser(
         "sla", help="throughput under a p95-latency SLA, closed loop (real model)",
         description="Closed-loop concurrency scan of naive-evict and vtoken from one KV budget; "
                     "SLA = 1.05 x naive-evict p95 at C_ref; throughput at each variant's C_sel.")
-    sla.add_argument("--concurrency", default="1,2,4,8,12,16", help="ascending levels (default 1,2,4,8,12,16)")
-    sla.add_argument("--requests-per-client", type=int, default=3,
+    sla.add_argument("--concurrency", action=Size, default="1,2,4,8,12,16",
+                     help="ascending levels (default 1,2,4,8,12,16)")
+    sla.add_argument("--requests-per-client", action=Size, type=int, default=3,
                      help="requests each closed-loop client sends (default 3)")
     sla.add_argument("--num-blocks", type=int, default=None,
                      help="KV block budget (default 96; --quick: 40, where naive-evict must wait at C = 8)")
     sla.add_argument("--repeats", type=int, default=3, help="runs per (variant, C), alternating (default 3)")
     sla.add_argument("--c-ref", type=int, default=8,
                      help="the reference concurrency: the SLA is 1.05 x naive-evict's p95 there (default 8, the paper's)")
-    add_output_options(sla, "levels 2,4,8, two requests per client, 24 new tokens, 40 blocks", run_sla)
+    add_output_options(sla, "levels 2,4,8, two requests per client, 24 new tokens, 40 blocks", run_sla,
+                       quick=dict(concurrency="2,4,8", requests_per_client=2))
 
     sharing = bench.add_parser(
         "sharing", help="prefix sharing at degree 1/2/4/8: retained blocks, no shared block moved "
@@ -51,10 +58,10 @@ def register(bench) -> None:
     sharing.add_argument("--decode-tokens", type=int, default=None,
                          help="decode steps (default 256 simulated, 32 with --real)")
     sharing.add_argument("--real", action="store_true", help="run the real model with prefix caching")
-    sharing.add_argument("--requests", type=int, default=8, help="--real: requests per degree (default 8)")
-    sharing.add_argument("--prefix-tokens", type=int, default=1024,
+    sharing.add_argument("--requests", action=Size, type=int, default=8, help="--real: requests per degree (default 8)")
+    sharing.add_argument("--prefix-tokens", action=Size, type=int, default=1024,
                          help="--real: shared system prompt length (default 1024)")
-    sharing.add_argument("--suffix-tokens", type=int, default=1024,
+    sharing.add_argument("--suffix-tokens", action=Size, type=int, default=1024,
                          help="--real: private suffix per request (default 1024: the paper's 8K + 8K, scaled)")
     sharing.add_argument("--budget", default="0.5",
                          help="--real: H2O budget per request, a ratio of its tokens outside shared blocks or a "
@@ -66,21 +73,26 @@ def register(bench) -> None:
                          help="--real: how evicting requests reuse a cached prefix: copy (default: blocks of their "
                               "own, outputs independent of the batch) or share (held in common, protected while "
                               "shared: fewer blocks, outputs depend on the batch)")
-    add_output_options(sharing, "64 decode steps (--real: 4 requests, 256 + 128 tokens, degrees 1, 2, 4)", run_sharing)
+    add_output_options(sharing, "64 decode steps (--real: 4 requests, 256 + 128 tokens, degrees 1, 2, 4)", run_sharing,
+                       quick=dict(requests=4, prefix_tokens=256, suffix_tokens=128))
 
     shift = bench.add_parser(
         "shift", help="position-shift vs keep: tokens/s and the extra KV bytes re-rotation touches (real model)",
         description="keep and shift positions, dense and lazy compaction, one workload, repeated in "
                     "alternating order (median with min and max).")
-    shift.add_argument("--requests", type=int, default=8, help="ShareGPT requests served at once (default 8)")
-    shift.add_argument("--max-output-tokens", type=int, default=64, help="new tokens per request (default 64)")
+    shift.add_argument("--requests", action=Size, type=int, default=8,
+                       help="ShareGPT requests served at once (default 8)")
+    shift.add_argument("--max-output-tokens", action=Size, type=int, default=64,
+                       help="new tokens per request (default 64)")
     shift.add_argument("--policy", default="streaming_llm", help="eviction policy (default streaming_llm)")
     shift.add_argument("--budget", default="64", help="live tokens per request: count or ratio (default 64)")
-    shift.add_argument("--repeats", type=int, default=3, help="runs per row, in alternating order (default 3)")
+    shift.add_argument("--repeats", action=Size, type=int, default=3,
+                       help="runs per row, in alternating order (default 3)")
     shift.add_argument("--exactness", action="store_true",
                        help="instead: every policy, keep vs shift logits over 64 tokens on one prompt, with "
                             "and without attention sinks, next to keep mode's own float32 noise floor")
-    add_output_options(shift, "4 requests, 24 new tokens, 2 repeats", run_shift)
+    add_output_options(shift, "4 requests, 24 new tokens, 2 repeats", run_shift,
+                       quick=dict(requests=4, max_output_tokens=24, repeats=2))
 
 
 def run_overhead(args: argparse.Namespace) -> int:
@@ -95,8 +107,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     from trtllm_vtoken.cli.bench_common import load_model, publish
     from trtllm_vtoken.report import format_table
 
-    cfg = OverheadBenchConfig(requests=8 if args.quick else args.requests,
-                              max_output_tokens=24 if args.quick else args.max_output_tokens, repeats=args.repeats)
+    cfg = OverheadBenchConfig(requests=args.requests, max_output_tokens=args.max_output_tokens, repeats=args.repeats)
     _, model, tokenizer = load_model(None)
     with tqdm(total=len(RUNS) * cfg.repeats, desc="bench overhead", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_overhead_bench(cfg, model, tokenizer, progress=bar)
@@ -125,8 +136,8 @@ def run_sweeps(args: argparse.Namespace) -> int:
     from trtllm_vtoken.cli.bench_common import load_model, publish
     from trtllm_vtoken.report import format_table
 
-    cfg = (SweepsBenchConfig(requests=4, max_prompt_tokens=128, max_output_tokens=16) if args.quick
-           else SweepsBenchConfig(requests=args.requests, max_output_tokens=args.max_output_tokens))
+    cfg = SweepsBenchConfig(requests=args.requests, max_output_tokens=args.max_output_tokens,
+                            **({"max_prompt_tokens": 128} if args.quick else {}))
     _, model, tokenizer = load_model(None)
     with tqdm(total=len(cfg.points()), desc="bench sweeps", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_sweeps_bench(cfg, model, tokenizer, progress=bar)
@@ -150,11 +161,11 @@ def run_sla(args: argparse.Namespace) -> int:
     from trtllm_vtoken.report import format_table
 
     try:
-        levels = tuple(int(c) for c in ("2,4,8" if args.quick else args.concurrency).split(","))
+        levels = tuple(int(c) for c in args.concurrency.split(","))
     except ValueError:
         raise ValueError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
     blocks = args.num_blocks if args.num_blocks is not None else 40 if args.quick else 96
-    cfg = SlaBenchConfig(concurrency=levels, requests_per_client=2 if args.quick else args.requests_per_client,
+    cfg = SlaBenchConfig(concurrency=levels, requests_per_client=args.requests_per_client,
                          num_blocks=blocks, max_output_tokens=24 if args.quick else 48, repeats=args.repeats,
                          c_ref=args.c_ref)
     _, model, tokenizer = load_model(None)
@@ -197,7 +208,7 @@ def run_sharing(args: argparse.Namespace) -> int:
 
     if args.real:
         return run_sharing_real(args)
-    cfg = SharingBenchConfig(decode_tokens=64 if args.quick else args.decode_tokens or 256)
+    cfg = SharingBenchConfig(decode_tokens=args.decode_tokens or (64 if args.quick else 256))
     total = len(cfg.degrees) * len(VARIANTS) * cfg.decode_tokens
     with tqdm(total=total, desc="bench sharing", unit="step", disable=None, file=sys.stderr) as bar:
         result = run_sharing_bench(cfg, progress=bar)
@@ -224,9 +235,8 @@ def run_shift(args: argparse.Namespace) -> int:
 
     if args.exactness:
         return run_shift_exactness(args)
-    cfg = ShiftBenchConfig(requests=4 if args.quick else args.requests, policy=args.policy, budget=args.budget,
-                           max_output_tokens=24 if args.quick else args.max_output_tokens,
-                           repeats=2 if args.quick else args.repeats)
+    cfg = ShiftBenchConfig(requests=args.requests, policy=args.policy, budget=args.budget,
+                           max_output_tokens=args.max_output_tokens, repeats=args.repeats)
     _, model, tokenizer = load_model(None)
     with tqdm(total=len(RUNS) * cfg.repeats, desc="bench shift", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_shift_bench(cfg, model, tokenizer, progress=bar)
@@ -281,12 +291,9 @@ def run_sharing_real(args: argparse.Namespace) -> int:
 
     options = dict(budget=args.budget, policy_options={"recent_ratio": args.recent_ratio},
                    check_invariants=not args.no_check, prefix_reuse=args.prefix_reuse)
-    if args.quick:
-        cfg = RealSharingConfig(requests=4, prefix_tokens=256, suffix_tokens=128, decode_tokens=16,
-                                degrees=(1, 2, 4), **options)
-    else:
-        cfg = RealSharingConfig(requests=args.requests, prefix_tokens=args.prefix_tokens,
-                                suffix_tokens=args.suffix_tokens, decode_tokens=args.decode_tokens or 32, **options)
+    cfg = RealSharingConfig(requests=args.requests, prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
+                            decode_tokens=args.decode_tokens or (16 if args.quick else 32),
+                            **({"degrees": (1, 2, 4)} if args.quick else {}), **options)
     folder = ensure_default_model()
     model, tokenizer = load_llama(folder), Tokenizer(folder)
     with tqdm(total=len(cfg.degrees) * len(ROWS), desc="bench sharing --real", unit="run", disable=None,

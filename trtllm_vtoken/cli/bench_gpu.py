@@ -9,19 +9,21 @@ import sys
 
 
 def register(bench) -> None:
-    from trtllm_vtoken.cli.bench_common import add_output_options
+    from trtllm_vtoken.cli.bench_common import Size, add_output_options
 
     gpu = bench.add_parser(
         "gpu", help="CUDA only: relocation kernel vs copies, CUDA-graph decode, the engine on CUDA",
         description="Copy bandwidth of the relocation kernel, eager vs graph-replayed decode steps, "
                     "and every variant end to end on the device (SmolLM2-135M shapes, random weights).")
-    gpu.add_argument("--requests", type=int, default=64, help="requests in the end-to-end runs (default 64)")
+    gpu.add_argument("--requests", action=Size, type=int, default=64,
+                     help="requests in the end-to-end runs (default 64)")
     gpu.add_argument("--prompt-tokens", type=int, default=256, help="prompt length in tokens (default 256)")
-    gpu.add_argument("--output-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    gpu.add_argument("--output-tokens", action=Size, type=int, default=128, help="new tokens per request (default 128)")
     gpu.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"],
                      help="KV and model dtype (default bfloat16)")
-    gpu.add_argument("--repeats", type=int, default=3, help="engine runs per row, alternating order (default 3)")
-    add_output_options(gpu, "16 requests, 64 new tokens", run_gpu)
+    gpu.add_argument("--repeats", action=Size, type=int, default=3,
+                     help="engine runs per row, alternating order (default 3)")
+    add_output_options(gpu, "16 requests, 64 new tokens", run_gpu, quick=dict(requests=16, output_tokens=64, repeats=1))
 
 
 def run_gpu(args: argparse.Namespace) -> int:
@@ -30,9 +32,8 @@ def run_gpu(args: argparse.Namespace) -> int:
     from trtllm_vtoken.bench.gpu import ENGINE_RUNS, GpuBenchConfig, run_gpu_bench
     from trtllm_vtoken.report import format_table
 
-    cfg = GpuBenchConfig(requests=16 if args.quick else args.requests, prompt_tokens=args.prompt_tokens,
-                         output_tokens=64 if args.quick else args.output_tokens, dtype=args.dtype,
-                         repeats=1 if args.quick else args.repeats)
+    cfg = GpuBenchConfig(requests=args.requests, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                         dtype=args.dtype, repeats=args.repeats)
     with tqdm(total=len(ENGINE_RUNS) * cfg.repeats, desc="bench gpu (engine runs)", disable=None,
               file=sys.stderr) as bar:
         result = run_gpu_bench(cfg, progress=bar)

@@ -10,7 +10,7 @@ import sys
 
 
 def register(bench) -> None:
-    from trtllm_vtoken.cli.bench_common import add_output_options
+    from trtllm_vtoken.cli.bench_common import Size, add_output_options
 
     invariance = bench.add_parser(
         "invariance", help="greedy answers alone vs in a batch (prefix reuse rules) and under preemption (real model)",
@@ -19,15 +19,17 @@ def register(bench) -> None:
                     "how many answers and eviction traces agree. For native, naive-evict and vtoken: a roomy pool "
                     "against one small enough that greedy admission preempts, how many answers agree. Counts only.")
     invariance.add_argument("--model", default=None, help="Hugging Face Llama folder (default: SmolLM2-135M)")
-    invariance.add_argument("--sharegpt-requests", type=int, default=6,
+    invariance.add_argument("--sharegpt-requests", action=Size, type=int, default=6,
                             help="ShareGPT first turns beside the six chat prompts (default 6)")
     invariance.add_argument("--prompt-tokens", type=int, default=192, help="longest prompt, in tokens (default 192)")
-    invariance.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per request (default 24)")
+    invariance.add_argument("--new-tokens", action=Size, type=int, default=24,
+                            help="greedy tokens per request (default 24)")
     invariance.add_argument("--budget", type=float, default=0.5, help="H2O's retention ratio (default 0.5)")
     invariance.add_argument("--tight-fraction", type=float, default=0.4,
                             help="the small pool: this share of the blocks native needs for every request at full "
                                  "length at once (default 0.4)")
-    add_output_options(invariance, "the six chat prompts only, 16 new tokens", run_invariance)
+    add_output_options(invariance, "the six chat prompts only, 16 new tokens", run_invariance,
+                       quick=dict(sharegpt_requests=0, new_tokens=16))
 
 
 def run_invariance(args: argparse.Namespace) -> int:
@@ -37,8 +39,8 @@ def run_invariance(args: argparse.Namespace) -> int:
     from trtllm_vtoken.cli.bench_common import load_model, publish
     from trtllm_vtoken.report import format_table
 
-    cfg = InvarianceBenchConfig(sharegpt_requests=0 if args.quick else args.sharegpt_requests,
-                                max_prompt_tokens=args.prompt_tokens, new_tokens=16 if args.quick else args.new_tokens,
+    cfg = InvarianceBenchConfig(sharegpt_requests=args.sharegpt_requests,
+                                max_prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                                 budget=args.budget, tight_fraction=args.tight_fraction)
     folder, model, tokenizer = load_model(args.model)
     with tqdm(total=14, desc="bench invariance", unit="run", disable=None, file=sys.stderr) as bar:

@@ -9,7 +9,7 @@ import sys
 
 
 def register(bench) -> None:
-    from trtllm_vtoken.cli.bench_common import add_output_options
+    from trtllm_vtoken.cli.bench_common import Size, add_output_options
 
     long = bench.add_parser(
         "long", help="prompts longer than the KV budget: chunked prefill with eviction between chunks (real model)",
@@ -18,21 +18,27 @@ def register(bench) -> None:
                     "whether vtoken's decisions and tokens equal naive-evict's; the longest prompt each variant "
                     "serves in a pool of --pool-blocks blocks; and --batch-prompts long prompts sent at once to "
                     "that pool: how many ran at once.")
-    long.add_argument("--prompt-tokens", type=int, default=4096, help="the long document's tokens (default 4096)")
-    long.add_argument("--budgets", default="256,512,1024", help="H2O budgets in tokens (default 256,512,1024)")
-    long.add_argument("--chunk", type=int, default=256, help="prefill chunk in tokens, whole blocks (default 256)")
-    long.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per request (default 32)")
-    long.add_argument("--pool-blocks", type=int, default=96,
+    long.add_argument("--prompt-tokens", action=Size, type=int, default=4096,
+                      help="the long document's tokens (default 4096)")
+    long.add_argument("--budgets", action=Size, default="256,512,1024",
+                      help="H2O budgets in tokens (default 256,512,1024)")
+    long.add_argument("--chunk", action=Size, type=int, default=256,
+                      help="prefill chunk in tokens, whole blocks (default 256)")
+    long.add_argument("--new-tokens", action=Size, type=int, default=32, help="greedy tokens per request (default 32)")
+    long.add_argument("--pool-blocks", action=Size, type=int, default=96,
                       help="the fixed pool of the longest-prompt and batch parts, in 16-token blocks (default 96)")
-    long.add_argument("--batch-prompts", type=int, default=6, help="long prompts sent at once (default 6)")
-    long.add_argument("--batch-prompt-tokens", type=int, default=1024, help="tokens of each (default 1024)")
+    long.add_argument("--batch-prompts", action=Size, type=int, default=6, help="long prompts sent at once (default 6)")
+    long.add_argument("--batch-prompt-tokens", action=Size, type=int, default=1024,
+                      help="tokens of each (default 1024)")
     long.add_argument("--repeats", type=int, default=3,
                       help="runs of each one-document row, alternating; the median run by time to first token and "
                            "both timings' range (default 3)")
     long.add_argument("--check", action="store_true",
                       help="check I1/I2/I4 after every relocation (they read the KV: slower, timings not comparable)")
     add_output_options(long, "a 1,024-token document, budgets 128 and 256, chunks of 128, a 48-block pool, "
-                             "4 prompts of 512 tokens, 8 new tokens", run_long)
+                             "4 prompts of 512 tokens, 8 new tokens", run_long,
+                       quick=dict(prompt_tokens=1024, budgets="128,256", chunk=128, new_tokens=8, pool_blocks=48,
+                                  batch_prompts=4, batch_prompt_tokens=512))
 
 
 def run_long(args: argparse.Namespace) -> int:
@@ -43,15 +49,10 @@ def run_long(args: argparse.Namespace) -> int:
     from trtllm_vtoken.cli.bench_micro import parse_list
     from trtllm_vtoken.report import format_table
 
-    if args.quick:
-        cfg = LongBenchConfig(prompt_tokens=1024, budgets=(128, 256), chunk=128, max_output_tokens=8, pool_blocks=48,
-                              batch_prompts=4, batch_prompt_tokens=512, check_invariants=args.check,
-                              repeats=args.repeats)
-    else:
-        cfg = LongBenchConfig(prompt_tokens=args.prompt_tokens, budgets=parse_list(args.budgets, int, "--budgets"),
-                              chunk=args.chunk, max_output_tokens=args.new_tokens, pool_blocks=args.pool_blocks,
-                              batch_prompts=args.batch_prompts, batch_prompt_tokens=args.batch_prompt_tokens,
-                              check_invariants=args.check, repeats=args.repeats)
+    cfg = LongBenchConfig(prompt_tokens=args.prompt_tokens, budgets=parse_list(args.budgets, int, "--budgets"),
+                          chunk=args.chunk, max_output_tokens=args.new_tokens, pool_blocks=args.pool_blocks,
+                          batch_prompts=args.batch_prompts, batch_prompt_tokens=args.batch_prompt_tokens,
+                          check_invariants=args.check, repeats=args.repeats)
     _, model, tokenizer = load_model(None)
     with tqdm(total=steps(cfg), desc="bench long", unit="run", disable=None, file=sys.stderr) as bar:
         result = run_long_bench(cfg, model, tokenizer, progress=bar)

@@ -9,7 +9,7 @@ import argparse
 import statistics
 import sys
 
-from trtllm_vtoken.cli.bench_common import add_output_options, publish
+from trtllm_vtoken.cli.bench_common import Size, add_output_options, publish
 
 
 def register(bench) -> None:
@@ -19,8 +19,9 @@ def register(bench) -> None:
                     "over rounds, operations in alternating order), as an engine's own work between two steps "
                     "leaves the thread's caches: why the step's host work counts calls and objects. Then the "
                     "C++ core's registration call with its arrays writeable and read-only (where it is built).")
-    host.add_argument("--rounds", type=int, default=400, help="timed rounds after a 1 ms sleep (default 400)")
-    add_output_options(host, "40 rounds", run_host)
+    host.add_argument("--rounds", action=Size, type=int, default=400,
+                      help="timed rounds after a 1 ms sleep (default 400)")
+    add_output_options(host, "40 rounds", run_host, quick=dict(rounds=40))
 
     mass = bench.add_parser(
         "trtllm-mass", help="what H2O's attention mass costs on the TensorRT-LLM path, against the attention itself",
@@ -30,21 +31,23 @@ def register(bench) -> None:
                     "attention shapes: alternating rounds, each ratio with its range over the rounds and a "
                     "verdict, and the peak transient bytes of each pass.")
     mass.add_argument("--device", default="cpu", help="torch device of the tensors (default cpu)")
-    mass.add_argument("--batch", type=int, default=64, help="decode rows (default 64)")
-    mass.add_argument("--context", type=int, default=4096, help="tokens of context per decode row (default 4096)")
-    mass.add_argument("--prompts", default="512,1024,2048,4096,8192",
+    mass.add_argument("--batch", action=Size, type=int, default=64, help="decode rows (default 64)")
+    mass.add_argument("--context", action=Size, type=int, default=4096,
+                      help="tokens of context per decode row (default 4096)")
+    mass.add_argument("--prompts", action=Size, default="512,1024,2048,4096,8192",
                       help="prompt lengths of the prefill rows, comma-separated (default 512,1024,2048,4096,8192)")
-    mass.add_argument("--prompt-dtypes", default="float32,bfloat16",
+    mass.add_argument("--prompt-dtypes", action=Size, default="float32,bfloat16",
                       help="dtypes of the prefill rows' q, k, v, comma-separated (default float32,bfloat16)")
     mass.add_argument("--rounds", type=int, default=3, help="timed rounds per section, alternating (default 3)")
-    add_output_options(mass, "batch 8, context 512, prompts 256 and 512 in float32, 3 rounds", run_trtllm_mass)
+    add_output_options(mass, "batch 8, context 512, prompts 256 and 512 in float32", run_trtllm_mass,
+                       quick=dict(batch=8, context=512, prompts="256,512", prompt_dtypes="float32"))
 
 
 def run_host(args: argparse.Namespace) -> int:
     from trtllm_vtoken.bench.host_cost import BATCH, run_host_bench, time_registration
     from trtllm_vtoken.report import format_table
 
-    result = run_host_bench(rounds=40 if args.quick else args.rounds)
+    result = run_host_bench(rounds=args.rounds)
     result["registration"] = time_registration(calls=2000 if args.quick else 20000)
     print(f"vtoken bench host: one operation at batch {BATCH}, warm (best of 5 x {result['config']['warm_calls']:,}) "
           f"and after 1 ms asleep (median of {result['config']['rounds']})")
@@ -68,13 +71,9 @@ def run_trtllm_mass(args: argparse.Namespace) -> int:
     from trtllm_vtoken.bench.trtllm_mass import TrtllmMassBenchConfig, run_trtllm_mass_bench
     from trtllm_vtoken.report import format_table
 
-    if args.quick:
-        cfg = TrtllmMassBenchConfig(batch=8, context=512, prompts=(256, 512), prompt_dtypes=("float32",),
-                                    rounds=3, device=args.device)
-    else:
-        cfg = TrtllmMassBenchConfig(batch=args.batch, context=args.context, rounds=args.rounds, device=args.device,
-                                    prompts=parse_list(args.prompts, int, "--prompts"),
-                                    prompt_dtypes=parse_list(args.prompt_dtypes, str, "--prompt-dtypes"))
+    cfg = TrtllmMassBenchConfig(batch=args.batch, context=args.context, rounds=args.rounds, device=args.device,
+                                prompts=parse_list(args.prompts, int, "--prompts"),
+                                prompt_dtypes=parse_list(args.prompt_dtypes, str, "--prompt-dtypes"))
     sections = 1 + len(cfg.prompts) * len(cfg.prompt_dtypes)
     with tqdm(total=sections * cfg.rounds, desc="bench trtllm-mass", unit="round", disable=None,
               file=sys.stderr) as bar:

@@ -10,7 +10,7 @@ import sys
 
 
 def register(bench) -> None:
-    from trtllm_vtoken.cli.bench_common import add_output_options
+    from trtllm_vtoken.cli.bench_common import Size, add_output_options
 
     overlap = bench.add_parser(
         "overlap", help="tokens/s with and without the overlap scheduler (real model, CPU)",
@@ -19,12 +19,14 @@ def register(bench) -> None:
                     "iteration N beside forward N+1) and without; alternating order, the median of --repeats "
                     "runs with the range.")
     overlap.add_argument("--model", default=None, help="Hugging Face Llama folder (default: SmolLM2-135M)")
-    overlap.add_argument("--requests", type=int, default=16, help="requests in the batch (default 16)")
+    overlap.add_argument("--requests", action=Size, type=int, default=16, help="requests in the batch (default 16)")
     overlap.add_argument("--prompt-tokens", type=int, default=256, help="longest prompt, in tokens (default 256)")
-    overlap.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per request (default 64)")
+    overlap.add_argument("--new-tokens", action=Size, type=int, default=64,
+                         help="greedy tokens per request (default 64)")
     overlap.add_argument("--budget", type=float, default=0.5, help="H2O's retention ratio (default 0.5)")
-    overlap.add_argument("--repeats", type=int, default=3, help="runs per row (default 3)")
-    add_output_options(overlap, "4 requests, 16 new tokens, one run each", run_overlap)
+    overlap.add_argument("--repeats", action=Size, type=int, default=3, help="runs per row (default 3)")
+    add_output_options(overlap, "4 requests, 16 new tokens, one run each", run_overlap,
+                       quick=dict(requests=4, new_tokens=16, repeats=1))
 
 
 def run_overlap(args: argparse.Namespace) -> int:
@@ -34,9 +36,8 @@ def run_overlap(args: argparse.Namespace) -> int:
     from trtllm_vtoken.cli.bench_common import load_model, publish
     from trtllm_vtoken.report import format_table
 
-    cfg = OverlapBenchConfig(requests=4 if args.quick else args.requests, max_prompt_tokens=args.prompt_tokens,
-                             new_tokens=16 if args.quick else args.new_tokens, budget=args.budget,
-                             repeats=1 if args.quick else args.repeats)
+    cfg = OverlapBenchConfig(requests=args.requests, max_prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                             budget=args.budget, repeats=args.repeats)
     folder, model, tokenizer = load_model(args.model)
     with tqdm(total=len(cfg.rows()) * cfg.repeats, desc="bench overlap", unit="run", disable=None,
               file=sys.stderr) as bar:

@@ -9,19 +9,21 @@ import sys
 
 
 def register(bench) -> None:
-    from trtllm_vtoken.cli.bench_common import add_output_options
+    from trtllm_vtoken.cli.bench_common import Size, add_output_options
 
     serve = bench.add_parser(
         "serve", help="throughput and latency through Triton vs the engine called directly",
         description="Starts tritonserver on triton_model_repo, then runs closed-loop clients at each "
                     "concurrency against the in-process engine and against Triton's generate endpoint.")
-    serve.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default 1,8,32)")
-    serve.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends (default 2)")
-    serve.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (default 32)")
+    serve.add_argument("--concurrency", action=Size, default="1,8,32", help="comma-separated levels (default 1,8,32)")
+    serve.add_argument("--requests-per-client", action=Size, type=int, default=2,
+                       help="requests each client sends (default 2)")
+    serve.add_argument("--max-tokens", action=Size, type=int, default=32, help="new tokens per request (default 32)")
     serve.add_argument("--num-blocks", type=int, default=512, help="KV blocks of the served engine (default 512)")
     serve.add_argument("--policy", default="h2o", help="eviction policy (default h2o)")
     serve.add_argument("--budget", default="0.5", help="live tokens per request: a count or a ratio (default 0.5)")
-    add_output_options(serve, "concurrency 1,8, one request per client, 16 tokens", run_serve)
+    add_output_options(serve, "concurrency 1,8, one request per client, 16 tokens", run_serve,
+                       quick=dict(concurrency="1,8", requests_per_client=1, max_tokens=16))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -48,8 +50,6 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
     cfg = ServeBenchConfig(concurrency=levels, requests_per_client=args.requests_per_client,
                            max_tokens=args.max_tokens)
-    if args.quick:
-        cfg = ServeBenchConfig(concurrency=(1, 8), requests_per_client=1, max_tokens=16)
     max_batch = max(cfg.concurrency)
     overrides = {"policy": args.policy, "budget": args.budget, "num_blocks": str(args.num_blocks),
                  "max_batch_size": str(max_batch), "threads": str(args.intra_op_threads or 0)}

@@ -9,18 +9,18 @@ import sys
 
 
 def register(bench) -> None:
-    from trtllm_vtoken.cli.bench_common import add_output_options
+    from trtllm_vtoken.cli.bench_common import Size, add_output_options
 
     spec = bench.add_parser(
         "spec", help="speculative decoding with n-gram drafts: acceptance, tokens/s, outputs (real model)",
         description="Requests that repeat a standard-library source from their prompt, all at once: native, "
                     "vtoken dense (H2O) and naive-evict, with and without n-gram drafts verified in one forward; "
                     "tokens/s over alternating runs, steps, acceptance, and whether drafting changed any output.")
-    spec.add_argument("--requests", type=int, default=4, help="requests at once (default 4)")
-    spec.add_argument("--new-tokens", type=int, default=96, help="greedy tokens per request (default 96)")
+    spec.add_argument("--requests", action=Size, type=int, default=4, help="requests at once (default 4)")
+    spec.add_argument("--new-tokens", action=Size, type=int, default=96, help="greedy tokens per request (default 96)")
     spec.add_argument("--max-draft-len", type=int, default=4, help="draft tokens per step at most (default 4)")
     spec.add_argument("--repeats", type=int, default=3, help="runs per row, alternating (default 3)")
-    add_output_options(spec, "2 requests, 32 new tokens", run_spec)
+    add_output_options(spec, "2 requests, 32 new tokens", run_spec, quick=dict(requests=2, new_tokens=32))
 
 
 def run_spec(args: argparse.Namespace) -> int:
@@ -30,8 +30,7 @@ def run_spec(args: argparse.Namespace) -> int:
     from trtllm_vtoken.cli.bench_common import load_model, publish
     from trtllm_vtoken.report import format_table
 
-    cfg = SpecBenchConfig(requests=2 if args.quick else args.requests,
-                          max_output_tokens=32 if args.quick else args.new_tokens,
+    cfg = SpecBenchConfig(requests=args.requests, max_output_tokens=args.new_tokens,
                           max_draft_len=args.max_draft_len, repeats=args.repeats)
     _, model, tokenizer = load_model(None)
     with tqdm(total=5 * cfg.repeats, desc="bench spec", unit="run", disable=None, file=sys.stderr) as bar:

@@ -74,8 +74,8 @@ def run_step(args: argparse.Namespace) -> int:
         impls = ["python"]
         print("note: the C++ core is not built; timing the Python core only", file=sys.stderr)
     cfg = StepBenchConfig(batches=batches, context=args.context, tokens_per_block=args.tokens_per_block,
-                          steps=20 if args.quick else args.steps, warmup=2 if args.quick else 3,
-                          repeats=3 if args.quick else args.repeats, impls=tuple(impls), mass=args.mass,
+                          steps=args.steps, warmup=2 if args.quick else 3,
+                          repeats=args.repeats, impls=tuple(impls), mass=args.mass,
                           threads=args.threads, forward_us=args.forward_us)
     total = len(cfg.batches) * len(cfg.rows()) * cfg.repeats
     with tqdm(total=total, desc="bench step", unit="run", disable=None, file=sys.stderr) as bar:

@@ -10,7 +10,7 @@ import sys
 
 
 def register(bench) -> None:
-    from trtllm_vtoken.cli.bench_common import add_output_options
+    from trtllm_vtoken.cli.bench_common import Size, add_output_options
 
     threads = bench.add_parser(
         "threads", help="tokens/s idle and with one core busy, for the default threads and torch's",
@@ -19,9 +19,10 @@ def register(bench) -> None:
                     "(the usable cores but one), torch's own default, and --threads N if given. Alternating "
                     "order; the median of --repeats runs.")
     threads.add_argument("--model", default=None, help="Hugging Face Llama folder (default: SmolLM2-135M)")
-    threads.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per measurement (default 32)")
-    threads.add_argument("--repeats", type=int, default=3, help="runs per setting and load (default 3)")
-    add_output_options(threads, "8 new tokens, one run each", run_threads)
+    threads.add_argument("--new-tokens", action=Size, type=int, default=32,
+                         help="greedy tokens per measurement (default 32)")
+    threads.add_argument("--repeats", action=Size, type=int, default=3, help="runs per setting and load (default 3)")
+    add_output_options(threads, "8 new tokens, one run each", run_threads, quick=dict(new_tokens=8, repeats=1))
 
 
 def run_threads(args: argparse.Namespace) -> int:
@@ -33,7 +34,7 @@ def run_threads(args: argparse.Namespace) -> int:
     from trtllm_vtoken.runtime.checkpoint import resolve_model
     from trtllm_vtoken.threads import usable_cores
 
-    cfg = ThreadsBenchConfig(new_tokens=8 if args.quick else args.new_tokens, repeats=1 if args.quick else args.repeats,
+    cfg = ThreadsBenchConfig(new_tokens=args.new_tokens, repeats=args.repeats,
                              threads=args.intra_op_threads)
     folder = resolve_model(args.model)
     total = 2 * len(cfg.settings()) * cfg.repeats

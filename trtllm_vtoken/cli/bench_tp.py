@@ -6,7 +6,10 @@ writes ``<out>/tp.json`` and ``<out>/tp.png``."""
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+
+from trtllm_vtoken.cli.bench_common import Size, run_sized
 
 
 def register(bench) -> None:
@@ -17,19 +20,26 @@ def register(bench) -> None:
                     "the ranks' decisions identical, per step, in the run and alone; the alternative "
                     "(decide on rank 0, broadcast the victims); bytes per step projected to "
                     "Llama-3.1-70B at TP=8.")
-    tp.add_argument("--requests", type=int, default=8, help="ShareGPT requests (default 8)")
-    tp.add_argument("--max-prompt-tokens", type=int, default=128, help="longest prompt in tokens (default 128)")
-    tp.add_argument("--max-output-tokens", type=int, default=32, help="new tokens per request (default 32)")
+    tp.add_argument("--requests", action=Size, type=int, default=8, help="ShareGPT requests (default 8)")
+    tp.add_argument("--max-prompt-tokens", action=Size, type=int, default=128,
+                    help="longest prompt in tokens (default 128)")
+    tp.add_argument("--max-output-tokens", action=Size, type=int, default=32,
+                    help="new tokens per request (default 32)")
     tp.add_argument("--policy", default="h2o", help="a policy that observes attention, or the protocol idles")
     tp.add_argument("--budget", default="0.5", help="live tokens per request: a count or a ratio (default 0.5)")
-    tp.add_argument("--repeats", type=int, default=3, help="runs per TP size, alternating order (default 3)")
-    tp.add_argument("--probe-repeats", type=int, default=200, help="calls per collective timed alone (default 200)")
-    tp.add_argument("--quick", action="store_true", help="4 requests, prompts <= 64, 16 tokens, one run each")
+    tp.add_argument("--repeats", action=Size, type=int, default=3,
+                    help="runs per TP size, alternating order (default 3)")
+    tp.add_argument("--probe-repeats", action=Size, type=int, default=200,
+                    help="calls per collective timed alone (default 200)")
+    tp.add_argument("--quick", action="store_true",
+                    help="4 requests, prompts <= 64, 16 tokens, one run each; a size option given explicitly wins")
     tp.add_argument("--out", default="out", help="folder for tp.json and tp.png (default ./out)")
     tp.add_argument("--threads", type=int, default=1, metavar="N",
                     help="intra-op CPU threads of TP=1 and of each rank of TP=2 (default 1: one core per rank, "
                          "as TP=N uses N devices)")
-    tp.set_defaults(func=run_tp)
+    tp.set_defaults(func=functools.partial(run_sized, run_tp),
+                    quick_sizes=dict(requests=4, max_prompt_tokens=64, max_output_tokens=16, repeats=1,
+                                     probe_repeats=50))
 
 
 def run_tp(args: argparse.Namespace) -> int:
@@ -43,8 +53,6 @@ def run_tp(args: argparse.Namespace) -> int:
 
     sizes = dict(requests=args.requests, max_prompt_tokens=args.max_prompt_tokens,
                  max_output_tokens=args.max_output_tokens, repeats=args.repeats, probe_repeats=args.probe_repeats)
-    if args.quick:
-        sizes = dict(requests=4, max_prompt_tokens=64, max_output_tokens=16, repeats=1, probe_repeats=50)
     cfg = TpBenchConfig(policy=args.policy, budget=args.budget, threads=args.threads, **sizes)
     folder = resolve_model(None)
     with tqdm(total=2 * cfg.repeats, desc="bench tp", unit="run", disable=None, file=sys.stderr) as bar:
