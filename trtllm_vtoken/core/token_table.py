@@ -238,7 +238,7 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
         length, the new length ends inside a shared block, or a released block is shared.
         """
         req_id, new_kv_len = as_int(req_id), as_int(new_kv_len)
-        seq, tpb = self.seq(req_id), self.tokens_per_block
+        seq = self.seq(req_id)
         released = self.check_truncate(req_id, new_kv_len)
         keep_blocks = len(seq.block_ids) - len(released)
         seq.drop_tokens_in(new_kv_len, seq.kv_len)

@@ -165,7 +165,7 @@ class TorchCopyExecutor(CopyExecutor):
                     relocate_slots(pool, on_device[0], on_device[1])
             event = torch.cuda.Event()
             event.record(self._stream)
-        return CopyHandle(event, keepalive=(indices, on_device))
+        return CopyHandle(event, keepalive=(on_device,))
 
 
 class AccountingCopyExecutor(CopyExecutor):
