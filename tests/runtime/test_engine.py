@@ -122,11 +122,43 @@ def test_a_preempted_request_whose_recomputation_never_fits_ends_instead_of_wait
     admitted again: it ends with "length" and the tokens it had, and the engine stops."""
     engine = Engine(model, config(policy="streaming_llm", budget=4, tokens_per_block=1, num_blocks=8,
                                   admission="greedy", overlap_scheduler=False, prefix_caching=False, max_seq_len=128))
-    first, second = run(engine, [[3], [4] * 6], SamplingParams(max_tokens=60, ignore_eos=True))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in ([3], [4] * 6)]
+    for _ in range(200):  # it waited for ever before
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished() and engine.kv.num_available == engine.kv.pool.num_blocks
+    first, second = map(engine.pop_finished, ids)
     assert engine.stats.preemptions == 1 and second.num_preemptions == 1
     assert (first.finish_reason, len(first.output_ids)) == ("length", 60)
     assert second.finish_reason == "length" and 0 < len(second.output_ids) < 60
     assert len(second.prefill_ids()) > 8
+
+
+def test_a_request_ended_that_way_hands_over_all_its_text(tiny_llm_folder):
+    """The streamed pieces add up to the decoded output: what the text stream held back (a stop
+    string's prefix, a partial character) comes out with the ending."""
+    from trtllm_vtoken.runtime.model import load_llama
+    from trtllm_vtoken.runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tiny_llm_folder)
+    engine = Engine(load_llama(tiny_llm_folder), config(policy="streaming_llm", budget=4, tokens_per_block=1,
+                                                        num_blocks=8, admission="greedy", overlap_scheduler=False,
+                                                        prefix_caching=False, max_seq_len=128), tokenizer=tokenizer)
+    params = SamplingParams(max_tokens=60, ignore_eos=True, stop=["\u2603 never"])
+    words = tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    ids = [engine.add_request(p, params) for p in (words[:1], words[1:7])]
+    texts = {i: "" for i in ids}
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        for delta in engine.step():
+            texts[delta.req_id] += delta.text_delta
+    for req_id in ids:
+        request = engine.pop_finished(req_id)
+        assert request.finish_reason == "length"
+        assert texts[req_id] == request.text == tokenizer.decode(request.output_ids)
+    assert engine.stats.preemptions == 1
 
 
 def test_cancel_frees_blocks_of_running_and_waiting_requests(model):

@@ -287,9 +287,13 @@ class Engine:
         if fits:
             return
         self.waiting.popleft()
+        text, stream = "", self._texts.get(request.req_id)
+        if stream is not None:  # the text held back for a stop string or a partial character
+            text, _ = stream.update(request.output_ids, final=True)
+            request.text = stream.text
         self.stats.finished += 1
         self._finish(request, "length")
-        reported.append(self._output(request, [], ""))
+        reported.append(self._output(request, [], text))
 
     def _run_forwards(self, decode: list[int], prefill: list[int], drafts: dict[int, list[int]] | None = None):
         """This iteration's forwards: the decode rows at once (with their ``drafts``, speculative

@@ -230,15 +230,23 @@ class KVCacheManager(KVAdmission):
             self.stats.lists_seconds += time.perf_counter() - start
             return
         on_cuda = self.cache is not None and self.cache.pool.is_cuda and not self.config.synchronous_copies
-        # Memory pressure: the pool could not give every row the blocks of its next decode tokens
-        # (its token and drafts: at most ceil((1 + drafts) / tokens_per_block) blocks).
-        drafts, tpb = self.step_drafts, self.config.tokens_per_block
-        needed = sum(-(-(1 + drafts.get(r, 0)) // tpb) for r in req_ids) if any(drafts.values()) else len(req_ids)
-        pressure = self.pool.num_free < needed + self.config.evacuation_headroom
+        # Memory pressure: the pool could not give every running request the blocks of its next
+        # decode tokens (its token and drafts: at most ceil((1 + drafts) / tokens_per_block) blocks).
+        # Every one, not only this step's rows: the overlap scheduler steps an iteration's rows in
+        # two calls, and the next reservation is for all of them.
+        pressure = self.pool.num_free < self._next_decode_blocks() + self.config.evacuation_headroom
         self.step.start(StepInput.of_lists(req_ids, num_new, fresh_lists, mass=mass if self.needs_attention else None,
                                            pressure=pressure, stream=torch.cuda.current_stream() if on_cuda else None),
                         overlap=overlap, forward_between=forward_between)
         self._stepping = True
+
+    def _next_decode_blocks(self) -> int:
+        """Most blocks the running requests' next decode reservation takes."""
+        drafts, running = self.step_drafts, self.admission.running
+        if not any(drafts.values()):
+            return len(running)
+        tpb = self.config.tokens_per_block
+        return sum(-(-(1 + drafts.get(r, 0)) // tpb) for r in running)
 
     def finish_step(self) -> StepOutput | None:
         """Completes the step ``start_step`` began (waits for its native call), frees the blocks
