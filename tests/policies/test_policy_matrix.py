@@ -134,3 +134,18 @@ def test_budget_parsing():
     assert Budget.parse(0.25) == Budget(ratio=0.25)
     assert Budget.parse("0.5").target(9) == 5
     assert Budget(tokens=100).target(40) == 40
+
+
+@pytest.mark.parametrize("plain", [Budget(tokens=10), Budget(tokens=3), Budget(ratio=0.5), Budget(ratio=0.3)])
+@pytest.mark.parametrize("unit", [1, 2, 4, 16])
+def test_most_kept_bounds_every_target_on_the_way(plain, unit):
+    """A unit budget's target is not monotone in the length (count 10, unit 4: 10 kept at length
+    10, 8 at 12, 7 at 31); admission reserves ``most_kept`` of the final length, which bounds the
+    target at every length before it (a plain budget's final target itself)."""
+    budget = plain.in_units(unit)
+    for final in range(1, 80):
+        on_the_way = max(budget.target(n) for n in range(1, final + 1))
+        assert on_the_way <= budget.most_kept(final) <= max(plain.target(final), unit - 1)
+        if unit == 1:
+            assert budget.most_kept(final) == plain.target(final) == on_the_way
+    assert Budget(tokens=10, unit=4).target(31) == 7 < Budget(tokens=10, unit=4).most_kept(31) == 10

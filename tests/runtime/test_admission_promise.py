@@ -55,6 +55,18 @@ def test_a_request_alone_in_the_smallest_pool_that_takes_it_finishes_unpreempted
     assert len(engine.pop_finished(req).output_ids) == 24
 
 
+@pytest.mark.parametrize("policy", ["streaming_llm", "h2o", "scissorhands", "random"])
+def test_a_budget_given_up_a_block_at_a_time_reserves_its_most_on_the_way(sharp_tiny_model, policy):
+    """``eviction_unit=tokens_per_block`` (the TensorRT-LLM hosts' unit): budget 10 in 4-token units
+    keeps 10 tokens at length 10 but 7 at the final 31; admission took the final 7 for the most,
+    and the request, alone in the 2 blocks it was given, was preempted and never ran again."""
+    engine, req = smallest_engine(sharp_tiny_model, list(range(1, 8)), 24, policy=policy, budget=10,
+                                  eviction_unit=4, tokens_per_block=4, prefix_caching=False)
+    assert engine.kv.pool.num_blocks >= 3
+    drain(engine)
+    assert engine.stats.preemptions == 0 and len(engine.pop_finished(req).output_ids) == 24
+
+
 @pytest.mark.parametrize(("policy", "overlap", "decision", "blocks"), [
     ("streaming_llm", False, "at_once", 8), ("streaming_llm", True, "at_once", 8),
     ("h2o", False, "at_once", 8), ("h2o", True, "lagged", 8),

@@ -114,6 +114,25 @@ def test_the_iterations_tokens_bound_its_prefills(model):
     assert engine.stats.prefill_tokens == 24
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_two_prompts_in_chunks_do_not_take_turns_preempting_each_other(model, overlap):
+    """Greedy admission: where a chunk finds no room, the newest prompt gives way, not the chunk's
+    own older one (which went back to the queue, was admitted again at once and took the room the
+    other's chunk needed: the two swapped every iteration and neither finished)."""
+    engine = Engine(model, EngineConfig(policy="streaming_llm", budget=7, tokens_per_block=1, num_blocks=11,
+                                        admission="greedy", prefix_caching=False, enable_chunked_prefill=True,
+                                        max_num_tokens=11, max_batch_size=8, overlap_scheduler=overlap,
+                                        check_invariants=True, max_seq_len=128))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True))
+           for p in ([1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3, 2, 1])]
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished()
+    assert [len(engine.pop_finished(i).output_ids) for i in ids] == [4, 4]
+
+
 def test_chunked_prefill_settings_are_checked():
     with pytest.raises(ValueError, match="needs max_num_tokens"):
         EngineConfig(enable_chunked_prefill=True, prefix_caching=False)

@@ -6,9 +6,10 @@ A budget with ``unit`` u > 1 evicts in whole units: the tokens a request has los
 length minus its live tokens) are always a multiple of u. Its target for n tokens is the largest
 count that keeps at most the plain target t(n) and loses a multiple of u::
 
-    target(n) = n - u * min(ceil((n - t(n)) / u), n // u)          <= t(n)
+    target(n) = n - u * min(ceil((n - t(n)) / u), n // u)          <= max(t(n), n mod u)
 
-(a plain target less than one unit below n keeps the request's tokens until a whole unit can go).
+(a plain target less than one unit below n keeps the request's tokens until a whole unit can go;
+the tokens short of a whole unit stay).
 With u = tokens_per_block a dense host's physical length stays congruent to the logical length
 modulo the block size, so a request needs a new block exactly when its logical length crosses a
 block boundary, which is what TensorRT-LLM's capacity scheduler counts
@@ -74,6 +75,15 @@ class Budget:
             return plain
         lost_units = min(-(-(num_tokens - plain) // self.unit), num_tokens // self.unit)
         return num_tokens - self.unit * lost_units
+
+    def most_kept(self, num_tokens: int) -> int:
+        """The most live tokens a request keeps after any eviction while it grows to
+        ``num_tokens``. A unit budget's target is not monotone in the length (count 10, unit 4:
+        10 tokens kept at length 10, 8 at 12, 7 at 31), but it stays at most the plain target t,
+        which is, or below one unit where fewer tokens than a unit could go (n mod u):
+        max(t(num_tokens), min(num_tokens, u - 1))."""
+        plain = replace(self, unit=1).target(num_tokens)
+        return plain if self.unit == 1 else max(plain, min(num_tokens, self.unit - 1))
 
     def targets(self, num_tokens: np.ndarray) -> np.ndarray:
         """``target`` for an array of lengths (the same float arithmetic). int64, same shape."""

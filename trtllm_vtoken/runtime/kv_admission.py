@@ -19,8 +19,9 @@ class KVAdmission:
     deferred, is still to run, ``decode_lags``)."""
 
     def final_budget(self, total_tokens: int, spec: PolicySpec | None = None) -> int | None:
-        """Live tokens a request of ``total_tokens`` keeps at completion (None: no eviction)."""
-        return None if spec is None else spec.budget.target(total_tokens)
+        """The most live tokens a request of ``total_tokens`` keeps after an eviction, on its way
+        to completion (``Budget.most_kept``; None: no eviction)."""
+        return None if spec is None else spec.budget.most_kept(total_tokens)
 
     def check_fits_alone(self, prompt_len: int, max_tokens: int, spec: PolicySpec | None = None,
                          drafts: int = 0) -> int:

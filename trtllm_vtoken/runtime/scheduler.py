@@ -71,20 +71,28 @@ class Scheduler:
     def schedule_prefill(self, decode_rows: int) -> list[int]:
         """This iteration's prefill forwards (``chunks`` says what each computes): the next chunk
         of every prompt being prefilled, in admission order, then new admissions, while the
-        iteration's tokens last. A prompt whose chunk finds no room in the pool is preempted."""
+        iteration's tokens last. Where a chunk finds no room in the pool, the newest prompt being
+        prefilled is preempted until it does (the chunk's own request last), as decode rows
+        preempt the newest: the oldest prompt always goes on, so two prompts cannot take turns
+        preempting each other for ever."""
         cfg = self.kv.config
         tokens = None if cfg.max_num_tokens is None else cfg.max_num_tokens - decode_rows
         scheduled: list[int] = []
         for req_id, done in list(self.prefilling.items()):
+            if req_id not in self.prefilling:  # preempted below to make room for an older prompt
+                continue
             end = min(len(self.requests[req_id].prefill_ids()), done + cfg.prefill_chunk_tokens)
             if tokens is not None and end - done > tokens:
                 break  # it waits whole: where a prompt is cut never depends on the batch
-            if not self.kv.reserve(req_id, end - done):
-                self.preempt(req_id)
-                continue
-            self._chunk(req_id, done, end, cached=0)
-            scheduled.append(req_id)
-            tokens = None if tokens is None else tokens - (end - done)
+            while not self.kv.reserve(req_id, end - done):
+                victim = next(reversed(self.prefilling))  # newer than every prompt scheduled above
+                self.preempt(victim)
+                if victim == req_id:
+                    break
+            else:
+                self._chunk(req_id, done, end, cached=0)
+                scheduled.append(req_id)
+                tokens = None if tokens is None else tokens - (end - done)
         return scheduled + self.admit(tokens)
 
     def admit(self, tokens: int | None = None) -> list[int]:
