@@ -101,11 +101,9 @@ def test_under_pressure_the_plans_commit_in_their_own_step(impl):
     assert sorted(hosts[0].free) == sorted(hosts[1].free)
 
 
-@pytest.mark.cuda
-def test_under_pressure_a_plan_commits_before_its_copy_has_finished_and_the_stream_waits_for_it():
-    """A copy delayed on the side stream: under pressure its plan commits at once, and work
-    queued on the compute stream after the step runs after the copy (the forward reads the
-    moved KV)."""
+def delayed_copy_step():
+    """(pool, step): a CUDA KV pool whose copies wait ~0.1 s on the side stream, and a lazy
+    background step over it with request 0 (StreamingLLM, 6 tokens, one sink)."""
     from trtllm_vtoken.core import BlockPool
     from trtllm_vtoken.reclaim.copy import TorchCopyExecutor
     from trtllm_vtoken.step import DecodeStep, StepConfig
@@ -116,6 +114,15 @@ def test_under_pressure_a_plan_commits_before_its_copy_has_finished_and_the_stre
     step = DecodeStep(StepConfig("lazy", background=True, check_invariants=False), 32, 4,
                       make_policy("streaming_llm", 6, n_sink=1), executor, pool.is_shared, lambda: pool.shared)
     step.add_request(0)
+    return pool, step
+
+
+@pytest.mark.cuda
+def test_under_pressure_a_plan_commits_before_its_copy_has_finished_and_the_stream_waits_for_it():
+    """A copy delayed on the side stream: under pressure its plan commits at once, and work
+    queued on the compute stream after the step runs after the copy (the forward reads the
+    moved KV)."""
+    pool, step = delayed_copy_step()
     stream = torch.cuda.current_stream()
     out = step.run(StepInput([0], [20], [0, 5], pool.allocate(5), stream=stream, pressure=True))
     assert 0 not in step.background.requests() and out.table.freed_of(0)
@@ -130,16 +137,7 @@ def test_the_forward_does_not_wait_for_a_background_copy():
     """A copy delayed on the side stream (~0.1 s): work queued on the compute stream after the
     step completes while the copy still runs (a dense step would have queued a wait on it), and
     the plan commits only at a step after the copy's event has completed."""
-    from trtllm_vtoken.core import BlockPool
-    from trtllm_vtoken.reclaim.copy import TorchCopyExecutor
-    from trtllm_vtoken.step import DecodeStep, StepConfig
-
-    pool = BlockPool(32, 4)
-    kv = torch.randn(32, 2, 2, 1, 4, 8, device="cuda")
-    executor = TorchCopyExecutor([kv], copy_delay_cycles=200_000_000)
-    step = DecodeStep(StepConfig("lazy", background=True, check_invariants=False), 32, 4,
-                      make_policy("streaming_llm", 6, n_sink=1), executor, pool.is_shared, lambda: pool.shared)
-    step.add_request(0)
+    pool, step = delayed_copy_step()
     stream = torch.cuda.current_stream()
     out = step.run(StepInput([0], [20], [0, 5], pool.allocate(5), stream=stream))
     assert 0 in step.background.requests() and out.copy is not None
