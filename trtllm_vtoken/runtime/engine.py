@@ -21,7 +21,8 @@ step of 5 waits for the next iteration: it starts once that iteration's first fo
 tables, runs beside it, and ends before its sampling.
 
 A request that could never fit (too long for ``max_seq_len`` or for the whole pool) is refused by
-``add_request`` with a ValueError; everything else eventually runs to completion.
+``add_request`` with a ValueError; everything else eventually runs to completion, but for a
+request preempted (greedy admission) whose recomputation no longer fits: it ends with "length".
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from trtllm_vtoken.runtime.forward import Forwards
 from trtllm_vtoken.runtime.kv_manager import KVCacheManager
 from trtllm_vtoken.runtime.logprobs import token_logprobs
 from trtllm_vtoken.runtime.model import LlamaForCausalLM
-from trtllm_vtoken.runtime.overlap import DeferredStep, layout_ids, remap_mass, rows_of, widened
+from trtllm_vtoken.runtime.overlap import DeferredStep, OverlapIteration
 from trtllm_vtoken.runtime.parallel.layers import check_shard
 from trtllm_vtoken.runtime.request import Request, RequestDelta, Status
 from trtllm_vtoken.runtime.sampling import SamplingParams, sample
@@ -49,7 +50,7 @@ from trtllm_vtoken.runtime.speculation import Speculation
 from trtllm_vtoken.runtime.tokenizer import StreamText, Tokenizer
 
 
-class Engine:
+class Engine(OverlapIteration):
     """Runs requests through one model and one KV pool.
 
     Args:
@@ -130,13 +131,9 @@ class Engine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need an engine with a tokenizer")
-        cfg = self.config
-        if cfg.max_num_tokens is not None and not cfg.enable_chunked_prefill and len(prompt_ids) > cfg.max_num_tokens:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) exceeds max_num_tokens {cfg.max_num_tokens}: "
-                             "enable chunked prefill to run it over several iterations")
         spec = self.kv.resolve(params.eviction)
-        drafts = self.kv.check_fits_alone(len(prompt_ids), params.max_tokens, spec,
-                                          cfg.draft_tokens_per_row if params.greedy else 0)
+        drafts = self._check_runnable(len(prompt_ids), params.max_tokens, spec,
+                                      self.config.draft_tokens_per_row if params.greedy else 0)
         req_id = next(self._ids) if req_id is None else req_id
         if req_id in self.requests:
             raise ValueError(f"request id {req_id} is already in use")
@@ -150,6 +147,16 @@ class Engine:
             self._generators[req_id] = torch.Generator().manual_seed(params.seed)
         self.waiting.append(req_id)
         return req_id
+
+    def _check_runnable(self, prefill_len: int, max_tokens: int, spec, drafts: int = 0) -> int:
+        """The draft tokens a request prefilling ``prefill_len`` tokens may carry per decode step
+        (``KVCacheManager.check_fits_alone``); ValueError if it could never run, in the pool or
+        (without chunked prefill) in ``max_num_tokens``."""
+        cfg = self.config
+        if cfg.max_num_tokens is not None and not cfg.enable_chunked_prefill and prefill_len > cfg.max_num_tokens:
+            raise ValueError(f"prompt ({prefill_len} tokens) exceeds max_num_tokens {cfg.max_num_tokens}: "
+                             "enable chunked prefill to run it over several iterations")
+        return self.kv.check_fits_alone(prefill_len, max_tokens, spec, drafts)
 
     def cancel(self, req_id: int) -> bool:
         """Stops a request and frees its blocks now; False if it had already finished."""
@@ -207,70 +214,6 @@ class Engine:
         self._end_step(rows, self.kv.finish_step(), reported)
         return reported
 
-    def _step_overlapped(self, reported: list[RequestDelta], decode: list[int], prefill: list[int]):
-        """The overlap scheduler's iteration (``runtime/overlap.py``): the previous iteration's
-        step starts once this iteration's first forward has its layout, runs beside it, and
-        finishes after the forwards; this iteration's rows wait for the next one."""
-        deferred, self._deferred = self._deferred, None
-        self.forwards.before_model = lambda: self._launch_deferred(deferred, decode + prefill, prefill)
-        results, masses = self._run_forwards(decode, prefill)
-        if self.forwards.before_model is not None:  # no forward ran
-            self._launch_deferred(deferred, [], prefill)
-            self.forwards.before_model = None
-        out = self.kv.finish_step()
-        self.forwards.wait()  # sampling reads the forwards' logits
-        for request, logits, _ in results:
-            if logits is not None:  # None: a prompt's chunk before its last
-                reported.append(self._advance(request, logits))
-        self._end_step(self._stepped, out, reported, stepped=deferred is not None)
-        rows = [request.req_id for request, *_ in results]
-        # Rows whose policy decides from counts alone (StreamingLLM, sliding window, Random) take
-        # this iteration's step now, before the next forward's slots and tables: their decisions
-        # land in the next forward, as in the plain order; so do this iteration's prefills with
-        # ``prefill_decision="at_once"`` (their mass is on the host). The other rows, whose policy
-        # observes attention, wait for the next iteration, their step beside its forward.
-        at_once = [i for i, (request, *_) in enumerate(results)
-                   if self.kv.decides_from_counts(request.req_id) or (
-                       request.req_id in prefill and self.config.prefill_decision == "at_once")]
-        taken_now = set(at_once)
-        lagged = [i for i in range(len(rows)) if i not in taken_now]
-        queries = [r[2] for r in results]
-        mass = None if self.simulated or not rows else self.forwards.batch_mass(rows, masses, queries)
-        if lagged:
-            ids = self._layout_now[lagged] if self._layout_now is not None else None
-            moved = out is not None and bool(out.num_evicted or out.num_changed)  # the step beside these forwards
-            self._deferred = DeferredStep([rows[i] for i in lagged], rows_of(mass, lagged, len(rows)), ids,
-                                          [queries[i] for i in lagged], moved)
-        now = [i for i in at_once if self.requests[rows[i]].status is Status.RUNNING]
-        if now:  # nothing of the device to wait for: the copy follows this iteration's forwards
-            stepped = [rows[i] for i in now]
-            now_mass = self.forwards.batch_mass(stepped, [], [queries[i] for i in now]) if self.simulated else \
-                rows_of(mass, now, len(rows))
-            self.kv.start_step(stepped, now_mass, overlap=self.config.step_overlap)
-            self._end_step(stepped, self.kv.finish_step(), reported, iteration=False)
-        return reported
-
-    def _launch_deferred(self, deferred: DeferredStep | None, rows_now: list[int], prefill: list[int]) -> None:
-        """Starts the previous iteration's step for its requests still running (not preempted and
-        admitted again); keeps this iteration's layout for its mass first."""
-        kv = self.kv
-        remaps = kv.needs_attention and not self.simulated
-        self._layout_now = layout_ids(kv.layout, kv.writes, rows_now) if remaps and rows_now else None
-        self._stepped = []
-        if deferred is None:
-            return
-        keep = [i for i, r in enumerate(deferred.rows)
-                if r in self.requests and self.requests[r].status is Status.RUNNING and r not in prefill]
-        rows, mass = [deferred.rows[i] for i in keep], deferred.mass
-        if self.simulated:  # its attention is a function of the layout the step sees
-            mass = self.forwards.batch_mass(rows, [], [deferred.queries[i] for i in keep])
-        elif remaps and rows and isinstance(mass, np.ndarray) and deferred.ids is not None and deferred.moved:
-            mass = remap_mass(mass[keep], deferred.ids[keep], layout_ids(kv.layout, kv.writes, rows))
-        elif remaps and rows and isinstance(mass, np.ndarray):  # positions as the forward saw them
-            mass = widened(mass[keep] if len(keep) < len(deferred.rows) else mass, kv.layout, kv.writes, rows)
-        kv.start_step(rows, mass, overlap=self.config.step_overlap, forward_between=True)
-        self._stepped = rows
-
     def _end_unrunnable(self, reported: list[RequestDelta]) -> None:
         """Nothing runs and the first waiting request was not admitted: if it can never run (a
         request preempted and recomputed prefills its output too, all of it before its policy
@@ -278,14 +221,11 @@ class Engine:
         it ends with finish reason "length" and what it generated so far, instead of waiting for
         ever. ``add_request`` refuses every request that could not run when it arrived."""
         request = self.requests[self.waiting[0]]
-        prefill_len, cfg = len(request.prefill_ids()), self.config
         try:
-            self.kv.check_fits_alone(prefill_len, request.remaining, self._specs[request.req_id])
-            fits = cfg.max_num_tokens is None or cfg.enable_chunked_prefill or prefill_len <= cfg.max_num_tokens
-        except ValueError:
-            fits = False
-        if fits:
+            self._check_runnable(len(request.prefill_ids()), request.remaining, self._specs[request.req_id])
             return
+        except ValueError:
+            pass
         self.waiting.popleft()
         text, stream = "", self._texts.get(request.req_id)
         if stream is not None:  # the text held back for a stop string or a partial character

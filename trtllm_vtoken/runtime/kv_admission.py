@@ -15,7 +15,7 @@ class KVAdmission:
     """Admission of ``KVCacheManager`` (a mixin: it reads the manager's ``config``, ``pool``,
     ``cache``, ``prefix``, ``step`` or ``lists``, ``admission``, ``writes``, ``evictions`` and
     ``_policies``, and sets ``needs_attention``, ``step_drafts``: request -> the draft tokens
-    each of its decode steps may carry, and ``lag_start``: the requests whose first decode step,
+    each of its decode steps may carry (only requests that draft), and ``lag_start``: the requests whose first decode step,
     deferred, is still to run, ``decode_lags``)."""
 
     def final_budget(self, total_tokens: int, spec: PolicySpec | None = None) -> int | None:
@@ -76,7 +76,8 @@ class KVAdmission:
         if not take_prefix and not (cached and self._admit_blocks(req_id, prefill_len, remaining, spec, drafts, lags,
                                                                   0, 0)):
             return None
-        self.step_drafts[req_id] = drafts
+        if drafts:
+            self.step_drafts[req_id] = drafts
         if lags:
             self.lag_start.add(req_id)
         if self.step is not None:

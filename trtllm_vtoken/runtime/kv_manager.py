@@ -84,7 +84,7 @@ class KVCacheManager(KVAdmission):
         self.spec: PolicySpec | None = None if config.variant == "native" else config.policy_spec()
         """The engine's own policy (requests that set no eviction of their own run with it)."""
         self._policies: dict[PolicySpec, EvictionPolicy] = {}
-        self.step_drafts: dict[int, int] = {}  # request -> draft tokens a decode step may carry (admission)
+        self.step_drafts: dict[int, int] = {}  # request -> draft tokens its decode steps may carry (> 0 only)
         self.lag_start: set[int] = set()  # requests whose first decode step, deferred, has not run (``decode_lags``)
         if config.variant == "native":
             self.lists = BlockLists(tpb)
@@ -243,7 +243,7 @@ class KVCacheManager(KVAdmission):
     def _next_decode_blocks(self) -> int:
         """Most blocks the running requests' next decode reservation takes."""
         drafts, running = self.step_drafts, self.admission.running
-        if not any(drafts.values()):
+        if not drafts:  # no request drafts: one block each at most
             return len(running)
         tpb = self.config.tokens_per_block
         return sum(-(-(1 + drafts.get(r, 0)) // tpb) for r in running)

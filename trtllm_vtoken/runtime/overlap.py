@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from trtllm_vtoken.runtime.request import RequestDelta, Status
+
 
 @dataclass
 class DeferredStep:
@@ -112,3 +114,74 @@ def remap_mass(mass: np.ndarray, old_ids: np.ndarray, new_ids: np.ndarray) -> np
     found = (source >= 0) & (source < mass.shape[1])
     out[r[found], c[found]] = mass[r[found], source[found]]
     return out
+
+
+class OverlapIteration:
+    """The engine's iteration under the overlap scheduler (a mixin of ``Engine``: it reads the
+    engine's ``kv``, ``forwards``, ``requests``, ``config`` and ``simulated``, keeps the deferred
+    step in ``_deferred``, ``_layout_now`` and ``_stepped``, and samples and ends steps with the
+    engine's ``_run_forwards``, ``_advance`` and ``_end_step``)."""
+
+    def _step_overlapped(self, reported: list[RequestDelta], decode: list[int], prefill: list[int]):
+        """The overlap scheduler's iteration (``runtime/overlap.py``): the previous iteration's
+        step starts once this iteration's first forward has its layout, runs beside it, and
+        finishes after the forwards; this iteration's rows wait for the next one."""
+        deferred, self._deferred = self._deferred, None
+        self.forwards.before_model = lambda: self._launch_deferred(deferred, decode + prefill, prefill)
+        results, masses = self._run_forwards(decode, prefill)
+        if self.forwards.before_model is not None:  # no forward ran
+            self._launch_deferred(deferred, [], prefill)
+            self.forwards.before_model = None
+        out = self.kv.finish_step()
+        self.forwards.wait()  # sampling reads the forwards' logits
+        for request, logits, _ in results:
+            if logits is not None:  # None: a prompt's chunk before its last
+                reported.append(self._advance(request, logits))
+        self._end_step(self._stepped, out, reported, stepped=deferred is not None)
+        rows = [request.req_id for request, *_ in results]
+        # Rows whose policy decides from counts alone (StreamingLLM, sliding window, Random) take
+        # this iteration's step now, before the next forward's slots and tables: their decisions
+        # land in the next forward, as in the plain order; so do this iteration's prefills with
+        # ``prefill_decision="at_once"`` (their mass is on the host). The other rows, whose policy
+        # observes attention, wait for the next iteration, their step beside its forward.
+        at_once = [i for i, (request, *_) in enumerate(results)
+                   if self.kv.decides_from_counts(request.req_id) or (
+                       request.req_id in prefill and self.config.prefill_decision == "at_once")]
+        taken_now = set(at_once)
+        lagged = [i for i in range(len(rows)) if i not in taken_now]
+        queries = [r[2] for r in results]
+        mass = None if self.simulated or not rows else self.forwards.batch_mass(rows, masses, queries)
+        if lagged:
+            ids = self._layout_now[lagged] if self._layout_now is not None else None
+            moved = out is not None and bool(out.num_evicted or out.num_changed)  # the step beside these forwards
+            self._deferred = DeferredStep([rows[i] for i in lagged], rows_of(mass, lagged, len(rows)), ids,
+                                          [queries[i] for i in lagged], moved)
+        now = [i for i in at_once if self.requests[rows[i]].status is Status.RUNNING]
+        if now:  # nothing of the device to wait for: the copy follows this iteration's forwards
+            stepped = [rows[i] for i in now]
+            now_mass = self.forwards.batch_mass(stepped, [], [queries[i] for i in now]) if self.simulated else \
+                rows_of(mass, now, len(rows))
+            self.kv.start_step(stepped, now_mass, overlap=self.config.step_overlap)
+            self._end_step(stepped, self.kv.finish_step(), reported, iteration=False)
+        return reported
+
+    def _launch_deferred(self, deferred: DeferredStep | None, rows_now: list[int], prefill: list[int]) -> None:
+        """Starts the previous iteration's step for its requests still running (not preempted and
+        admitted again); keeps this iteration's layout for its mass first."""
+        kv = self.kv
+        remaps = kv.needs_attention and not self.simulated
+        self._layout_now = layout_ids(kv.layout, kv.writes, rows_now) if remaps and rows_now else None
+        self._stepped = []
+        if deferred is None:
+            return
+        keep = [i for i, r in enumerate(deferred.rows)
+                if r in self.requests and self.requests[r].status is Status.RUNNING and r not in prefill]
+        rows, mass = [deferred.rows[i] for i in keep], deferred.mass
+        if self.simulated:  # its attention is a function of the layout the step sees
+            mass = self.forwards.batch_mass(rows, [], [deferred.queries[i] for i in keep])
+        elif remaps and rows and isinstance(mass, np.ndarray) and deferred.ids is not None and deferred.moved:
+            mass = remap_mass(mass[keep], deferred.ids[keep], layout_ids(kv.layout, kv.writes, rows))
+        elif remaps and rows and isinstance(mass, np.ndarray):  # positions as the forward saw them
+            mass = widened(mass[keep] if len(keep) < len(deferred.rows) else mass, kv.layout, kv.writes, rows)
+        kv.start_step(rows, mass, overlap=self.config.step_overlap, forward_between=True)
+        self._stepped = rows

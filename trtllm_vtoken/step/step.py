@@ -135,9 +135,9 @@ class DecodeStep(StepRequests):
             if beside:  # 3. the call, on the worker (``settle`` ends the step) or here
                 self._start_beside(it, inp)
             elif forward_between:  # the call here, its copy after the host's forward
-                self._called, self._flight = self._call_here(it, inp.pressure), it
+                self._called, self._flight = self._call_here(it), it
             else:
-                self._landed = self._end(it, self._call_here(it, inp.pressure))
+                self._landed = self._end(it, self._call_here(it))
         except batch_refused() as exc:  # the C++ core's checks of the batch, before anything changed
             raise ValueError(str(exc)) from None  # as the Python core says it
 
@@ -202,12 +202,12 @@ class DecodeStep(StepRequests):
         it.registered = True
         return registered
 
-    def _call_here(self, it: Iteration, pressure: bool) -> tuple[StepOutput, float]:
+    def _call_here(self, it: Iteration) -> tuple[StepOutput, float]:
         """3. The step's call on this thread (``step/fused.py`` or ``step/spec.py``), and its seconds."""
         start = time.perf_counter()
         compaction, may_plan = self._call_settings(it.req_ids)
         out = self._guarded(self._call, self.slots, self.core.table, it, compaction,
-                            self.config.fragmentation_threshold, pressure,
+                            self.config.fragmentation_threshold, it.pressure,
                             self._on_victims if self.on_victims else None, may_plan)
         return out, time.perf_counter() - start
 
