@@ -136,8 +136,6 @@ def test_two_prompts_in_chunks_do_not_take_turns_preempting_each_other(model, ov
 def test_chunked_prefill_settings_are_checked():
     with pytest.raises(ValueError, match="needs max_num_tokens"):
         EngineConfig(enable_chunked_prefill=True, prefix_caching=False)
-    with pytest.raises(ValueError, match="prefix_caching=False"):
-        EngineConfig(enable_chunked_prefill=True, max_num_tokens=256)
     with pytest.raises(ValueError, match="leave a block"):
         EngineConfig(enable_chunked_prefill=True, max_num_tokens=40, max_batch_size=32, prefix_caching=False)
     with pytest.raises(ValueError, match="at_once"):

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Random workloads through the engine with prefix caching (tiny model, fp32): requests share
-system prompts, follow mixed per-request policies, evict, relocate and finish at random steps.
+system prompts, follow mixed per-request policies, evict, relocate and finish at random steps,
+their prompts prefilled whole or in chunks.
 
 - no relocation copy reads or writes a block that is shared or holds a key (checked at submit);
 - every cached block's KV equals the KV a fresh prefill of its key's tokens writes;
@@ -47,12 +48,16 @@ OPS = st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "step", "step", "s
                min_size=3, max_size=16)
 
 
-@settings(max_examples=16, deadline=None)
+@settings(max_examples=24, deadline=None)
 @given(mode=st.sampled_from(["dense", "lazy"]), policy=st.sampled_from(["h2o", "sliding_window"]),
-       reuse=st.sampled_from(["copy", "share"]), ops=OPS)
-def test_random_workloads_keep_cached_blocks_exact(model, mode, policy, reuse, ops):
+       reuse=st.sampled_from(["copy", "share"]), chunked=st.booleans(), ops=OPS)
+def test_random_workloads_keep_cached_blocks_exact(model, mode, policy, reuse, chunked, ops):
+    # Chunked prefill: chunks of 8 tokens (12 an iteration less 4 decode rows), so the prompts
+    # (11 to 19 tokens) take 2 or 3.
+    chunks = dict(enable_chunked_prefill=True, max_num_tokens=12, lazy_background=False) if chunked else {}
     engine = Engine(model, EngineConfig(policy=policy, budget=10, mode=mode, tokens_per_block=TPB, num_blocks=40,
-                                        max_batch_size=4, max_seq_len=64, check_invariants=True, prefix_reuse=reuse))
+                                        max_batch_size=4, max_seq_len=64, check_invariants=True, prefix_reuse=reuse,
+                                        **chunks))
     cache, step, finish_step = engine.kv.prefix.cache, engine.kv.step, engine.kv.finish_step
 
     def checked_step():

@@ -57,15 +57,21 @@ CHAT = ["Write one sentence about cats.", "Write one sentence about the sea.", "
         "Write one sentence about bread.", "Write one sentence about trains.", "Write one sentence about music."]
 
 
-def test_a_greedy_answer_is_the_same_alone_and_in_a_batch(model, smollm2_tokenizer):
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunks"])
+def test_a_greedy_answer_is_the_same_alone_and_in_a_batch(model, smollm2_tokenizer, chunked):
     """H2O at 0.5 with prefix caching on (the defaults): four chat prompts sharing the chat
     template, one at a time (each reuses the template's cached blocks, as copies)
-    and all at once, decide and decode alike; vtoken == naive-evict; caching on == off."""
+    and all at once, decide and decode alike; vtoken == naive-evict; caching on == off. Also
+    with chunked prefill (chunks of 32 tokens: the prompts take two, the cached block of the
+    template lies inside the first)."""
     prompts = [smollm2_tokenizer.encode(q, chat=True) for q in CHAT[:4]]
+    assert not chunked or all(32 < len(p) <= 64 for p in prompts)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     runs = {}
     for variant in ("naive-evict", "vtoken"):
         config = dict(variant=variant, policy="h2o", budget=0.5, num_blocks=64, tokens_per_block=16)
+        if chunked:
+            config.update(enable_chunked_prefill=True, max_num_tokens=32 + 8, max_batch_size=8)
         for together in (False, True):
             engine = Engine(model, EngineConfig(**config), record_trace=True)
             if not together:  # a request that evicts nothing leaves the template's blocks cached

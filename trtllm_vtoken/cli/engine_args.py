@@ -63,8 +63,8 @@ def add_engine_args(parser: argparse.ArgumentParser, variant: bool = True) -> No
                    help="tokens one iteration computes at most: one per decode row, the rest prefill (default: no limit)")
     g.add_argument("--enable-chunked-prefill", action="store_true",
                    help="prefill prompts longer than a chunk (max-num-tokens less max-batch-size, in whole blocks) "
-                        "one chunk an iteration, evicting between chunks; needs --max-num-tokens and "
-                        "--no-prefix-caching")
+                        "one chunk an iteration, evicting between chunks; needs --max-num-tokens (with prefix "
+                        "caching, a request that evicts takes a cached prefix up to its first chunk's end)")
     g.add_argument("--max-draft-len", type=_positive_int, default=None, metavar="K",
                    help="speculative decoding with n-gram drafts of up to K tokens for greedy requests (TensorRT-LLM's "
                         "NGram mode, matching n-grams of up to 3); it turns the overlap scheduler off, as TensorRT-LLM does")

@@ -109,8 +109,9 @@ class EngineConfig:
     iteration beside the decode rows (TensorRT-LLM's name). Each chunk's step takes its tokens in
     and the policy evicts before the next chunk, so a request holds at most its budget plus one
     chunk (and a block) of KV whatever its prompt's length, and admission counts that peak: a
-    prompt longer than the KV budget runs. Needs ``max_num_tokens``, and for now
-    ``prefix_caching=False``, ``prefill_decision="at_once"`` and, in lazy mode,
+    prompt longer than the KV budget runs. With prefix caching a request that may evict takes a
+    cached prefix up to its first chunk's end only (it decides there, as alone; native requests
+    take all of it). Needs ``max_num_tokens``, ``prefill_decision="at_once"`` and, in lazy mode,
     ``lazy_background=False``."""
     speculative_config: NGramDecodingConfig | dict | None = None
     """Speculative decoding with n-gram drafts (TensorRT-LLM's ``NGramDecodingConfig`` fields, or
@@ -186,10 +187,6 @@ class EngineConfig:
             if self.max_num_tokens - self.max_batch_size < self.tokens_per_block:
                 raise ValueError(f"max_num_tokens ({self.max_num_tokens}) must leave a block ({self.tokens_per_block} "
                                  f"tokens) for prefill chunks beside max_batch_size ({self.max_batch_size}) decode rows")
-            if self.prefix_caching:
-                raise ValueError("enable_chunked_prefill needs prefix_caching=False: a request decides after each "
-                                 "chunk, and one that took a cached prefix would skip the decisions inside it, so "
-                                 "its evictions, and its answer, would depend on what ran before it")
             if self.mode == "lazy" and self.lazy_background:
                 raise ValueError("enable_chunked_prefill with mode='lazy' needs lazy_background=False: background "
                                  "compaction frees a chunk's holes two iterations late, past the peak admission counts")

@@ -258,7 +258,8 @@ class Engine(OverlapIteration):
             first, end, cached = self.scheduler.chunks.pop(req_id)
             prompt = self.requests[req_id].prefill_ids()
             ids = prompt[first:end]  # a cached prefix is not recomputed; with chunked prefill, one chunk
-            logits, mass = self.forwards.run([req_id], [ids], prefill=True, prompt_after=len(prompt) - end)
+            logits, mass = self.forwards.run([req_id], [ids], prefill=True, prompt_after=len(prompt) - end,
+                                             first_prefill=first == cached)
             results.append((self.requests[req_id], logits[0] if end == len(prompt) else None, len(ids)))
             masses.append(mass)
             self.stats.prefill_tokens += len(ids)

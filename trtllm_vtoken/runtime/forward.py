@@ -49,10 +49,11 @@ class Forwards:
             hook()
 
     def run(self, req_ids: list[int], tokens: list[list[int]], prefill: bool = False, prompt_after: int = 0,
-            verify: bool = False):
+            verify: bool = False, first_prefill: bool = True):
         """One forward over rows of new tokens; returns its rows' last logits (one row each, on the
         host) and its mass [rows, L] (None without one). ``prefill``: one request's prompt (after
-        its cached prefix), or a chunk of it followed by ``prompt_after`` more prompt tokens.
+        its cached prefix), or a chunk of it followed by ``prompt_after`` more prompt tokens;
+        ``first_prefill``: its first chunk (the one whose mass takes in the cached prefix's).
         ``verify``: decode rows with draft tokens: the logits of every row's every token [rows, T,
         vocab], and the mass of each row's first 1, 2, ... T queries [rows, T, L] (the step takes
         the accepted ones')."""
@@ -77,7 +78,7 @@ class Forwards:
         self._layout_fixed()
         # A prefill that stores prompt blocks also cuts its mass at their ends (prefix caching
         # keeps what a cached prefix's queries paid, see runtime/prefix_caching.py).
-        cuts = kv.mass_cuts(req_ids[0]) if prefill and kv.needs_attention else []
+        cuts = kv.mass_cuts(req_ids[0]) if prefill and first_prefill and kv.needs_attention else []
         if verify and kv.needs_attention:  # the mass of the first 1 .. T queries, T the row's own at most
             cuts = [[min(j, len(row)) for j in range(1, longest + 1)] for row in tokens]
         start = time.perf_counter()
@@ -106,7 +107,7 @@ class Forwards:
             return last[: len(req_ids)], None if mass is None else mass[: len(req_ids), :-1]
         if cuts:
             mass, cut_mass = mass[:, -1], mass[0, :-1]
-        if prefill and mass is not None:
+        if prefill and first_prefill and mass is not None:
             mass = kv.prefill_mass(req_ids[0], mass[0], cut_mass)[None]
         return last[: len(req_ids)], None if mass is None else mass[: len(req_ids)]  # a graph's padding rows left out
 

@@ -65,7 +65,11 @@ class KVAdmission:
         # it (the simulated backend, without a KV cache, computes its mass from the layout instead).
         needs_payload = policy is not None and policy.observes_attention() and window is None and \
             self.cache is not None
-        cached, reclaimable = self.prefix.probe(token_ids, busy, window, needs_payload) if self.prefix else (0, 0)
+        # Chunked prefill: a request that may evict decides after its first chunk; the cached prefix
+        # it takes ends before that, as a longer one would skip the decision (prefix_caching.py).
+        decides_at = None if spec is None else cfg.prefill_chunk_tokens
+        cached, reclaimable = self.prefix.probe(token_ids, busy, window, needs_payload, decides_at) \
+            if self.prefix else (0, 0)
         lags = self.decode_lags(policy)
         take_prefix = self._admit_blocks(req_id, prefill_len, remaining, spec, drafts, lags,
                                          0 if private else cached, reclaimable)
@@ -89,7 +93,7 @@ class KVAdmission:
         if self.prefix is None:
             return 0
         blocks = self.prefix.begin(req_id, token_ids, busy, self._copy_blocks if private else None, window,
-                                   needs_payload, take_prefix)
+                                   needs_payload, take_prefix, decides_at)
         self.writes.add_prefix(req_id, blocks)
         return self.prefix.cached_tokens(req_id)
 

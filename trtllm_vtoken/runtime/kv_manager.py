@@ -7,7 +7,7 @@ Per iteration the engine calls:
 
     admit(req, ids, ...)       admission (``kv_admission.py``; with prefix caching the cached
                                prefix's blocks are taken, or copied; ``store_prompt`` keys the
-                               prompt's full blocks after reserve)
+                               full blocks of its first forward after reserve)
     reserve_decode(rows)       a block for each decode row's next token that needs one, at once, when
                                the free list covers them all (False, nothing changed: reserve one by one)
     reserve(req, n)            blocks for n new tokens (False: the pool is dry -> preempt someone)
@@ -267,19 +267,20 @@ class KVCacheManager(KVAdmission):
             self._finished = out
 
     def store_written(self, req_ids: list[int], token_ids: Callable[[int], list[int]]) -> None:
-        """Prefix caching, after ``step_batch``: keys the blocks the step's tokens filled (up to
-        each request's cut). ``token_ids(req)``: the request's tokens, its written ones first
-        (asked for only when a block filled)."""
-        if self.prefix is None or self.step is None:
+        """Prefix caching, after ``step_batch``: keys the blocks the step's tokens filled (a
+        prompt's later chunks, decode tokens; up to each request's cut). ``token_ids(req)``: the
+        request's tokens, its written ones first (asked for only when a block filled)."""
+        if self.prefix is None:
             return
         tpb = self.config.tokens_per_block
-        for req_id, n in zip(req_ids, self.step.counters(req_ids)[0]):
+        written = self.step.counters(req_ids)[0] if self.step is not None else map(self.lists.kv_len, req_ids)
+        for req_id, n in zip(req_ids, written):
             if n % tpb == 0:
-                self.prefix.store(req_id, self.step.block_ids(req_id), token_ids(req_id)[:n])
+                self.prefix.store(req_id, self.layout.block_ids(req_id), token_ids(req_id)[:n])
 
     def store_prompt(self, req_id: int, token_ids: list[int]) -> None:
-        """After ``reserve`` for the prefill: keys the prompt's full blocks (written by this
-        iteration's prefill forward, which runs before any later request's forward reads them)."""
+        """After ``reserve`` for the prefill: keys the full blocks of ``token_ids``, what its first
+        forward writes (this iteration's, which runs before any later request's forward reads them)."""
         if self.prefix is not None:
             self.prefix.store_prompt(req_id, self.writes.staged_blocks(req_id)[0], token_ids)
 

@@ -2,12 +2,18 @@
 """The reference engine's automatic prefix caching (``EngineConfig.prefix_caching``).
 
 A request's prompt is looked up in ``core.PrefixCache`` at admission: the blocks of its longest
-cached prefix join its block list as they are, and only the rest is prefilled. Its full prompt
-blocks are stored at admission, before the prefill forward that writes them, so that a request
-admitted right after it in the same step shares them (prefill forwards run in admission order,
-the writer's first); decode blocks are stored as they fill. A request's lowest eviction cuts its
-chain (``PrefixCache.cut``, which the one step runs between its decision and its token table):
-the blocks there and after lose their keys before any compaction.
+cached prefix join its block list as they are, and only the rest is prefilled. The full blocks
+its first prefill forward writes (its prompt, or with chunked prefill its first chunk) are stored
+at admission, before that forward, so that a request admitted right after it in the same step
+shares them (prefill forwards run in admission order, the writer's first); later chunks' blocks
+and decode blocks are stored as they fill. A request's lowest eviction cuts its chain
+(``PrefixCache.cut``, which the one step runs between its decision and its token table): the
+blocks there and after lose their keys before any compaction, and none after them is stored.
+
+Chunked prefill: a request that may evict decides after each chunk, the first at its first
+chunk's end. The cached prefix it takes ends before that (``decides_at``): it computes the rest
+of its first chunk and decides there on what a prefill of that chunk gives, as alone. A longer
+prefix would skip that decision, and the KV of later chunks depends on it.
 
 Attention mass over a cached prefix (H2O, Scissorhands): a request that reuses n cached blocks
 does not run the queries of those n * B tokens, so the attention those tokens paid each other is
@@ -15,8 +21,8 @@ missing from what its policy observes at prefill. That mass depends on the prefi
 (causal attention), so the request that computed the blocks keeps it with them: the payload of
 block j is the mass the prompt's first (j + 1) * B queries gave to keys [0, (j + 1) * B)
 (``paged_attention``'s ``mass_cuts``). A request reusing n blocks adds block n - 1's payload to
-its own prefill mass: its policy then observes what a fresh prefill of its prompt gives (equal up
-to float rounding). Blocks stored while no policy of the engine observed attention carry no
+its first prefill forward's mass: its policy then observes what a fresh prefill of its prompt (or
+first chunk) gives (equal up to float rounding). Blocks stored while no policy of the engine observed attention carry no
 payload, nor do blocks a decode filled: a request whose policy adds the payload takes none of
 them (``unpaid``) and prefills those tokens itself.
 
@@ -58,13 +64,15 @@ class PrefixCaching:
 
     # ---- admission -----------------------------------------------------------------------------
     def probe(self, token_ids: Sequence[int], busy: Collection[int] = (), prefill_window: int | None = None,
-              needs_payload: bool = False) -> tuple[int, int]:
+              needs_payload: bool = False, decides_at: int | None = None) -> tuple[int, int]:
         """(blocks of the longest cached prefix, how many of them no request holds now); the
         prefix stops before a block in ``busy`` (relocations in flight), for a policy that
         observes the prompt's last ``prefill_window`` queries leaves those tokens to the prefill,
-        and with ``needs_payload`` (a policy observing every prefill query's attention) stops
-        before a block stored without the mass its prefix paid (``unpaid``)."""
-        blocks = self.cache.match(token_ids, self.unpaid(busy) if needs_payload else busy, prefill_window or 1)
+        with ``needs_payload`` (a policy observing every prefill query's attention) stops
+        before a block stored without the mass its prefix paid (``unpaid``), and ends before
+        token ``decides_at`` (the end of the first chunk, after which the request decides)."""
+        blocks = self.cache.match(token_ids, self.unpaid(busy) if needs_payload else busy,
+                                  computed_tail(len(token_ids), prefill_window, decides_at))
         return len(blocks), sum(1 for b in blocks if b in self.cache.unheld)
 
     def unpaid(self, busy: Collection[int] = ()) -> set[int]:
@@ -91,14 +99,14 @@ class PrefixCaching:
     def begin(self, req_id: int, token_ids: Sequence[int], busy: Collection[int] = (),
               copy: Callable[[list[int], list[int]], None] | None = None,
               prefill_window: int | None = None, needs_payload: bool = False,
-              take_prefix: bool = True) -> list[int]:
+              take_prefix: bool = True, decides_at: int | None = None) -> list[int]:
         """The request takes its cached prefix (``probe``'s; none without ``take_prefix``: it
         prefills its whole prompt); returns the blocks that start its list. With ``copy`` it is a
         private request: fresh blocks of its own are allocated and ``copy(source, destination)``
         fills them with the cached blocks' KV; its references on the cached blocks are dropped
         (they stay cached). RuntimeError if the pool lacks the copies' blocks (admission counted
         them: that would be a bookkeeping error)."""
-        tail = (prefill_window or 1) if take_prefix else max(1, len(token_ids))
+        tail = computed_tail(len(token_ids), prefill_window, decides_at) if take_prefix else max(1, len(token_ids))
         blocks = self.cache.begin(req_id, token_ids, self.unpaid(busy) if needs_payload else busy, tail)
         self._cached[req_id] = len(blocks) * self.tokens_per_block
         self._windowed[req_id] = prefill_window is not None
@@ -121,7 +129,8 @@ class PrefixCaching:
         return self._cached[req_id]
 
     def store_prompt(self, req_id: int, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
-        """Keys the request's full prompt blocks (its prefill writes them before anyone reads them)."""
+        """Keys the full blocks of ``token_ids``, what the request's first prefill forward writes
+        (its prompt, or its first chunk) after its cached prefix, before anyone reads them."""
         stored = self.cache.extend(req_id, block_ids, token_ids)
         self._unwritten.update(block_ids[i] for i in stored)
         # Its prefill computes the mass its prompt's queries pay each block's prefix, a function of
@@ -179,16 +188,17 @@ class PrefixCaching:
 
     # ---- attention mass over a cached prefix ---------------------------------------------------
     def mass_cuts(self, req_id: int) -> list[int]:
-        """Query counts of the request's prefill at which to cut its attention mass: the end of
-        each prompt block whose payload it attaches (``store_prompt``)."""
+        """Query counts of the request's first prefill forward at which to cut its attention
+        mass: the end of each prompt block whose payload it attaches (``store_prompt``)."""
         cached, tpb = self._cached[req_id], self.tokens_per_block
         return [(j + 1) * tpb - cached for j, _, _ in self._paying.get(req_id, ())]
 
     def prefill_mass(self, req_id: int, block_ids: Sequence[int], mass: torch.Tensor,
                      cut_mass: torch.Tensor | None) -> torch.Tensor:
-        """The mass the request's policy observes for its prefill: its own queries' ``mass`` plus
-        the cached prefix's payload; keeps the payload of the cached blocks of its prompt that lack
-        one (``cut_mass``: the rows at ``mass_cuts``). Shapes: [L] and [len(mass_cuts), L]."""
+        """The mass the request's policy observes for its first prefill forward: its own queries'
+        ``mass`` plus the cached prefix's payload; keeps the payload of the cached blocks of its
+        prompt that lack one (``cut_mass``: the rows at ``mass_cuts``). Shapes: [L] and
+        [len(mass_cuts), L]. A later chunk's forward observes its own queries' mass only."""
         cached, tpb = self._cached[req_id], self.tokens_per_block
         prefix = torch.zeros_like(mass)
         if cached:
@@ -206,3 +216,12 @@ class PrefixCaching:
         # A policy observing the prompt's last queries only (H2O's prefill_window) took no cached
         # prefix reaching them (``probe``): the prefix's own queries are not its to observe.
         return mass if self._windowed.get(req_id) else mass + prefix
+
+
+def computed_tail(prompt_len: int, prefill_window: int | None, decides_at: int | None) -> int:
+    """Prompt tokens a request leaves out of the cached prefix it takes (``PrefixCache.match``):
+    its last token (its logits are needed), the last ``prefill_window`` (a policy observing them
+    needs them run), and every token from ``decides_at - 1`` on (chunked prefill: the request
+    computes part of the first chunk it decides after)."""
+    tail = prefill_window or 1
+    return tail if decides_at is None else max(tail, prompt_len - decides_at + 1)

@@ -113,11 +113,13 @@ class Scheduler:
                                    request.draft_tokens)
             if cached is None:
                 break
-            end = len(ids) if chunk is None else min(len(ids), cached + chunk)
+            # A cached prefix ends inside a chunk: the first forward computes the rest of it, so the
+            # chunks end where they do without the cache (and the request decides where it does).
+            end = len(ids) if chunk is None else min(len(ids), (cached // chunk + 1) * chunk)
             if not self.kv.reserve(request.req_id, end - cached):  # greedy admission raced the pool
                 self.kv.release(request.req_id)
                 break
-            self.kv.store_prompt(request.req_id, ids)
+            self.kv.store_prompt(request.req_id, ids[:end])
             self._chunk(request.req_id, cached, end, cached)
             tokens = None if tokens is None else tokens - (end - cached)
             self.waiting.popleft()

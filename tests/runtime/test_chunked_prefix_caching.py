@@ -1,0 +1,142 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Chunked prefill with prefix caching (``enable_chunked_prefill`` beside the default
+``prefix_caching=True``): a request that may evict takes a cached prefix up to its first chunk's
+end only and decides after every chunk where it does without the cache, so for every policy,
+vtoken dense and lazy and naive-evict, the plain and the overlap order, a request decides and
+decodes the same alone (after others, reusing their cached prefix), in a batch, and with caching
+off; native requests take the whole cached prefix. Tiny random model, fp32; chunks of 16 tokens,
+a 37-token system prompt (three chunks' worth with the private part)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_vtoken.policies import POLICIES
+from trtllm_vtoken.policies.request_settings import EvictionSettings
+from trtllm_vtoken.runtime.config import EngineConfig
+from trtllm_vtoken.runtime.engine import Engine
+from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
+from trtllm_vtoken.runtime.sampling import SamplingParams
+
+TPB = 4
+CHUNK = 16
+CHUNKED = dict(enable_chunked_prefill=True, max_num_tokens=CHUNK + 4, max_batch_size=4, lazy_background=False)
+SYSTEM = torch.randint(0, 128, (37,), generator=torch.Generator().manual_seed(5)).tolist()
+PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+VARIANTS = [("naive-evict", "dense"), ("vtoken", "dense"), ("vtoken", "lazy")]
+OPTIONS = {"streaming_llm": {"n_sink": 2}, "h2o windowed": {"prefill_window": 6}}
+NATIVE = EvictionSettings(policy="native")
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig.tiny()).eval()
+
+
+def prompts(n: int = 4) -> list[list[int]]:
+    g = torch.Generator().manual_seed(9)
+    return [SYSTEM + torch.randint(0, 128, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def engine_for(model, **overrides) -> Engine:
+    values = dict(policy="h2o", budget=14, tokens_per_block=TPB, num_blocks=120, max_seq_len=80,
+                  check_invariants=True, **CHUNKED)
+    values.update(overrides)
+    return Engine(model, EngineConfig(**values), record_trace=True)
+
+
+def drain(engine: Engine, ids: list[int]) -> list:
+    while engine.has_unfinished():
+        engine.step()
+        engine.kv.check_integrity()
+    return [engine.pop_finished(i) for i in ids]
+
+
+def alone_together_uncached(model, batch, **config):
+    """Each request alone, one after another in an engine whose cache holds the system prompt
+    (left by a native request); all at once in a fresh engine; all at once without caching."""
+    engine = engine_for(model, **config)
+    drain(engine, [engine.add_request(SYSTEM + [0], SamplingParams(max_tokens=1, eviction=NATIVE), req_id=100)])
+    before = engine.stats.cached_prompt_tokens
+    alone = [drain(engine, [engine.add_request(p, PARAMS, req_id=i)])[0] for i, p in enumerate(batch)]
+    reused = engine.stats.cached_prompt_tokens - before
+    together_engine = engine_for(model, **config)
+    together = drain(together_engine, [together_engine.add_request(p, PARAMS, req_id=i) for i, p in enumerate(batch)])
+    off = engine_for(model, **config, prefix_caching=False)
+    uncached = drain(off, [off.add_request(p, PARAMS, req_id=i) for i, p in enumerate(batch)])
+    return alone, together, uncached, reused
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+@pytest.mark.parametrize("policy", sorted(POLICIES.names()) + ["h2o windowed"])
+def test_a_request_decides_alike_alone_in_a_batch_and_without_caching(model, policy, overlap):
+    batch, reference = prompts(), None
+    for variant, mode in VARIANTS:
+        alone, together, uncached, reused = alone_together_uncached(
+            model, batch, variant=variant, mode=mode, policy=policy.split()[0],
+            policy_options=OPTIONS.get(policy, {}), overlap_scheduler=overlap)
+        # Each took the cached blocks before its first chunk's end: 3 blocks (12 of 16 tokens).
+        assert reused == len(batch) * (CHUNK - TPB), f"{variant} {mode}: {reused}"
+        for a, b, c in zip(alone, together, uncached):
+            assert a.evictions == b.evictions == c.evictions, f"{variant} {mode}: request {a.req_id}"
+            assert a.output_ids == b.output_ids == c.output_ids
+        reference = reference or together
+        for a, b in zip(reference, together):  # vtoken == naive-evict, decision for decision
+            assert a.evictions == b.evictions and a.output_ids == b.output_ids, f"{variant} {mode} == naive-evict"
+    assert any(any(r.evictions[:2]) for r in reference), "the policy evicted between chunks"
+
+
+@pytest.mark.parametrize("variant", ["native", "vtoken"])
+def test_native_requests_take_the_whole_cached_prefix(model, variant):
+    """A native request (the native variant, or a request's own ``policy="native"``) decides
+    nothing: it takes every cached block of its prompt, also the ones a later chunk filled, and
+    generates the tokens it does without caching."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True, eviction=None if variant == "native" else NATIVE)
+    batch = prompts(3)
+    engine = engine_for(model, variant=variant)
+    first = drain(engine, [engine.add_request(batch[0], params)])[0]
+    before = engine.stats.cached_prompt_tokens
+    rest = [drain(engine, [engine.add_request(p, params)])[0] for p in batch[1:]]
+    assert engine.stats.cached_prompt_tokens - before == 2 * (len(SYSTEM) // TPB * TPB)  # 36 tokens, 3 chunks' blocks
+    off = engine_for(model, variant=variant, prefix_caching=False)
+    uncached = drain(off, [off.add_request(p, params) for p in batch])
+    assert [r.output_ids for r in [first, *rest]] == [r.output_ids for r in uncached]
+
+
+def test_a_cached_prefix_inside_the_first_chunk_is_taken_whole(model):
+    """A cached prefix shorter than the first chunk is taken as it is (the request computes the
+    rest of the chunk); the chunks then end where they end without the cache."""
+    engine = engine_for(model, variant="vtoken")
+    drain(engine, [engine.add_request(SYSTEM[:9], SamplingParams(max_tokens=1, eviction=NATIVE))])
+    req_id = engine.add_request(SYSTEM + [1, 2], PARAMS)
+    forwards = []
+    run = engine.forwards.run
+    engine.forwards.run = lambda rows, tokens, **kw: forwards.append(len(tokens[0])) or run(rows, tokens, **kw)
+    drain(engine, [req_id])
+    assert engine.stats.cached_prompt_tokens == 8
+    assert forwards[:3] == [CHUNK - 8, CHUNK, len(SYSTEM) + 2 - 2 * CHUNK]  # prompt chunks end at 16, 32, 39
+
+
+def test_an_evicting_requests_chunks_are_cached_until_its_first_eviction(model):
+    """StreamingLLM keeping 36 tokens (4 sinks) over a 48-token prompt: nothing is evicted after
+    the first two chunks, so their blocks hold a fresh prefill's KV and are keyed as they fill;
+    the eviction after the third chunk (tokens 4-15) cuts the chain at its lowest victim's block,
+    and only the first block stays keyed."""
+    engine = engine_for(model, variant="vtoken", policy="streaming_llm", budget=36, policy_options={"n_sink": 4},
+                        overlap_scheduler=False)
+    req_id = engine.add_request(SYSTEM + list(range(1, 12)), PARAMS)
+    keyed = []
+    for _ in range(3):
+        engine.step()
+        keyed.append([engine.kv.prefix.cache.is_cached(b) for b in engine.kv.layout.block_ids(req_id)])
+    assert keyed[:2] == [[True] * 4, [True] * 8]
+    assert keyed[2][:1] == [True] and not any(keyed[2][1:])
+    drain(engine, [req_id])
+
+
+def test_chunked_prefill_takes_prefix_caching(model):
+    config = EngineConfig(**CHUNKED)
+    assert config.prefix_caching and config.prefill_chunk_tokens == CHUNK
