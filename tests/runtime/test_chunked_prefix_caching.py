@@ -140,3 +140,40 @@ def test_an_evicting_requests_chunks_are_cached_until_its_first_eviction(model):
 def test_chunked_prefill_takes_prefix_caching(model):
     config = EngineConfig(**CHUNKED)
     assert config.prefix_caching and config.prefill_chunk_tokens == CHUNK
+
+
+@pytest.mark.parametrize("variant", ["native", "vtoken"])
+@pytest.mark.parametrize("max_tokens", [1, 6])
+def test_every_full_block_of_a_chunked_prompt_is_cached_however_soon_it_ends(model, variant, max_tokens):
+    """A 38-token prompt in chunks of 16 keys its 9 full blocks, the last chunk's too, before its
+    forwards run: a request ending right after its prompt (one token) leaves as much cached as
+    a whole prefill does."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, eviction=None if variant == "native" else NATIVE)
+    reused = {}
+    for chunked in (False, True):
+        engine = engine_for(model, variant=variant,
+                            **({} if chunked else {"enable_chunked_prefill": False, "max_num_tokens": None}))
+        drain(engine, [engine.add_request(SYSTEM + [0], params)])
+        drain(engine, [engine.add_request(SYSTEM + [0, 1, 2], params)])
+        reused[chunked] = engine.stats.cached_prompt_tokens
+    assert reused == {False: 36, True: 36}
+
+
+def test_greedy_admission_counts_the_first_chunk_after_a_long_cached_prefix(model):
+    """Greedy admission, a native request whose cached prefix (40 tokens) is longer than a chunk:
+    its first forward computes [40, 48), two new blocks, and its 10 cached blocks stop being
+    reclaimable. With 2 free blocks, 1 other reclaimable one and a headroom of 2 that does not
+    fit: it prefills its whole prompt instead, and the headroom stays available."""
+    g = torch.Generator().manual_seed(5)
+    system, other = torch.randint(0, 128, (40,), generator=g).tolist(), torch.randint(0, 128, (41,), generator=g).tolist()
+    engine = engine_for(model, variant="vtoken", num_blocks=24, admission="greedy", evacuation_headroom=2,
+                        overlap_scheduler=False)
+    drain(engine, [engine.add_request(system + [0], SamplingParams(max_tokens=6, ignore_eos=True, eviction=NATIVE))])
+    engine.add_request(other, SamplingParams(max_tokens=3, ignore_eos=True, eviction=NATIVE))
+    while engine.scheduler.prefilling or engine.waiting:
+        engine.step()
+    assert (engine.kv.pool.num_free, engine.kv.prefix.cache.num_reclaimable) == (2, 11)
+    engine.add_request(system + list(range(1, 11)), SamplingParams(max_tokens=4, ignore_eos=True, eviction=NATIVE))
+    engine.step()
+    assert engine.kv.num_available >= 2 and engine.stats.cached_prompt_tokens == 0
+    drain(engine, list(engine.requests))

@@ -65,6 +65,25 @@ def test_second_request_prefills_only_its_private_part(model):
     assert stats.hit_tokens == cached and stats.query_tokens == len(first) + len(second)
 
 
+@pytest.mark.parametrize("variant", ["native", "vtoken"])
+def test_a_next_turn_reuses_the_previous_answer(model, variant):
+    """Decode-filled blocks are keyed too (the native variant's block lists as the step's tables):
+    a next turn whose prompt is the previous prompt and answer reuses every full block of what
+    was written (the last sampled token never is; 38 tokens: the last forward fills no block, as
+    a finishing request leaves before its step's blocks are keyed), and answers as without
+    caching."""
+    params = SamplingParams(max_tokens=14, ignore_eos=True,
+                            eviction=None if variant == "native" else EvictionSettings(policy="native"))
+    engine = Engine(model, config(variant=variant))
+    first = run(engine, [SYSTEM[0] + [7, 8, 9]], params)[0]
+    written = SYSTEM[0] + [7, 8, 9] + first.output_ids[:-1]
+    turn = SYSTEM[0] + [7, 8, 9] + first.output_ids + [60, 61]
+    second = run(engine, [turn], params)[0]
+    assert engine.stats.cached_prompt_tokens == len(written) // TPB * TPB > len(SYSTEM[0]) + 3
+    off = Engine(model, config(variant=variant, prefix_caching=False))
+    assert run(off, [turn], params)[0].output_ids == second.output_ids
+
+
 def test_requests_admitted_together_share_the_prompt_blocks(model):
     engine = Engine(model, config(variant="native"))
     seen = []

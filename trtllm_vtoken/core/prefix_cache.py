@@ -195,6 +195,13 @@ class PrefixCache:
         self.stats.stored_blocks += len(stored)
         return stored
 
+    def keys_due(self, req_id: int, num_tokens: int) -> bool:
+        """Whether ``extend`` with the request's first ``num_tokens`` tokens would key a block:
+        a full one beyond its chain's keys, before its cut."""
+        chain = self._chain(req_id)
+        stop = num_tokens // self.tokens_per_block
+        return (stop if chain.limit is None else min(stop, chain.limit)) > len(chain.keys)
+
     def cut(self, req_id: int, block_ids: Sequence[int], first_token_id: int) -> int:
         """The request is about to evict token ``first_token_id`` (its lowest victim): its chain
         ends at that token's block. Drops the keys there and after; returns how many.

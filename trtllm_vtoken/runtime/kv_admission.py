@@ -109,7 +109,8 @@ class KVAdmission:
         shared = held * cfg.tokens_per_block
         budget = self.final_budget(prefill_len + remaining - shared, spec)
         budget = None if budget is None else budget + shared
-        first, rest, step_tokens = self.prefill_shape(prefill_len, drafts, lags)  # chunked prefill: its first chunk
+        # chunked prefill: up to its first chunk's end (after a cached prefix held in common)
+        first, rest, step_tokens = self.prefill_shape(prefill_len, drafts, lags, held * cfg.tokens_per_block)
         if cfg.admission == "greedy":
             free = self.pool.num_free + (self.prefix.cache.num_reclaimable - reclaimable if self.prefix else 0)
             if free - cfg.evacuation_headroom < -(-first // cfg.tokens_per_block) - held:
@@ -120,15 +121,18 @@ class KVAdmission:
         return self.admission.admit(req_id, first, remaining + rest, budget, cached_blocks=held,
                                     cached_reclaimable=reclaimable, step_tokens=step_tokens)
 
-    def prefill_shape(self, prefill_len: int, drafts: int = 0, lags: bool = False) -> tuple[int, int, int]:
-        """(tokens of the first prefill forward, prompt tokens after it, most tokens one step
-        writes before an eviction): the whole prompt at once, or its chunks
-        (``EngineConfig.enable_chunked_prefill``); a decode step writes its token and ``drafts``,
-        and where its first decode step lags (``decode_lags``), the next step's as well."""
+    def prefill_shape(self, prefill_len: int, drafts: int = 0, lags: bool = False,
+                      cached: int = 0) -> tuple[int, int, int]:
+        """(tokens the request holds after its first prefill forward, prompt tokens after it,
+        most tokens one step writes before an eviction): the whole prompt at once, or its chunks
+        (``EngineConfig.enable_chunked_prefill``), the first ending at the first chunk end after
+        its ``cached`` prompt tokens; a decode step writes its token and ``drafts``, and where its
+        first decode step lags (``decode_lags``), the next step's as well."""
         chunk, decode = self.config.prefill_chunk_tokens, (1 + drafts) * (2 if lags else 1)
         if chunk is None or prefill_len <= chunk:
             return prefill_len, 0, decode
-        return chunk, prefill_len - chunk, max(chunk, decode)
+        first = min(prefill_len, (cached // chunk + 1) * chunk)  # the scheduler's first chunk end
+        return first, prefill_len - first, max(chunk, decode)
 
     def decode_lags(self, policy: EvictionPolicy | None) -> bool:
         """Whether a request of this policy writes two decode steps' tokens before its first
@@ -143,7 +147,8 @@ class KVAdmission:
                 and policy.observes_attention())
 
     def new_iteration(self) -> None:
-        """Before an iteration's admissions (prefix caching: what earlier prefills wrote is readable)."""
+        """Before an iteration's prefill forwards are scheduled (prefix caching: what earlier
+        forwards wrote is readable)."""
         if self.prefix is not None:
             self.prefix.new_iteration()
 

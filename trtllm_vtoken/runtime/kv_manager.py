@@ -267,16 +267,21 @@ class KVCacheManager(KVAdmission):
             self._finished = out
 
     def store_written(self, req_ids: list[int], token_ids: Callable[[int], list[int]]) -> None:
-        """Prefix caching, after ``step_batch``: keys the blocks the step's tokens filled (a
-        prompt's later chunks, decode tokens; up to each request's cut). ``token_ids(req)``: the
-        request's tokens, its written ones first (asked for only when a block filled)."""
+        """Prefix caching, after ``step_batch``: keys the blocks the step's tokens filled (decode
+        tokens; up to each request's cut). ``token_ids(req)``: the request's tokens, its written
+        ones first (asked for only when a block filled)."""
         if self.prefix is None:
             return
-        tpb = self.config.tokens_per_block
         written = self.step.counters(req_ids)[0] if self.step is not None else map(self.lists.kv_len, req_ids)
-        for req_id, n in zip(req_ids, written):
-            if n % tpb == 0:
+        for req_id, n in zip(req_ids, written):  # a step may take several tokens (drafts, a lagging first step)
+            if self.prefix.keys_due(req_id, n):
                 self.prefix.store(req_id, self.layout.block_ids(req_id), token_ids(req_id)[:n])
+
+    def store_chunk(self, req_id: int, token_ids: list[int]) -> None:
+        """After ``reserve`` for a later chunk of the request's prompt: keys the full blocks of
+        ``token_ids`` (the prompt up to the chunk's end) that its forward writes this iteration."""
+        if self.prefix is not None:
+            self.prefix.store_chunk(req_id, self.writes.staged_blocks(req_id)[0], token_ids)
 
     def store_prompt(self, req_id: int, token_ids: list[int]) -> None:
         """After ``reserve`` for the prefill: keys the full blocks of ``token_ids``, what its first

@@ -3,10 +3,10 @@
 
 A request's prompt is looked up in ``core.PrefixCache`` at admission: the blocks of its longest
 cached prefix join its block list as they are, and only the rest is prefilled. The full blocks
-its first prefill forward writes (its prompt, or with chunked prefill its first chunk) are stored
-at admission, before that forward, so that a request admitted right after it in the same step
-shares them (prefill forwards run in admission order, the writer's first); later chunks' blocks
-and decode blocks are stored as they fill. A request's lowest eviction cuts its chain
+a prefill forward writes (the prompt, or with chunked prefill each chunk) are stored when it is
+scheduled, before it runs, so that a request admitted after it in the same iteration shares them
+(the forwards of prompts being prefilled run first, then the admissions' in order, a writer
+before its readers); decode blocks are stored as they fill. A request's lowest eviction cuts its chain
 (``PrefixCache.cut``, which the one step runs between its decision and its token table): the
 blocks there and after lose their keys before any compaction, and none after them is stored.
 
@@ -151,9 +151,21 @@ class PrefixCaching:
         (self._payload_due.update if due else self._payload_due.difference_update)(b for _, b, _ in paying)
         self._own(req_id, block_ids, stored)
 
+    def store_chunk(self, req_id: int, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Keys the full blocks of ``token_ids`` that a later chunk's forward, this iteration,
+        writes (up to the request's cut: its earlier decisions), before anyone reads them. They
+        carry no attention payload (what their tokens paid the earlier chunks is not kept)."""
+        stored = self.cache.extend(req_id, block_ids, token_ids)
+        self._unwritten.update(block_ids[i] for i in stored)
+        self._own(req_id, block_ids, stored)
+
     def store(self, req_id: int, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
         """Keys blocks a decode step filled (``token_ids``: the tokens whose KV is written)."""
         self._own(req_id, block_ids, self.cache.extend(req_id, block_ids, token_ids))
+
+    def keys_due(self, req_id: int, num_tokens: int) -> bool:
+        """Whether the request's first ``num_tokens`` tokens fill a block ``store`` would key."""
+        return self.cache.keys_due(req_id, num_tokens)
 
     def _own(self, req_id: int, block_ids: Sequence[int], stored: list[int]) -> None:
         if req_id in self._private:

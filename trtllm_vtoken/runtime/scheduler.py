@@ -78,6 +78,7 @@ class Scheduler:
         cfg = self.kv.config
         tokens = None if cfg.max_num_tokens is None else cfg.max_num_tokens - decode_rows
         scheduled: list[int] = []
+        self.kv.new_iteration()  # the blocks keyed before were written by the forwards that ran
         for req_id, done in list(self.prefilling.items()):
             if req_id not in self.prefilling:  # preempted below to make room for an older prompt
                 continue
@@ -90,6 +91,7 @@ class Scheduler:
                 if victim == req_id:
                     break
             else:
+                self.kv.store_chunk(req_id, self.requests[req_id].prefill_ids()[:end])
                 self._chunk(req_id, done, end, cached=0)
                 scheduled.append(req_id)
                 tokens = None if tokens is None else tokens - (end - done)
@@ -102,7 +104,6 @@ class Scheduler:
         (after a cached prefix), or its first chunk. Returns them, to be prefilled this iteration."""
         joined: list[int] = []
         chunk = self.kv.config.prefill_chunk_tokens
-        self.kv.new_iteration()
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.requests[self.waiting[0]]
             ids = request.prefill_ids()
