@@ -177,3 +177,31 @@ def test_greedy_admission_counts_the_first_chunk_after_a_long_cached_prefix(mode
     engine.step()
     assert engine.kv.num_available >= 2 and engine.stats.cached_prompt_tokens == 0
     drain(engine, list(engine.requests))
+
+
+@pytest.mark.parametrize("impl", ["cpp", "python"])
+def test_a_cached_block_a_request_held_outside_its_table_comes_back_empty(model, impl):
+    """Found by fuzzing (overlap scheduler, greedy admission, chunks): request 2003 (native) takes
+    cached blocks 2000 holds, 2000 leaves while they are shared (their slots are kept), and 2003
+    ends at its first forward, its step never run: the blocks were never in its table row. Its
+    release empties their slots, else a request given one later as a partly written block finds
+    2000's tokens beside its own (``check_integrity`` checks every block no request holds)."""
+    prefix = [5, 1, 7, 4, 5, 5, 6, 0, 7, 5, 0, 7, 0, 3, 6, 7, 0, 2, 0, 2]
+    arrivals = {3: [(1, prefix + [4], 7, None), (2002, prefix + [3], 6, None)],
+                6: [(2000, prefix + [1], 5, NATIVE), (2003, prefix[:13], 1, NATIVE)],
+                7: [(0, [1, 7, 4, 5, 5, 6, 0, 7], 1, None),
+                    (2, torch.randint(0, 8, (41,), generator=torch.Generator().manual_seed(1)).tolist(), 1, None),
+                    (2001, [7, 3, 2, 1, 3, 6, 2, 6, 1, 1, 6, 4, 6, 5, 0, 6, 3], 2, None)]}
+    engine = engine_for(model, variant="naive-evict", policy_options={"prefill_window": 6}, budget=0.5,
+                        num_blocks=18, max_batch_size=3, max_seq_len=128, max_num_tokens=25, admission="greedy",
+                        overlap_scheduler=True, step_impl=impl)
+    step = 0
+    while step <= 7 or engine.has_unfinished():
+        for req_id, prompt, max_tokens, eviction in arrivals.get(step, []):
+            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, eviction=eviction),
+                               req_id=req_id)
+        if engine.has_unfinished():
+            engine.step()
+            engine.kv.check_integrity()
+        step += 1
+    assert engine.kv.num_available == engine.kv.pool.num_blocks

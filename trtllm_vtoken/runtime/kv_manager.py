@@ -333,7 +333,10 @@ class KVCacheManager(KVAdmission):
         """Returns every block of the request to the pool (keyed ones stay cached) and drops its
         state everywhere."""
         self._land()  # a step in flight completes first (it may hold the request)
-        blocks = self.layout.remove_request(req_id) + self.writes.drop(req_id)
+        blocks, pending = self.layout.remove_request(req_id), self.writes.drop(req_id)
+        if self.step is not None and pending:  # not in its table row: the step's slots are emptied here
+            self.step.forget_blocks(pending)
+        blocks += pending
         if self.prefix is not None:
             self.prefix.end(req_id, blocks)
         else:
@@ -370,8 +373,8 @@ class KVCacheManager(KVAdmission):
 
     def check_integrity(self) -> None:
         """The pool, the step's tables (I2, batch layout) and the blocks they hold agree."""
-        if self.step is not None:
-            self.step.check_integrity()
+        if self.step is not None:  # blocks no request holds: free ones, cached ones nobody holds
+            self.step.check_integrity([*self.pool.free_ids, *(self.prefix.cache.unheld if self.prefix else ())])
         self.pool.check_integrity()
         layout = self.layout
         held = sum(layout.num_blocks(r) for r in layout.request_ids())

@@ -6,7 +6,7 @@ state it reads; every method that touches the tables first waits for a step in f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from trtllm_vtoken.policies import EvictionPolicy
@@ -58,6 +58,15 @@ class StepRequests(TableQueries):
             self._policies[index].forget(req_id)
         return blocks
 
+    def forget_blocks(self, block_ids: Sequence[int]) -> None:
+        """Blocks a leaving request held outside its table row (a cached prefix, reservations its
+        first step never took in), before it drops its references: their slots are emptied but
+        for those another request holds. A cached block may carry the slots of a request that
+        left while this one shared it; reused later as a partly written block, it would show
+        that request's tokens."""
+        self.settle()
+        self.slots.empty_blocks(block_ids, self.is_shared)
+
     def __contains__(self, req_id: object) -> bool:
         return req_id in self.slots.row_of
 
@@ -81,10 +90,13 @@ class StepRequests(TableQueries):
             return any(p.observes_attention() for p in self._policies)
         return any(self._policies[self._policy_of[r]].observes_attention() for r in req_ids if r in self._policy_of)
 
-    def check_integrity(self) -> None:
-        """I2 over every request, and the batch layout against the table. RuntimeError if broken."""
+    def check_integrity(self, idle_blocks: Sequence[int] = ()) -> None:
+        """I2 over every request, and the batch layout against the table; the slots of
+        ``idle_blocks`` (blocks no request holds: free, or cached and unheld) are empty.
+        RuntimeError if broken."""
         self.settle()
         StepChecks(self.core, self.slots, self.executor, self.is_shared, self.stats).layout(self.request_ids())
+        self.slots.check_empty(idle_blocks)
 
     def policy_index(self, policy: EvictionPolicy) -> int:
         """The policy's index in this step, registered (its per-slot statistics kept) the first time."""

@@ -97,11 +97,26 @@ class SlotMap:
         """Frees the request's row; its blocks' slots are emptied unless another request shares them."""
         row = self.row_of.pop(req_id)
         self.membership += 1
+        self.empty_blocks(block_ids, is_shared)
+        self.block_table[row] = self.scratch
+        self._free_rows.append(row)
+
+    def empty_blocks(self, block_ids: Sequence[int], is_shared: Callable[[int], bool]) -> None:
+        """Empties the slots of the blocks a leaving request held, but of those another request
+        still holds (they are shared until the leaving request drops its references)."""
         own = [b for b in block_ids if not is_shared(b)]
         if own:
             self.tokens.reshape(-1, self.tokens_per_block)[own] = NO_TOKEN
-        self.block_table[row] = self.scratch
-        self._free_rows.append(row)
+
+    def check_empty(self, block_ids: Sequence[int]) -> None:
+        """RuntimeError naming the blocks (no request holds them) whose slots still name a token:
+        a request given such a block would find those tokens beside its own."""
+        blocks = np.asarray(list(block_ids), dtype=np.int64)
+        if not len(blocks):
+            return
+        stale = blocks[(self.tokens.reshape(-1, self.tokens_per_block)[blocks] != NO_TOKEN).any(axis=1)]
+        if len(stale):
+            raise RuntimeError(f"blocks no request holds still name tokens in the step's slots: {sorted(stale.tolist())}")
 
     def rows(self, req_ids: Iterable[int]) -> np.ndarray:
         """[B] int64 rows of the requests. KeyError names an unknown request. A host asks for the
