@@ -45,6 +45,17 @@ def smollm2_model(smollm2_folder):
 
 
 @pytest.fixture(scope="module")
+def tiny_model():
+    """The tiny random Llama (seed 0, GQA 4:2) most runtime tests run."""
+    import torch
+
+    from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig.tiny()).eval()
+
+
+@pytest.fixture(scope="module")
 def sharp_tiny_model():
     """The tiny random Llama (seed 0) with its weights x3: peaked attention, so which tokens a
     score policy keeps follows the mass, and drafts are often right."""

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.runtime.test_batch_invariance import drain
 from trtllm_vtoken.policies import POLICIES
 from trtllm_vtoken.policies.request_settings import EvictionSettings
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.engine import Engine
-from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
 from trtllm_vtoken.runtime.sampling import SamplingParams
 
 TPB = 4
@@ -30,15 +30,14 @@ NATIVE = EvictionSettings(policy="native")
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig.tiny()).eval()
+def model(tiny_model):
+    return tiny_model
 
 
 def prompts(n: int = 4) -> list[list[int]]:
+    """The system prompt and 3 to 11 private tokens each."""
     g = torch.Generator().manual_seed(9)
-    return [SYSTEM + torch.randint(0, 128, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [SYSTEM + torch.randint(0, 128, (3 + i * 8 // n,), generator=g).tolist() for i in range(n)]
 
 
 def engine_for(model, **overrides) -> Engine:
@@ -46,13 +45,6 @@ def engine_for(model, **overrides) -> Engine:
                   check_invariants=True, **CHUNKED)
     values.update(overrides)
     return Engine(model, EngineConfig(**values), record_trace=True)
-
-
-def drain(engine: Engine, ids: list[int]) -> list:
-    while engine.has_unfinished():
-        engine.step()
-        engine.kv.check_integrity()
-    return [engine.pop_finished(i) for i in ids]
 
 
 def alone_together_uncached(model, batch, **config):
