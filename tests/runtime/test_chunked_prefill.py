@@ -2,8 +2,8 @@
 """Chunked prefill in the reference engine (``EngineConfig.enable_chunked_prefill``): a prompt
 longer than a chunk is prefilled one chunk an iteration beside the decode rows, each chunk taken in
 by the step before the next, so the policy evicts between chunks. Native gives the tokens of a
-whole prefill; every policy's vtoken (dense, lazy) equals naive-evict under the same chunks, in
-both orders; a prompt 8x the budget holds at most the budget plus one chunk (and a block); and a
+whole prefill; every policy's vtoken (dense, lazy, lazy in the background) equals naive-evict
+under the same chunks, in both orders; a prompt 8x the budget holds at most the budget plus one chunk (and a block); and a
 pool too small for the prompt runs it. Tiny random model, fp32."""
 
 from __future__ import annotations
@@ -68,9 +68,10 @@ def test_native_chunks_give_the_tokens_of_a_whole_prefill(model, overlap):
 @pytest.mark.parametrize("policy", sorted(POLICIES.names()) + ["h2o windowed"])
 def test_vtoken_equals_naive_evict_chunk_for_chunk(model, policy, overlap):
     batch, reference = prompts(), None
-    for variant, mode in (("naive-evict", "dense"), ("vtoken", "dense"), ("vtoken", "lazy")):
+    for variant, mode, background in (("naive-evict", "dense", False), ("vtoken", "dense", False),
+                                      ("vtoken", "lazy", False), ("vtoken", "lazy", True)):
         out, _, _ = run(model, batch, variant=variant, mode=mode, policy=policy.split()[0], budget=16,
-                        policy_options=OPTIONS.get(policy, {}), overlap_scheduler=overlap, lazy_background=False,
+                        policy_options=OPTIONS.get(policy, {}), overlap_scheduler=overlap, lazy_background=background,
                         **CHUNKED)
         reference = reference or out
         for a, b in zip(reference, out):
@@ -142,8 +143,7 @@ def test_chunked_prefill_settings_are_checked():
         EngineConfig(enable_chunked_prefill=True, max_num_tokens=256, prefix_caching=False, prefill_decision="lagged")
     with pytest.raises(ValueError, match="only the overlap scheduler runs"):  # it would do nothing
         EngineConfig(prefill_decision="lagged", overlap_scheduler=False)
-    with pytest.raises(ValueError, match="lazy_background=False"):
-        EngineConfig(enable_chunked_prefill=True, max_num_tokens=256, prefix_caching=False, mode="lazy")
+    assert EngineConfig(enable_chunked_prefill=True, max_num_tokens=256, mode="lazy").lazy_background
     assert EngineConfig(enable_chunked_prefill=True, max_num_tokens=300, max_batch_size=32, tokens_per_block=32,
                         prefix_caching=False).prefill_chunk_tokens == 256
 

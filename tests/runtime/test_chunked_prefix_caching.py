@@ -2,8 +2,8 @@
 """Chunked prefill with prefix caching (``enable_chunked_prefill`` beside the default
 ``prefix_caching=True``): a request that may evict takes a cached prefix up to its first chunk's
 end only and decides after every chunk where it does without the cache, so for every policy,
-vtoken dense and lazy and naive-evict, the plain and the overlap order, a request decides and
-decodes the same alone (after others, reusing their cached prefix), in a batch, and with caching
+vtoken dense and lazy (also in the background) and naive-evict, the plain and the overlap order,
+a request decides and decodes the same alone (after others, reusing their cached prefix), in a batch, and with caching
 off; native requests take the whole cached prefix. Tiny random model, fp32; chunks of 16 tokens,
 a 37-token system prompt (three chunks' worth with the private part)."""
 
@@ -24,7 +24,8 @@ CHUNK = 16
 CHUNKED = dict(enable_chunked_prefill=True, max_num_tokens=CHUNK + 4, max_batch_size=4, lazy_background=False)
 SYSTEM = torch.randint(0, 128, (37,), generator=torch.Generator().manual_seed(5)).tolist()
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
-VARIANTS = [("naive-evict", "dense"), ("vtoken", "dense"), ("vtoken", "lazy")]
+VARIANTS = [("naive-evict", "dense", False), ("vtoken", "dense", False), ("vtoken", "lazy", False),
+            ("vtoken", "lazy", True)]  # the last: lazy compaction in the background
 OPTIONS = {"streaming_llm": {"n_sink": 2}, "h2o windowed": {"prefill_window": 6}}
 NATIVE = EvictionSettings(policy="native")
 
@@ -66,9 +67,9 @@ def alone_together_uncached(model, batch, **config):
 @pytest.mark.parametrize("policy", sorted(POLICIES.names()) + ["h2o windowed"])
 def test_a_request_decides_alike_alone_in_a_batch_and_without_caching(model, policy, overlap):
     batch, reference = prompts(), None
-    for variant, mode in VARIANTS:
+    for variant, mode, background in VARIANTS:
         alone, together, uncached, reused = alone_together_uncached(
-            model, batch, variant=variant, mode=mode, policy=policy.split()[0],
+            model, batch, variant=variant, mode=mode, lazy_background=background, policy=policy.split()[0],
             policy_options=OPTIONS.get(policy, {}), overlap_scheduler=overlap)
         # Each took the cached blocks before its first chunk's end: 3 blocks (12 of 16 tokens).
         assert reused == len(batch) * (CHUNK - TPB), f"{variant} {mode}: {reused}"
@@ -157,7 +158,8 @@ def test_greedy_admission_counts_the_first_chunk_after_a_long_cached_prefix(mode
     reclaimable. With 2 free blocks, 1 other reclaimable one and a headroom of 2 that does not
     fit: it prefills its whole prompt instead, and the headroom stays available."""
     g = torch.Generator().manual_seed(5)
-    system, other = torch.randint(0, 128, (40,), generator=g).tolist(), torch.randint(0, 128, (41,), generator=g).tolist()
+    system = torch.randint(0, 128, (40,), generator=g).tolist()
+    other = torch.randint(0, 128, (41,), generator=g).tolist()
     engine = engine_for(model, variant="vtoken", num_blocks=24, admission="greedy", evacuation_headroom=2,
                         overlap_scheduler=False)
     drain(engine, [engine.add_request(system + [0], SamplingParams(max_tokens=6, ignore_eos=True, eviction=NATIVE))])

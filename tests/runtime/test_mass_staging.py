@@ -89,9 +89,9 @@ def test_the_simulated_backends_forward_tensor_is_handed_over_as_the_models(step
         seen = []
         start_step = engine.kv.start_step
 
-        def watched(req_ids, mass=None, overlap=False, forward_between=False, start_step=start_step, seen=seen):
+        def watched(req_ids, mass=None, start_step=start_step, seen=seen, **options):
             seen.append(mass)
-            return start_step(req_ids, mass, overlap, forward_between)
+            return start_step(req_ids, mass, **options)
 
         engine.kv.start_step = watched
         ids = [engine.add_request([1] * (cfg.context - 3 * i), SamplingParams(max_tokens=8, ignore_eos=True))

@@ -111,8 +111,8 @@ class EngineConfig:
     chunk (and a block) of KV whatever its prompt's length, and admission counts that peak: a
     prompt longer than the KV budget runs. With prefix caching a request that may evict takes a
     cached prefix up to its first chunk's end only (it decides there, as alone; native requests
-    take all of it). Needs ``max_num_tokens``, ``prefill_decision="at_once"`` and, in lazy mode,
-    ``lazy_background=False``."""
+    take all of it). In lazy mode with ``lazy_background``, plans commit at once while a prompt
+    has chunks to come. Needs ``max_num_tokens`` and ``prefill_decision="at_once"``."""
     speculative_config: NGramDecodingConfig | dict | None = None
     """Speculative decoding with n-gram drafts (TensorRT-LLM's ``NGramDecodingConfig`` fields, or
     a dict of them with ``decoding_type="NGram"``): greedy decode rows verify up to
@@ -187,9 +187,6 @@ class EngineConfig:
             if self.max_num_tokens - self.max_batch_size < self.tokens_per_block:
                 raise ValueError(f"max_num_tokens ({self.max_num_tokens}) must leave a block ({self.tokens_per_block} "
                                  f"tokens) for prefill chunks beside max_batch_size ({self.max_batch_size}) decode rows")
-            if self.mode == "lazy" and self.lazy_background:
-                raise ValueError("enable_chunked_prefill with mode='lazy' needs lazy_background=False: background "
-                                 "compaction frees a chunk's holes two iterations late, past the peak admission counts")
             if self.prefill_decision != "at_once":
                 raise ValueError("enable_chunked_prefill needs prefill_decision='at_once' (each chunk is taken "
                                  "in before the next one runs)")

@@ -207,7 +207,7 @@ class Engine(OverlapIteration):
         # keys the blocks that filled.
         rows = [request.req_id for request, *_ in results]
         self.kv.start_step(rows, self.forwards.batch_mass(rows, masses, [r[2] for r in results]),
-                           overlap=self.config.step_overlap)
+                           overlap=self.config.step_overlap, prompt_goes_on=bool(self.scheduler.prefilling))
         for request, logits, _ in results:
             if logits is not None:  # None: a prompt's chunk before its last
                 reported.append(self._advance(request, logits))

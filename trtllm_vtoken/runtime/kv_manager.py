@@ -206,13 +206,17 @@ class KVCacheManager(KVAdmission, KVPrefixCalls):
         self.start_step(req_ids, mass)
         return self.finish_step()
 
-    def start_step(self, req_ids: list[int], mass=None, overlap: bool = False, forward_between: bool = False) -> None:
+    def start_step(self, req_ids: list[int], mass=None, overlap: bool = False, forward_between: bool = False,
+                   prompt_goes_on: bool = False) -> None:
         """The iteration's end for the requests the forward ran: their written tokens join
         (native: the block lists); the step evicts and compacts (one copy for all). ``overlap``:
         the step's native call may run beside the engine's next work (``DecodeStep.start``)
         until ``finish_step``, which frees the released blocks; a release in between waits for it.
         ``forward_between``: a forward runs before ``finish_step`` that writes the batch's newest
         tokens; the step's copy waits for ``finish_step`` (``DecodeStep.start``).
+        ``prompt_goes_on``: a prompt prefilled in chunks has more to come; lazy compaction in the
+        background then commits at once, as under memory pressure: admission counts one chunk
+        beside a prompt's budget, and its next chunk needs the blocks that holes hold.
 
         Args:
             mass: attention per physical position [B, >= L] (or the step's ``Mass`` function),
@@ -236,7 +240,8 @@ class KVCacheManager(KVAdmission, KVPrefixCalls):
         # two calls, and the next reservation is for all of them.
         pressure = self.pool.num_free < self._next_decode_blocks() + self.config.evacuation_headroom
         self.step.start(StepInput.of_lists(req_ids, num_new, fresh_lists, mass=mass if self.needs_attention else None,
-                                           pressure=pressure, stream=torch.cuda.current_stream() if on_cuda else None),
+                                           pressure=pressure, commit_at_once=prompt_goes_on,
+                                           stream=torch.cuda.current_stream() if on_cuda else None),
                         overlap=overlap, forward_between=forward_between)
         self._stepping = True
 

@@ -161,7 +161,8 @@ class OverlapIteration:
             stepped = [rows[i] for i in now]
             now_mass = self.forwards.batch_mass(stepped, [], [queries[i] for i in now]) if self.simulated else \
                 rows_of(mass, now, len(rows))
-            self.kv.start_step(stepped, now_mass, overlap=self.config.step_overlap)
+            self.kv.start_step(stepped, now_mass, overlap=self.config.step_overlap,
+                               prompt_goes_on=bool(self.scheduler.prefilling))
             self._end_step(stepped, self.kv.finish_step(), reported, iteration=False)
         return reported
 

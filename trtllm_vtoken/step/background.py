@@ -16,11 +16,12 @@ copy has finished:
                again from the next step
 
 Under memory pressure (``StepInput.pressure``: the pool cannot give every row a block for its
-next tokens) nothing waits for a later step: the step's new plans and every plan of the batch in
-flight commit at its end, and the next forward is ordered after their copies (as lazy compaction
-without the background). A plan deferred there would hold the blocks it frees through the next
-reservation, which then finds the pool dry: a request alone could be preempted, and re-admitted
-with its output as prompt, no longer fit at all.
+next tokens; and ``StepInput.commit_at_once``: a prompt prefilled in chunks has more to come,
+whose next chunk needs what holes hold) nothing waits for a later step: the step's new plans and
+every plan of the batch in flight commit at its end, and the next forward is ordered after their
+copies (as lazy compaction without the background). A plan deferred there would hold the blocks
+it frees through the next reservation, which then finds the pool dry: a request alone could be
+preempted, and re-admitted with its output as prompt, no longer fit at all.
 
 The Python class below is the specification and serves the Python core; where the C++ core
 serves the step, it keeps the plans itself (``NativeBackgroundCompaction``, ``cpp/core/flights.h``).

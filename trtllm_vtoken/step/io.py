@@ -40,7 +40,12 @@ class StepInput:
     queries: [B, >= L] (numpy or torch; L covers every row's length after the new tokens), or a
     ``Mass`` function, or None when no policy of the batch observes attention."""
     pressure: bool = False
-    """The pool is short of free blocks: lazy compaction runs whatever the fragmentation."""
+    """The pool is short of free blocks: lazy compaction runs whatever the fragmentation, and
+    background compaction commits at once."""
+    commit_at_once: bool = False
+    """Background compaction commits the batch's plans in this step (their copies ordered before
+    the next forward), as under pressure: a prompt prefilled in chunks has more to come, whose
+    next chunk needs the blocks holes hold."""
     stream: Any = None
     """CUDA: the stream the next forward runs on; it is made to wait on the copy (I3). None: the
     host waits for the copy (CPU: it is synchronous)."""

@@ -27,16 +27,17 @@ from trtllm_vtoken.step.slots import LISTS, SlotMap, copied
 class Iteration:
     """A step between its start and its end. Arrays [B] unless said."""
 
-    __slots__ = ("_index_of", "before", "block_lists", "blocks", "decision", "host_ids", "num_new", "offsets",
-                 "pressure", "registered", "req_ids", "rows", "stream")
+    __slots__ = ("_index_of", "at_once", "before", "block_lists", "blocks", "decision", "host_ids", "num_new",
+                 "offsets", "pressure", "registered", "req_ids", "rows", "stream")
 
     def __init__(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray | None,
                  blocks: np.ndarray | Any, stream: Any, host_ids: np.ndarray | None = None,
-                 pressure: bool = False) -> None:
+                 pressure: bool = False, at_once: bool = False) -> None:
         """``offsets`` None: ``blocks`` holds the host's list of new blocks per request, which the
         C++ core takes as they are (``new_blocks_csr`` for the rest)."""
         self.req_ids, self.rows, self.num_new, self.offsets, self.blocks = req_ids, rows, num_new, offsets, blocks
         self.stream, self.pressure = stream, pressure  # pressure: the pool is short (``StepInput.pressure``)
+        self.at_once = pressure or at_once  # background plans commit in this step (``StepInput.commit_at_once``)
         self.host_ids = host_ids  # the request ids as the output hands them over (read-only)
         self.decision: Decision | None = None  # what the call decides by (step/decide.py)
         self.registered = False  # the batch joined the layout on the host's thread (else the call registers it)
@@ -109,7 +110,7 @@ class InputChecks:
             self.check_new(req_ids, rows, num_new, offsets, blocks)
         # The step may hand the same array to the next batch (``LastList``): the host gets a view.
         return Iteration(req_ids, rows, num_new, offsets, blocks, inp.stream, self._req_ids.read_only(req_ids),
-                         inp.pressure)
+                         inp.pressure, inp.commit_at_once)
 
     def check_new(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray,
                   blocks: np.ndarray) -> None:

@@ -116,7 +116,8 @@ class SlotMap:
             return
         stale = blocks[(self.tokens.reshape(-1, self.tokens_per_block)[blocks] != NO_TOKEN).any(axis=1)]
         if len(stale):
-            raise RuntimeError(f"blocks no request holds still name tokens in the step's slots: {sorted(stale.tolist())}")
+            raise RuntimeError("blocks no request holds still name tokens in the step's slots: "
+                               f"{sorted(stale.tolist())}")
 
     def rows(self, req_ids: Iterable[int]) -> np.ndarray:
         """[B] int64 rows of the requests. KeyError names an unknown request. A host asks for the

@@ -259,16 +259,16 @@ class DecodeStep(StepRequests):
         if background is not None:  # the call planned: commit what finished, copy the new plans
             planned = copied or out.num_freed
             handle = None
-            if it.pressure:  # the new plans too, at once: their blocks are needed by the next reservation
+            if it.at_once:  # the new plans too, at once: their blocks are needed by the next reservation
                 handle = background.start(req_ids, out.table, self.checks is not None) if planned else None
                 background.order_before(it.stream)
             try:
-                committed = background.finish(req_ids, it.rows, every=it.pressure)
+                committed = background.finish(req_ids, it.rows, every=it.at_once)
             except RuntimeError as exc:  # a plan could not commit: the tables disagree now
                 self._broken = str(exc)
                 raise
             t5 = clock()
-            if not it.pressure and planned:
+            if not it.at_once and planned:
                 handle = background.start(req_ids, out.table, self.checks is not None)
             out = committed_output(out, committed)
         else:
