@@ -138,6 +138,25 @@ def test_cut_refuses_shared_blocks_and_changes_nothing():
     assert cache.cut(0, first, 8) == 0
 
 
+def test_a_cut_before_a_shared_block_drops_its_key_and_its_holders_keep_it():
+    """Request 1 took block 0 only and computed block 1 again (a copy of request 0's, unkeyed),
+    then block 2 (keyed); request 2 took blocks 0 and 1 from request 0 and block 2 from request
+    1. Request 1 evicting in its own block 1 ends its chain there: block 2 loses its key (nobody
+    takes it any more) but stays with both holders, shared."""
+    pool = BlockPool(12, B)
+    cache = PrefixCache(pool)
+    tokens = list(range(13))
+    start(cache, 0, tokens[:9])  # blocks 0, 1 keyed
+    mine = cache.begin(1, tokens, computed_tail=9) + cache.allocate(3)  # block 0 cached, the rest its own
+    assert cache.extend(1, mine, tokens) == [2]  # index 1 repeats request 0's block; index 2 is new
+    theirs = cache.begin(2, tokens[:12] + [99])
+    assert theirs == [0, 1, mine[2]] and cache.is_shared(mine[2])
+    assert cache.cut(1, mine, 4) == 1  # token 4 sits in request 1's own index-1 block
+    assert not cache.is_cached(mine[2]) and cache.is_shared(mine[2]) and cache.holders(mine[2]) == 2
+    assert cache.match(tokens[:12] + [5]) == [0, 1]
+    cache.check_integrity()
+
+
 def test_duplicate_content_stays_private_and_the_chain_goes_on():
     """Two requests with one prompt admitted together: the second computed its own copy."""
     pool = BlockPool(8, B)

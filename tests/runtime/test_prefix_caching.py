@@ -84,6 +84,18 @@ def test_a_next_turn_reuses_the_previous_answer(model, variant):
     assert run(off, [turn], params)[0].output_ids == second.output_ids
 
 
+def test_share_reuse_with_a_prefill_window_evicts_before_a_block_another_request_shares(model):
+    """Found by fuzzing (``prefix_reuse="share"``, H2O observing the prompt's last 6 queries):
+    request 2 computes its 5th block again (a copy of request 1's) and keys its 6th, which
+    request 3 then shares; request 2 evicting in its own 5th block dropped keys up to a shared
+    block and the step raised. Now that block loses its key and both keep it."""
+    prompt = [3, 1, 2, 3, 2, 2, 1, 1, 1, 0, 0, 1, 1, 2, 0, 2, 3, 2, 3, 3, 0, 3, 0, 1, 1, 1, 1, 1, 1, 1]
+    engine = Engine(model, config(variant="vtoken", policy_options={"prefill_window": 6}, budget=0.3,
+                                  prefix_reuse="share", overlap_scheduler=False))
+    finished = run(engine, [prompt[:20], prompt[:24], prompt[:30]], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert engine.kv.stats.tokens_evicted > 0 and all(len(r.output_ids) == 1 for r in finished)
+
+
 def test_requests_admitted_together_share_the_prompt_blocks(model):
     engine = Engine(model, config(variant="native"))
     seen = []

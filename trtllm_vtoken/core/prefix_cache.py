@@ -204,9 +204,12 @@ class PrefixCache:
 
     def cut(self, req_id: int, block_ids: Sequence[int], first_token_id: int) -> int:
         """The request is about to evict token ``first_token_id`` (its lowest victim): its chain
-        ends at that token's block. Drops the keys there and after; returns how many.
+        ends at that token's block. Drops the keys there and after; returns how many. A later
+        block may be shared while that one is not (the request computed a block cached elsewhere
+        again, and another request took its next one): it loses its key too, its holders keep it
+        (its tokens stay protected while it is shared), and no later request takes it.
 
-        Raises ValueError, changing nothing, if one of those blocks is shared (its tokens are
+        Raises ValueError, changing nothing, if the victim's block is shared (its tokens are
         protected: the caller's policy must not have chosen them).
         """
         chain, tpb = self._chain(req_id), self.tokens_per_block
@@ -216,8 +219,8 @@ class PrefixCache:
         if chain.limit is not None and start >= chain.limit:
             return 0
         affected = list(block_ids[start : len(chain.keys)])
-        shared = [b for b in affected if self.is_shared(b)]
-        if shared:
+        if affected and self.is_shared(affected[0]):
+            shared = [b for b in affected if self.is_shared(b)]
             raise ValueError(f"request {req_id}: blocks {shared} are shared; their tokens are protected")
         dropped = [b for i, b in enumerate(affected, start) if self.key_of.get(b) == chain.keys[i]]
         self._drop_keys(dropped)
