@@ -133,6 +133,12 @@ def test_an_evicting_requests_chunks_are_cached_until_its_first_eviction(model):
 def test_chunked_prefill_takes_prefix_caching(model):
     config = EngineConfig(**CHUNKED)
     assert config.prefix_caching and config.prefill_chunk_tokens == CHUNK
+    # Found by fuzzing: three prompts sharing a long prefix in chunks, greedy admission, a tight
+    # pool: the oldest kept the shared blocks on top of its budget, preempted the others (which
+    # freed nothing it held), then itself, and all three were re-admitted together, for ever.
+    with pytest.raises(ValueError, match="needs admission='peak'"):
+        EngineConfig(**CHUNKED, prefix_reuse="share", admission="greedy")
+    assert EngineConfig(**CHUNKED, prefix_reuse="share").admission == "peak"
 
 
 @pytest.mark.parametrize("variant", ["native", "vtoken"])
