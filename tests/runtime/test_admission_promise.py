@@ -28,6 +28,23 @@ def smallest_engine(model, prompt: list[int], max_tokens: int, **settings) -> tu
     raise AssertionError("no pool took the request")
 
 
+def add_random_requests(engine: Engine, rng: random.Random, count: tuple[int, int], policies: list[str],
+                        budget: tuple[int, int], prompt_len: tuple[int, int], max_tokens: tuple[int, int]) -> None:
+    """Between ``count`` requests (inclusive bounds), each with a policy of its own drawn from
+    ``policies`` (a budget drawn unless native), a random prompt and output length; a request
+    that never fits the pool is left out."""
+    for _ in range(rng.randint(*count)):
+        policy = rng.choice(policies)
+        own = EvictionSettings(policy="native") if policy == "native" else \
+            EvictionSettings(policy=policy, budget=rng.randint(*budget))
+        prompt = [rng.randrange(1, 100) for _ in range(rng.randint(*prompt_len))]
+        try:
+            engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(*max_tokens), ignore_eos=True,
+                                                      eviction=own))
+        except ValueError:  # never fits this pool
+            continue
+
+
 def drain(engine: Engine, limit: int = 200) -> None:
     for _ in range(limit):
         if not engine.has_unfinished():
@@ -106,13 +123,7 @@ def test_peak_admission_preempts_no_one(sharp_tiny_model, seeds):
                         fragmentation_threshold=rng.choice([1, 2]), max_batch_size=8, max_seq_len=128,
                         check_invariants=True)
         engine = Engine(sharp_tiny_model, EngineConfig(**settings))
-        for _ in range(rng.randint(2, 4)):
-            own = EvictionSettings(policy=rng.choice(["h2o", "streaming_llm"]), budget=rng.randint(2, 6))
-            prompt = [rng.randrange(1, 100) for _ in range(rng.randint(1, 8))]
-            try:
-                engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(4, 20), ignore_eos=True, eviction=own))
-            except ValueError:  # never fits this pool
-                continue
+        add_random_requests(engine, rng, (2, 4), ["h2o", "streaming_llm"], (2, 6), (1, 8), (4, 20))
         drain(engine, 300)
         assert engine.stats.preemptions == 0 and engine.kv.num_available == engine.kv.pool.num_blocks, seed
 
@@ -151,14 +162,7 @@ def test_prompts_in_chunks_beside_background_compaction_preempt_no_one(sharp_tin
                         check_invariants=True, enable_chunked_prefill=True, step_impl=rng.choice(["cpp", "python"]))
         settings["max_num_tokens"] = settings["max_batch_size"] + tpb * rng.randint(1, 4)
         engine = Engine(sharp_tiny_model, EngineConfig(**settings))
-        for _ in range(rng.randint(2, 5)):
-            policy = rng.choice(["h2o", "streaming_llm", "scissorhands", "sliding_window", "native"])
-            own = EvictionSettings(policy="native") if policy == "native" else \
-                EvictionSettings(policy=policy, budget=rng.randint(2, 10))
-            prompt = [rng.randrange(1, 100) for _ in range(rng.randint(1, 40))]
-            try:
-                engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(2, 20), ignore_eos=True, eviction=own))
-            except ValueError:  # never fits this pool
-                continue
+        add_random_requests(engine, rng, (2, 5), ["h2o", "streaming_llm", "scissorhands", "sliding_window", "native"],
+                            (2, 10), (1, 40), (2, 20))
         drain(engine, 600)
         assert engine.stats.preemptions == 0 and engine.kv.num_available == engine.kv.pool.num_blocks, seed
