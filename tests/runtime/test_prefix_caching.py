@@ -4,14 +4,17 @@ changes no output and no decision it should not change."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from trtllm_vtoken.core import BlockPool
 from trtllm_vtoken.policies import POLICIES
 from trtllm_vtoken.policies.request_settings import EvictionSettings
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.engine import Engine
 from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
+from trtllm_vtoken.runtime.prefix_caching import PrefixCaching
 from trtllm_vtoken.runtime.sampling import SamplingParams
 
 TPB = 4
@@ -69,10 +72,9 @@ def test_second_request_prefills_only_its_private_part(model):
 def test_a_next_turn_reuses_the_previous_answer(model, variant):
     """Decode-filled blocks are keyed too (the native variant's block lists as the step's tables):
     a next turn whose prompt is the previous prompt and answer reuses every full block of what
-    was written (the last sampled token never is; 38 tokens: the last forward fills no block, as
-    a finishing request leaves before its step's blocks are keyed), and answers as without
-    caching."""
-    params = SamplingParams(max_tokens=14, ignore_eos=True,
+    was written (the last sampled token never is), the block the finishing step filled too (40
+    tokens), and answers as without caching."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True,
                             eviction=None if variant == "native" else EvictionSettings(policy="native"))
     engine = Engine(model, config(variant=variant))
     first = run(engine, [SYSTEM[0] + [7, 8, 9]], params)[0]
@@ -322,3 +324,29 @@ def test_a_copy_admitted_beside_the_prefill_giving_its_blocks_the_mass_waits_for
         want = drain(Engine(sharp_model, config(variant="vtoken", prefix_caching=False, **UNPAID_ENGINE),
                             record_trace=True), prompt, H2O_HALF, req_id)
         assert got.evictions == want.evictions and got.output_ids == want.output_ids, req_id
+
+
+def test_a_sharing_request_keeps_its_prefix_mass_when_a_cut_drops_the_key_it_took():
+    """Found in review: R computed block a's tokens again (a private copy x, H2O's prefill window)
+    and keyed y after it; H took a and y as its cached prefix. R cutting its chain at x drops y's
+    key and payload (y stays shared) before H's prefill reads the payload: under the overlap
+    scheduler the previous iteration's step runs between admissions and prefill forwards. H keeps
+    the payload it took, and observes what a fresh prefill gives."""
+    caching = PrefixCaching(BlockPool(16, TPB))
+    cache, tokens = caching.cache, list(range(1, 13))
+    caching.begin(0, tokens[:5])
+    a = cache.allocate(2)
+    caching.store_prompt(0, a, tokens[:5])
+    cache.attach(a[0], np.ones(4, np.float32))
+    caching.begin(1, tokens[:9], prefill_window=8)  # takes nothing: block 0 is computed again
+    mine = cache.allocate(3)
+    caching.store_prompt(1, mine, tokens[:9])
+    cache.attach(mine[1], np.full(8, 2.0, np.float32))
+    taken = caching.begin(2, tokens[:12])
+    assert taken == [a[0], mine[1]]
+    caching.store_prompt(2, taken + cache.allocate(1), tokens[:12])
+    caching.cut(1, mine, [0])
+    assert not cache.is_cached(mine[1]) and cache.is_shared(mine[1])
+    observed = caching.prefill_mass(2, taken, torch.zeros(12), None)
+    assert observed[:8].tolist() == [2.0] * 8
+    cache.check_integrity()

@@ -54,7 +54,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "step", "step", "s
 def test_random_workloads_keep_cached_blocks_exact(model, mode, policy, reuse, chunked, ops):
     # Chunked prefill: chunks of 8 tokens (12 an iteration less 4 decode rows), so the prompts
     # (11 to 19 tokens) take 2 or 3.
-    chunks = dict(enable_chunked_prefill=True, max_num_tokens=12, lazy_background=False) if chunked else {}
+    chunks = dict(enable_chunked_prefill=True, max_num_tokens=12) if chunked else {}
     engine = Engine(model, EngineConfig(policy=policy, budget=10, mode=mode, tokens_per_block=TPB, num_blocks=40,
                                         max_batch_size=4, max_seq_len=64, check_invariants=True, prefix_reuse=reuse,
                                         **chunks))

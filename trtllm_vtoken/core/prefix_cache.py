@@ -15,8 +15,9 @@ Every keyed block carries one pool reference of the cache's own, so the pool's a
     shared     >= 2                  yes*  >= 3        nothing: its tokens are protected
     cached     0                     yes   1           nothing (no request holds it); reuse or
                                                        reclaim it (LRU)
-    (* a shared block keeps its key: a block gets shared only through its key, and its tokens
-       cannot be evicted, so nothing ever drops it while shared)
+    (* a block gets shared only through its key, and its tokens cannot be evicted; it loses the
+       key while shared only when a holder cuts its chain before it (``cut``): it stays with its
+       holders, protected, and no later request takes it)
 
 Eviction and caching meet in one rule, applied per request before its policy's victims die:
 a request's cached chain ends at the block of its lowest evicted token (``cut``). Keys on that

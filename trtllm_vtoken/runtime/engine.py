@@ -298,7 +298,7 @@ class Engine(OverlapIteration):
                 break
         if reason is not None:
             self.running.remove(request.req_id)
-            self.kv.release(request.req_id)
+            self.kv.release(request.req_id, lambda _: request.prefill_ids())  # its last blocks stay cached
             self.stats.finished += 1
             self._finish(request, reason)
         return self._output(request, new, text)

@@ -35,6 +35,7 @@ table, cuts each evicting request's cached chain (``PrefixCaching.cut``).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -300,10 +301,13 @@ class KVCacheManager(KVAdmission, KVPrefixCalls):
             return self.layout.kv_len(req_id) + cached
         return self.layout.num_tokens(req_id) + cached
 
-    def release(self, req_id: int) -> None:
+    def release(self, req_id: int, token_ids: Callable[[int], list[int]] | None = None) -> None:
         """Returns every block of the request to the pool (keyed ones stay cached) and drops its
-        state everywhere."""
+        state everywhere. ``token_ids`` (a request that finished): its tokens, as for
+        ``store_written``; the blocks its last step filled are keyed first."""
         self._land()  # a step in flight completes first (it may hold the request)
+        if token_ids is not None and req_id in self.layout:
+            self.store_written([req_id], token_ids)
         blocks, pending = self.layout.remove_request(req_id), self.writes.drop(req_id)
         if self.step is not None and pending:  # not in its table row: the step's slots are emptied here
             self.step.forget_blocks(pending)

@@ -184,5 +184,6 @@ class OverlapIteration:
             mass = remap_mass(mass[keep], deferred.ids[keep], layout_ids(kv.layout, kv.writes, rows))
         elif remaps and rows and isinstance(mass, np.ndarray):  # positions as the forward saw them
             mass = widened(mass[keep] if len(keep) < len(deferred.rows) else mass, kv.layout, kv.writes, rows)
-        kv.start_step(rows, mass, overlap=self.config.step_overlap, forward_between=True)
+        kv.start_step(rows, mass, overlap=self.config.step_overlap, forward_between=True,
+                      prompt_goes_on=bool(self.scheduler.prefilling))
         self._stepped = rows

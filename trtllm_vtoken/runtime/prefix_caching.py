@@ -57,6 +57,7 @@ class PrefixCaching:
         # cached block, its key) whose payload its prefill attaches: the blocks it stored, and those
         # cached without one
         self._private: dict[int, np.ndarray | None] = {}  # private request -> its cached prefix's payload
+        self._taken: dict[int, np.ndarray] = {}  # sharing request -> its cached prefix's payload at admission
         self._owner: dict[int, int] = {}  # block keyed by a running private request -> that request
         self._unwritten: set[int] = set()  # prompt blocks keyed in this iteration's admissions
         self._payload_due: set[int] = set()  # of them, those whose prefill will attach a payload
@@ -111,6 +112,12 @@ class PrefixCaching:
         self._cached[req_id] = len(blocks) * self.tokens_per_block
         self._windowed[req_id] = prefill_window is not None
         if copy is None:
+            # Kept now: a request cutting its chain before a block this one shares drops that
+            # block's key, and its payload with it, before this request's prefill reads it. One
+            # that a prefill of this iteration attaches later is read from the block then.
+            payload = self.cache.payload.get(blocks[-1]) if blocks else None
+            if payload is not None:
+                self._taken[req_id] = payload
             return blocks
         # The copies carry no key: the prefix's attention payload is kept for the request now.
         self._private[req_id] = self.cache.payload.get(blocks[-1]) if blocks else None
@@ -191,6 +198,7 @@ class PrefixCaching:
         self._cached.pop(req_id, None)
         self._paying.pop(req_id, None)
         self._windowed.pop(req_id, None)
+        self._taken.pop(req_id, None)
         if req_id in self._private:
             del self._private[req_id]
             self._owner = {b: r for b, r in self._owner.items() if r != req_id}
@@ -215,7 +223,7 @@ class PrefixCaching:
         prefix = torch.zeros_like(mass)
         if cached:
             payload = self._private[req_id] if req_id in self._private else \
-                self.cache.payload.get(block_ids[cached // tpb - 1])
+                self._taken.get(req_id, self.cache.payload.get(block_ids[cached // tpb - 1]))
             if payload is None:  # stored without a payload: the request observes its own queries only
                 return mass
             prefix[:cached] = torch.from_numpy(payload)
