@@ -117,12 +117,12 @@ def test_keys_are_due_when_a_write_fills_a_block_past_the_chain_before_its_cut()
     pool = BlockPool(8, B)
     cache = PrefixCache(pool)
     blocks = start(cache, 0, list(range(6)))  # block 0 keyed, block 1 half full
-    assert not cache.keys_due(0, 7)
-    assert cache.keys_due(0, 9)  # a step of 3 tokens (drafts) passes block 1's end without landing on it
+    assert not cache.due([0], [7])
+    assert cache.due([0], [9])  # a step of 3 tokens (drafts) passes block 1's end without landing on it
     cache.extend(0, blocks + cache.allocate(1), list(range(9)))
-    assert not cache.keys_due(0, 9) and cache.keys_due(0, 12)
+    assert not cache.due([0], [9]) and cache.due([0], [12])
     cache.cut(0, blocks, 2)  # the chain ends at block 0: nothing is due any more
-    assert not cache.keys_due(0, 20)
+    assert not cache.due([0], [20])
 
 
 def test_cut_refuses_shared_blocks_and_changes_nothing():

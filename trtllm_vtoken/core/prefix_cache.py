@@ -31,7 +31,7 @@ never on how a variant reclaims, so naive-evict and vToken cache exactly the sam
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -196,12 +196,19 @@ class PrefixCache:
         self.stats.stored_blocks += len(stored)
         return stored
 
-    def keys_due(self, req_id: int, num_tokens: int) -> bool:
-        """Whether ``extend`` with the request's first ``num_tokens`` tokens would key a block:
-        a full one beyond its chain's keys, before its cut."""
-        chain = self._chain(req_id)
-        stop = num_tokens // self.tokens_per_block
-        return (stop if chain.limit is None else min(stop, chain.limit)) > len(chain.keys)
+    def due(self, req_ids: Iterable[int], num_tokens: Iterable[int]) -> list[tuple[int, int]]:
+        """(request, count) of the requests whose first ``count`` tokens fill a block ``extend``
+        would key: a full one beyond the chain's keys, before its cut. One pass for a step's rows;
+        KeyError names an unknown request."""
+        chains, tpb, found = self._chains, self.tokens_per_block, []
+        for req_id, n in zip(req_ids, num_tokens):
+            chain = chains[req_id]
+            stop = n // tpb
+            if chain.limit is not None and chain.limit < stop:
+                stop = chain.limit
+            if stop > len(chain.keys):
+                found.append((req_id, n))
+        return found
 
     def cut(self, req_id: int, block_ids: Sequence[int], first_token_id: int) -> int:
         """The request is about to evict token ``first_token_id`` (its lowest victim): its chain

@@ -22,9 +22,9 @@ class KVPrefixCalls:
         if self.prefix is None:
             return
         written = self.step.counters(req_ids)[0] if self.step is not None else map(self.lists.kv_len, req_ids)
-        for req_id, n in zip(req_ids, written):  # a step may take several tokens (drafts, a lagging first step)
-            if self.prefix.keys_due(req_id, n):
-                self.prefix.store(req_id, self.layout.block_ids(req_id), token_ids(req_id)[:n])
+        # A step may take several tokens (drafts, a lagging first step): every block filled counts.
+        for req_id, n in self.prefix.cache.due(req_ids, written):
+            self.prefix.store(req_id, self.layout.block_ids(req_id), token_ids(req_id)[:n])
 
     def store_chunk(self, req_id: int, token_ids: list[int]) -> None:
         """After ``reserve`` for a later chunk of the request's prompt: keys the full blocks of

@@ -56,8 +56,8 @@ class PrefixCaching:
         self._paying: dict[int, list[tuple[int, int, object]]] = {}  # request -> (prompt block index,
         # cached block, its key) whose payload its prefill attaches: the blocks it stored, and those
         # cached without one
-        self._private: dict[int, np.ndarray | None] = {}  # private request -> its cached prefix's payload
-        self._taken: dict[int, np.ndarray] = {}  # sharing request -> its cached prefix's payload at admission
+        self._private: set[int] = set()  # private requests
+        self._taken: dict[int, np.ndarray] = {}  # request -> its cached prefix's payload at admission (if any)
         self._owner: dict[int, int] = {}  # block keyed by a running private request -> that request
         self._unwritten: set[int] = set()  # prompt blocks keyed in this iteration's admissions
         self._payload_due: set[int] = set()  # of them, those whose prefill will attach a payload
@@ -111,16 +111,15 @@ class PrefixCaching:
         blocks = self.cache.begin(req_id, token_ids, self.unpaid(busy) if needs_payload else busy, tail)
         self._cached[req_id] = len(blocks) * self.tokens_per_block
         self._windowed[req_id] = prefill_window is not None
+        # The prefix's attention payload is kept now: a copy carries no key, and a block shared
+        # loses its key (and payload) when another holder cuts its chain before it. A sharer's
+        # payload that a prefill of this iteration attaches later is read from the block then.
+        payload = self.cache.payload.get(blocks[-1]) if blocks else None
+        if payload is not None:
+            self._taken[req_id] = payload
         if copy is None:
-            # Kept now: a request cutting its chain before a block this one shares drops that
-            # block's key, and its payload with it, before this request's prefill reads it. One
-            # that a prefill of this iteration attaches later is read from the block then.
-            payload = self.cache.payload.get(blocks[-1]) if blocks else None
-            if payload is not None:
-                self._taken[req_id] = payload
             return blocks
-        # The copies carry no key: the prefix's attention payload is kept for the request now.
-        self._private[req_id] = self.cache.payload.get(blocks[-1]) if blocks else None
+        self._private.add(req_id)
         if not blocks:
             return blocks
         own = self.cache.allocate(len(blocks))
@@ -138,8 +137,7 @@ class PrefixCaching:
     def store_prompt(self, req_id: int, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
         """Keys the full blocks of ``token_ids``, what the request's first prefill forward writes
         (its prompt, or its first chunk) after its cached prefix, before anyone reads them."""
-        stored = self.cache.extend(req_id, block_ids, token_ids)
-        self._unwritten.update(block_ids[i] for i in stored)
+        stored = self.store_chunk(req_id, block_ids, token_ids)
         # Its prefill computes the mass its prompt's queries pay each block's prefix, a function of
         # the tokens alone: the payload of the blocks it stored, and of those holding the same
         # tokens cached without one (a decode filled them, or no policy observed attention then).
@@ -152,27 +150,24 @@ class PrefixCaching:
         # It attaches them if its own cached prefix has one: an observing request admitted after it
         # in this iteration may take them.
         if req_id in self._private:
-            due = self._private[req_id] is not None or not cached
+            due = req_id in self._taken or not cached
         else:
             due = not cached or block_ids[cached - 1] in self.cache.payload.keys() | self._payload_due
         (self._payload_due.update if due else self._payload_due.difference_update)(b for _, b, _ in paying)
-        self._own(req_id, block_ids, stored)
 
-    def store_chunk(self, req_id: int, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+    def store_chunk(self, req_id: int, block_ids: Sequence[int], token_ids: Sequence[int]) -> list[int]:
         """Keys the full blocks of ``token_ids`` that a later chunk's forward, this iteration,
         writes (up to the request's cut: its earlier decisions), before anyone reads them. They
-        carry no attention payload (what their tokens paid the earlier chunks is not kept)."""
+        carry no attention payload (what their tokens paid the earlier chunks is not kept).
+        Returns the indices of the blocks stored."""
         stored = self.cache.extend(req_id, block_ids, token_ids)
         self._unwritten.update(block_ids[i] for i in stored)
         self._own(req_id, block_ids, stored)
+        return stored
 
     def store(self, req_id: int, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
         """Keys blocks a decode step filled (``token_ids``: the tokens whose KV is written)."""
         self._own(req_id, block_ids, self.cache.extend(req_id, block_ids, token_ids))
-
-    def keys_due(self, req_id: int, num_tokens: int) -> bool:
-        """Whether the request's first ``num_tokens`` tokens fill a block ``store`` would key."""
-        return self.cache.keys_due(req_id, num_tokens)
 
     def _own(self, req_id: int, block_ids: Sequence[int], stored: list[int]) -> None:
         if req_id in self._private:
@@ -200,7 +195,7 @@ class PrefixCaching:
         self._windowed.pop(req_id, None)
         self._taken.pop(req_id, None)
         if req_id in self._private:
-            del self._private[req_id]
+            self._private.discard(req_id)
             self._owner = {b: r for b, r in self._owner.items() if r != req_id}
 
     def allocate(self, n: int) -> list[int] | None:
@@ -222,8 +217,9 @@ class PrefixCaching:
         cached, tpb = self._cached[req_id], self.tokens_per_block
         prefix = torch.zeros_like(mass)
         if cached:
-            payload = self._private[req_id] if req_id in self._private else \
-                self._taken.get(req_id, self.cache.payload.get(block_ids[cached // tpb - 1]))
+            payload = self._taken.get(req_id)
+            if payload is None and req_id not in self._private:  # attached by a prefill after its admission
+                payload = self.cache.payload.get(block_ids[cached // tpb - 1])
             if payload is None:  # stored without a payload: the request observes its own queries only
                 return mass
             prefix[:cached] = torch.from_numpy(payload)
