@@ -68,6 +68,10 @@ def add_engine_args(parser: argparse.ArgumentParser, variant: bool = True) -> No
     g.add_argument("--max-draft-len", type=_positive_int, default=None, metavar="K",
                    help="speculative decoding with n-gram drafts of up to K tokens for greedy requests (TensorRT-LLM's "
                         "NGram mode, matching n-grams of up to 3); it turns the overlap scheduler off, as TensorRT-LLM does")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="bitwise the same logits and decisions for a request alone and in any batch (CPU; every "
+                        "product on a fixed multiple of rows, each row's attention alone: slower, most for one "
+                        "request at a time)")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallelism: split the model over N rank processes (gloo on CPU, NCCL on CUDA); "
                         "at most the model's KV heads")
@@ -84,6 +88,7 @@ def engine_settings(args: argparse.Namespace, **overrides) -> dict:
         prefix_reuse=getattr(args, "prefix_reuse", "copy"), prefix_caching=getattr(args, "prefix_caching", True),
         max_num_tokens=getattr(args, "max_num_tokens", None),
         enable_chunked_prefill=getattr(args, "enable_chunked_prefill", False),
+        batch_invariant=getattr(args, "batch_invariant", False),
     )
     if getattr(args, "max_draft_len", None):
         values["speculative_config"] = {"max_draft_len": args.max_draft_len, "max_matching_ngram_size": 3}

@@ -55,13 +55,16 @@ def register(sub) -> None:
     g.add_argument("--threads", type=int,
                    help="intra-op CPU threads of the reference engine (0 or unset: the cores the model's "
                         "process may use but one)")
+    g.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="reference engine on the CPU: bitwise the same logits and decisions for a request alone and "
+                        "in any batch (slower; EngineConfig.batch_invariant)")
     g.add_argument("--backend", choices=["auto", "reference", "trtllm"],
                    help="reference engine, TensorRT-LLM with vToken's hooks, or auto (trtllm where it runs)")
     parser.set_defaults(func=run)
 
 
 OVERRIDES = ("model", "variant", "mode", "policy", "budget", "tokens_per_block", "num_blocks",
-             "max_batch_size", "max_seq_len", "max_tokens_limit", "device", "threads", "backend")
+             "max_batch_size", "max_seq_len", "max_tokens_limit", "device", "threads", "batch_invariant", "backend")
 
 
 def run(args: argparse.Namespace) -> int:

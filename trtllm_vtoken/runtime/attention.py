@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from trtllm_vtoken.runtime.batch_invariance import KEY_MULTIPLE, padded
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
 
 
@@ -26,6 +27,7 @@ def paged_attention(
     return_mass: bool = False,
     mass_cuts: torch.Tensor | None = None,
     mass_from: torch.Tensor | None = None,
+    row_multiple: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """
     Args:
@@ -42,14 +44,62 @@ def paged_attention(
             tokens alone (prefix caching keeps it with them).
         mass_from: [B] int: the total counts row b's queries from ``mass_from[b]`` on only (H2O's
             ``prefill_window``: a prompt's last queries); the cuts still count from query 0.
+        row_multiple: > 0: batch-invariant (``runtime/batch_invariance.py``): each row attends
+            alone, over its own keys padded to a multiple of ``KEY_MULTIPLE``, with its queries
+            padded so that each KV head's products run on a multiple of ``row_multiple`` rows.
     Returns:
         out [B, Tq, num_heads, head_dim] and the mass (or None).
     """
+    k, v = cache.gather(layer, q.shape[0])  # [B, Hkv, L, D]
+    kv_lens = cache.kv_lens[: q.shape[0]].long()
+    if row_multiple:
+        return _attend_each_row(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from, row_multiple)
+    return _attend(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from)
+
+
+def _attend_each_row(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from, row_multiple):
+    """``_attend`` for each row alone, with shapes that depend on the row alone: its keys
+    [0, kv_len) padded with masked ones to a multiple of KEY_MULTIPLE, its queries with padding
+    ones to a multiple of ``row_multiple / gcd(row_multiple, group)``. Same results as the whole
+    batch's, to float rounding; bitwise the same whatever the batch."""
     batch, tq, num_heads, head_dim = q.shape
-    k, v = cache.gather(layer, batch)  # [B, Hkv, L, D]
+    group = num_heads // k.shape[1]
+    query_multiple = row_multiple // math.gcd(row_multiple, group)
+    out = q.new_zeros(q.shape)
+    mass = None
+    for b, (kv_len, q_len) in enumerate(zip(kv_lens.tolist(), q_lens.tolist())):
+        keys = padded(max(kv_len, 1), KEY_MULTIPLE)
+        queries = padded(max(q_len, 1), query_multiple)
+        row = slice(b, b + 1)
+        row_out, row_mass = _attend(
+            _rows_to(q[row, :q_len], queries, dim=1), _rows_to(k[row], keys, dim=2), _rows_to(v[row], keys, dim=2),
+            kv_lens[row], q_lens[row], None if valid is None else _rows_to(valid[row], keys, dim=1), return_mass,
+            None if mass_cuts is None else mass_cuts[row], None if mass_from is None else mass_from[row])
+        out[b, :q_len] = row_out[0, :q_len]
+        if row_mass is not None:
+            if mass is None:
+                mass = row_mass.new_zeros((batch, *row_mass.shape[1:-1], k.shape[2]))
+            width = min(keys, k.shape[2])
+            mass[b, ..., :width] = row_mass[0, ..., :width]
+    return out, mass
+
+
+def _rows_to(t: torch.Tensor, count: int, dim: int) -> torch.Tensor:
+    """``t`` cut or padded with zeros (False) along ``dim`` to ``count``, contiguous."""
+    have = t.shape[dim]
+    if have >= count:
+        return t.narrow(dim, 0, count).contiguous()
+    pad_shape = list(t.shape)
+    pad_shape[dim] = count - have
+    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
+
+
+def _attend(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from):
+    """Attention of queries [B, Tq, Hq, D] over keys and values [B, Hkv, L, D] (the arguments
+    of ``paged_attention``)."""
+    batch, tq, num_heads, head_dim = q.shape
     num_kv_heads, length = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
-    kv_lens = cache.kv_lens[:batch].long()
     pos = torch.arange(length, device=q.device)
     qi = torch.arange(tq, device=q.device)
     q_lens = q_lens.to(q.device).long()

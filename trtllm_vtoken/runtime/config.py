@@ -72,6 +72,12 @@ class EngineConfig:
     """The KV pool's dtype: "auto", the model's; "fp8", float8_e4m3fn codes with a scale per layer
     (TensorRT-LLM's FP8 KV cache, ``kv_cache.py``): a quarter of float32's bytes a block. Not with
     ``positions="shift"`` (re-rotating 8-bit codes rounds every surviving key again)."""
+    batch_invariant: bool = False
+    """Every product of a forward runs on a multiple of the row count this machine's BLAS needs
+    (measured at start-up, ``runtime/batch_invariance.py``), and each batch row attends alone: a
+    request's logits and attention mass are bitwise the same alone and in any batch, so no greedy
+    choice or decision flips on a float near-tie with what runs beside it. CPU only; it costs a
+    lone decode row's linears about 2.5x and a batch's attention a loop over its rows."""
     device: str = "cpu"
     cuda_graphs: bool = True
     """On a CUDA device, decode steps replay captured CUDA graphs (one per batch-size bucket);
@@ -163,6 +169,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.batch_invariant and self.device != "cpu":
+            raise ValueError(f"batch_invariant runs on the CPU (device {self.device!r}): on a GPU the libraries choose "
+                             "kernels per batch shape that this mode does not control")
         if self.kv_cache_dtype == "fp8" and self.positions == "shift":
             raise ValueError("kv_cache_dtype='fp8' needs positions='keep': shift positions re-rotate the surviving "
                              "keys, which on 8-bit codes rounds each of them again at every compaction")

@@ -37,6 +37,7 @@ import torch
 from trtllm_vtoken.consistency import RankConsistency, RankGroup, SingleRank
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.engine_stats import EngineStats
+from trtllm_vtoken.runtime.batch_invariance import find_row_multiple
 from trtllm_vtoken.runtime.forward import Forwards
 from trtllm_vtoken.runtime.kv_manager import KVCacheManager
 from trtllm_vtoken.runtime.logprobs import token_logprobs
@@ -97,7 +98,9 @@ class Engine(OverlapIteration):
         self.stats = EngineStats()
         self.forwards = Forwards(self.model, self.kv, self.graphs, self.consistency, self.stats, self.config.device,
                                  self.config.max_batch_size,
-                                 self.config.max_blocks_per_seq * self.config.tokens_per_block)
+                                 self.config.max_blocks_per_seq * self.config.tokens_per_block,
+                                 find_row_multiple(self.model) if self.config.batch_invariant and not self.simulated
+                                 else 0)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[int] = deque()
         self.running: list[int] = []  # admission order

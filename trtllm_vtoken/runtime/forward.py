@@ -29,11 +29,14 @@ class Forwards:
         graphs: Captured decode graphs (None: eager).
         consistency: The ranks' agreement (``RankConsistency``): the mass is summed over them.
         stats: The engine's stats (``forward_seconds`` grows).
+        row_multiple: > 0: batch-invariant forwards, every product on a multiple of this many
+            rows (``runtime/batch_invariance.py``).
     """
 
     def __init__(self, model: Any, kv: Any, graphs: Any, consistency: Any, stats: Any, device: str,
-                 max_batch_size: int, max_positions: int) -> None:
+                 max_batch_size: int, max_positions: int, row_multiple: int = 0) -> None:
         self.model, self.kv, self.graphs, self.consistency, self.stats = model, kv, graphs, consistency, stats
+        self.row_multiple = row_multiple
         self.device = device
         self.simulated = getattr(model, "simulated", False)
         self.mass_staging = MassStaging(max_batch_size, max_positions)
@@ -95,6 +98,7 @@ class Forwards:
                 kv.cache, valid, return_mass=kv.needs_attention, logits_at=None if verify else q_lens - 1,
                 carry_mass=self.consistency.carry, mass_cuts=mass_cuts,
                 mass_from=self._mass_from(req_ids, tokens, prompt_after) if prefill and kv.needs_attention else None,
+                row_multiple=self.row_multiple,
             )
         mass = self.consistency.reduce_mass(mass)  # every rank's heads: identical decisions
         # One device-to-host copy per forward for all rows (the policy reads each row on the host);

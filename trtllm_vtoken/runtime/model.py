@@ -20,6 +20,7 @@ from torch import nn
 
 from trtllm_vtoken.reclaim.rope import RopeSpec, apply_rotation, rotation_at
 from trtllm_vtoken.runtime.attention import paged_attention
+from trtllm_vtoken.runtime.batch_invariance import project
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
 
 
@@ -115,13 +116,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, row_multiple: int = 0) -> tuple[torch.Tensor, ...]:
         """x: [B, T, hidden] -> q [B, T, Hq, D], k and v [B, T, Hkv, D], q and k rotated."""
         b, t, _ = x.shape
         cfg = self.cfg
-        q = self.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        v = self.v_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        q = project(self.q_proj, x, row_multiple).view(b, t, cfg.num_attention_heads, cfg.head_dim)
+        k = project(self.k_proj, x, row_multiple).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        v = project(self.v_proj, x, row_multiple).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
         rope = cfg.rope
         return rotate(q, positions, rope), rotate(k, positions, rope), v
 
@@ -133,8 +134,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, row_multiple: int = 0) -> torch.Tensor:
+        hidden = nn.functional.silu(project(self.gate_proj, x, row_multiple)) * project(self.up_proj, x, row_multiple)
+        return project(self.down_proj, hidden, row_multiple)
 
 
 class DecoderLayer(nn.Module):
@@ -177,6 +179,7 @@ class LlamaForCausalLM(nn.Module):
         carry_mass: Callable[[torch.Tensor], None] | None = None,
         mass_cuts: torch.Tensor | None = None,
         mass_from: torch.Tensor | None = None,
+        row_multiple: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step over a batch whose block tables and lengths are already in ``cache``.
 
@@ -191,6 +194,8 @@ class LlamaForCausalLM(nn.Module):
             carry_mass: Given the mass once every layer's attention has added to it, before the
                 last layer's output projection (tensor parallelism: that projection's all-reduce
                 sums the mass over the ranks too, in the same collective).
+            row_multiple: > 0: batch-invariant, every product on a multiple of this many rows
+                (``runtime/batch_invariance.py``); 0: each product as the batch gives it.
         Returns:
             logits [B, T, vocab] ([B, vocab] with ``logits_at``) and the attention mass per
             position (or None).
@@ -199,18 +204,19 @@ class LlamaForCausalLM(nn.Module):
         mass_total = None
         for layer_idx, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
-            q, k, v = layer.self_attn.qkv(h, positions)
+            q, k, v = layer.self_attn.qkv(h, positions, row_multiple)
             cache.write(layer_idx, slots.flatten(), k.flatten(0, 1), v.flatten(0, 1))
-            out, mass = paged_attention(q, cache, layer_idx, q_lens, valid, return_mass, mass_cuts, mass_from)
+            out, mass = paged_attention(q, cache, layer_idx, q_lens, valid, return_mass, mass_cuts, mass_from,
+                                        row_multiple)
             if mass is not None:
                 mass_total = mass if mass_total is None else mass_total + mass
                 if carry_mass is not None and layer_idx == len(self.model.layers) - 1:
                     carry_mass(mass_total)
-            x = x + layer.self_attn.o_proj(out.flatten(2))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + project(layer.self_attn.o_proj, out.flatten(2), row_multiple)
+            x = x + layer.mlp(layer.post_attention_layernorm(x), row_multiple)
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at]
-        return self.lm_head(self.model.norm(x)), mass_total
+        return project(self.lm_head, self.model.norm(x), row_multiple), mass_total
 
 
 def load_llama(folder: str | Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:

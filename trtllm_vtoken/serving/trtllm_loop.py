@@ -183,6 +183,9 @@ def make_trtllm_loop(settings, on_stats: Callable[[dict[str, float]], None] | No
     engine = settings.engine
     if engine.variant != "vtoken" or engine.mode != "dense":
         raise ValueError("the TensorRT-LLM path serves variant 'vtoken' in mode 'dense' only")
+    if engine.batch_invariant:
+        raise ValueError("batch_invariant is the reference engine's (CPU): TensorRT-LLM's kernels choose their "
+                         "reduction order per batch shape")
     stats_file = Path(tempfile.mkdtemp(prefix="vtoken-trtllm-")) / "stats.json"
     args = vtoken_llm_args(policy=engine.policy, budget=engine.budget, tokens_per_block=engine.tokens_per_block,
                            policy_options=dict(engine.policy_options), stats_file=str(stats_file))

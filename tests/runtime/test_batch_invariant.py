@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``EngineConfig(batch_invariant=True)``: a request's logits and attention mass are bitwise the
+same alone and in any batch (``runtime/batch_invariance.py``).
+
+Without the mode they are not on this project's CPU build: SmolLM2's six chat prompts served one
+at a time and together differ in every cumulative logprob (by up to 2.6e-5), so the SmolLM2 test
+below fails with ``batch_invariant=False``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_vtoken.runtime.attention import paged_attention
+from trtllm_vtoken.runtime.batch_invariance import CANDIDATES, find_row_multiple, padded, project
+from trtllm_vtoken.runtime.config import EngineConfig
+from trtllm_vtoken.runtime.kv_cache import PagedKVCache
+from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
+
+TPB = 4
+
+
+def test_find_row_multiple_measures_a_candidate_once(tiny_model):
+    multiple = find_row_multiple(tiny_model)
+    assert multiple in CANDIDATES
+    assert find_row_multiple(tiny_model) == multiple  # measured once per process and thread count
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (576, 1536)])
+def test_a_projected_row_has_the_same_bits_in_every_batch_and_position(shape):
+    """Batches of row counts and positions the start-up probe does not try."""
+    inner, outer = shape
+    g = torch.Generator().manual_seed(1)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=inner, intermediate_size=outer,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16))
+    linear = model.model.layers[0].mlp.gate_proj
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(outer, inner, generator=g))
+    multiple = find_row_multiple(model)
+    row = torch.randn(inner, generator=g)
+    results = []
+    with torch.inference_mode():
+        for count in (1, 2, 3, 5, 6, 7, 10, 13, 30):
+            for position in range(count):
+                x = torch.randn(2, count, inner, generator=g)
+                x[position % 2, position] = row
+                y = project(linear, x, multiple)
+                torch.testing.assert_close(y, linear(x), rtol=1e-5, atol=1e-4)  # another kernel: rounding
+                results.append(y[position % 2, position])
+    assert all(torch.equal(results[0], r) for r in results)
+
+
+def _cache_with_rows(rows: list[tuple[list[int], int]], seed: int) -> tuple[PagedKVCache, torch.Tensor]:
+    """A cache with one batch row per (blocks, kv_len) and random K/V in its pool."""
+    cache = PagedKVCache(32, TPB, 1, 2, 16, max_seqs=len(rows), max_blocks_per_seq=8)
+    cache.pool.copy_(torch.randn(cache.pool.shape, generator=torch.Generator().manual_seed(seed)))
+    cache.set_batch([blocks for blocks, _ in rows], [kv_len for _, kv_len in rows])
+    valid = torch.rand(len(rows), 8 * TPB, generator=torch.Generator().manual_seed(seed + 1)) > 0.2
+    return cache, valid
+
+
+def test_each_row_alone_equals_the_batched_attention_and_keeps_its_bits_in_any_batch(tiny_model):
+    """Per-row attention against the batched one (float rounding), masks, mass cuts and the
+    prefill window included; and each row's output and mass bitwise the same computed alone."""
+    multiple = find_row_multiple(tiny_model)
+    rows = [([3, 9, 4], 11), ([7], 2), ([12, 13, 1, 2, 5], 19), ([20, 21], 8)]
+    q_lens = [3, 1, 6, 2]
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(len(rows), max(q_lens), 4, 16, generator=g)
+    cuts = torch.tensor([[1, 3], [0, 1], [4, 6], [2, 2]])
+    mass_from = torch.tensor([1, 0, 2, 0])
+    cache, valid = _cache_with_rows(rows, seed=3)
+    q_lens_t = torch.tensor(q_lens)
+    want = paged_attention(q, cache, 0, q_lens_t, valid, True, cuts, mass_from)
+    got = paged_attention(q, cache, 0, q_lens_t, valid, True, cuts, mass_from, row_multiple=multiple)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    for b, row in enumerate(rows):
+        alone, alone_valid = _cache_with_rows([row], seed=3)
+        alone_valid[0] = valid[b]
+        out, mass = paged_attention(q[b : b + 1, : q_lens[b]], alone, 0, q_lens_t[b : b + 1], alone_valid, True,
+                                    cuts[b : b + 1], mass_from[b : b + 1], row_multiple=multiple)
+        assert torch.equal(out[0], got[0][b, : q_lens[b]])
+        width = mass.shape[-1]
+        assert torch.equal(mass[0], got[1][b, :, :width]) and not got[1][b, :, width:].any()
+
+
+def test_padded_rounds_up_to_a_multiple():
+    assert [padded(n, 4) for n in (1, 4, 5, 8)] == [4, 4, 8, 8]
+    assert padded(5, 0) == 5
+
+
+def test_batch_invariant_runs_on_the_cpu_only():
+    with pytest.raises(ValueError, match="batch_invariant runs on the CPU"):
+        EngineConfig(batch_invariant=True, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from trtllm_vtoken.cli.bench_common import load_model
+
+    _, model, tokenizer = load_model(None)
+    return model, tokenizer
+
+
+def _serve(model, prompts, together: bool, **config):
+    from trtllm_vtoken.policies.request_settings import EvictionSettings
+    from trtllm_vtoken.runtime.engine import Engine
+    from trtllm_vtoken.runtime.sampling import SamplingParams
+
+    values = dict(policy="h2o", budget=0.5, tokens_per_block=16, num_blocks=48, max_batch_size=8, max_seq_len=128,
+                  batch_invariant=True)
+    values.update(config)
+    engine = Engine(model, EngineConfig(**values), record_trace=True)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=1)
+
+    def drain(ids):
+        while engine.has_unfinished():
+            engine.step()
+        return [engine.pop_finished(i) for i in ids]
+
+    if together:
+        return drain([engine.add_request(p, params, req_id=i) for i, p in enumerate(prompts)])
+    keep = SamplingParams(max_tokens=1, eviction=EvictionSettings(policy="native"))
+    drain([engine.add_request(prompts[0], keep, req_id=99)])  # the chat template cached: each reuses it
+    done = [drain([engine.add_request(p, params, req_id=i)])[0] for i, p in enumerate(prompts)]
+    assert engine.stats.cached_prompt_tokens > 0
+    return done
+
+
+@pytest.mark.parametrize("variant", ["native", "vtoken", "naive-evict"])
+def test_smollm2_logprobs_are_bitwise_the_same_alone_and_in_a_batch(smollm2, variant):
+    """Each request alone (reusing the cached chat template, one decode row a step) and all
+    together (computed afresh, four rows): the same tokens, the same eviction decisions and
+    the same log-probabilities to the last bit. vtoken and naive-evict also agree."""
+    from trtllm_vtoken.bench.invariance import CHAT
+
+    model, tokenizer = smollm2
+    prompts = [tokenizer.encode(q, chat=True) for q in CHAT[:4]]
+    alone, together = _serve(model, prompts, False, variant=variant), _serve(model, prompts, True, variant=variant)
+    for a, b in zip(alone, together):
+        assert a.output_ids == b.output_ids and a.evictions == b.evictions
+        assert a.cumulative_logprob == b.cumulative_logprob, f"request {a.req_id}: {a.cumulative_logprob} alone, " \
+                                                             f"{b.cumulative_logprob} in a batch"
+        assert a.logprobs == b.logprobs
+    if variant != "native":
+        assert any(a.evictions for a in alone)
