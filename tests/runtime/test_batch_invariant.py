@@ -146,3 +146,18 @@ def test_smollm2_logprobs_are_bitwise_the_same_alone_and_in_a_batch(smollm2, var
         assert a.logprobs == b.logprobs
     if variant != "native":
         assert any(a.evictions for a in alone)
+
+
+def test_the_row_multiple_is_measured_for_the_thread_count_the_forward_runs_on(tiny_model):
+    from trtllm_vtoken.runtime.engine import Engine
+
+    engine = Engine(tiny_model, EngineConfig(batch_invariant=True, num_blocks=16, max_seq_len=64))
+    threads = torch.get_num_threads()
+    assert engine.forwards.row_multiple() in CANDIDATES
+    try:
+        torch.set_num_threads(1)
+        assert engine.forwards.row_multiple() in CANDIDATES
+        assert sorted(engine.forwards._row_multiples) == sorted({1, threads})
+    finally:
+        torch.set_num_threads(threads)
+    assert Engine(tiny_model, EngineConfig(num_blocks=16, max_seq_len=64)).forwards.row_multiple() == 0

@@ -10,8 +10,13 @@
                      and in a pool small enough that greedy admission preempts (a preempted request
                      is prefilled again, prompt and output so far, and its policy chooses again);
                      how many answers agree with the roomy pool's, and how many preemptions
+    bitwise rows     copy reuse, native and vtoken, ``batch_invariant`` off and on: how many
+                     requests have every log-probability bitwise the same alone and together, and
+                     the largest difference of a cumulative log-probability
+    cost rows        the forward's time per decode step with ``batch_invariant`` off and on, for
+                     1, 4 and 8 requests of one prompt, in alternating rounds (median and range)
 
-Nothing here is timed: every number is a count, the same on every run.
+The other rows are counts, the same on every run.
 """
 
 from __future__ import annotations
@@ -38,9 +43,15 @@ class InvarianceBenchConfig:
     """The preemption rows' small pool: this share of the blocks native needs to hold every request
     at its full length at once (greedy admission preempts when it runs dry)."""
     seed: int = 0
+    cost_batches: tuple[int, ...] = (1, 4, 8)
+    """Requests decoding together in the cost rows."""
+    rounds: int = 3
+    """Alternating rounds of the cost rows (off, on, off, on, ...)."""
 
     def __post_init__(self) -> None:
-        require_positive(self, "max_prompt_tokens", "new_tokens", "tokens_per_block")
+        require_positive(self, "max_prompt_tokens", "new_tokens", "tokens_per_block", "rounds")
+        if not self.cost_batches or min(self.cost_batches) < 1:
+            raise ValueError(f"cost_batches must be positive batch sizes, got {self.cost_batches}")
         if self.sharegpt_requests < 0:
             raise ValueError(f"sharegpt_requests must be >= 0, got {self.sharegpt_requests}")
         if not 0.0 < self.budget <= 1.0 or not 0.0 < self.tight_fraction < 1.0:
@@ -64,7 +75,7 @@ def serve(model: Any, prompts: list[list[int]], cfg: InvarianceBenchConfig, toge
                   max_batch_size=len(prompts), max_seq_len=cfg.max_prompt_tokens + cfg.new_tokens + tpb)
     values.update(config)
     engine = Engine(model, EngineConfig(**values), record_trace=True)
-    params = SamplingParams(max_tokens=cfg.new_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=cfg.new_tokens, ignore_eos=True, logprobs=1)
 
     def drain(ids: list[int]) -> list:
         while engine.has_unfinished():
@@ -79,6 +90,7 @@ def serve(model: Any, prompts: list[list[int]], cfg: InvarianceBenchConfig, toge
             drain([engine.add_request(prompts[0], keep, req_id=len(prompts))])
         done = [drain([engine.add_request(p, params, req_id=i)])[0] for i, p in enumerate(prompts)]
     return {"outputs": [r.output_ids for r in done], "evictions": [r.evictions for r in done],
+            "logprobs": [r.logprobs for r in done], "cumulative_logprobs": [r.cumulative_logprob for r in done],
             "cached_prompt_tokens": engine.stats.cached_prompt_tokens, "preemptions": engine.stats.preemptions,
             "peak_blocks": engine.kv.stats.peak_blocks_used}
 
@@ -125,10 +137,63 @@ def run_invariance_bench(cfg: InvarianceBenchConfig, model: Any, tokenizer: Any,
         tick()
         preemption_rows.append({"variant": variant, "requests": len(prompts), "num_blocks": tight,
                                 "preemptions": small["preemptions"], "same_output": agree(roomy, small, "outputs")})
+    bitwise_rows = []
+    for batch_invariant in (False, True):
+        for variant in ("native", "vtoken"):
+            alone, together = (serve(model, prompts, cfg, t, variant=variant, batch_invariant=batch_invariant)
+                               for t in (False, True))
+            tick()
+            bitwise_rows.append({
+                "batch_invariant": batch_invariant, "variant": variant, "requests": len(prompts),
+                "same_output": agree(alone, together, "outputs"), "same_logprobs": agree(alone, together, "logprobs"),
+                "largest_cumulative_logprob_difference": max(
+                    abs(a - b) for a, b in zip(alone["cumulative_logprobs"], together["cumulative_logprobs"]))})
     copy_vtoken = next(r for r in batch_rows if r["prefix_reuse"] == "copy" and r["variant"] == "vtoken")
     copy_naive = next(r for r in batch_rows if r["prefix_reuse"] == "copy" and r["variant"] == "naive-evict")
     vtoken_equals_naive = sum(a == b for a, b in zip(copy_vtoken["outputs_together"], copy_naive["outputs_together"]))
     for row in batch_rows:
         del row["outputs_together"]
     return {"config": asdict(cfg), "prompt_tokens": [len(p) for p in prompts], "batch_rows": batch_rows,
-            "preemption_rows": preemption_rows, "copy_vtoken_equals_naive_evict": vtoken_equals_naive}
+            "preemption_rows": preemption_rows, "copy_vtoken_equals_naive_evict": vtoken_equals_naive,
+            "bitwise_rows": bitwise_rows, "cost_rows": cost_rows(model, max(prompts, key=len), cfg, tick)}
+
+
+def decode_step_seconds(model, prompt: list[int], batch: int, cfg: InvarianceBenchConfig, **config) -> float:
+    """The forward's seconds per decode step for ``batch`` requests of ``prompt`` (vtoken, H2O),
+    from the iteration after the last prefill to the end."""
+    from trtllm_vtoken.runtime.config import EngineConfig
+    from trtllm_vtoken.runtime.engine import Engine
+    from trtllm_vtoken.runtime.sampling import SamplingParams
+
+    tpb = cfg.tokens_per_block
+    length = len(prompt) + cfg.new_tokens
+    engine = Engine(model, EngineConfig(policy=cfg.policy, budget=cfg.budget, tokens_per_block=tpb,
+                                        num_blocks=batch * -(-length // tpb) + 8, max_batch_size=batch,
+                                        max_seq_len=length + tpb, **config))
+    params = SamplingParams(max_tokens=cfg.new_tokens, ignore_eos=True)
+    ids = [engine.add_request(prompt, params) for _ in range(batch)]
+    while engine.stats.prefill_tokens < batch * len(prompt):
+        engine.step()
+    start_seconds, start_steps = engine.stats.forward_seconds, engine.stats.steps
+    while engine.has_unfinished():
+        engine.step()
+    for i in ids:
+        engine.pop_finished(i)
+    return (engine.stats.forward_seconds - start_seconds) / (engine.stats.steps - start_steps)
+
+
+def cost_rows(model, prompt: list[int], cfg: InvarianceBenchConfig, tick) -> list[dict[str, Any]]:
+    """Per batch size: ms per decode step off and on over alternating rounds, and their ratio."""
+    rows = []
+    for batch in cfg.cost_batches:
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(cfg.rounds):
+            for batch_invariant in (False, True):
+                times[batch_invariant].append(1e3 * decode_step_seconds(model, prompt, batch, cfg,
+                                                                        batch_invariant=batch_invariant))
+        tick()
+        ratios = sorted(on / off for off, on in zip(times[False], times[True]))
+        rows.append({"batch": batch, "prompt_tokens": len(prompt), "rounds": cfg.rounds,
+                     "decode_ms_off": times[False], "decode_ms_on": times[True],
+                     "ratio_median": ratios[len(ratios) // 2], "ratio_range": [ratios[0], ratios[-1]]})
+    return rows

@@ -37,7 +37,6 @@ import torch
 from trtllm_vtoken.consistency import RankConsistency, RankGroup, SingleRank
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.engine_stats import EngineStats
-from trtllm_vtoken.runtime.batch_invariance import find_row_multiple
 from trtllm_vtoken.runtime.forward import Forwards
 from trtllm_vtoken.runtime.kv_manager import KVCacheManager
 from trtllm_vtoken.runtime.logprobs import token_logprobs
@@ -99,8 +98,7 @@ class Engine(OverlapIteration):
         self.forwards = Forwards(self.model, self.kv, self.graphs, self.consistency, self.stats, self.config.device,
                                  self.config.max_batch_size,
                                  self.config.max_blocks_per_seq * self.config.tokens_per_block,
-                                 find_row_multiple(self.model) if self.config.batch_invariant and not self.simulated
-                                 else 0)
+                                 batch_invariant=self.config.batch_invariant and not self.simulated)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[int] = deque()
         self.running: list[int] = []  # admission order

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from trtllm_vtoken.runtime.batch_invariance import find_row_multiple
 from trtllm_vtoken.runtime.mass_staging import MassStaging
 
 
@@ -29,14 +30,17 @@ class Forwards:
         graphs: Captured decode graphs (None: eager).
         consistency: The ranks' agreement (``RankConsistency``): the mass is summed over them.
         stats: The engine's stats (``forward_seconds`` grows).
-        row_multiple: > 0: batch-invariant forwards, every product on a multiple of this many
-            rows (``runtime/batch_invariance.py``).
+        batch_invariant: Batch-invariant forwards (``runtime/batch_invariance.py``): every product
+            on a multiple of the rows this machine's BLAS needs, measured here for the thread count
+            (RuntimeError where no multiple serves) and again if the thread count changes.
     """
 
     def __init__(self, model: Any, kv: Any, graphs: Any, consistency: Any, stats: Any, device: str,
-                 max_batch_size: int, max_positions: int, row_multiple: int = 0) -> None:
+                 max_batch_size: int, max_positions: int, batch_invariant: bool = False) -> None:
         self.model, self.kv, self.graphs, self.consistency, self.stats = model, kv, graphs, consistency, stats
-        self.row_multiple = row_multiple
+        self.batch_invariant = batch_invariant
+        self._row_multiples: dict[int, int] = {}  # thread count -> rows every product is padded to
+        self.row_multiple()
         self.device = device
         self.simulated = getattr(model, "simulated", False)
         self.mass_staging = MassStaging(max_batch_size, max_positions)
@@ -45,6 +49,15 @@ class Forwards:
         (the simulated backend: after its forward was launched on the simulated device)."""
         self.device_ready = 0.0
         """The simulated backend with device time: when the device finishes the forwards launched."""
+
+    def row_multiple(self) -> int:
+        """0, or (batch-invariant) the row multiple for the thread count the products run on now."""
+        if not self.batch_invariant:
+            return 0
+        threads = torch.get_num_threads()
+        if threads not in self._row_multiples:
+            self._row_multiples[threads] = find_row_multiple(self.model)
+        return self._row_multiples[threads]
 
     def _layout_fixed(self) -> None:
         if self.before_model is not None:
@@ -98,7 +111,7 @@ class Forwards:
                 kv.cache, valid, return_mass=kv.needs_attention, logits_at=None if verify else q_lens - 1,
                 carry_mass=self.consistency.carry, mass_cuts=mass_cuts,
                 mass_from=self._mass_from(req_ids, tokens, prompt_after) if prefill and kv.needs_attention else None,
-                row_multiple=self.row_multiple,
+                row_multiple=self.row_multiple(),
             )
         mass = self.consistency.reduce_mass(mass)  # every rank's heads: identical decisions
         # One device-to-host copy per forward for all rows (the policy reads each row on the host);
