@@ -161,3 +161,34 @@ def test_the_row_multiple_is_measured_for_the_thread_count_the_forward_runs_on(t
     finally:
         torch.set_num_threads(threads)
     assert Engine(tiny_model, EngineConfig(num_blocks=16, max_seq_len=64)).forwards.row_multiple() == 0
+
+
+@pytest.mark.parametrize("length", [35, 124])
+@pytest.mark.parametrize("variant", ["native", "vtoken"])
+def test_smollm2_logprobs_are_bitwise_the_same_over_a_prefix_another_prompt_cached(smollm2, variant, length):
+    """A prompt over the first 32 tokens a 40-token prompt left cached and with prefix caching
+    off: 35 tokens (the cached run's prefill computes 3 rows; without the mode their products
+    take another kernel than a fresh prefill's 35 rows and the test fails), 124 tokens (the cached
+    blocks were computed with keys padded to 48, a fresh prefill pads them to 128)."""
+    from trtllm_vtoken.policies.request_settings import EvictionSettings
+    from trtllm_vtoken.runtime.engine import Engine
+    from trtllm_vtoken.runtime.sampling import SamplingParams
+
+    model, tokenizer = smollm2
+    text = "Write a long story about a lighthouse keeper who finds a message in a bottle, with many details."
+    tokens = tokenizer.encode(" ".join([text] * 4), chat=True)[:length]
+    results = []
+    for caching in (True, False):
+        engine = Engine(model, EngineConfig(variant=variant, policy="h2o", budget=0.5, tokens_per_block=16,
+                                            num_blocks=32, max_batch_size=2, max_seq_len=160, batch_invariant=True,
+                                            prefix_caching=caching))
+        if caching:
+            engine.add_request(tokens[:40], SamplingParams(max_tokens=1, eviction=EvictionSettings(policy="native")))
+            while engine.has_unfinished():
+                engine.step()
+        req_id = engine.add_request(tokens, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=1))
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.stats.cached_prompt_tokens == (32 if caching else 0)
+        results.append(engine.pop_finished(req_id))
+    assert results[0].output_ids == results[1].output_ids and results[0].logprobs == results[1].logprobs
