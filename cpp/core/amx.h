@@ -29,8 +29,14 @@ namespace vtoken {
 // tile state (asked once, on the first call); always false in a build without AMX.
 bool amx_bf16_supported();
 
-// What a pass checks last, after its arguments: std::invalid_argument for a workspace of fewer
-// than `needed` bytes, then std::runtime_error where AMX is not supported. `pass` names it.
+// True where the CPU has AVX-512 F, BW and BF16 (bf16 pair dot products, vdpbf16ps: AMD Zen 4 and
+// later, Intel Cooper Lake and later) and the OS saves the ZMM state; false in a build without AMX
+// intrinsics (the same compilers bring both).
+bool avx512_bf16_supported();
+
+// What a pass checks after its arguments: std::invalid_argument for a workspace of fewer than
+// `needed` bytes; the _and_amx form then std::runtime_error where AMX is not supported. `pass` names it.
+void require_workspace(const char* pass, int64_t workspace_bytes, int64_t needed);
 void require_workspace_and_amx(const char* pass, int64_t workspace_bytes, int64_t needed);
 
 // The passes' workspaces are caller-allocated byte tensors: each pass asks for kWorkspaceAlign
@@ -58,6 +64,7 @@ void run_workers(int64_t n, const Work& work) {
 }
 
 #if VTOKEN_AMX
+#define VTOKEN_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define VTOKEN_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
 
 // The 64-byte record _tile_loadconfig reads (palette 1): per tile, its rows and bytes per row.
@@ -72,7 +79,7 @@ struct TileConfig {
 // exp(x) for x <= 0 (and tiny positive x) in float32: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
 // degree-7 series (relative error under 2e-7), times 2^n. Below -87 the result is clamped at
 // e^-87 (~1.6e-38), which no softmax sum can tell from the true value.
-VTOKEN_AMX_TARGET inline __m512 exp_nonpositive(__m512 x) {
+VTOKEN_AVX512_TARGET inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

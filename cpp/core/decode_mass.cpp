@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The AMX decode mass pass (decode_mass.h). Per row, layer, KV head and (up to) 16 query heads of
-// its group, the keys are read once, where the pool holds them:
+// The bf16 decode mass pass (decode_mass.h). Per row, layer, KV head and (up to) 16 query heads of
+// its group, the keys are read once, where the pool holds them. With AMX:
 //
 //   tile [16 keys, 16 lanes] float32 = A (16 keys x 32 dims, bf16, loaded from the block)
 //                                      . B (32 dims x 16 query heads, the queries in pairs)
@@ -14,10 +14,15 @@
 // back. With positions along the vector, the exponentials are the group's heads' only (3 of 16
 // lanes at SmolLM2's group of 3) and the sum over heads needs no horizontal reduction.
 //
+// Without AMX, on AVX-512 BF16 (AMD Zen 4, Intel Cooper Lake): each key's dot product with each of
+// the group's queries, 32 bf16 pairs a vdpbf16ps with float32 sums, summed across the vector into
+// scores[h, key]; the same softmax and sums follow.
+//
 // Workspace, per thread (64-byte aligned regions):
 //   scores   [16 lanes][kv_len + 16, padded to 16] float32
 //   tile     [16][16] float32                          (one tile product, L1-resident)
-//   queries  [chunks][16 pairs][16 lanes][2] bf16      (dims zero-padded to the chunk)
+//   queries  [chunks][16 pairs][16 lanes][2] bf16      (dims zero-padded to the chunk; AMX)
+//            [16 lanes][chunks][32] bf16              (the same bytes; AVX-512 BF16)
 #include "decode_mass.h"
 
 #include <algorithm>
@@ -84,6 +89,50 @@ void pack_queries(const DecodeMassArgs& a, const Layout& l, const uint16_t* row_
   }
 }
 
+// The next block lies anywhere in the pool: ask for its keys while block `block` is scored.
+VTOKEN_AVX512_TARGET void prefetch_next_block(const DecodeMassArgs& a, const int64_t* blocks, int64_t block,
+                                              int64_t num_blocks, const uint16_t* head_keys) {
+  if (block + 1 >= num_blocks) return;
+  const char* next = reinterpret_cast<const char*>(head_keys + blocks[block + 1] * a.block_stride);
+  for (int64_t t = 0; t < a.tokens_per_block; ++t)
+    for (int64_t byte = 0; byte < a.head_dim * 2; byte += 64) _mm_prefetch(next + t * a.token_stride * 2 + byte, _MM_HINT_T0);
+}
+
+// packed[lane][chunk][32] = query head (first_head + lane)'s dims of the chunk, for lane < lanes
+// (dims zero-padded to whole chunks).
+void pack_query_rows(const DecodeMassArgs& a, const Layout& l, const uint16_t* row_q, int64_t first_head,
+                     int64_t lanes, uint16_t* packed) {
+  const int64_t width = (l.chunks + (l.tail ? 1 : 0)) * kChunk;
+  std::memset(packed, 0, l.queries_bytes);
+  for (int64_t lane = 0; lane < lanes; ++lane)
+    std::memcpy(packed + lane * width, row_q + (first_head + lane) * a.q_head_stride, a.head_dim * 2);
+}
+
+// scores[lane, p] (row stride l.row_floats) for lanes < `lanes` and positions p < kv_len: the key's
+// dims against the lane's in bf16 pairs, 32 a vdpbf16ps, with float32 sums; then across the vector.
+VTOKEN_AVX512_TARGET void score_keys_dot(const DecodeMassArgs& a, const Layout& l, const int64_t* blocks,
+                                         int64_t kv_len, const uint16_t* head_keys, const uint16_t* queries,
+                                         int64_t lanes, float* scores) {
+  const int64_t tpb = a.tokens_per_block, num_blocks = (kv_len + tpb - 1) / tpb;
+  const int64_t width = (l.chunks + (l.tail ? 1 : 0)) * kChunk;
+  const __mmask32 tail = static_cast<__mmask32>((1ull << l.tail) - 1);
+  for (int64_t p = 0; p < kv_len; ++p) {
+    if (p % tpb == 0) prefetch_next_block(a, blocks, p / tpb, num_blocks, head_keys);
+    const uint16_t* k = head_keys + blocks[p / tpb] * a.block_stride + (p % tpb) * a.token_stride;
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      const uint16_t* q = queries + lane * width;
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t chunk = 0; chunk < l.chunks; ++chunk)
+        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(k + chunk * kChunk),
+                               (__m512bh)_mm512_loadu_si512(q + chunk * kChunk));
+      if (l.tail)
+        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_maskz_loadu_epi16(tail, k + l.chunks * kChunk),
+                               (__m512bh)_mm512_loadu_si512(q + l.chunks * kChunk));
+      scores[lane * l.row_floats + p] = _mm512_reduce_add_ps(sum);
+    }
+  }
+}
+
 // scores[lane, p] (row stride l.row_floats) for lanes < `lanes` and positions p < kv_len (and
 // up to 16 past it, unread): each tile's [keys, 16 lanes] product goes through `tile` (L1-hot)
 // and each live lane's column is gathered into its row, so that softmax and sums run with
@@ -97,13 +146,7 @@ VTOKEN_AMX_TARGET void score_keys(const DecodeMassArgs& a, const Layout& l, cons
                                             _mm512_set1_epi32(kLanes));
   for (int64_t first = 0; first < kv_len; first += l.rows) {
     const uint16_t* k = head_keys + blocks[first / tpb] * a.block_stride + (first % tpb) * a.token_stride;
-    if (first % tpb == 0 && first / tpb + 1 < num_blocks) {
-      // the next block lies anywhere in the pool: ask for its keys while this block is scored
-      const char* next = reinterpret_cast<const char*>(head_keys + blocks[first / tpb + 1] * a.block_stride);
-      for (int64_t t = 0; t < tpb; ++t)
-        for (int64_t byte = 0; byte < a.head_dim * 2; byte += 64)
-          _mm_prefetch(next + t * key_bytes + byte, _MM_HINT_T0);
-    }
+    if (first % tpb == 0) prefetch_next_block(a, blocks, first / tpb, num_blocks, head_keys);
     _tile_zero(0);
     for (int64_t chunk = 0; chunk < l.chunks; ++chunk) {
       _tile_loadd(1, k + chunk * kChunk, key_bytes);
@@ -123,7 +166,7 @@ VTOKEN_AMX_TARGET void score_keys(const DecodeMassArgs& a, const Layout& l, cons
 
 // Each lane's softmax over positions [0, kv_len) of its row (overwritten by the exponentials),
 // its weights added to mass[p].
-VTOKEN_AMX_TARGET void add_softmax_mass(const Layout& l, float* scores, int64_t kv_len, int64_t lanes, float scale,
+VTOKEN_AVX512_TARGET void add_softmax_mass(const Layout& l, float* scores, int64_t kv_len, int64_t lanes, float scale,
                                         float* mass) {
   const int64_t whole = kv_len / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (kv_len - whole)) - 1);
@@ -158,32 +201,77 @@ VTOKEN_AMX_TARGET void add_softmax_mass(const Layout& l, float* scores, int64_t 
   }
 }
 
-VTOKEN_AMX_TARGET void worker(const DecodeMassArgs& a, const Layout& l, int64_t thread, int64_t threads,
-                              uint8_t* region, float* mass, int64_t mass_width) {
-  float* scores = reinterpret_cast<float*>(region);
-  float* tile = reinterpret_cast<float*>(region + l.scores_bytes);
-  uint16_t* queries = reinterpret_cast<uint16_t*>(region + l.scores_bytes + l.tile_bytes);
+// Calls heads(row_q, blocks, kv_len, head_keys, first_head, lanes, row_mass) for each of thread
+// `thread`'s rows (every `threads`-th), layer, KV head and its group's (up to) 16 query heads at a
+// time, each row's mass zeroed first.
+template <class Heads>
+void for_each_head(const DecodeMassArgs& a, int64_t thread, int64_t threads, float* mass, int64_t mass_width,
+                   Heads& heads) {
   const int64_t group = a.num_heads / a.num_kv_heads;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.head_dim)));
-  configure_tiles(l);
   for (int64_t b = thread; b < a.batch; b += threads) {
     float* row_mass = mass + b * mass_width;
     std::fill(row_mass, row_mass + mass_width, 0.0f);
-    const int64_t* blocks = a.block_table + b * a.table_width;
     for (int64_t layer = 0; layer < a.num_layers; ++layer) {
       const uint16_t* row_q = a.q + b * a.q_row_stride + layer * a.q_layer_stride;
       for (int64_t kv_head = 0; kv_head < a.num_kv_heads; ++kv_head) {
         const uint16_t* head_keys = a.keys + a.layers[layer] * a.layer_stride + kv_head * a.kv_head_stride;
-        for (int64_t first = 0; first < group; first += kLanes) {
-          const int64_t lanes = std::min(kLanes, group - first);
-          pack_queries(a, l, row_q, kv_head * group + first, lanes, queries);
-          score_keys(a, l, blocks, a.kv_lens[b], head_keys, queries, lanes, tile, scores);
-          add_softmax_mass(l, scores, a.kv_lens[b], lanes, scale, row_mass);
-        }
+        for (int64_t first = 0; first < group; first += kLanes)
+          heads(row_q, a.block_table + b * a.table_width, a.kv_lens[b], head_keys, kv_head * group + first,
+                std::min(kLanes, group - first), row_mass);
       }
     }
   }
+}
+
+// One thread's regions of the workspace.
+struct Regions {
+  float* scores;
+  float* tile;
+  uint16_t* queries;
+  Regions(const Layout& l, uint8_t* region)
+      : scores(reinterpret_cast<float*>(region)), tile(reinterpret_cast<float*>(region + l.scores_bytes)),
+        queries(reinterpret_cast<uint16_t*>(region + l.scores_bytes + l.tile_bytes)) {}
+};
+
+struct AmxHeads {
+  const DecodeMassArgs& a;
+  const Layout& l;
+  Regions r;
+  float scale;
+  VTOKEN_AMX_TARGET void operator()(const uint16_t* row_q, const int64_t* blocks, int64_t kv_len,
+                                    const uint16_t* head_keys, int64_t first_head, int64_t lanes, float* row_mass) {
+    pack_queries(a, l, row_q, first_head, lanes, r.queries);
+    score_keys(a, l, blocks, kv_len, head_keys, r.queries, lanes, r.tile, r.scores);
+    add_softmax_mass(l, r.scores, kv_len, lanes, scale, row_mass);
+  }
+};
+
+struct DotHeads {
+  const DecodeMassArgs& a;
+  const Layout& l;
+  Regions r;
+  float scale;
+  VTOKEN_AVX512_TARGET void operator()(const uint16_t* row_q, const int64_t* blocks, int64_t kv_len,
+                                       const uint16_t* head_keys, int64_t first_head, int64_t lanes,
+                                       float* row_mass) {
+    pack_query_rows(a, l, row_q, first_head, lanes, r.queries);
+    score_keys_dot(a, l, blocks, kv_len, head_keys, r.queries, lanes, r.scores);
+    add_softmax_mass(l, r.scores, kv_len, lanes, scale, row_mass);
+  }
+};
+
+VTOKEN_AMX_TARGET void worker_amx(const DecodeMassArgs& a, const Layout& l, int64_t thread, int64_t threads,
+                                  uint8_t* region, float scale, float* mass, int64_t mass_width) {
+  configure_tiles(l);
+  AmxHeads heads{a, l, Regions(l, region), scale};
+  for_each_head(a, thread, threads, mass, mass_width, heads);
   _tile_release();
+}
+
+void worker_dot(const DecodeMassArgs& a, const Layout& l, int64_t thread, int64_t threads, uint8_t* region,
+                float scale, float* mass, int64_t mass_width) {
+  DotHeads heads{a, l, Regions(l, region), scale};
+  for_each_head(a, thread, threads, mass, mass_width, heads);
 }
 #endif
 
@@ -195,9 +283,9 @@ void check_args(const DecodeMassArgs& a, int64_t mass_width) {
   if (a.num_heads % a.num_kv_heads)
     throw std::invalid_argument("decode mass: " + std::to_string(a.num_heads) + " query heads do not share " +
                                 std::to_string(a.num_kv_heads) + " KV heads evenly");
-  if (!decode_mass_amx_applies(a.tokens_per_block, a.head_dim))
+  if (!decode_mass_bf16_applies(a.tokens_per_block, a.head_dim))
     throw std::invalid_argument("decode mass: head_dim " + std::to_string(a.head_dim) + ", tokens_per_block " +
-                                std::to_string(a.tokens_per_block) + ": not a geometry the AMX pass takes");
+                                std::to_string(a.tokens_per_block) + ": not a geometry the pass takes");
   if (!a.q || !a.keys || !a.block_table || !a.kv_lens || !a.layers)
     throw std::invalid_argument("decode mass: missing queries, keys, block table, lengths or layers");
   for (int64_t layer = 0; layer < a.num_layers; ++layer)
@@ -221,7 +309,7 @@ void check_args(const DecodeMassArgs& a, int64_t mass_width) {
 
 }  // namespace
 
-bool decode_mass_amx_applies(int64_t tokens_per_block, int64_t head_dim) {
+bool decode_mass_bf16_applies(int64_t tokens_per_block, int64_t head_dim) {
   return head_dim > 0 && head_dim % 2 == 0 && tokens_per_block > 0 &&
          (tokens_per_block < 16 || tokens_per_block % 16 == 0);
 }
@@ -234,17 +322,30 @@ int64_t decode_mass_workspace_bytes(int64_t max_kv_len, int64_t tokens_per_block
   return Layout(max_kv_len, tokens_per_block, head_dim).total(threads_used(threads, batch));
 }
 
-void decode_mass_amx(const DecodeMassArgs& a, uint8_t* workspace, int64_t workspace_bytes, int64_t threads,
-                     float* mass, int64_t mass_width) {
+const char* decode_mass_bf16_kind() {
+  return amx_bf16_supported() ? "amx" : avx512_bf16_supported() ? "avx512-bf16" : nullptr;
+}
+
+void decode_mass_bf16(const DecodeMassArgs& a, uint8_t* workspace, int64_t workspace_bytes, int64_t threads,
+                      float* mass, int64_t mass_width) {
   check_args(a, mass_width);
   const int64_t longest = *std::max_element(a.kv_lens, a.kv_lens + a.batch);
   const int64_t needed = decode_mass_workspace_bytes(longest, a.tokens_per_block, a.head_dim, a.batch, threads);
-  require_workspace_and_amx("decode mass", workspace_bytes, needed);
+  require_workspace("decode mass", workspace_bytes, needed);
+  const char* kind = decode_mass_bf16_kind();
+  if (kind == nullptr) throw std::runtime_error("decode mass: this CPU or OS has neither AMX-BF16 nor AVX-512 BF16");
 #if VTOKEN_AMX
   const Layout l(longest, a.tokens_per_block, a.head_dim);
   const int64_t n = threads_used(threads, a.batch);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.head_dim)));
   uint8_t* base = aligned_start(workspace);
-  run_workers(n, [&](int64_t t) { worker(a, l, t, n, base + t * l.per_thread, mass, mass_width); });
+  const bool amx = std::string(kind) == "amx";
+  run_workers(n, [&](int64_t t) {
+    if (amx)
+      worker_amx(a, l, t, n, base + t * l.per_thread, scale, mass, mass_width);
+    else
+      worker_dot(a, l, t, n, base + t * l.per_thread, scale, mass, mass_width);
+  });
 #else
   (void)workspace;
   (void)mass;

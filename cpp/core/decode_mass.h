@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// H2O's decode attention mass of a batch's rows on x86 CPUs with AMX-BF16, read straight from
-// the paged pool: each block's keys are loaded as AMX tiles where they lie (no gathered copy,
-// no float32 copy), scored against the row's queries of one KV head with float32 sums, then one
-// exact float32 softmax per query head and its sum into the row's mass.
+// H2O's decode attention mass of a batch's rows on x86 CPUs with AMX-BF16 or AVX-512 BF16, read
+// straight from the paged pool: each block's keys are loaded where they lie (no gathered copy, no
+// float32 copy) as AMX tiles, or key by key for vdpbf16ps dot products without AMX, scored against
+// the row's queries of one KV head with float32 sums, then one exact float32 softmax per query head
+// and its sum into the row's mass.
 //
 // The specification is scores.batch_decode_attention_mass (Python); mass_torch.py is the
 // portable pass. This one differs from them in how, not what: equal to float32 rounding (the
@@ -31,7 +32,11 @@ struct DecodeMassArgs {
 
 // Whether the pass takes this pool geometry: an even head_dim (bf16 pairs) and tokens_per_block
 // below 16 or a multiple of it (a tile of keys never crosses a block).
-bool decode_mass_amx_applies(int64_t tokens_per_block, int64_t head_dim);
+bool decode_mass_bf16_applies(int64_t tokens_per_block, int64_t head_dim);
+
+// "amx" where this CPU and OS run AMX-BF16, else "avx512-bf16" where they run AVX-512 BF16, else
+// nullptr (the pass throws std::runtime_error): what decode_mass_bf16 computes with.
+const char* decode_mass_bf16_kind();
 
 // Bytes of workspace the pass needs for rows of up to max_kv_len positions with this many threads
 // (at most one per row).
@@ -43,8 +48,8 @@ int64_t decode_mass_workspace_bytes(int64_t max_kv_len, int64_t tokens_per_block
 // does not depend on the thread count. Throws std::invalid_argument (nothing written) for
 // inconsistent shapes, a block id or pool layer outside the pool, a kv_len outside
 // [1, min(table_width * tokens_per_block, mass_width)], or a workspace smaller than
-// decode_mass_workspace_bytes; std::runtime_error where AMX is not supported (amx.h).
-void decode_mass_amx(const DecodeMassArgs& args, uint8_t* workspace, int64_t workspace_bytes, int64_t threads,
+// decode_mass_workspace_bytes; std::runtime_error where decode_mass_bf16_kind is nullptr.
+void decode_mass_bf16(const DecodeMassArgs& args, uint8_t* workspace, int64_t workspace_bytes, int64_t threads,
                      float* mass, int64_t mass_width);
 
 }  // namespace vtoken

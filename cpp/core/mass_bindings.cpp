@@ -2,11 +2,13 @@
 // Python bindings of the AMX mass passes (prefill_mass.h, decode_mass.h): torch's tensors arrive
 // through DLPack as they are (strided views of the pool included; nothing is copied or converted).
 #include <optional>
+#include <string>
 #include <stdexcept>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 
 #include "amx.h"
 #include "decode_mass.h"
@@ -46,17 +48,24 @@ vtoken::Bf16Rows bf16_rows(const Rows& t, const char* name, int64_t heads, int64
 }
 
 void bind_decode_mass(nb::module_& m) {
-  m.def("decode_mass_amx_applies", &vtoken::decode_mass_amx_applies, "tokens_per_block"_a, "head_dim"_a,
-        "Whether the AMX decode pass takes this pool geometry (decode_mass.h).");
-  m.def("decode_mass_workspace_bytes", &vtoken::decode_mass_workspace_bytes, "max_kv_len"_a, "tokens_per_block"_a,
-        "head_dim"_a, "batch"_a, "threads"_a, "Bytes of workspace decode_mass_amx needs (decode_mass.h).");
+  m.def("decode_mass_bf16_applies", &vtoken::decode_mass_bf16_applies, "tokens_per_block"_a, "head_dim"_a,
+        "Whether the bf16 decode pass takes this pool geometry (decode_mass.h).");
   m.def(
-      "decode_mass_amx",
+      "decode_mass_bf16_kind",
+      []() -> std::optional<std::string> {
+        const char* kind = vtoken::decode_mass_bf16_kind();
+        return kind ? std::optional<std::string>(kind) : std::nullopt;
+      },
+      "\"amx\", \"avx512-bf16\" or None: what decode_mass_bf16 computes with on this CPU (decode_mass.h).");
+  m.def("decode_mass_workspace_bytes", &vtoken::decode_mass_workspace_bytes, "max_kv_len"_a, "tokens_per_block"_a,
+        "head_dim"_a, "batch"_a, "threads"_a, "Bytes of workspace decode_mass_bf16 needs (decode_mass.h).");
+  m.def(
+      "decode_mass_bf16",
       [](Queries q, Keys keys, Table block_table, Longs kv_lens, Longs layers, Workspace workspace, int64_t threads,
          BatchMass mass) {
         vtoken::DecodeMassArgs a;
-        a.q = bf16_data(q, "decode_mass_amx", "q");
-        a.keys = bf16_data(keys, "decode_mass_amx", "keys");
+        a.q = bf16_data(q, "decode_mass_bf16", "q");
+        a.keys = bf16_data(keys, "decode_mass_bf16", "keys");
         a.batch = static_cast<int64_t>(q.shape(0));
         a.num_layers = static_cast<int64_t>(q.shape(1));
         a.num_heads = static_cast<int64_t>(q.shape(2));
@@ -69,19 +78,19 @@ void bind_decode_mass(nb::module_& m) {
         a.block_stride = keys.stride(0), a.layer_stride = keys.stride(1), a.kv_head_stride = keys.stride(2);
         a.token_stride = keys.stride(3);
         if (static_cast<int64_t>(keys.shape(4)) != a.head_dim)
-          throw std::invalid_argument("decode_mass_amx: keys and queries differ in head_dim");
+          throw std::invalid_argument("decode_mass_bf16: keys and queries differ in head_dim");
         const auto rows = [](const auto& t) { return static_cast<int64_t>(t.shape(0)); };
         if (rows(block_table) != a.batch || rows(kv_lens) != a.batch || rows(layers) != a.num_layers ||
             rows(mass) != a.batch)
-          throw std::invalid_argument("decode_mass_amx: block_table, kv_lens and mass need a row per query row, "
+          throw std::invalid_argument("decode_mass_bf16: block_table, kv_lens and mass need a row per query row, "
                                       "layers a pool layer per query layer");
         a.block_table = block_table.data();
         a.table_width = static_cast<int64_t>(block_table.shape(1));
         a.kv_lens = kv_lens.data();
         a.layers = layers.data();
         nb::gil_scoped_release released;
-        vtoken::decode_mass_amx(a, workspace.data(), static_cast<int64_t>(workspace.shape(0)), threads, mass.data(),
-                                static_cast<int64_t>(mass.shape(1)));
+        vtoken::decode_mass_bf16(a, workspace.data(), static_cast<int64_t>(workspace.shape(0)), threads, mass.data(),
+                                 static_cast<int64_t>(mass.shape(1)));
       },
       "q"_a, "keys"_a, "block_table"_a, "kv_lens"_a, "layers"_a, "workspace"_a.noconvert(), "threads"_a,
       "mass"_a.noconvert(),

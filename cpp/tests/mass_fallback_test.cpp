@@ -44,7 +44,7 @@ int prefill() {
 }
 
 int decode() {
-  if (!vtoken::decode_mass_amx_applies(32, 64) || vtoken::decode_mass_amx_applies(24, 64)) {
+  if (!vtoken::decode_mass_bf16_applies(32, 64) || vtoken::decode_mass_bf16_applies(24, 64)) {
     std::puts("FAIL: decode geometry");
     return 1;
   }
@@ -60,7 +60,7 @@ int decode() {
   const int64_t bytes = vtoken::decode_mass_workspace_bytes(32, 16, 64, 2, 1);
   std::vector<uint8_t> workspace(bytes);
   std::vector<float> mass(2 * 32, 7.0f);
-  auto run = [&] { vtoken::decode_mass_amx(a, workspace.data(), bytes, 1, mass.data(), 32); };
+  auto run = [&] { vtoken::decode_mass_bf16(a, workspace.data(), bytes, 1, mass.data(), 32); };
   if (!throws<std::runtime_error>(run)) { std::puts("FAIL: decode ran without AMX"); return 1; }
   table[3] = 4;  // outside the pool: refused before the missing AMX is told
   if (!throws<std::invalid_argument>(run)) { std::puts("FAIL: decode took block 4 of 4"); return 1; }
@@ -72,7 +72,10 @@ int decode() {
 }  // namespace
 
 int main() {
-  if (vtoken::amx_bf16_supported()) { std::puts("FAIL: supported without AMX"); return 1; }
+  if (vtoken::amx_bf16_supported() || vtoken::avx512_bf16_supported() || vtoken::decode_mass_bf16_kind()) {
+    std::puts("FAIL: supported without AMX intrinsics");
+    return 1;
+  }
   if (prefill() || decode()) return 1;
   std::puts("PASS");
   return 0;

@@ -5,11 +5,11 @@ the attention it observes, on the same tensors, in one run.
     decode   a batch of decode rows over a bf16 pool in TensorRT-LLM's layout:
                specification  scores.batch_decode_attention_mass (every layer's keys gathered
                               to float32 at once, up to 256 MiB)
-               mass pass      mass.decode_mass (the manager's: on CPU the AMX tile pass where
-                              the CPU has it, else the bounded torch pass; the Triton kernels
-                              on CUDA); the header names it
+               mass pass      mass.decode_mass (the manager's: on CPU the C++ pass with AMX
+                              tiles or AVX-512 BF16 where the CPU has either, else the bounded
+                              torch pass; the Triton kernels on CUDA); the header names it
                torch pass     mass_torch.decode_mass_torch, where the mass pass is another
-                              (what CPUs without AMX run)
+                              (what CPUs without either run)
                attention      a decode attention over the same pool: K and V gathered through
                               the block table, then torch's fused attention (SDPA)
     prefill  one context row of T tokens, one layer:

@@ -5,7 +5,8 @@
     decode_mass    a batch's decode rows, all layers of one pool, in ``update_resources``
 
 CUDA tensors with Triton 3.2 or later installed take the Triton kernels (``mass_triton.py``);
-bf16 context rows and bf16 pools on a CPU with AMX-BF16 the C++ tile passes (``mass_amx.py``);
+bf16 context rows on a CPU with AMX-BF16, and bf16 pools' decode rows on one with AMX-BF16 or
+AVX-512 BF16, the C++ passes (``mass_amx.py``);
 everything else the bounded torch passes (``mass_torch.py``). All compute ``scores.py``'s specification and hold at most
 ``cap_bytes`` of workspace (``VTokenSettings.mass_workspace_mib``).
 """
@@ -19,7 +20,13 @@ from functools import cache
 
 import torch
 
-from trtllm_vtoken.integration.trtllm.mass_amx import amx_plan, decode_amx_plan, decode_mass_amx, prefill_mass_amx
+from trtllm_vtoken.integration.trtllm.mass_amx import (
+    amx_plan,
+    decode_bf16_plan,
+    decode_kind,
+    decode_mass_bf16,
+    prefill_mass_amx,
+)
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch, prefill_mass_torch
 
@@ -90,11 +97,11 @@ def prefill_mass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None =
 
 def decode_pass(q: torch.Tensor, pool: torch.Tensor, kv_lens: Sequence[int],
                 cap_bytes: int = DEFAULT_CAP_BYTES) -> str:
-    """The pass ``decode_mass`` runs for these rows: "triton", "amx" or "torch" (what it decides,
-    named; ``decode_mass`` decides once, by trying the AMX pass)."""
+    """The pass ``decode_mass`` runs for these rows: "triton", "amx", "avx512-bf16" or "torch"
+    (what it decides, named; ``decode_mass`` decides once, by trying the C++ pass)."""
     if mass_backend(pool.device) == "triton":
         return "triton"
-    return "amx" if decode_amx_plan(q, pool, kv_lens, cap_bytes) is not None else "torch"
+    return decode_kind() if decode_bf16_plan(q, pool, kv_lens, cap_bytes) is not None else "torch"
 
 
 def decode_mass(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[Sequence[int]], kv_lens: Sequence[int],
@@ -104,5 +111,5 @@ def decode_mass(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[Seque
         from trtllm_vtoken.integration.trtllm.mass_triton import decode_mass_triton
 
         return decode_mass_triton(q, pool, block_lists, kv_lens, layers, cap_bytes)
-    mass = decode_mass_amx(q, pool, block_lists, kv_lens, layers, cap_bytes)  # None where it does not apply
+    mass = decode_mass_bf16(q, pool, block_lists, kv_lens, layers, cap_bytes)  # None where it does not apply
     return mass if mass is not None else decode_mass_torch(q, pool, block_lists, kv_lens, layers, cap_bytes)

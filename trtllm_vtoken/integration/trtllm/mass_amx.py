@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The mass passes on x86 CPUs with AMX-BF16 (``cpp/core``), for bf16 rows and pools.
+"""The C++ mass passes for bf16 rows and pools on x86 CPUs (``cpp/core``): prefill with AMX-BF16,
+decode with AMX-BF16 or, without it, AVX-512 BF16.
 
 Prefill (``prefill_mass.cpp``): the bounded torch pass (``mass_torch.py``) converts bf16 queries
 and keys to float32 first: torch has no CPU product of bf16 matrices with float32 results, and a
@@ -15,7 +16,8 @@ workspace exceeds the cap with one thread) the caller takes the torch pass.
 
 Decode (``decode_mass.cpp``): the torch pass gathers each layer's keys through the block table
 and converts them to float32 before scoring them (the keys cross memory about four times). This
-pass loads each block's keys as AMX tiles where the pool holds them, scores a KV head's queries
+pass reads each block's keys where the pool holds them (as AMX tiles, or without AMX key by key
+for AVX-512 BF16 pair dot products: AMD Zen 4, Intel Cooper Lake), scores a KV head's queries
 with float32 sums, and adds each query head's float32 softmax into the row's mass: the keys are
 read once, in bf16. Threads take whole rows; its workspace (one row's scores per thread) is
 allocated here under the cap, as above.
@@ -37,15 +39,25 @@ def amx_available() -> bool:
     return supported is not None and supported()
 
 
+def decode_kind() -> str | None:
+    """"amx" or "avx512-bf16": what the C++ decode pass computes with on this CPU; None without
+    one (no core, a core built before the pass, or neither instruction set)."""
+    kind = getattr(native.load(), "decode_mass_bf16_kind", None)
+    return None if kind is None else kind()
+
+
 def describe() -> str:
     """One line for ``vtoken info``: which passes a CPU row's mass takes here."""
     if native.load() is None:
         return "torch (the C++ core is not built)"
-    if not hasattr(native.load(), "decode_mass_amx"):
-        return "torch (the C++ core was built without the AMX passes: reinstall the package)"
-    if not amx_available():
-        return "torch (this CPU or OS has no AMX-BF16)"
-    return "amx for bf16 context rows and pools (C++ core, AMX-BF16 tiles), torch for other dtypes"
+    if not hasattr(native.load(), "decode_mass_bf16"):
+        return "torch (the C++ core was built without the bf16 passes: reinstall the package)"
+    if amx_available():
+        return "amx for bf16 context rows and pools (C++ core, AMX-BF16 tiles), torch for other dtypes"
+    if decode_kind() is not None:
+        return ("avx512-bf16 for bf16 pools' decode rows (C++ core, no AMX-BF16 here), torch for context rows "
+                "and other dtypes")
+    return "torch (this CPU or OS has neither AMX-BF16 nor AVX-512 BF16)"
 
 
 def amx_workspace_bytes(num_keys: int, num_kv_heads: int, head_dim: int, cap_bytes: int,
@@ -100,16 +112,17 @@ def prefill_mass_amx(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | No
     return mass
 
 
-def decode_amx_plan(q: torch.Tensor, pool: torch.Tensor, kv_lens: Sequence[int], cap_bytes: int,
-                    threads: int | None = None) -> tuple[int, int] | None:
+def decode_bf16_plan(q: torch.Tensor, pool: torch.Tensor, kv_lens: Sequence[int], cap_bytes: int,
+                     threads: int | None = None) -> tuple[int, int] | None:
     """(threads, workspace bytes) of the decode pass for these rows, or None where it does not
-    apply: q or the pool not bf16 on CPU, no AMX, a geometry it does not take (an odd head_dim,
-    tokens_per_block neither below 16 nor a multiple of it), or one thread's workspace over ``cap_bytes``."""
-    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in (q, pool)) or not amx_available():
+    apply: q or the pool not bf16 on CPU, neither AMX-BF16 nor AVX-512 BF16 (``decode_kind``), a
+    geometry it does not take (an odd head_dim, tokens_per_block neither below 16 nor a multiple
+    of it), or one thread's workspace over ``cap_bytes``."""
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in (q, pool)) or decode_kind() is None:
         return None
     core = native.load()
     tpb, head_dim = pool.shape[4], pool.shape[5]
-    if not kv_lens or min(kv_lens) < 1 or not core.decode_mass_amx_applies(tpb, head_dim):
+    if not kv_lens or min(kv_lens) < 1 or not core.decode_mass_bf16_applies(tpb, head_dim):
         return None
     longest = max(kv_lens)
     return _most_threads_within(cap_bytes, min(threads or torch.get_num_threads(), len(kv_lens)),
@@ -117,13 +130,13 @@ def decode_amx_plan(q: torch.Tensor, pool: torch.Tensor, kv_lens: Sequence[int],
                                                                                count))
 
 
-def decode_mass_amx(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[Sequence[int]],
-                    kv_lens: Sequence[int], layers: Sequence[int] | None = None, cap_bytes: int = DEFAULT_CAP_BYTES,
-                    threads: int | None = None) -> torch.Tensor | None:
+def decode_mass_bf16(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[Sequence[int]],
+                     kv_lens: Sequence[int], layers: Sequence[int] | None = None, cap_bytes: int = DEFAULT_CAP_BYTES,
+                     threads: int | None = None) -> torch.Tensor | None:
     """``scores.batch_decode_attention_mass`` (same arguments, same result to float32 rounding)
-    of bf16 rows over a bf16 CPU pool, or None where this pass does not apply (``decode_amx_plan``;
+    of bf16 rows over a bf16 CPU pool, or None where this pass does not apply (``decode_bf16_plan``;
     the caller takes the torch pass)."""
-    plan = decode_amx_plan(q, pool, kv_lens, cap_bytes, threads)
+    plan = decode_bf16_plan(q, pool, kv_lens, cap_bytes, threads)
     if plan is None:
         return None
     count, size = plan
@@ -131,6 +144,6 @@ def decode_mass_amx(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[S
     pool_layers = torch.tensor(list(layers) if layers is not None else range(q.shape[1]), dtype=torch.int64)
     workspace = torch.empty(size, dtype=torch.uint8)
     mass = torch.empty(q.shape[0], max(kv_lens), dtype=torch.float32)
-    native.load().decode_mass_amx(q, pool[:, :, 0], table, torch.tensor(list(kv_lens), dtype=torch.int64),
+    native.load().decode_mass_bf16(q, pool[:, :, 0], table, torch.tensor(list(kv_lens), dtype=torch.int64),
                                   pool_layers, workspace, count, mass)
     return mass

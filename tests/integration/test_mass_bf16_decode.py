@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The AMX decode mass pass (``mass_amx.decode_mass_amx``, ``cpp/core/decode_mass.cpp``) equals
+"""The C++ bf16 decode mass pass (``mass_amx.decode_mass_bf16``, ``cpp/core/decode_mass.cpp``), with
+AMX tiles or AVX-512 BF16 dot products (whichever this CPU runs: ``decode_kind``), equals
 its specification (``scores.batch_decode_attention_mass``) on random pools, block tables, lengths,
 GQA groups and layer maps, at every edge of its tiles, and at real geometries (head dims on and off the tiles' 32 dims,
 tokens_per_block below 16, groups wider than a tile's 16 query heads) with whatever the pool holds
 past each row's length (NaN here); gives the same result for any thread count; keeps its workspace
 in the one tensor it allocates, under the cap at Llama-3.1-70B shapes and 32k tokens; refuses bad
 input before writing anything; and steps aside (the torch pass runs) wherever it does not apply.
-Skipped where the C++ core is not built or the CPU or OS has no AMX-BF16."""
+Skipped where the C++ core is not built or the CPU or OS has neither AMX-BF16 nor AVX-512 BF16."""
 
 from __future__ import annotations
 
@@ -19,22 +20,23 @@ from tests.integration.test_mass_passes import SHAPES, random_decode
 from trtllm_vtoken.bench.memory import PeakMemory
 from trtllm_vtoken.core import native
 from trtllm_vtoken.integration.trtllm.mass import decode_mass, decode_pass
-from trtllm_vtoken.integration.trtllm.mass_amx import amx_available, decode_amx_plan, decode_mass_amx
+from trtllm_vtoken.integration.trtllm.mass_amx import decode_bf16_plan, decode_kind, decode_mass_bf16
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch
 from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass
 
-pytestmark = pytest.mark.skipif(not amx_available(), reason="needs the C++ core on a CPU and OS with AMX-BF16")
+pytestmark = pytest.mark.skipif(decode_kind() is None,
+                                reason="needs the C++ core on a CPU and OS with AMX-BF16 or AVX-512 BF16")
 
 
 @pytest.mark.parametrize("seed", range(16))
-def test_amx_decode_pass_equals_its_specification(seed):
+def test_bf16_decode_pass_equals_its_specification(seed):
     q, pool, block_lists, kv_lens, layers = random_decode(seed, torch.bfloat16)
     want = batch_decode_attention_mass(q, pool, block_lists, kv_lens, layers)
-    got = decode_mass_amx(q, pool, block_lists, kv_lens, layers, threads=1)
+    got = decode_mass_bf16(q, pool, block_lists, kv_lens, layers, threads=1)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     for threads in (2, 3):  # threads take whole rows
-        assert torch.equal(decode_mass_amx(q, pool, block_lists, kv_lens, layers, threads=threads), got)
+        assert torch.equal(decode_mass_bf16(q, pool, block_lists, kv_lens, layers, threads=threads), got)
 
 
 def shuffled_block_lists(kv_lens, tpb, gen):
@@ -64,7 +66,7 @@ GEOMETRIES = [(9, 3, 64, 32), (32, 8, 128, 64), (32, 32, 96, 16), (20, 1, 80, 8)
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,tpb", GEOMETRIES)
-def test_amx_decode_pass_reads_real_geometries_from_a_fragmented_pool(heads, kv_heads, dim, tpb):
+def test_bf16_decode_pass_reads_real_geometries_from_a_fragmented_pool(heads, kv_heads, dim, tpb):
     """Blocks anywhere in the pool, lengths cut inside a block and on its edge, queries as a strided
     view (the manager's buffer [layers, max_batch, ...] seen per row), NaN past every length."""
     gen = torch.Generator().manual_seed(dim + tpb)
@@ -76,7 +78,7 @@ def test_amx_decode_pass_reads_real_geometries_from_a_fragmented_pool(heads, kv_
     q = buffer[:, : len(kv_lens)].transpose(0, 1)  # [rows, layers, heads, dim], not contiguous
     assert not q.is_contiguous()
     want = batch_decode_attention_mass(q, pool, block_lists, kv_lens, [2, 0])
-    assert decode_pass(q, pool, kv_lens) == "amx"
+    assert decode_pass(q, pool, kv_lens) == decode_kind()
     got = decode_mass(q, pool, block_lists, kv_lens, [2, 0])
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     assert not got.isnan().any()
@@ -84,7 +86,7 @@ def test_amx_decode_pass_reads_real_geometries_from_a_fragmented_pool(heads, kv_
     torch.testing.assert_close(sums, torch.full_like(sums, float(layers * heads)), rtol=1e-5, atol=1e-4)
 
 
-def test_amx_decode_pass_at_the_tiles_edges():
+def test_bf16_decode_pass_at_the_tiles_edges():
     """Every edge of the tiles at once: blocks of 1 to 128 tokens (tiles of 1, 2 or 16 keys),
     head dims from 2 to 160 on and off the 32-dim chunk (partial chunks of 2 to 30 dims), groups
     of 1, 2, 16 and 17 query heads (one tile of heads, or two), lengths of one position, a block
@@ -97,24 +99,24 @@ def test_amx_decode_pass_at_the_tiles_edges():
         pool = torch.randn(num_blocks, 2, 2, kv_heads, tpb, dim, generator=gen).bfloat16()
         q = torch.randn(len(kv_lens), 2, heads, dim, generator=gen).bfloat16()
         want = batch_decode_attention_mass(q, pool, block_lists, kv_lens, [1, 0])
-        got = decode_mass_amx(q, pool, block_lists, kv_lens, [1, 0], threads=2)
+        got = decode_mass_bf16(q, pool, block_lists, kv_lens, [1, 0], threads=2)
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=lambda m: f"{tpb=} {dim=} {heads=}: {m}")
 
 
 def test_pools_and_rows_it_does_not_take_go_to_the_torch_pass():
     q, pool, block_lists, kv_lens, layers = random_decode(4, torch.bfloat16)
-    assert decode_pass(q, pool, kv_lens) == "amx"
+    assert decode_pass(q, pool, kv_lens) == decode_kind()
     for other_q, other_pool in ((q.float(), pool.float()), (q.half(), pool.half()), (q.float(), pool)):
-        assert decode_amx_plan(other_q, other_pool, kv_lens, DEFAULT_CAP_BYTES) is None
+        assert decode_bf16_plan(other_q, other_pool, kv_lens, DEFAULT_CAP_BYTES) is None
         assert decode_pass(other_q, other_pool, kv_lens) == "torch"
     core = native.load()
-    assert core.decode_mass_amx_applies(8, 64) and core.decode_mass_amx_applies(128, 80)
-    assert not core.decode_mass_amx_applies(24, 64) and not core.decode_mass_amx_applies(32, 15)
+    assert core.decode_mass_bf16_applies(8, 64) and core.decode_mass_bf16_applies(128, 80)
+    assert not core.decode_mass_bf16_applies(24, 64) and not core.decode_mass_bf16_applies(32, 15)
     odd = torch.zeros(4, 1, 2, 1, 32, 15, dtype=torch.bfloat16)
-    assert decode_amx_plan(torch.zeros(1, 1, 1, 15, dtype=torch.bfloat16), odd, [3], DEFAULT_CAP_BYTES) is None
+    assert decode_bf16_plan(torch.zeros(1, 1, 1, 15, dtype=torch.bfloat16), odd, [3], DEFAULT_CAP_BYTES) is None
     # a cap below one thread's workspace: the torch pass runs
     small = core.decode_mass_workspace_bytes(max(kv_lens), pool.shape[4], pool.shape[5], len(kv_lens), 1) - 1
-    assert decode_mass_amx(q, pool, block_lists, kv_lens, layers, cap_bytes=small) is None
+    assert decode_mass_bf16(q, pool, block_lists, kv_lens, layers, cap_bytes=small) is None
     assert decode_pass(q, pool, kv_lens, cap_bytes=small) == "torch"
     cap = max(small, 1 << 16)
     torch.testing.assert_close(decode_mass(q, pool, block_lists, kv_lens, layers, cap),
@@ -135,7 +137,7 @@ def test_bad_input_is_refused_before_anything_is_written():
     def call(**changed):
         args = dict(q=q, keys=keys, block_table=table, kv_lens=kv_lens, layers=layers,
                     workspace=torch.empty(size, dtype=torch.uint8), threads=1, mass=mass) | changed
-        core.decode_mass_amx(**args)
+        core.decode_mass_bf16(**args)
 
     cases = [(dict(q=q.float()), "bfloat16"), (dict(workspace=torch.empty(size - 1, dtype=torch.uint8)), "workspace"),
              (dict(block_table=torch.tensor([[0, 1], [2, 6]])), "block 6 outside"),
@@ -153,7 +155,7 @@ def test_bad_input_is_refused_before_anything_is_written():
 
 
 @pytest.mark.parametrize("model", sorted(SHAPES))
-def test_amx_decode_pass_stays_under_the_cap_at_32k_tokens(model):
+def test_bf16_decode_pass_stays_under_the_cap_at_32k_tokens(model):
     heads, kv_heads, dim = SHAPES[model]
     tokens, tpb, rows, layers = 32 * 1024, 32, 3, 2
     gen = torch.Generator().manual_seed(1)
@@ -163,10 +165,10 @@ def test_amx_decode_pass_stays_under_the_cap_at_32k_tokens(model):
     block_lists = [[(r + i) % 8 for i in range(tokens // tpb)] for r in range(rows)]
     q = torch.randn(rows, layers, heads, dim, generator=gen).bfloat16()
     kv_lens = [tokens, tokens - 1, tokens - tpb]
-    threads, size = decode_amx_plan(q, pool, kv_lens, DEFAULT_CAP_BYTES, threads=2)
+    threads, size = decode_bf16_plan(q, pool, kv_lens, DEFAULT_CAP_BYTES, threads=2)
     assert threads == 2 and size <= DEFAULT_CAP_BYTES
     with PeakMemory() as memory:
-        mass = decode_mass_amx(q, pool, block_lists, kv_lens, threads=2)
+        mass = decode_mass_bf16(q, pool, block_lists, kv_lens, threads=2)
     result = rows * tokens * 4  # the mass itself: what the manager keeps, not workspace
     assert memory.peak - result == size and memory.largest <= DEFAULT_CAP_BYTES
     sums = mass.sum(dim=1)
