@@ -27,6 +27,7 @@ def scratch_root(tmp_path, monkeypatch):
     (["--device", "cuda"], "device 'cuda': torch sees no CUDA device here"),
     (["--repository", "/nonexistent"], "/nonexistent is not a model repository (no tensorrt_llm/config.pbtxt)"),
     (["--budget", "1.5"], "retention ratio must lie in (0, 1], got 1.5"),
+    (["--batch-invariant", "--device", "cuda"], "batch_invariant runs on the CPU (device 'cuda')"),
 ])
 def test_what_this_machine_cannot_serve_is_one_line_before_any_server(argv, message, scratch_root, capsys):
     import torch
