@@ -201,13 +201,37 @@ VTOKEN_AVX512_TARGET void add_softmax_mass(const Layout& l, float* scores, int64
   }
 }
 
-// Calls heads(row_q, blocks, kv_len, head_keys, first_head, lanes, row_mass) for each of thread
-// `thread`'s rows (every `threads`-th), layer, KV head and its group's (up to) 16 query heads at a
-// time, each row's mass zeroed first.
-template <class Heads>
-void for_each_head(const DecodeMassArgs& a, int64_t thread, int64_t threads, float* mass, int64_t mass_width,
-                   Heads& heads) {
+// One thread's regions of the workspace, and what scores a KV head's (up to) 16 query heads of a
+// row: AMX tiles or AVX-512 BF16 dot products; then the same softmax and sums into the row's mass.
+struct Heads {
+  float* scores;
+  float* tile;
+  uint16_t* queries;
+  bool amx;
+
+  Heads(const Layout& l, uint8_t* region, bool amx)
+      : scores(reinterpret_cast<float*>(region)), tile(reinterpret_cast<float*>(region + l.scores_bytes)),
+        queries(reinterpret_cast<uint16_t*>(region + l.scores_bytes + l.tile_bytes)), amx(amx) {}
+
+  void add(const DecodeMassArgs& a, const Layout& l, const uint16_t* row_q, const int64_t* blocks, int64_t kv_len,
+           const uint16_t* head_keys, int64_t first_head, int64_t lanes, float scale, float* row_mass) {
+    if (amx) {
+      pack_queries(a, l, row_q, first_head, lanes, queries);
+      score_keys(a, l, blocks, kv_len, head_keys, queries, lanes, tile, scores);
+    } else {
+      pack_query_rows(a, l, row_q, first_head, lanes, queries);
+      score_keys_dot(a, l, blocks, kv_len, head_keys, queries, lanes, scores);
+    }
+    add_softmax_mass(l, scores, kv_len, lanes, scale, row_mass);
+  }
+};
+
+// Thread `thread`'s rows (every `threads`-th): each row's mass zeroed, then per layer, KV head and
+// (up to) 16 query heads of its group at a time, their softmax weights added.
+void rows_of_thread(const DecodeMassArgs& a, const Layout& l, int64_t thread, int64_t threads, Heads& heads,
+                    float* mass, int64_t mass_width) {
   const int64_t group = a.num_heads / a.num_kv_heads;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.head_dim)));
   for (int64_t b = thread; b < a.batch; b += threads) {
     float* row_mass = mass + b * mass_width;
     std::fill(row_mass, row_mass + mass_width, 0.0f);
@@ -216,62 +240,19 @@ void for_each_head(const DecodeMassArgs& a, int64_t thread, int64_t threads, flo
       for (int64_t kv_head = 0; kv_head < a.num_kv_heads; ++kv_head) {
         const uint16_t* head_keys = a.keys + a.layers[layer] * a.layer_stride + kv_head * a.kv_head_stride;
         for (int64_t first = 0; first < group; first += kLanes)
-          heads(row_q, a.block_table + b * a.table_width, a.kv_lens[b], head_keys, kv_head * group + first,
-                std::min(kLanes, group - first), row_mass);
+          heads.add(a, l, row_q, a.block_table + b * a.table_width, a.kv_lens[b], head_keys, kv_head * group + first,
+                    std::min(kLanes, group - first), scale, row_mass);
       }
     }
   }
 }
 
-// One thread's regions of the workspace.
-struct Regions {
-  float* scores;
-  float* tile;
-  uint16_t* queries;
-  Regions(const Layout& l, uint8_t* region)
-      : scores(reinterpret_cast<float*>(region)), tile(reinterpret_cast<float*>(region + l.scores_bytes)),
-        queries(reinterpret_cast<uint16_t*>(region + l.scores_bytes + l.tile_bytes)) {}
-};
-
-struct AmxHeads {
-  const DecodeMassArgs& a;
-  const Layout& l;
-  Regions r;
-  float scale;
-  VTOKEN_AMX_TARGET void operator()(const uint16_t* row_q, const int64_t* blocks, int64_t kv_len,
-                                    const uint16_t* head_keys, int64_t first_head, int64_t lanes, float* row_mass) {
-    pack_queries(a, l, row_q, first_head, lanes, r.queries);
-    score_keys(a, l, blocks, kv_len, head_keys, r.queries, lanes, r.tile, r.scores);
-    add_softmax_mass(l, r.scores, kv_len, lanes, scale, row_mass);
-  }
-};
-
-struct DotHeads {
-  const DecodeMassArgs& a;
-  const Layout& l;
-  Regions r;
-  float scale;
-  VTOKEN_AVX512_TARGET void operator()(const uint16_t* row_q, const int64_t* blocks, int64_t kv_len,
-                                       const uint16_t* head_keys, int64_t first_head, int64_t lanes,
-                                       float* row_mass) {
-    pack_query_rows(a, l, row_q, first_head, lanes, r.queries);
-    score_keys_dot(a, l, blocks, kv_len, head_keys, r.queries, lanes, r.scores);
-    add_softmax_mass(l, r.scores, kv_len, lanes, scale, row_mass);
-  }
-};
-
-VTOKEN_AMX_TARGET void worker_amx(const DecodeMassArgs& a, const Layout& l, int64_t thread, int64_t threads,
-                                  uint8_t* region, float scale, float* mass, int64_t mass_width) {
-  configure_tiles(l);
-  AmxHeads heads{a, l, Regions(l, region), scale};
-  for_each_head(a, thread, threads, mass, mass_width, heads);
-  _tile_release();
-}
-
-void worker_dot(const DecodeMassArgs& a, const Layout& l, int64_t thread, int64_t threads, uint8_t* region,
-                float scale, float* mass, int64_t mass_width) {
-  DotHeads heads{a, l, Regions(l, region), scale};
-  for_each_head(a, thread, threads, mass, mass_width, heads);
+VTOKEN_AMX_TARGET void worker(const DecodeMassArgs& a, const Layout& l, int64_t thread, int64_t threads,
+                              uint8_t* region, bool amx, float* mass, int64_t mass_width) {
+  Heads heads(l, region, amx);
+  if (amx) configure_tiles(l);
+  rows_of_thread(a, l, thread, threads, heads, mass, mass_width);
+  if (amx) _tile_release();
 }
 #endif
 
@@ -337,15 +318,9 @@ void decode_mass_bf16(const DecodeMassArgs& a, uint8_t* workspace, int64_t works
 #if VTOKEN_AMX
   const Layout l(longest, a.tokens_per_block, a.head_dim);
   const int64_t n = threads_used(threads, a.batch);
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.head_dim)));
   uint8_t* base = aligned_start(workspace);
   const bool amx = std::string(kind) == "amx";
-  run_workers(n, [&](int64_t t) {
-    if (amx)
-      worker_amx(a, l, t, n, base + t * l.per_thread, scale, mass, mass_width);
-    else
-      worker_dot(a, l, t, n, base + t * l.per_thread, scale, mass, mass_width);
-  });
+  run_workers(n, [&](int64_t t) { worker(a, l, t, n, base + t * l.per_thread, amx, mass, mass_width); });
 #else
   (void)workspace;
   (void)mass;

@@ -159,8 +159,8 @@ def run_invariance_bench(cfg: InvarianceBenchConfig, model: Any, tokenizer: Any,
 
 
 def decode_step_seconds(model, prompt: list[int], batch: int, cfg: InvarianceBenchConfig, **config) -> float:
-    """The forward's seconds per decode step for ``batch`` requests of ``prompt`` (vtoken, H2O),
-    from the iteration after the last prefill to the end."""
+    """The forward's seconds per decode step for ``batch`` requests of ``prompt`` (vtoken, H2O,
+    prefix caching off: each prompt computed), from the iteration after the last prefill to the end."""
     from trtllm_vtoken.runtime.config import EngineConfig
     from trtllm_vtoken.runtime.engine import Engine
     from trtllm_vtoken.runtime.sampling import SamplingParams
@@ -169,10 +169,10 @@ def decode_step_seconds(model, prompt: list[int], batch: int, cfg: InvarianceBen
     length = len(prompt) + cfg.new_tokens
     engine = Engine(model, EngineConfig(policy=cfg.policy, budget=cfg.budget, tokens_per_block=tpb,
                                         num_blocks=batch * -(-length // tpb) + 8, max_batch_size=batch,
-                                        max_seq_len=length + tpb, **config))
+                                        max_seq_len=length + tpb, prefix_caching=False, **config))
     params = SamplingParams(max_tokens=cfg.new_tokens, ignore_eos=True)
     ids = [engine.add_request(prompt, params) for _ in range(batch)]
-    while engine.stats.prefill_tokens < batch * len(prompt):
+    while engine.stats.prefill_tokens < batch * len(prompt) and engine.has_unfinished():
         engine.step()
     start_seconds, start_steps = engine.stats.forward_seconds, engine.stats.steps
     while engine.has_unfinished():
