@@ -3,8 +3,9 @@
 same alone and in any batch (``runtime/batch_invariance.py``).
 
 Without the mode they are not on this project's CPU build: SmolLM2's six chat prompts served one
-at a time and together differ in every cumulative logprob (by up to 2.6e-5), so the SmolLM2 test
-below fails with ``batch_invariant=False``."""
+at a time and together differ in every cumulative logprob (by up to 2.6e-5, ``vtoken bench
+invariance``), and with ``batch_invariant=False`` the SmolLM2 tests below fail but the 124-token
+cached-prefix case (it checks that keys padded to another length change nothing)."""
 
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def _serve(model, prompts, together: bool, **config):
                   batch_invariant=True)
     values.update(config)
     engine = Engine(model, EngineConfig(**values), record_trace=True)
-    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
 
     def drain(ids):
         while engine.has_unfinished():
@@ -129,15 +130,15 @@ def _serve(model, prompts, together: bool, **config):
     return done
 
 
-@pytest.mark.parametrize("variant", ["native", "vtoken", "naive-evict"])
+@pytest.mark.parametrize("variant", ["native", "vtoken"])
 def test_smollm2_logprobs_are_bitwise_the_same_alone_and_in_a_batch(smollm2, variant):
     """Each request alone (reusing the cached chat template, one decode row a step) and all
-    together (computed afresh, four rows): the same tokens, the same eviction decisions and
-    the same log-probabilities to the last bit. vtoken and naive-evict also agree."""
+    together (computed afresh, three rows): the same tokens, the same eviction decisions and
+    the same log-probabilities to the last bit."""
     from trtllm_vtoken.bench.invariance import CHAT
 
     model, tokenizer = smollm2
-    prompts = [tokenizer.encode(q, chat=True) for q in CHAT[:4]]
+    prompts = [tokenizer.encode(q, chat=True) for q in CHAT[:3]]
     alone, together = _serve(model, prompts, False, variant=variant), _serve(model, prompts, True, variant=variant)
     for a, b in zip(alone, together):
         assert a.output_ids == b.output_ids and a.evictions == b.evictions
@@ -163,8 +164,7 @@ def test_the_row_multiple_is_measured_for_the_thread_count_the_forward_runs_on(t
     assert Engine(tiny_model, EngineConfig(num_blocks=16, max_seq_len=64)).forwards.row_multiple() == 0
 
 
-@pytest.mark.parametrize("length", [35, 124])
-@pytest.mark.parametrize("variant", ["native", "vtoken"])
+@pytest.mark.parametrize("variant, length", [("native", 35), ("vtoken", 35), ("vtoken", 124)])
 def test_smollm2_logprobs_are_bitwise_the_same_over_a_prefix_another_prompt_cached(smollm2, variant, length):
     """A prompt over the first 32 tokens a 40-token prompt left cached and with prefix caching
     off: 35 tokens (the cached run's prefill computes 3 rows; without the mode their products
