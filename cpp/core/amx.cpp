@@ -15,11 +15,13 @@ namespace vtoken {
 namespace {
 
 #if VTOKEN_AMX
-// AVX512F, AVX512BW and AVX512_BF16 in CPUID, and the OS saving the state of `xcr0_bits` too.
+// AVX512F, AVX512BW, AVX512VL and AVX512_BF16 in CPUID, and the OS saving (OSXSAVE, XCR0) the ZMM
+// state and that of `xcr0_bits` too.
 bool cpu_and_os_support_avx512_bf16(unsigned xcr0_bits) {
   unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx >> 27 & 1)) return false;  // OSXSAVE: xgetbv may run
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  if (!(ebx >> 16 & 1) || !(ebx >> 30 & 1)) return false;  // AVX512F, AVX512BW
+  if (!(ebx >> 16 & 1) || !(ebx >> 30 & 1) || !(ebx >> 31 & 1)) return false;  // AVX512F, AVX512BW, AVX512VL
   if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !(eax >> 5 & 1)) return false;  // AVX512_BF16
   unsigned xcr0_low, xcr0_high;
   __asm__("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));

@@ -29,7 +29,7 @@ namespace vtoken {
 // tile state (asked once, on the first call); always false in a build without AMX.
 bool amx_bf16_supported();
 
-// True where the CPU has AVX-512 F, BW and BF16 (bf16 pair dot products, vdpbf16ps: AMD Zen 4 and
+// True where the CPU has AVX-512 F, BW, VL and BF16 (bf16 pair dot products, vdpbf16ps: AMD Zen 4 and
 // later, Intel Cooper Lake and later) and the OS saves the ZMM state; false in a build without AMX
 // intrinsics (the same compilers bring both).
 bool avx512_bf16_supported();
@@ -64,8 +64,8 @@ void run_workers(int64_t n, const Work& work) {
 }
 
 #if VTOKEN_AMX
-#define VTOKEN_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
-#define VTOKEN_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+#define VTOKEN_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define VTOKEN_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
 // The 64-byte record _tile_loadconfig reads (palette 1): per tile, its rows and bytes per row.
 struct TileConfig {

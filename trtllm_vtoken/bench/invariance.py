@@ -50,6 +50,9 @@ class InvarianceBenchConfig:
 
     def __post_init__(self) -> None:
         require_positive(self, "max_prompt_tokens", "new_tokens", "tokens_per_block", "rounds")
+        if self.new_tokens < 2:
+            raise ValueError(f"new_tokens must be >= 2 (the cost rows time the decode steps after the first token), "
+                             f"got {self.new_tokens}")
         if not self.cost_batches or min(self.cost_batches) < 1:
             raise ValueError(f"cost_batches must be positive batch sizes, got {self.cost_batches}")
         if self.sharegpt_requests < 0:

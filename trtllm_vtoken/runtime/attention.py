@@ -72,8 +72,8 @@ def _attend_each_row(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, ma
         queries = padded(max(q_len, 1), query_multiple)
         row = slice(b, b + 1)
         row_out, row_mass = _attend(
-            _rows_to(q[row, :q_len], queries, dim=1), _rows_to(k[row], keys, dim=2), _rows_to(v[row], keys, dim=2),
-            kv_lens[row], q_lens[row], None if valid is None else _rows_to(valid[row], keys, dim=1), return_mass,
+            _resized(q[row, :q_len], queries, dim=1), _resized(k[row], keys, dim=2), _resized(v[row], keys, dim=2),
+            kv_lens[row], q_lens[row], None if valid is None else _resized(valid[row], keys, dim=1), return_mass,
             None if mass_cuts is None else mass_cuts[row], None if mass_from is None else mass_from[row])
         out[b, :q_len] = row_out[0, :q_len]
         if row_mass is not None:
@@ -84,7 +84,7 @@ def _attend_each_row(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, ma
     return out, mass
 
 
-def _rows_to(t: torch.Tensor, count: int, dim: int) -> torch.Tensor:
+def _resized(t: torch.Tensor, count: int, dim: int) -> torch.Tensor:
     """``t`` cut or padded with zeros (False) along ``dim`` to ``count``, contiguous."""
     have = t.shape[dim]
     if have >= count:

@@ -18,8 +18,11 @@ With ``row_multiple`` = P > 0 every product of the forward runs on a multiple of
                 multiple of P                                        (``runtime/attention.py``)
 
 Then a row is always computed by the full-panel kernel at a position that does not depend on the
-batch, and its logits and attention mass are bitwise the same alone, in any batch, after a cached
-prefix or without one. ``find_row_multiple`` measures P for the model's shapes on the machine at
+batch, and its logits are bitwise the same alone, in any batch, after a cached prefix or without
+one; so is a decode step's attention mass. A prefill over a cached prefix adds the prefix's stored
+mass (``runtime/prefix_caching.py``) to what its own queries paid, summed in another grouping than
+one prefill over the whole prompt: that mass may differ in its last bits, and a prompt's eviction
+on a float near-tie can follow whether the prefix was cached. ``find_row_multiple`` measures P for the model's shapes on the machine at
 hand (it depends on the BLAS, its build and the thread count).
 """
 
@@ -38,7 +41,7 @@ KEY_MULTIPLE = 16
 """Keys a batch row's attention runs over are padded to a multiple of this."""
 
 PROBE_MULTIPLES = (1, 2, 3, 4, 8, 16)
-"""A probe compares batches of these multiples of P rows (the largest products up to 4 P)."""
+"""A probe compares batches of these multiples of P rows (an LM head's up to 8 P)."""
 
 
 def padded(count: int, multiple: int) -> int:
@@ -74,10 +77,11 @@ def _row_multiple(weights: tuple, kv_heads: int, head_dim: int, threads: int) ->
     generator = torch.Generator().manual_seed(0)
     products = [(partial(_linear, torch.randn(shape, generator=generator).to(dtype)), shape[1], dtype)
                 for shape, dtype in weights]
-    for length in (KEY_MULTIPLE, 3 * KEY_MULTIPLE, 21 * KEY_MULTIPLE):  # the attention's, per KV head
-        for inner, outer in ((head_dim, length), (length, head_dim)):
-            products.append((partial(_per_head, torch.randn(1, kv_heads, inner, outer, generator=generator)),
-                             inner, torch.float32))
+    for length in (KEY_MULTIPLE, 3 * KEY_MULTIPLE, 8 * KEY_MULTIPLE, 21 * KEY_MULTIPLE):  # the attention's
+        keys = torch.randn(1, kv_heads, length, head_dim, generator=generator)
+        products.append((partial(_per_head, keys.transpose(-1, -2)), head_dim, torch.float32))  # q k^T, as called
+        products.append((partial(_per_head, torch.randn(1, kv_heads, length, head_dim, generator=generator)), length,
+                         torch.float32))  # probabilities x values
     for multiple in CANDIDATES:
         if all(_same_bits(product, torch.randn(inner, generator=generator).to(dtype), multiple, generator)
                for product, inner, dtype in products):
@@ -98,9 +102,9 @@ def _per_head(other: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _same_bits(product: Callable, row: torch.Tensor, multiple: int, generator: torch.Generator) -> bool:
     """Whether ``row``'s product has the same bits among random rows in batches of the probed
     multiples of ``multiple`` rows, at its first four positions, the middle and the last."""
-    large = product.args[0].numel() > (1 << 24)  # an LM head: the counts a decode batch has
+    large = product.args[0].numel() > (1 << 24)  # an LM head: the counts of a decode batch's rows
     first = None
-    for count in (multiple * k for k in PROBE_MULTIPLES if not large or k <= 4):
+    for count in (multiple * k for k in PROBE_MULTIPLES if not large or k <= 8):
         for position in sorted({0, 1, 2, 3, count // 2, count - 1}):
             x = torch.randn(count, row.shape[0], generator=generator).to(row.dtype)
             x[position] = row

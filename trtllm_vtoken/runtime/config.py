@@ -75,9 +75,11 @@ class EngineConfig:
     batch_invariant: bool = False
     """Every product of a forward runs on a multiple of the row count this machine's BLAS needs
     (measured at start-up, ``runtime/batch_invariance.py``), and each batch row attends alone: a
-    request's logits and attention mass are bitwise the same alone and in any batch, so no greedy
-    choice or decision flips on a float near-tie with what runs beside it. CPU only; it costs a
-    lone decode row's linears about 2.5x and a batch's attention a loop over its rows."""
+    request's logits, and its decode steps' attention mass, are bitwise the same alone and in any
+    batch, after a cached prefix or without one (a prefill over a cached prefix adds the prefix's
+    stored mass to its own, another float grouping: its mass may differ in the last bits). CPU
+    and one rank only; a lone decode row's linears run on four rows and a batch's attention loops
+    over its rows (decode 1.2-1.5x slower)."""
     device: str = "cpu"
     cuda_graphs: bool = True
     """On a CUDA device, decode steps replay captured CUDA graphs (one per batch-size bucket);
@@ -172,6 +174,9 @@ class EngineConfig:
         if self.batch_invariant and self.device != "cpu":
             raise ValueError(f"batch_invariant runs on the CPU (device {self.device!r}): on a GPU the libraries choose "
                              "kernels per batch shape that this mode does not control")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("batch_invariant runs on one rank: the all-reduce of 3 or more ranks sums each element "
+                             "in an order set by the buffer's size, which follows the batch")
         if self.kv_cache_dtype == "fp8" and self.positions == "shift":
             raise ValueError("kv_cache_dtype='fp8' needs positions='keep': shift positions re-rotate the surviving "
                              "keys, which on 8-bit codes rounds each of them again at every compaction")

@@ -77,6 +77,8 @@ class Engine(OverlapIteration):
     ) -> None:
         self.config = config or EngineConfig()
         self.simulated = getattr(model, "simulated", False)
+        if self.simulated and self.config.batch_invariant:
+            raise ValueError("batch_invariant needs a model: the simulated backend runs no products")
         self.ranks = ranks or SingleRank()
         check_shard(model, self.config.tensor_parallel_size, self.ranks)
         self.consistency = RankConsistency(self.ranks, self.config.reduce_attention_mass)
@@ -98,7 +100,7 @@ class Engine(OverlapIteration):
         self.forwards = Forwards(self.model, self.kv, self.graphs, self.consistency, self.stats, self.config.device,
                                  self.config.max_batch_size,
                                  self.config.max_blocks_per_seq * self.config.tokens_per_block,
-                                 batch_invariant=self.config.batch_invariant and not self.simulated)
+                                 batch_invariant=self.config.batch_invariant)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[int] = deque()
         self.running: list[int] = []  # admission order

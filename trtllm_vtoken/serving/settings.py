@@ -31,7 +31,8 @@ class ServingSettings:
     one (``trtllm_vtoken/threads.py``)."""
     backend: str = "auto"
     """"reference": vToken's torch engine. "trtllm": TensorRT-LLM's LLM API with vToken installed
-    (needs tensorrt_llm and a GPU). "auto": trtllm where both are present, else reference."""
+    (needs tensorrt_llm and a GPU). "auto": trtllm where both are present (and the engine is not
+    ``batch_invariant``, which is the reference engine's), else reference."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "reference", "trtllm"):

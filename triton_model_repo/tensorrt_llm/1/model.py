@@ -214,7 +214,8 @@ class TritonPythonModel:
         # The reference engine runs every request with its own eviction settings; the TensorRT-LLM
         # path serves the configured policy for all (its hooks hold one policy per worker).
         self.per_request_eviction = True
-        if backend == "trtllm" or (backend == "auto" and trtllm_available()):
+        # batch_invariant is the reference engine's: "auto" serves it there.
+        if backend == "trtllm" or (backend == "auto" and trtllm_available() and not engine_config.batch_invariant):
             self.loop = make_trtllm_loop(self.settings, on_stats=self.metrics.update)
             self.per_request_eviction = False
         else:

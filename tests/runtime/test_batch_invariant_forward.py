@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``EngineConfig(batch_invariant=True)``: a request's logits and attention mass are bitwise the
-same alone and in any batch (``runtime/batch_invariance.py``).
+"""``EngineConfig(batch_invariant=True)``: a request's logits and its decode steps' attention mass
+are bitwise the same alone and in any batch (``runtime/batch_invariance.py``).
 
 Without the mode they are not on this project's CPU build: SmolLM2's six chat prompts served one
 at a time and together differ in every cumulative logprob (by up to 2.6e-5, ``vtoken bench
@@ -92,9 +92,16 @@ def test_padded_rounds_up_to_a_multiple():
     assert padded(5, 0) == 5
 
 
-def test_batch_invariant_runs_on_the_cpu_only():
+def test_batch_invariant_runs_on_the_cpu_and_one_rank_with_a_model():
+    from trtllm_vtoken.runtime.engine import Engine
+    from trtllm_vtoken.runtime.simulated import MODEL_SHAPES, SimulatedModel
+
     with pytest.raises(ValueError, match="batch_invariant runs on the CPU"):
         EngineConfig(batch_invariant=True, device="cuda")
+    with pytest.raises(ValueError, match="batch_invariant runs on one rank"):
+        EngineConfig(batch_invariant=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="simulated backend runs no products"):
+        Engine(SimulatedModel(MODEL_SHAPES["smollm2-135m"]), EngineConfig(batch_invariant=True))
 
 
 @pytest.fixture(scope="module")
