@@ -14,7 +14,7 @@ from trtllm_vtoken.bench.trtllm_mass import TrtllmMassBenchConfig
 from trtllm_vtoken.bench.variants import VariantsBenchConfig
 from trtllm_vtoken.cli import main
 from trtllm_vtoken.core.native import load
-from trtllm_vtoken.integration.trtllm.mass_amx import decode_kind
+from trtllm_vtoken.integration.trtllm.mass_cpp import decode_kind
 
 
 def test_host_bench_times_every_operation_warm_and_after_a_sleep():

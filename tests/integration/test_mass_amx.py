@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The AMX prefill mass pass (``mass_amx.py``, ``cpp/core/prefill_mass.cpp``) equals its
+"""The AMX prefill mass pass (``mass_cpp.py``, ``cpp/core/prefill_mass.cpp``) equals its
 specification (``scores.py``) on random shapes, GQA groups, head dims off the tiles' 32, reused
 prefixes, windows and strided inputs; gives the same result for any thread count; keeps its
 workspace in the one tensor it allocates, under the cap at Llama-3.1-70B shapes and 32k tokens;
@@ -15,7 +15,7 @@ from tests.integration.test_mass_passes import SHAPES, random_prefill
 from trtllm_vtoken.bench.memory import PeakMemory
 from trtllm_vtoken.core import native
 from trtllm_vtoken.integration.trtllm.mass import mass_backend, prefill_mass, prefill_pass
-from trtllm_vtoken.integration.trtllm.mass_amx import amx_available, amx_workspace_bytes, prefill_mass_amx
+from trtllm_vtoken.integration.trtllm.mass_cpp import amx_available, amx_workspace_bytes, prefill_mass_amx
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import prefill_mass_torch
 from trtllm_vtoken.integration.trtllm.scores import prefill_attention_mass

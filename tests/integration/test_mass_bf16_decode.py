@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The C++ bf16 decode mass pass (``mass_amx.decode_mass_bf16``, ``cpp/core/decode_mass.cpp``), with
+"""The C++ bf16 decode mass pass (``mass_cpp.decode_mass_bf16``, ``cpp/core/decode_mass.cpp``), with
 AMX tiles or AVX-512 BF16 dot products (whichever this CPU runs: ``decode_kind``), equals
 its specification (``scores.batch_decode_attention_mass``) on random pools, block tables, lengths,
 GQA groups and layer maps, at every edge of its tiles, and at real geometries (head dims on and off the tiles' 32 dims,
@@ -20,7 +20,7 @@ from tests.integration.test_mass_passes import SHAPES, random_decode
 from trtllm_vtoken.bench.memory import PeakMemory
 from trtllm_vtoken.core import native
 from trtllm_vtoken.integration.trtllm.mass import decode_mass, decode_pass
-from trtllm_vtoken.integration.trtllm.mass_amx import decode_bf16_plan, decode_kind, decode_mass_bf16
+from trtllm_vtoken.integration.trtllm.mass_cpp import decode_bf16_plan, decode_kind, decode_mass_bf16
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch
 from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass

@@ -6,7 +6,7 @@
 
 CUDA tensors with Triton 3.2 or later installed take the Triton kernels (``mass_triton.py``);
 bf16 context rows on a CPU with AMX-BF16, and bf16 pools' decode rows on one with AMX-BF16 or
-AVX-512 BF16, the C++ passes (``mass_amx.py``);
+AVX-512 BF16, the C++ passes (``mass_cpp.py``);
 everything else the bounded torch passes (``mass_torch.py``). All compute ``scores.py``'s specification and hold at most
 ``cap_bytes`` of workspace (``VTokenSettings.mass_workspace_mib``).
 """
@@ -20,7 +20,7 @@ from functools import cache
 
 import torch
 
-from trtllm_vtoken.integration.trtllm.mass_amx import (
+from trtllm_vtoken.integration.trtllm.mass_cpp import (
     amx_plan,
     decode_bf16_plan,
     decode_kind,
