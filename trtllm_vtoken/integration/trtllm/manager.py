@@ -24,7 +24,8 @@ same code runs on the real class inside the executor worker and on the test doub
                            side stream, the execution stream waits on it (I3), and rewind_kv_cache
                            returns each request's freed tail before the scheduler of N+1 counts
                            free blocks
-    free_resources         drop the token table, then super
+    free_resources         drop the token table (and empty the step's slots of its prompt blocks
+                           past its row: chunked prefill with block reuse), then super
     (both)                 publish vToken's counters for the Triton model's metrics (stats.py)
     add_dummy_requests     warm-up and CUDA-graph padding requests: super only; never prepared,
                            never in vToken's tables, padding rows are treated as empty
@@ -203,9 +204,18 @@ def build_manager_class(base: type) -> type:
             changed = self.vtoken.num_evicted(req_id) > 0
             # Its prompt blocks stop being shared on its account first: the step empties the slots
             # of the blocks no other running request holds (TensorRT-LLM may hand them out again).
-            if self._vtoken_prefix.pop(req_id, None) is not None:
+            prefix = self._vtoken_prefix.pop(req_id, None)
+            if prefix is not None:
                 self._vtoken_shared = frozenset(b for blocks in self._vtoken_prefix.values() for b in blocks)
+            step = self.vtoken.step
+            row = set(step.block_ids(req_id)) if req_id in step else set()
             self.vtoken.forget(req_id)
+            if prefix:
+                # Chunked prefill: its prompt blocks past its row, allocated ahead and stored for
+                # reuse before its later chunks ran, may carry the slots of a request that reused
+                # them and left while they were shared on this one's account. The row's were
+                # emptied above; these are now, but for those another request holds.
+                step.forget_blocks([b for b in prefix if b not in row])
             if self._vtoken_reuse and changed:
                 # Its blocks past the prompt no longer hold what its tokens say: release them
                 # unstored (BlockManager::releaseBlocks stores for reuse only when given the request).
