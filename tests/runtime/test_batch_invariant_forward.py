@@ -112,48 +112,22 @@ def smollm2():
     return model, tokenizer
 
 
-def _serve(model, prompts, together: bool, **config):
-    from trtllm_vtoken.policies.request_settings import EvictionSettings
-    from trtllm_vtoken.runtime.engine import Engine
-    from trtllm_vtoken.runtime.sampling import SamplingParams
-
-    values = dict(policy="h2o", budget=0.5, tokens_per_block=16, num_blocks=48, max_batch_size=8, max_seq_len=128,
-                  batch_invariant=True)
-    values.update(config)
-    engine = Engine(model, EngineConfig(**values), record_trace=True)
-    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
-
-    def drain(ids):
-        while engine.has_unfinished():
-            engine.step()
-        return [engine.pop_finished(i) for i in ids]
-
-    if together:
-        return drain([engine.add_request(p, params, req_id=i) for i, p in enumerate(prompts)])
-    keep = SamplingParams(max_tokens=1, eviction=EvictionSettings(policy="native"))
-    drain([engine.add_request(prompts[0], keep, req_id=99)])  # the chat template cached: each reuses it
-    done = [drain([engine.add_request(p, params, req_id=i)])[0] for i, p in enumerate(prompts)]
-    assert engine.stats.cached_prompt_tokens > 0
-    return done
-
-
 @pytest.mark.parametrize("variant", ["native", "vtoken"])
 def test_smollm2_logprobs_are_bitwise_the_same_alone_and_in_a_batch(smollm2, variant):
     """Each request alone (reusing the cached chat template, one decode row a step) and all
-    together (computed afresh, three rows): the same tokens, the same eviction decisions and
-    the same log-probabilities to the last bit."""
-    from trtllm_vtoken.bench.invariance import CHAT
+    together (computed afresh, three rows), as ``vtoken bench invariance`` serves them: the same
+    tokens, the same eviction decisions and the same log-probabilities to the last bit."""
+    from trtllm_vtoken.bench.invariance import CHAT, InvarianceBenchConfig, serve
 
     model, tokenizer = smollm2
     prompts = [tokenizer.encode(q, chat=True) for q in CHAT[:3]]
-    alone, together = _serve(model, prompts, False, variant=variant), _serve(model, prompts, True, variant=variant)
-    for a, b in zip(alone, together):
-        assert a.output_ids == b.output_ids and a.evictions == b.evictions
-        assert a.cumulative_logprob == b.cumulative_logprob, f"request {a.req_id}: {a.cumulative_logprob} alone, " \
-                                                             f"{b.cumulative_logprob} in a batch"
-        assert a.logprobs == b.logprobs
+    cfg = InvarianceBenchConfig(sharegpt_requests=0, new_tokens=8)
+    alone, together = (serve(model, prompts, cfg, t, variant=variant, batch_invariant=True) for t in (False, True))
+    assert alone["cached_prompt_tokens"] > 0
+    for key in ("outputs", "evictions", "cumulative_logprobs", "logprobs"):
+        assert alone[key] == together[key], key
     if variant != "native":
-        assert any(a.evictions for a in alone)
+        assert any(alone["evictions"])
 
 
 def test_the_row_multiple_is_measured_for_the_thread_count_the_forward_runs_on(tiny_model):

@@ -54,10 +54,9 @@ def project(linear: nn.Module, x: torch.Tensor, row_multiple: int) -> torch.Tens
     if not row_multiple:
         return linear(x)
     rows = x.reshape(-1, x.shape[-1])
-    count = rows.shape[0]
-    if count == padded(count, row_multiple):
-        return linear(rows).view(*x.shape[:-1], -1)
-    rows = torch.cat([rows, rows.new_zeros(padded(count, row_multiple) - count, rows.shape[1])])
+    count, target = rows.shape[0], padded(rows.shape[0], row_multiple)
+    if target > count:
+        rows = torch.cat([rows, rows.new_zeros(target - count, rows.shape[1])])
     return linear(rows)[:count].view(*x.shape[:-1], -1)
 
 

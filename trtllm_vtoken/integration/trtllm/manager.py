@@ -208,14 +208,14 @@ def build_manager_class(base: type) -> type:
             if prefix is not None:
                 self._vtoken_shared = frozenset(b for blocks in self._vtoken_prefix.values() for b in blocks)
             step = self.vtoken.step
-            row = set(step.block_ids(req_id)) if req_id in step else set()
+            past_row = [] if not prefix else sorted(set(prefix) - set(step.block_ids(req_id)))
             self.vtoken.forget(req_id)
-            if prefix:
-                # Chunked prefill: its prompt blocks past its row, allocated ahead and stored for
-                # reuse before its later chunks ran, may carry the slots of a request that reused
-                # them and left while they were shared on this one's account. The row's were
-                # emptied above; these are now, but for those another request holds.
-                step.forget_blocks([b for b in prefix if b not in row])
+            # Chunked prefill: its prompt blocks past its row, allocated ahead and stored for reuse
+            # before its later chunks ran, may carry the slots of a request that reused them and
+            # left while they were shared on this one's account. The row's were emptied above;
+            # these are now, but for those another request holds.
+            if past_row:
+                step.forget_blocks(past_row)
             if self._vtoken_reuse and changed:
                 # Its blocks past the prompt no longer hold what its tokens say: release them
                 # unstored (BlockManager::releaseBlocks stores for reuse only when given the request).
