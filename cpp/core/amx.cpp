@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// amx_bf16_supported (amx.h): CPUID for the instructions, XCR0 and Linux's arch_prctl for the state.
+// amx_bf16_supported, avx512_bf16_supported and bf16_mass_kind (amx.h): CPUID for the instructions,
+// XCR0 and Linux's arch_prctl for the state.
 #include "amx.h"
 
 #include <stdexcept>
@@ -59,15 +60,18 @@ bool avx512_bf16_supported() {
 #endif
 }
 
-void require_workspace(const char* pass, int64_t workspace_bytes, int64_t needed) {
+const char* bf16_mass_kind() {
+  return amx_bf16_supported() ? "amx" : avx512_bf16_supported() ? "avx512-bf16" : nullptr;
+}
+
+const char* require_workspace_and_kind(const char* pass, int64_t workspace_bytes, int64_t needed) {
   if (workspace_bytes < needed)
     throw std::invalid_argument(std::string(pass) + ": workspace of " + std::to_string(workspace_bytes) + " bytes, " +
                                 std::to_string(needed) + " needed");
-}
-
-void require_workspace_and_amx(const char* pass, int64_t workspace_bytes, int64_t needed) {
-  require_workspace(pass, workspace_bytes, needed);
-  if (!amx_bf16_supported()) throw std::runtime_error(std::string(pass) + ": this CPU or OS has no AMX-BF16");
+  const char* kind = bf16_mass_kind();
+  if (kind == nullptr)
+    throw std::runtime_error(std::string(pass) + ": this CPU or OS has neither AMX-BF16 nor AVX-512 BF16");
+  return kind;
 }
 
 }  // namespace vtoken

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// What the AMX mass passes (prefill_mass.cpp, decode_mass.cpp) share: whether this build, CPU and
-// OS run AMX-BF16 tiles, the tiles' configuration record, and a float32 exp for softmax rows.
+// What the bf16 mass passes (prefill_mass.cpp, decode_mass.cpp) share: whether this build, CPU and
+// OS run AMX-BF16 tiles or AVX-512 BF16 dot products, the tiles' configuration record, and a float32 exp for softmax rows.
 //
 // AMX intrinsics come with GCC 11 and Clang 12 onwards on x86-64 Linux; elsewhere (or with
 // -DVTOKEN_AMX=0) the passes compile, report themselves unsupported, and callers take the
@@ -34,10 +34,14 @@ bool amx_bf16_supported();
 // intrinsics (the same compilers bring both).
 bool avx512_bf16_supported();
 
+// What the bf16 mass passes compute their scores with here: "amx" where this CPU and OS run
+// AMX-BF16, else "avx512-bf16" where they run AVX-512 BF16 (pair dot products), else nullptr.
+const char* bf16_mass_kind();
+
 // What a pass checks after its arguments: std::invalid_argument for a workspace of fewer than
-// `needed` bytes; the _and_amx form then std::runtime_error where AMX is not supported. `pass` names it.
-void require_workspace(const char* pass, int64_t workspace_bytes, int64_t needed);
-void require_workspace_and_amx(const char* pass, int64_t workspace_bytes, int64_t needed);
+// `needed` bytes, then std::runtime_error where bf16_mass_kind is nullptr; returns the kind.
+// `pass` names it in the message.
+const char* require_workspace_and_kind(const char* pass, int64_t workspace_bytes, int64_t needed);
 
 // The passes' workspaces are caller-allocated byte tensors: each pass asks for kWorkspaceAlign
 // bytes more than its regions and starts them at the first 64-byte boundary (tile rows, cache lines).

@@ -303,18 +303,12 @@ int64_t decode_mass_workspace_bytes(int64_t max_kv_len, int64_t tokens_per_block
   return Layout(max_kv_len, tokens_per_block, head_dim).total(threads_used(threads, batch));
 }
 
-const char* decode_mass_bf16_kind() {
-  return amx_bf16_supported() ? "amx" : avx512_bf16_supported() ? "avx512-bf16" : nullptr;
-}
-
 void decode_mass_bf16(const DecodeMassArgs& a, uint8_t* workspace, int64_t workspace_bytes, int64_t threads,
                       float* mass, int64_t mass_width) {
   check_args(a, mass_width);
   const int64_t longest = *std::max_element(a.kv_lens, a.kv_lens + a.batch);
   const int64_t needed = decode_mass_workspace_bytes(longest, a.tokens_per_block, a.head_dim, a.batch, threads);
-  require_workspace("decode mass", workspace_bytes, needed);
-  const char* kind = decode_mass_bf16_kind();
-  if (kind == nullptr) throw std::runtime_error("decode mass: this CPU or OS has neither AMX-BF16 nor AVX-512 BF16");
+  const char* kind = require_workspace_and_kind("decode mass", workspace_bytes, needed);
 #if VTOKEN_AMX
   const Layout l(longest, a.tokens_per_block, a.head_dim);
   const int64_t n = threads_used(threads, a.batch);
@@ -324,6 +318,7 @@ void decode_mass_bf16(const DecodeMassArgs& a, uint8_t* workspace, int64_t works
 #else
   (void)workspace;
   (void)mass;
+  (void)kind;
 #endif
 }
 

@@ -34,10 +34,6 @@ struct DecodeMassArgs {
 // below 16 or a multiple of it (a tile of keys never crosses a block).
 bool decode_mass_bf16_applies(int64_t tokens_per_block, int64_t head_dim);
 
-// "amx" where this CPU and OS run AMX-BF16, else "avx512-bf16" where they run AVX-512 BF16, else
-// nullptr (the pass throws std::runtime_error): what decode_mass_bf16 computes with.
-const char* decode_mass_bf16_kind();
-
 // Bytes of workspace the pass needs for rows of up to max_kv_len positions with this many threads
 // (at most one per row).
 int64_t decode_mass_workspace_bytes(int64_t max_kv_len, int64_t tokens_per_block, int64_t head_dim,
@@ -48,7 +44,7 @@ int64_t decode_mass_workspace_bytes(int64_t max_kv_len, int64_t tokens_per_block
 // does not depend on the thread count. Throws std::invalid_argument (nothing written) for
 // inconsistent shapes, a block id or pool layer outside the pool, a kv_len outside
 // [1, min(table_width * tokens_per_block, mass_width)], or a workspace smaller than
-// decode_mass_workspace_bytes; std::runtime_error where decode_mass_bf16_kind is nullptr.
+// decode_mass_workspace_bytes; std::runtime_error where bf16_mass_kind (amx.h) is nullptr.
 void decode_mass_bf16(const DecodeMassArgs& args, uint8_t* workspace, int64_t workspace_bytes, int64_t threads,
                      float* mass, int64_t mass_width);
 

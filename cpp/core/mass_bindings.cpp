@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Python bindings of the AMX mass passes (prefill_mass.h, decode_mass.h): torch's tensors arrive
+// Python bindings of the bf16 mass passes (prefill_mass.h, decode_mass.h): torch's tensors arrive
 // through DLPack as they are (strided views of the pool included; nothing is copied or converted).
 #include <optional>
 #include <string>
@@ -41,22 +41,15 @@ const uint16_t* bf16_data(const Array& t, const char* pass, const char* name) {
 
 // The prefill pass's [tokens, heads, head_dim] rows.
 vtoken::Bf16Rows bf16_rows(const Rows& t, const char* name, int64_t heads, int64_t head_dim) {
-  const uint16_t* data = bf16_data(t, "prefill_mass_amx", name);
+  const uint16_t* data = bf16_data(t, "prefill_mass_bf16", name);
   if (static_cast<int64_t>(t.shape(1)) != heads || static_cast<int64_t>(t.shape(2)) != head_dim)
-    throw std::invalid_argument(std::string("prefill_mass_amx: ") + name + " must be [tokens, heads, head_dim]");
+    throw std::invalid_argument(std::string("prefill_mass_bf16: ") + name + " must be [tokens, heads, head_dim]");
   return {data, t.stride(0), t.stride(1)};
 }
 
 void bind_decode_mass(nb::module_& m) {
   m.def("decode_mass_bf16_applies", &vtoken::decode_mass_bf16_applies, "tokens_per_block"_a, "head_dim"_a,
         "Whether the bf16 decode pass takes this pool geometry (decode_mass.h).");
-  m.def(
-      "decode_mass_bf16_kind",
-      []() -> std::optional<std::string> {
-        const char* kind = vtoken::decode_mass_bf16_kind();
-        return kind ? std::optional<std::string>(kind) : std::nullopt;
-      },
-      "\"amx\", \"avx512-bf16\" or None: what decode_mass_bf16 computes with on this CPU (decode_mass.h).");
   m.def("decode_mass_workspace_bytes", &vtoken::decode_mass_workspace_bytes, "max_kv_len"_a, "tokens_per_block"_a,
         "head_dim"_a, "batch"_a, "threads"_a, "Bytes of workspace decode_mass_bf16 needs (decode_mass.h).");
   m.def(
@@ -99,9 +92,9 @@ void bind_decode_mass(nb::module_& m) {
 
 void bind_prefill_mass(nb::module_& m) {
   m.def("prefill_mass_workspace_bytes", &vtoken::prefill_mass_workspace_bytes, "num_keys"_a, "num_kv_heads"_a,
-        "head_dim"_a, "threads"_a, "Bytes of workspace prefill_mass_amx needs (prefill_mass.h).");
+        "head_dim"_a, "threads"_a, "Bytes of workspace prefill_mass_bf16 needs (prefill_mass.h).");
   m.def(
-      "prefill_mass_amx",
+      "prefill_mass_bf16",
       [](Rows q, Rows k, std::optional<Rows> past_k, int64_t first_query, Workspace workspace, int64_t threads,
          Mass mass) {
         vtoken::PrefillMassArgs a;
@@ -114,13 +107,13 @@ void bind_prefill_mass(nb::module_& m) {
         a.q = bf16_rows(q, "q", a.num_heads, a.head_dim);
         a.k = bf16_rows(k, "k", a.num_kv_heads, a.head_dim);
         if (static_cast<int64_t>(k.shape(0)) != a.num_tokens)
-          throw std::invalid_argument("prefill_mass_amx: q and k must have the same number of tokens");
+          throw std::invalid_argument("prefill_mass_bf16: q and k must have the same number of tokens");
         if (a.num_past) a.past_k = bf16_rows(*past_k, "past_k", a.num_kv_heads, a.head_dim);
         if (static_cast<int64_t>(mass.shape(0)) != a.num_past + a.num_tokens)
-          throw std::invalid_argument("prefill_mass_amx: mass must hold one value per key");
+          throw std::invalid_argument("prefill_mass_bf16: mass must hold one value per key");
         nb::gil_scoped_release released;
-        vtoken::prefill_mass_amx(a, workspace.data(), static_cast<int64_t>(workspace.shape(0)), threads,
-                                 mass.data());
+        vtoken::prefill_mass_bf16(a, workspace.data(), static_cast<int64_t>(workspace.shape(0)), threads,
+                                  mass.data());
       },
       "q"_a, "k"_a, "past_k"_a.none(), "first_query"_a, "workspace"_a.noconvert(), "threads"_a,
       "mass"_a.noconvert(),
@@ -132,6 +125,13 @@ void bind_prefill_mass(nb::module_& m) {
 void bind_mass_passes(nb::module_& m) {
   m.def("amx_bf16_supported", &vtoken::amx_bf16_supported,
         "Whether this CPU has AMX-BF16 and AVX-512 BF16 and the OS grants the tile state (amx.h).");
+  m.def(
+      "bf16_mass_kind",
+      []() -> std::optional<std::string> {
+        const char* kind = vtoken::bf16_mass_kind();
+        return kind ? std::optional<std::string>(kind) : std::nullopt;
+      },
+      "\"amx\", \"avx512-bf16\" or None: what the bf16 mass passes compute their scores with here (amx.h).");
   bind_prefill_mass(m);
   bind_decode_mass(m);
 }

@@ -1,13 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
-// The AMX prefill mass pass (prefill_mass.h). Per KV head, its keys are packed once into the
-// tiles' pair layout; per query head of its group and per tile of 16 queries:
+// The bf16 prefill mass pass (prefill_mass.h). Per KV head, its keys are packed once into the
+// pair layout of an AMX B tile; per query head of its group and per tile of 16 queries:
 //
 //   scores [16, width] float32  = A (16 queries x 32 dims, bf16) . B (32 dims x 16 keys)  per 64 keys,
-//                                 summed over the head's 32-dim chunks in four C tiles
+//                                 summed over the head's 32-dim chunks
 //   row r: e = exp(scale * scores - max), sum -> 1 / sum       (keys past the query's own: none)
 //   partial[h, key] += sum_r e[r, key] / sum_r                  (float32, AVX-512)
 //
 // and at the end mass[key] = sum over KV heads of partial[h, key], in head order.
+//
+// The scores come from four AMX C tiles, or without AMX, on AVX-512 BF16 (AMD Zen 4, Intel Cooper
+// Lake), from the same packed keys: each query's dim pair broadcast against a 16-key vector of
+// pairs (vdpbf16ps, float32 sums), 4 queries x 64 keys in 16 registers. Softmax and sums are shared.
 //
 // Workspace, per thread, then the partials (64-byte aligned regions):
 //   packed keys  [keys/16][chunks][16 pairs][16 keys][2] bf16   (keys padded to 64, dims to 32)
@@ -100,9 +104,37 @@ VTOKEN_AMX_TARGET void tile_scores(const Layout& l, const uint16_t* queries, con
   }
 }
 
+// The same scores without AMX: per 4 queries and 64 keys, 16 float32 sums in registers; per dim
+// pair, each query's pair (one 32-bit broadcast) against four 16-key vectors of that pair.
+VTOKEN_AVX512_TARGET void tile_scores_dot(const Layout& l, const uint16_t* queries, const uint16_t* packed,
+                                          int64_t width, float* scores) {
+  const int64_t b_stride = l.chunks * kChunk * 16, q_stride = l.chunks * kChunk;
+  for (int64_t first = 0; first < width; first += kSuperBlock) {
+    const uint16_t* b = packed + (first / 16) * b_stride;
+    for (int64_t row = 0; row < kTileRows; row += 4) {
+      __m512 sums[4][4];
+      for (auto& per_query : sums)
+        for (__m512& sum : per_query) sum = _mm512_setzero_ps();
+      for (int64_t pair = 0; pair < l.chunks * 16; ++pair) {  // pair p of chunk c lies at c * 512 + (p % 16) * 32
+        const int64_t at = (pair / 16) * kChunk * 16 + (pair % 16) * 32;
+        __m512bh keys[4];
+        for (int j = 0; j < 4; ++j) keys[j] = (__m512bh)_mm512_loadu_si512(b + j * b_stride + at);
+        for (int i = 0; i < 4; ++i) {
+          int32_t dims;
+          std::memcpy(&dims, queries + (row + i) * q_stride + pair * 2, 4);
+          const __m512bh query = (__m512bh)_mm512_set1_epi32(dims);
+          for (int j = 0; j < 4; ++j) sums[i][j] = _mm512_dpbf16_ps(sums[i][j], keys[j], query);
+        }
+      }
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(scores + (row + i) * l.keys64 + first + 16 * j, sums[i][j]);
+    }
+  }
+}
+
 // Row r of scores (keys [0, seen)): softmax in place, zeros from `seen` to `width` rounded up to
 // 16; returns 1 / (the row's sum of exponentials).
-VTOKEN_AMX_TARGET float softmax_row(float* s, int64_t seen, int64_t width, float scale) {
+VTOKEN_AVX512_TARGET float softmax_row(float* s, int64_t seen, int64_t width, float scale) {
   __m512 m = _mm512_set1_ps(-INFINITY);
   int64_t j = 0;
   for (; j + 16 <= seen; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
@@ -127,8 +159,8 @@ VTOKEN_AMX_TARGET float softmax_row(float* s, int64_t seen, int64_t width, float
   return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
-VTOKEN_AMX_TARGET void one_kv_head(const PrefillMassArgs& a, const Layout& l, int64_t kv_head, uint8_t* region,
-                                   float* partial) {
+VTOKEN_AVX512_TARGET void one_kv_head(const PrefillMassArgs& a, const Layout& l, int64_t kv_head, bool amx,
+                                      uint8_t* region, float* partial) {
   uint16_t* packed = reinterpret_cast<uint16_t*>(region);
   float* scores = reinterpret_cast<float*>(region + l.packed_bytes);
   uint16_t* queries = reinterpret_cast<uint16_t*>(region + l.packed_bytes + l.scores_bytes);
@@ -145,7 +177,10 @@ VTOKEN_AMX_TARGET void one_kv_head(const PrefillMassArgs& a, const Layout& l, in
         std::memcpy(queries + r * l.chunks * kChunk,
                     a.q.data + (first + r) * a.q.token_stride + head * a.q.head_stride, a.head_dim * 2);
       const int64_t width = a.num_past + first + rows;  // the tile's last query sees every key before it
-      tile_scores(l, queries, packed, width, scores);
+      if (amx)
+        tile_scores(l, queries, packed, width, scores);
+      else
+        tile_scores_dot(l, queries, packed, width, scores);
       const int64_t width16 = round_up(width, 16);
       for (int64_t r = 0; r < rows; ++r)
         inverse[r] = softmax_row(scores + r * l.keys64, a.num_past + first + r + 1, width16, scale);
@@ -159,16 +194,20 @@ VTOKEN_AMX_TARGET void one_kv_head(const PrefillMassArgs& a, const Layout& l, in
   }
 }
 
-VTOKEN_AMX_TARGET void worker(const PrefillMassArgs& a, const Layout& l, int64_t thread, int64_t threads,
+// Thread `thread`'s KV heads (every `threads`-th), with the tiles configured around them where they score.
+VTOKEN_AMX_TARGET void worker(const PrefillMassArgs& a, const Layout& l, int64_t thread, int64_t threads, bool amx,
                               uint8_t* region, float* partials) {
-  TileConfig config;
-  for (int t = 0; t < 6; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = kTileRows;
+  if (amx) {
+    TileConfig config;
+    for (int t = 0; t < 6; ++t) {
+      config.colsb[t] = 64;
+      config.rows[t] = kTileRows;
+    }
+    _tile_loadconfig(&config);
   }
-  _tile_loadconfig(&config);
-  for (int64_t h = thread; h < a.num_kv_heads; h += threads) one_kv_head(a, l, h, region, partials + h * l.keys16);
-  _tile_release();
+  for (int64_t h = thread; h < a.num_kv_heads; h += threads)
+    one_kv_head(a, l, h, amx, region, partials + h * l.keys16);
+  if (amx) _tile_release();
 }
 
 #endif
@@ -194,18 +233,19 @@ int64_t prefill_mass_workspace_bytes(int64_t num_keys, int64_t num_kv_heads, int
   return Layout(num_keys, num_kv_heads, head_dim).total(threads_used(threads, num_kv_heads));
 }
 
-void prefill_mass_amx(const PrefillMassArgs& a, uint8_t* workspace, int64_t workspace_bytes, int64_t threads,
-                      float* mass) {
+void prefill_mass_bf16(const PrefillMassArgs& a, uint8_t* workspace, int64_t workspace_bytes, int64_t threads,
+                       float* mass) {
   check_args(a);
   const int64_t num_keys = a.num_past + a.num_tokens;
   const int64_t needed = prefill_mass_workspace_bytes(num_keys, a.num_kv_heads, a.head_dim, threads);
-  require_workspace_and_amx("prefill mass", workspace_bytes, needed);
+  const char* kind = require_workspace_and_kind("prefill mass", workspace_bytes, needed);
 #if VTOKEN_AMX
   const Layout l(num_keys, a.num_kv_heads, a.head_dim);
   const int64_t n = threads_used(threads, a.num_kv_heads);
+  const bool amx = std::string(kind) == "amx";
   uint8_t* base = aligned_start(workspace);
   float* partials = reinterpret_cast<float*>(base + n * l.per_thread);
-  run_workers(n, [&](int64_t t) { worker(a, l, t, n, base + t * l.per_thread, partials); });
+  run_workers(n, [&](int64_t t) { worker(a, l, t, n, amx, base + t * l.per_thread, partials); });
   for (int64_t j = 0; j < num_keys; ++j) {  // head order: the same sum for any thread count
     float sum = 0.0f;
     for (int64_t h = 0; h < a.num_kv_heads; ++h) sum += partials[h * l.keys16 + j];
@@ -214,6 +254,7 @@ void prefill_mass_amx(const PrefillMassArgs& a, uint8_t* workspace, int64_t work
 #else
   (void)workspace;
   (void)mass;
+  (void)kind;
 #endif
 }
 

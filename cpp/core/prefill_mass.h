@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// H2O's prefill attention mass of one context row on x86 CPUs with AMX-BF16: the keys' scores
-// are tile products of the bf16 rows with float32 sums (as the attention's own kernels on these
-// CPUs compute them), then one exact float32 softmax per query row and its column sums.
+// H2O's prefill attention mass of one context row on x86 CPUs with AMX-BF16 or AVX-512 BF16: the
+// keys' scores are products of the bf16 rows with float32 sums (AMX tiles, or bf16 pair dot
+// products: as the attention's own kernels on these CPUs compute them), then one exact float32
+// softmax per query row and its column sums.
 //
 // The specification is scores.prefill_attention_mass (Python); mass_torch.py is the portable
 // pass. This one differs from them in how, not what: equal to float32 rounding (the suite checks
@@ -39,8 +40,8 @@ int64_t prefill_mass_workspace_bytes(int64_t num_keys, int64_t num_kv_heads, int
 // of the query's softmax weight on key j. Threads take whole KV heads and the heads' sums are
 // added in head order, so the result does not depend on the thread count. Throws
 // std::invalid_argument (nothing written) for inconsistent shapes or a workspace smaller than
-// prefill_mass_workspace_bytes, std::runtime_error where AMX is not supported (amx_bf16_supported, amx.h).
-void prefill_mass_amx(const PrefillMassArgs& args, uint8_t* workspace, int64_t workspace_bytes, int64_t threads,
-                      float* mass);
+// prefill_mass_workspace_bytes, std::runtime_error where bf16_mass_kind (amx.h) is nullptr.
+void prefill_mass_bf16(const PrefillMassArgs& args, uint8_t* workspace, int64_t workspace_bytes, int64_t threads,
+                       float* mass);
 
 }  // namespace vtoken

@@ -14,7 +14,7 @@ from trtllm_vtoken.bench.trtllm_mass import TrtllmMassBenchConfig
 from trtllm_vtoken.bench.variants import VariantsBenchConfig
 from trtllm_vtoken.cli import main
 from trtllm_vtoken.core.native import load
-from trtllm_vtoken.integration.trtllm.mass_cpp import decode_kind
+from trtllm_vtoken.integration.trtllm.mass_cpp import bf16_kind
 
 
 def test_host_bench_times_every_operation_warm_and_after_a_sleep():
@@ -46,7 +46,7 @@ def test_the_cli_writes_both_micro_benches_with_the_mass_passes_against_the_atte
     assert mass["config"]["batch"] == 8 and mass["backend"] == "torch" and decode["max_abs_difference"] < 1e-5
     assert all(len(ms) == 3 for ms in decode["ms"].values())  # alternating rounds, each way
     # the decode pass the manager takes here, and the torch pass beside it where that is another
-    assert decode["pass"] == (decode_kind() or "torch") and f"({decode['pass']} decode pass" in printed
+    assert decode["pass"] == (bf16_kind() or "torch") and f"({decode['pass']} decode pass" in printed
     assert len(decode["ms"]) == (4 if decode["pass"] == "torch" else 5)
     assert (decode["torch_pass_to_contiguous_attention"] is None) == (decode["pass"] == "torch")
     for summary in [decode["mass_pass_to_attention"], decode["mass_pass_to_contiguous_attention"]] + \

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The C++ bf16 decode mass pass (``mass_cpp.decode_mass_bf16``, ``cpp/core/decode_mass.cpp``), with
-AMX tiles or AVX-512 BF16 dot products (whichever this CPU runs: ``decode_kind``), equals
+AMX tiles or AVX-512 BF16 dot products (whichever this CPU runs: ``bf16_kind``), equals
 its specification (``scores.batch_decode_attention_mass``) on random pools, block tables, lengths,
 GQA groups and layer maps, at every edge of its tiles, and at real geometries (head dims on and off the tiles' 32 dims,
 tokens_per_block below 16, groups wider than a tile's 16 query heads) with whatever the pool holds
@@ -20,12 +20,12 @@ from tests.integration.test_mass_passes import SHAPES, random_decode
 from trtllm_vtoken.bench.memory import PeakMemory
 from trtllm_vtoken.core import native
 from trtllm_vtoken.integration.trtllm.mass import decode_mass, decode_pass
-from trtllm_vtoken.integration.trtllm.mass_cpp import decode_bf16_plan, decode_kind, decode_mass_bf16
+from trtllm_vtoken.integration.trtllm.mass_cpp import bf16_kind, decode_bf16_plan, decode_mass_bf16
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch
 from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass
 
-pytestmark = pytest.mark.skipif(decode_kind() is None,
+pytestmark = pytest.mark.skipif(bf16_kind() is None,
                                 reason="needs the C++ core on a CPU and OS with AMX-BF16 or AVX-512 BF16")
 
 
@@ -78,7 +78,7 @@ def test_bf16_decode_pass_reads_real_geometries_from_a_fragmented_pool(heads, kv
     q = buffer[:, : len(kv_lens)].transpose(0, 1)  # [rows, layers, heads, dim], not contiguous
     assert not q.is_contiguous()
     want = batch_decode_attention_mass(q, pool, block_lists, kv_lens, [2, 0])
-    assert decode_pass(q, pool, kv_lens) == decode_kind()
+    assert decode_pass(q, pool, kv_lens) == bf16_kind()
     got = decode_mass(q, pool, block_lists, kv_lens, [2, 0])
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     assert not got.isnan().any()
@@ -105,7 +105,7 @@ def test_bf16_decode_pass_at_the_tiles_edges():
 
 def test_pools_and_rows_it_does_not_take_go_to_the_torch_pass():
     q, pool, block_lists, kv_lens, layers = random_decode(4, torch.bfloat16)
-    assert decode_pass(q, pool, kv_lens) == decode_kind()
+    assert decode_pass(q, pool, kv_lens) == bf16_kind()
     for other_q, other_pool in ((q.float(), pool.float()), (q.half(), pool.half()), (q.float(), pool)):
         assert decode_bf16_plan(other_q, other_pool, kv_lens, DEFAULT_CAP_BYTES) is None
         assert decode_pass(other_q, other_pool, kv_lens) == "torch"

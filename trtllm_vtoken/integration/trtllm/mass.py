@@ -5,8 +5,8 @@
     decode_mass    a batch's decode rows, all layers of one pool, in ``update_resources``
 
 CUDA tensors with Triton 3.2 or later installed take the Triton kernels (``mass_triton.py``);
-bf16 context rows on a CPU with AMX-BF16, and bf16 pools' decode rows on one with AMX-BF16 or
-AVX-512 BF16, the C++ passes (``mass_cpp.py``);
+bf16 context rows and bf16 pools' decode rows on a CPU with AMX-BF16 or AVX-512 BF16, the C++
+passes (``mass_cpp.py``);
 everything else the bounded torch passes (``mass_torch.py``). All compute ``scores.py``'s specification and hold at most
 ``cap_bytes`` of workspace (``VTokenSettings.mass_workspace_mib``).
 """
@@ -21,11 +21,11 @@ from functools import cache
 import torch
 
 from trtllm_vtoken.integration.trtllm.mass_cpp import (
-    amx_plan,
+    bf16_kind,
     decode_bf16_plan,
-    decode_kind,
     decode_mass_bf16,
-    prefill_mass_amx,
+    prefill_bf16_plan,
+    prefill_mass_bf16,
 )
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch, prefill_mass_torch
@@ -70,18 +70,18 @@ def describe_cuda() -> str:
 
 def mass_backend(device: torch.device | str) -> str:
     """"triton" for CUDA tensors where a usable Triton is installed (``triton_usable``), else
-    "torch": the family of passes a device takes (on CPU, bf16 rows and pools may take "amx":
-    ``prefill_pass`` and ``decode_pass`` name the pass of given tensors)."""
+    "torch": the family of passes a device takes (on CPU, bf16 rows and pools may take "amx" or
+    "avx512-bf16": ``prefill_pass`` and ``decode_pass`` name the pass of given tensors)."""
     return "triton" if torch.device(device).type == "cuda" and triton_usable() else "torch"
 
 
 def prefill_pass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None,
                  cap_bytes: int = DEFAULT_CAP_BYTES) -> str:
-    """The pass ``prefill_mass`` runs for this context row: "triton", "amx" or "torch" (what it
-    decides, named; ``prefill_mass`` decides once, by trying the AMX pass)."""
+    """The pass ``prefill_mass`` runs for this context row: "triton", "amx", "avx512-bf16" or
+    "torch" (what it decides, named; ``prefill_mass`` decides once, by trying the C++ pass)."""
     if mass_backend(q.device) == "triton":
         return "triton"
-    return "amx" if amx_plan(q, k, past_k, cap_bytes) is not None else "torch"
+    return bf16_kind() if prefill_bf16_plan(q, k, past_k, cap_bytes) is not None else "torch"
 
 
 def prefill_mass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None, window: int | None = None,
@@ -91,7 +91,7 @@ def prefill_mass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None =
         from trtllm_vtoken.integration.trtllm.mass_triton import prefill_mass_triton
 
         return prefill_mass_triton(q, k, past_k, window, cap_bytes=cap_bytes)
-    mass = prefill_mass_amx(q, k, past_k, window, cap_bytes)  # None where it does not apply (amx_plan)
+    mass = prefill_mass_bf16(q, k, past_k, window, cap_bytes)  # None where it does not apply (prefill_bf16_plan)
     return mass if mass is not None else prefill_mass_torch(q, k, past_k, window, cap_bytes)
 
 
@@ -101,7 +101,7 @@ def decode_pass(q: torch.Tensor, pool: torch.Tensor, kv_lens: Sequence[int],
     (what it decides, named; ``decode_mass`` decides once, by trying the C++ pass)."""
     if mass_backend(pool.device) == "triton":
         return "triton"
-    return decode_kind() if decode_bf16_plan(q, pool, kv_lens, cap_bytes) is not None else "torch"
+    return bf16_kind() if decode_bf16_plan(q, pool, kv_lens, cap_bytes) is not None else "torch"
 
 
 def decode_mass(q: torch.Tensor, pool: torch.Tensor, block_lists: Sequence[Sequence[int]], kv_lens: Sequence[int],

@@ -1,26 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The C++ mass passes for bf16 rows and pools on x86 CPUs (``cpp/core``): prefill with AMX-BF16,
-decode with AMX-BF16 or, without it, AVX-512 BF16.
+"""The C++ mass passes for bf16 rows and pools on x86 CPUs (``cpp/core``), scoring with AMX-BF16
+tiles or, without AMX, AVX-512 BF16 pair dot products (AMD Zen 4, Intel Cooper Lake): ``bf16_kind``.
 
 Prefill (``prefill_mass.cpp``): the bounded torch pass (``mass_torch.py``) converts bf16 queries
 and keys to float32 first: torch has no CPU product of bf16 matrices with float32 results, and a
-bf16 result would round the scores before the softmax. This pass multiplies the bf16 rows in AMX
-tiles with float32 sums (as the attention's own kernels do on these CPUs), then runs the same
-exact float32 softmax and column sums, reading each KV head's keys once.
+bf16 result would round the scores before the softmax. This pass packs each KV head's keys once
+and multiplies the bf16 rows with float32 sums (as the attention's own kernels do on these CPUs),
+then runs the same exact float32 softmax and column sums.
 
 Its workspace is one tensor, sized by the kernel's own count (``prefill_mass_workspace_bytes``)
 and allocated here, so the cap bounds it as it bounds the torch pass; threads (torch's count, at
 most one per KV head) are given up one by one until it fits. Where it does not apply (another
-dtype, a CPU or OS without AMX, the package built without its C++ core, a prompt whose
-workspace exceeds the cap with one thread) the caller takes the torch pass.
+dtype, a CPU or OS with neither instruction set, the package built without its C++ core, a
+prompt whose workspace exceeds the cap with one thread) the caller takes the torch pass.
 
 Decode (``decode_mass.cpp``): the torch pass gathers each layer's keys through the block table
 and converts them to float32 before scoring them (the keys cross memory about four times). This
-pass reads each block's keys where the pool holds them (as AMX tiles, or without AMX key by key
-for AVX-512 BF16 pair dot products: AMD Zen 4, Intel Cooper Lake), scores a KV head's queries
-with float32 sums, and adds each query head's float32 softmax into the row's mass: the keys are
-read once, in bf16. Threads take whole rows; its workspace (one row's scores per thread) is
-allocated here under the cap, as above.
+pass reads each block's keys where the pool holds them (as AMX tiles, or key by key for the dot
+products), scores a KV head's queries with float32 sums, and adds each query head's float32
+softmax into the row's mass: the keys are read once, in bf16. Threads take whole rows; its
+workspace (one row's scores per thread) is allocated here under the cap, as above.
 """
 
 from __future__ import annotations
@@ -33,16 +32,10 @@ from trtllm_vtoken.core import native
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES, padded_block_table
 
 
-def amx_available() -> bool:
-    """The C++ core is built and this CPU and OS run AMX-BF16 (asks the OS once for the tile state)."""
-    supported = getattr(native.load(), "amx_bf16_supported", None)  # None: no core, or one built before the passes
-    return supported is not None and supported()
-
-
-def decode_kind() -> str | None:
-    """"amx" or "avx512-bf16": what the C++ decode pass computes with on this CPU; None without
-    one (no core, a core built before the pass, or neither instruction set)."""
-    kind = getattr(native.load(), "decode_mass_bf16_kind", None)
+def bf16_kind() -> str | None:
+    """"amx" or "avx512-bf16": what the C++ passes score with on this CPU; None without them (no
+    core, a core built before them, or neither instruction set)."""
+    kind = getattr(native.load(), "bf16_mass_kind", None)
     return None if kind is None else kind()
 
 
@@ -50,22 +43,21 @@ def describe() -> str:
     """One line for ``vtoken info``: which passes a CPU row's mass takes here."""
     if native.load() is None:
         return "torch (the C++ core is not built)"
-    if not hasattr(native.load(), "decode_mass_bf16"):
+    if not hasattr(native.load(), "bf16_mass_kind"):
         return "torch (the C++ core was built without the bf16 passes: reinstall the package)"
-    if amx_available():
-        return "amx for bf16 context rows and pools (C++ core, AMX-BF16 tiles), torch for other dtypes"
-    if decode_kind() is not None:
-        return ("avx512-bf16 for bf16 pools' decode rows (C++ core, no AMX-BF16 here), torch for context rows "
-                "and other dtypes")
-    return "torch (this CPU or OS has neither AMX-BF16 nor AVX-512 BF16)"
+    kind = bf16_kind()
+    if kind is None:
+        return "torch (this CPU or OS has neither AMX-BF16 nor AVX-512 BF16)"
+    how = "AMX-BF16 tiles" if kind == "amx" else "AVX-512 BF16 dot products, no AMX-BF16 here"
+    return f"{kind} for bf16 context rows and pools' decode rows (C++ core, {how}), torch for other dtypes"
 
 
-def amx_workspace_bytes(num_keys: int, num_kv_heads: int, head_dim: int, cap_bytes: int,
-                        threads: int | None = None) -> tuple[int, int] | None:
-    """(threads, bytes) of the pass over ``num_keys`` keys within ``cap_bytes``: the most threads
-    up to ``threads`` (default torch's count) whose workspace fits; None if one thread's does not
-    or this CPU has no AMX pass (``amx_available``)."""
-    if not amx_available():
+def prefill_workspace_bytes(num_keys: int, num_kv_heads: int, head_dim: int, cap_bytes: int,
+                            threads: int | None = None) -> tuple[int, int] | None:
+    """(threads, bytes) of the prefill pass over ``num_keys`` keys within ``cap_bytes``: the most
+    threads up to ``threads`` (default torch's count) whose workspace fits; None if one thread's
+    does not or this CPU has no C++ pass (``bf16_kind``)."""
+    if bf16_kind() is None:
         return None
     return _most_threads_within(cap_bytes, min(threads or torch.get_num_threads(), num_kv_heads),
                                 lambda count: native.load().prefill_mass_workspace_bytes(num_keys, num_kv_heads,
@@ -82,22 +74,23 @@ def _most_threads_within(cap_bytes: int, most: int, workspace_bytes) -> tuple[in
     return None
 
 
-def amx_plan(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, cap_bytes: int,
-             threads: int | None = None) -> tuple[int, int] | None:
-    """(threads, workspace bytes) of this pass for a context row, or None where it does not apply:
-    not every tensor bf16 on CPU, no AMX, or one thread's workspace over ``cap_bytes``."""
+def prefill_bf16_plan(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, cap_bytes: int,
+                      threads: int | None = None) -> tuple[int, int] | None:
+    """(threads, workspace bytes) of the prefill pass for a context row, or None where it does not
+    apply: not every tensor bf16 on CPU, no C++ pass here, or one thread's workspace over ``cap_bytes``."""
     tensors = (q, k) if past_k is None else (q, k, past_k)
     if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
         return None
     num_keys = q.shape[0] + (0 if past_k is None else past_k.shape[0])
-    return amx_workspace_bytes(num_keys, k.shape[1], q.shape[2], cap_bytes, threads)
+    return prefill_workspace_bytes(num_keys, k.shape[1], q.shape[2], cap_bytes, threads)
 
 
-def prefill_mass_amx(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, window: int | None,
-                     cap_bytes: int, threads: int | None = None) -> torch.Tensor | None:
+def prefill_mass_bf16(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, window: int | None,
+                      cap_bytes: int, threads: int | None = None) -> torch.Tensor | None:
     """``scores.prefill_attention_mass`` (same arguments, same result to float32 rounding) of a
-    bf16 CPU row, or None where this pass does not apply (``amx_plan``; the caller takes the torch pass)."""
-    plan = amx_plan(q, k, past_k, cap_bytes, threads)
+    bf16 CPU row, or None where this pass does not apply (``prefill_bf16_plan``; the caller takes
+    the torch pass)."""
+    plan = prefill_bf16_plan(q, k, past_k, cap_bytes, threads)
     if plan is None:
         return None
     count, size = plan
@@ -108,17 +101,17 @@ def prefill_mass_amx(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | No
         return torch.zeros(num_keys, dtype=torch.float32)
     workspace = torch.empty(size, dtype=torch.uint8)
     mass = torch.empty(num_keys, dtype=torch.float32)
-    native.load().prefill_mass_amx(q, k, past_k, first, workspace, count, mass)
+    native.load().prefill_mass_bf16(q, k, past_k, first, workspace, count, mass)
     return mass
 
 
 def decode_bf16_plan(q: torch.Tensor, pool: torch.Tensor, kv_lens: Sequence[int], cap_bytes: int,
                      threads: int | None = None) -> tuple[int, int] | None:
     """(threads, workspace bytes) of the decode pass for these rows, or None where it does not
-    apply: q or the pool not bf16 on CPU, neither AMX-BF16 nor AVX-512 BF16 (``decode_kind``), a
+    apply: q or the pool not bf16 on CPU, no C++ pass here (``bf16_kind``), a
     geometry it does not take (an odd head_dim, tokens_per_block neither below 16 nor a multiple
     of it), or one thread's workspace over ``cap_bytes``."""
-    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in (q, pool)) or decode_kind() is None:
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in (q, pool)) or bf16_kind() is None:
         return None
     core = native.load()
     tpb, head_dim = pool.shape[4], pool.shape[5]
