@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// amx_bf16_supported, avx512_bf16_supported and bf16_mass_kind (amx.h): CPUID for the instructions,
+// amx_bf16_supported, avx512_bf16_supported, avx512_supported and bf16_mass_kind (amx.h): CPUID for the instructions,
 // XCR0 and Linux's arch_prctl for the state.
 #include "amx.h"
 
@@ -16,14 +16,14 @@ namespace vtoken {
 namespace {
 
 #if VTOKEN_AMX
-// AVX512F, AVX512BW, AVX512VL and AVX512_BF16 in CPUID, and the OS saving (OSXSAVE, XCR0) the ZMM
-// state and that of `xcr0_bits` too.
-bool cpu_and_os_support_avx512_bf16(unsigned xcr0_bits) {
+// AVX512F, AVX512BW, AVX512VL (and AVX512_BF16 if `bf16`) in CPUID, and the OS saving (OSXSAVE,
+// XCR0) the ZMM state and that of `xcr0_bits` too.
+bool cpu_and_os_support_avx512(bool bf16, unsigned xcr0_bits) {
   unsigned eax, ebx, ecx, edx;
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx >> 27 & 1)) return false;  // OSXSAVE: xgetbv may run
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
   if (!(ebx >> 16 & 1) || !(ebx >> 30 & 1) || !(ebx >> 31 & 1)) return false;  // AVX512F, AVX512BW, AVX512VL
-  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !(eax >> 5 & 1)) return false;  // AVX512_BF16
+  if (bf16 && (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !(eax >> 5 & 1))) return false;  // AVX512_BF16
   unsigned xcr0_low, xcr0_high;
   __asm__("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
   const unsigned wanted = (7u << 5) | xcr0_bits;  // opmask + ZMM state
@@ -34,7 +34,7 @@ bool cpu_and_os_support_amx() {
   unsigned eax, ebx, ecx, edx;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
   if (!(edx >> 22 & 1) || !(edx >> 24 & 1)) return false;           // AMX-BF16, AMX-TILE
-  if (!cpu_and_os_support_avx512_bf16(3u << 17)) return false;      // tile config + tile data
+  if (!cpu_and_os_support_avx512(true, 3u << 17)) return false;     // tile config + tile data
   constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;  // Linux: ask for the tile state
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
 }
@@ -53,7 +53,16 @@ bool amx_bf16_supported() {
 
 bool avx512_bf16_supported() {
 #if VTOKEN_AMX
-  static const bool supported = cpu_and_os_support_avx512_bf16(0);
+  static const bool supported = cpu_and_os_support_avx512(true, 0);
+  return supported;
+#else
+  return false;
+#endif
+}
+
+bool avx512_supported() {
+#if VTOKEN_AMX
+  static const bool supported = cpu_and_os_support_avx512(false, 0);
   return supported;
 #else
   return false;
@@ -64,13 +73,14 @@ const char* bf16_mass_kind() {
   return amx_bf16_supported() ? "amx" : avx512_bf16_supported() ? "avx512-bf16" : nullptr;
 }
 
-const char* require_workspace_and_kind(const char* pass, int64_t workspace_bytes, int64_t needed) {
+void require_workspace(const char* pass, int64_t workspace_bytes, int64_t needed) {
   if (workspace_bytes < needed)
     throw std::invalid_argument(std::string(pass) + ": workspace of " + std::to_string(workspace_bytes) + " bytes, " +
                                 std::to_string(needed) + " needed");
-  const char* kind = bf16_mass_kind();
-  if (kind == nullptr)
-    throw std::runtime_error(std::string(pass) + ": this CPU or OS has neither AMX-BF16 nor AVX-512 BF16");
+}
+
+const char* require_kind(const char* pass, const char* kind, const char* needs) {
+  if (kind == nullptr) throw std::runtime_error(std::string(pass) + ": this CPU, OS or build lacks " + needs);
   return kind;
 }
 

@@ -34,14 +34,19 @@ bool amx_bf16_supported();
 // intrinsics (the same compilers bring both).
 bool avx512_bf16_supported();
 
+// True where the CPU has AVX-512 F, BW and VL (Intel Skylake-SP and later, AMD Zen 4 and later) and
+// the OS saves the ZMM state; false in a build without AMX intrinsics.
+bool avx512_supported();
+
 // What the bf16 mass passes compute their scores with here: "amx" where this CPU and OS run
 // AMX-BF16, else "avx512-bf16" where they run AVX-512 BF16 (pair dot products), else nullptr.
 const char* bf16_mass_kind();
 
 // What a pass checks after its arguments: std::invalid_argument for a workspace of fewer than
-// `needed` bytes, then std::runtime_error where bf16_mass_kind is nullptr; returns the kind.
-// `pass` names it in the message.
-const char* require_workspace_and_kind(const char* pass, int64_t workspace_bytes, int64_t needed);
+// `needed` bytes; then std::runtime_error where `kind` (what it would compute with here) is
+// nullptr, saying that this CPU or OS lacks `needs`. `pass` names it in the messages.
+void require_workspace(const char* pass, int64_t workspace_bytes, int64_t needed);
+const char* require_kind(const char* pass, const char* kind, const char* needs);
 
 // The passes' workspaces are caller-allocated byte tensors: each pass asks for kWorkspaceAlign
 // bytes more than its regions and starts them at the first 64-byte boundary (tile rows, cache lines).
@@ -68,7 +73,10 @@ void run_workers(int64_t n, const Work& work) {
 }
 
 #if VTOKEN_AMX
-#define VTOKEN_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+// Each function is compiled for the least it uses, so that what runs on a CPU without BF16 or AMX
+// never holds their instructions (and the shared AVX-512 helpers inline into all three).
+#define VTOKEN_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define VTOKEN_AVX512_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define VTOKEN_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
 // The 64-byte record _tile_loadconfig reads (palette 1): per tile, its rows and bytes per row.

@@ -110,9 +110,9 @@ void pack_query_rows(const DecodeMassArgs& a, const Layout& l, const uint16_t* r
 
 // scores[lane, p] (row stride l.row_floats) for lanes < `lanes` and positions p < kv_len: the key's
 // dims against the lane's in bf16 pairs, 32 a vdpbf16ps, with float32 sums; then across the vector.
-VTOKEN_AVX512_TARGET void score_keys_dot(const DecodeMassArgs& a, const Layout& l, const int64_t* blocks,
-                                         int64_t kv_len, const uint16_t* head_keys, const uint16_t* queries,
-                                         int64_t lanes, float* scores) {
+VTOKEN_AVX512_BF16_TARGET void score_keys_dot(const DecodeMassArgs& a, const Layout& l, const int64_t* blocks,
+                                              int64_t kv_len, const uint16_t* head_keys, const uint16_t* queries,
+                                              int64_t lanes, float* scores) {
   const int64_t tpb = a.tokens_per_block, num_blocks = (kv_len + tpb - 1) / tpb;
   const int64_t width = (l.chunks + (l.tail ? 1 : 0)) * kChunk;
   const __mmask32 tail = static_cast<__mmask32>((1ull << l.tail) - 1);
@@ -308,7 +308,8 @@ void decode_mass_bf16(const DecodeMassArgs& a, uint8_t* workspace, int64_t works
   check_args(a, mass_width);
   const int64_t longest = *std::max_element(a.kv_lens, a.kv_lens + a.batch);
   const int64_t needed = decode_mass_workspace_bytes(longest, a.tokens_per_block, a.head_dim, a.batch, threads);
-  const char* kind = require_workspace_and_kind("decode mass", workspace_bytes, needed);
+  require_workspace("decode mass", workspace_bytes, needed);
+  const char* kind = require_kind("decode mass", bf16_mass_kind(), "AMX-BF16 and AVX-512 BF16");
 #if VTOKEN_AMX
   const Layout l(longest, a.tokens_per_block, a.head_dim);
   const int64_t n = threads_used(threads, a.batch);

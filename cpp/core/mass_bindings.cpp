@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Python bindings of the bf16 mass passes (prefill_mass.h, decode_mass.h): torch's tensors arrive
+// Python bindings of the C++ mass passes (prefill_mass.h, decode_mass.h): torch's tensors arrive
 // through DLPack as they are (strided views of the pool included; nothing is copied or converted).
 #include <optional>
 #include <string>
@@ -39,12 +39,33 @@ const uint16_t* bf16_data(const Array& t, const char* pass, const char* name) {
   return static_cast<const uint16_t*>(t.data());
 }
 
-// The prefill pass's [tokens, heads, head_dim] rows.
-vtoken::Bf16Rows bf16_rows(const Rows& t, const char* name, int64_t heads, int64_t head_dim) {
-  const uint16_t* data = bf16_data(t, "prefill_mass_bf16", name);
+const nb::dlpack::dtype kF16{static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+const nb::dlpack::dtype kF32{static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 32, 1};
+
+// The prefill pass's element type of a dtype name ("bfloat16", "float16", "float32"; torch's names).
+vtoken::Element element_named(const std::string& name) {
+  if (name == "bfloat16") return vtoken::Element::kBf16;
+  if (name == "float16") return vtoken::Element::kF16;
+  if (name == "float32") return vtoken::Element::kF32;
+  throw std::invalid_argument("prefill mass: dtype " + name + ": bfloat16, float16 or float32");
+}
+
+vtoken::Element element_of(const Rows& t, const char* name) {
+  if (t.dtype() == kBf16) return vtoken::Element::kBf16;
+  if (t.dtype() == kF16) return vtoken::Element::kF16;
+  if (t.dtype() == kF32) return vtoken::Element::kF32;
+  throw std::invalid_argument(std::string("prefill_mass: ") + name + " must be bfloat16, float16 or float32");
+}
+
+// The prefill pass's [tokens, heads, head_dim] rows of `element`s.
+vtoken::Rows rows_of(const Rows& t, const char* name, vtoken::Element element, int64_t heads, int64_t head_dim) {
+  if (element_of(t, name) != element)
+    throw std::invalid_argument(std::string("prefill_mass: ") + name + " must have q's dtype");
+  if (t.shape(2) > 1 && t.stride(2) != 1)
+    throw std::invalid_argument(std::string("prefill_mass: ") + name + " needs a contiguous last dimension");
   if (static_cast<int64_t>(t.shape(1)) != heads || static_cast<int64_t>(t.shape(2)) != head_dim)
-    throw std::invalid_argument(std::string("prefill_mass_bf16: ") + name + " must be [tokens, heads, head_dim]");
-  return {data, t.stride(0), t.stride(1)};
+    throw std::invalid_argument(std::string("prefill_mass: ") + name + " must be [tokens, heads, head_dim]");
+  return {t.data(), t.stride(0), t.stride(1)};
 }
 
 void bind_decode_mass(nb::module_& m) {
@@ -91,29 +112,42 @@ void bind_decode_mass(nb::module_& m) {
 }
 
 void bind_prefill_mass(nb::module_& m) {
-  m.def("prefill_mass_workspace_bytes", &vtoken::prefill_mass_workspace_bytes, "num_keys"_a, "num_kv_heads"_a,
-        "head_dim"_a, "threads"_a, "Bytes of workspace prefill_mass_bf16 needs (prefill_mass.h).");
   m.def(
-      "prefill_mass_bf16",
+      "prefill_mass_kind",
+      [](const std::string& dtype) -> std::optional<std::string> {
+        const char* kind = vtoken::prefill_mass_kind(element_named(dtype));
+        return kind ? std::optional<std::string>(kind) : std::nullopt;
+      },
+      "dtype"_a, "\"amx\", \"avx512-bf16\", \"avx512\" or None: what prefill_mass scores rows of this dtype "
+      "with here (prefill_mass.h).");
+  m.def(
+      "prefill_mass_workspace_bytes",
+      [](int64_t num_keys, int64_t num_kv_heads, int64_t head_dim, int64_t threads, const std::string& dtype) {
+        return vtoken::prefill_mass_workspace_bytes(num_keys, num_kv_heads, head_dim, threads, element_named(dtype));
+      },
+      "num_keys"_a, "num_kv_heads"_a, "head_dim"_a, "threads"_a, "dtype"_a,
+      "Bytes of workspace prefill_mass needs (prefill_mass.h).");
+  m.def(
+      "prefill_mass",
       [](Rows q, Rows k, std::optional<Rows> past_k, int64_t first_query, Workspace workspace, int64_t threads,
          Mass mass) {
         vtoken::PrefillMassArgs a;
+        a.element = element_of(q, "q");
         a.num_tokens = static_cast<int64_t>(q.shape(0));
         a.num_heads = static_cast<int64_t>(q.shape(1));
         a.head_dim = static_cast<int64_t>(q.shape(2));
         a.num_kv_heads = static_cast<int64_t>(k.shape(1));
         a.num_past = past_k ? static_cast<int64_t>(past_k->shape(0)) : 0;
         a.first_query = first_query;
-        a.q = bf16_rows(q, "q", a.num_heads, a.head_dim);
-        a.k = bf16_rows(k, "k", a.num_kv_heads, a.head_dim);
+        a.q = rows_of(q, "q", a.element, a.num_heads, a.head_dim);
+        a.k = rows_of(k, "k", a.element, a.num_kv_heads, a.head_dim);
         if (static_cast<int64_t>(k.shape(0)) != a.num_tokens)
-          throw std::invalid_argument("prefill_mass_bf16: q and k must have the same number of tokens");
-        if (a.num_past) a.past_k = bf16_rows(*past_k, "past_k", a.num_kv_heads, a.head_dim);
+          throw std::invalid_argument("prefill_mass: q and k must have the same number of tokens");
+        if (a.num_past) a.past_k = rows_of(*past_k, "past_k", a.element, a.num_kv_heads, a.head_dim);
         if (static_cast<int64_t>(mass.shape(0)) != a.num_past + a.num_tokens)
-          throw std::invalid_argument("prefill_mass_bf16: mass must hold one value per key");
+          throw std::invalid_argument("prefill_mass: mass must hold one value per key");
         nb::gil_scoped_release released;
-        vtoken::prefill_mass_bf16(a, workspace.data(), static_cast<int64_t>(workspace.shape(0)), threads,
-                                  mass.data());
+        vtoken::prefill_mass(a, workspace.data(), static_cast<int64_t>(workspace.shape(0)), threads, mass.data());
       },
       "q"_a, "k"_a, "past_k"_a.none(), "first_query"_a, "workspace"_a.noconvert(), "threads"_a,
       "mass"_a.noconvert(),

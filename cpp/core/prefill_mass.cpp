@@ -1,22 +1,26 @@
 // SPDX-License-Identifier: Apache-2.0
-// The bf16 prefill mass pass (prefill_mass.h). Per KV head, its keys are packed once into the
-// pair layout of an AMX B tile; per query head of its group and per tile of 16 queries:
+// The prefill mass pass (prefill_mass.h). Per KV head, its keys are packed once; per query head of
+// its group and per tile of 16 queries:
 //
-//   scores [16, width] float32  = A (16 queries x 32 dims, bf16) . B (32 dims x 16 keys)  per 64 keys,
-//                                 summed over the head's 32-dim chunks
+//   scores [16, width] float32  = queries (16 x head_dim) . keys (head_dim x 16)   per 64 keys
 //   row r: e = exp(scale * scores - max), sum -> 1 / sum       (keys past the query's own: none)
 //   partial[h, key] += sum_r e[r, key] / sum_r                  (float32, AVX-512)
 //
 // and at the end mass[key] = sum over KV heads of partial[h, key], in head order.
 //
-// The scores come from four AMX C tiles, or without AMX, on AVX-512 BF16 (AMD Zen 4, Intel Cooper
-// Lake), from the same packed keys: each query's dim pair broadcast against a 16-key vector of
-// pairs (vdpbf16ps, float32 sums), 4 queries x 64 keys in 16 registers. Softmax and sums are shared.
+// The scores, by kind (prefill_mass_kind):
+//   amx          bf16 pairs in four AMX C tiles of 16 x 16, summed over the head's 32-dim chunks
+//   avx512-bf16  the same packed pairs: each query's dim pair broadcast against a 16-key vector of
+//                pairs (vdpbf16ps), 4 queries x 64 keys in 16 registers
+//   avx512       float32: each query's dim broadcast against a 16-key vector of that dim (FMA),
+//                4 queries x 64 keys in 16 registers
+// Softmax and sums are shared.
 //
 // Workspace, per thread, then the partials (64-byte aligned regions):
-//   packed keys  [keys/16][chunks][16 pairs][16 keys][2] bf16   (keys padded to 64, dims to 32)
+//   packed keys  bf16 pairs: [keys/16][chunks][16 pairs][16 keys][2]   (keys padded to 64, dims to 32)
+//                float32:    [keys/16][head_dim][16 keys]             (keys padded to 64)
 //   scores       [16][keys padded to 64] float32
-//   queries      [16][chunks * 32] bf16                        (zero-padded rows and dims)
+//   queries      [16][chunks * 32] bf16, or [16][head_dim] float32    (zero-padded rows and dims)
 //   partials     [num_kv_heads][keys padded to 16] float32
 #include "prefill_mass.h"
 
@@ -25,6 +29,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "amx.h"
 
@@ -33,45 +38,108 @@ namespace {
 
 constexpr int64_t kTileRows = 16;   // queries per tile (an AMX tile's rows)
 constexpr int64_t kChunk = 32;      // bf16 dims per tile row (64 bytes)
-constexpr int64_t kSuperBlock = 64; // keys per pass of the four C tiles
+constexpr int64_t kSuperBlock = 64; // keys scored at once (four C tiles, or 4 x 16 lanes)
 
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+enum class Scorer { kAmx, kDotBf16, kFma };
+
+Scorer scorer_of(const char* kind) {
+  const std::string name = kind == nullptr ? "avx512" : kind;
+  return name == "amx" ? Scorer::kAmx : name == "avx512-bf16" ? Scorer::kDotBf16 : Scorer::kFma;
+}
 
 struct Layout {
   int64_t keys64, keys16, chunks;
   int64_t packed_bytes, scores_bytes, queries_bytes, per_thread, partials_bytes;
 
-  Layout(int64_t num_keys, int64_t num_kv_heads, int64_t head_dim)
+  Layout(int64_t num_keys, int64_t num_kv_heads, int64_t head_dim, Scorer scorer)
       : keys64(round_up(num_keys, kSuperBlock)), keys16(round_up(num_keys, 16)),
         chunks(round_up(head_dim, kChunk) / kChunk) {
-    packed_bytes = round_up(keys64 * chunks * kChunk * 2, kWorkspaceAlign);
+    const bool pairs = scorer != Scorer::kFma;
+    packed_bytes = round_up(pairs ? keys64 * chunks * kChunk * 2 : keys64 * head_dim * 4, kWorkspaceAlign);
     scores_bytes = round_up(kTileRows * keys64 * 4, kWorkspaceAlign);
-    queries_bytes = round_up(kTileRows * chunks * kChunk * 2, kWorkspaceAlign);
+    queries_bytes = round_up(pairs ? kTileRows * chunks * kChunk * 2 : kTileRows * head_dim * 4, kWorkspaceAlign);
     per_thread = packed_bytes + scores_bytes + queries_bytes;
     partials_bytes = round_up(num_kv_heads * keys16 * 4, kWorkspaceAlign);
   }
   int64_t total(int64_t threads) const { return kWorkspaceAlign + threads * per_thread + partials_bytes; }
 };
 
-
 #if VTOKEN_AMX
-const uint16_t* key_row(const PrefillMassArgs& a, int64_t key, int64_t kv_head) {
-  const Bf16Rows& src = key < a.num_past ? a.past_k : a.k;
-  const int64_t t = key < a.num_past ? key : key - a.num_past;
-  return src.data + t * src.token_stride + kv_head * src.head_stride;
+int64_t element_bytes(Element e) { return e == Element::kF32 ? 4 : 2; }
+
+// IEEE half to float, exactly (subnormals, infinities and NaN included).
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  if (exponent == 0) {
+    const float value = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -value : value;
+  }
+  const uint32_t bits = sign | (exponent == 0x1f ? 0x7f800000u : (exponent + 112) << 23) | (mantissa << 13);
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
 }
 
-// packed[block][chunk][pair][key in block][2]: one 64-key pass reads four 1 KiB B tiles per chunk.
-void pack_keys(const PrefillMassArgs& a, const Layout& l, int64_t kv_head, uint16_t* packed) {
+// n elements of `element` from src as float32 into dst (exact for all three types).
+void to_float(const void* src, Element element, int64_t n, float* dst) {
+  const auto* halves = static_cast<const uint16_t*>(src);
+  if (element == Element::kF32) {
+    std::memcpy(dst, src, n * 4);
+  } else if (element == Element::kBf16) {
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(halves[i]) << 16;
+      std::memcpy(dst + i, &bits, 4);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(halves[i]);
+  }
+}
+
+const void* row_at(const Rows& rows, Element element, int64_t token, int64_t head) {
+  return static_cast<const uint8_t*>(rows.data) +
+         (token * rows.token_stride + head * rows.head_stride) * element_bytes(element);
+}
+
+const void* key_row(const PrefillMassArgs& a, int64_t key, int64_t kv_head) {
+  return key < a.num_past ? row_at(a.past_k, a.element, key, kv_head)
+                          : row_at(a.k, a.element, key - a.num_past, kv_head);
+}
+
+// Pairs: packed[block][chunk][pair][key in block][2], one 64-key pass reads four 1 KiB B tiles per
+// chunk. Float32: packed[block][dim][key in block].
+void pack_keys(const PrefillMassArgs& a, const Layout& l, Scorer scorer, int64_t kv_head, uint8_t* packed) {
   std::memset(packed, 0, l.packed_bytes);
   const int64_t num_keys = a.num_past + a.num_tokens;
+  float* floats = reinterpret_cast<float*>(packed);
+  std::vector<float> row(scorer == Scorer::kFma ? a.head_dim : 0);
   for (int64_t key = 0; key < num_keys; ++key) {
-    const uint16_t* row = key_row(a, key, kv_head);
-    uint16_t* block = packed + (key / 16) * l.chunks * kChunk * 16;
+    if (scorer == Scorer::kFma) {
+      to_float(key_row(a, key, kv_head), a.element, a.head_dim, row.data());
+      float* block = floats + (key / 16) * a.head_dim * 16 + key % 16;
+      for (int64_t d = 0; d < a.head_dim; ++d) block[d * 16] = row[d];
+      continue;
+    }
+    const auto* src = static_cast<const uint16_t*>(key_row(a, key, kv_head));
+    uint16_t* block = reinterpret_cast<uint16_t*>(packed) + (key / 16) * l.chunks * kChunk * 16;
     for (int64_t d = 0; d < a.head_dim; ++d) {
       const int64_t chunk = d / kChunk, pair = (d % kChunk) / 2;
-      block[((chunk * 16 + pair) * 16 + key % 16) * 2 + d % 2] = row[d];
+      block[((chunk * 16 + pair) * 16 + key % 16) * 2 + d % 2] = src[d];
     }
+  }
+}
+
+// The tile's `rows` queries of head `head` from `first` on: bf16 rows as they are (pairs), else as float32.
+void pack_queries(const PrefillMassArgs& a, const Layout& l, Scorer scorer, int64_t head, int64_t first, int64_t rows,
+                  uint8_t* queries) {
+  std::memset(queries, 0, l.queries_bytes);
+  for (int64_t r = 0; r < rows; ++r) {
+    const void* src = row_at(a.q, a.element, first + r, head);
+    if (scorer == Scorer::kFma)
+      to_float(src, a.element, a.head_dim, reinterpret_cast<float*>(queries) + r * a.head_dim);
+    else
+      std::memcpy(queries + r * l.chunks * kChunk * 2, src, a.head_dim * 2);
   }
 }
 
@@ -104,14 +172,15 @@ VTOKEN_AMX_TARGET void tile_scores(const Layout& l, const uint16_t* queries, con
   }
 }
 
-// The same scores without AMX: per 4 queries and 64 keys, 16 float32 sums in registers; per dim
-// pair, each query's pair (one 32-bit broadcast) against four 16-key vectors of that pair.
-VTOKEN_AVX512_TARGET void tile_scores_dot(const Layout& l, const uint16_t* queries, const uint16_t* packed,
-                                          int64_t width, float* scores) {
+// The same scores without AMX, for the first `rows` queries (rounded up to 4): per 4 queries and
+// 64 keys, 16 float32 sums in registers; per dim pair, each query's pair (one 32-bit broadcast)
+// against four 16-key vectors of that pair.
+VTOKEN_AVX512_BF16_TARGET void tile_scores_dot(const Layout& l, const uint16_t* queries, const uint16_t* packed,
+                                               int64_t width, int64_t rows, float* scores) {
   const int64_t b_stride = l.chunks * kChunk * 16, q_stride = l.chunks * kChunk;
   for (int64_t first = 0; first < width; first += kSuperBlock) {
     const uint16_t* b = packed + (first / 16) * b_stride;
-    for (int64_t row = 0; row < kTileRows; row += 4) {
+    for (int64_t row = 0; row < rows; row += 4) {
       __m512 sums[4][4];
       for (auto& per_query : sums)
         for (__m512& sum : per_query) sum = _mm512_setzero_ps();
@@ -124,6 +193,31 @@ VTOKEN_AVX512_TARGET void tile_scores_dot(const Layout& l, const uint16_t* queri
           std::memcpy(&dims, queries + (row + i) * q_stride + pair * 2, 4);
           const __m512bh query = (__m512bh)_mm512_set1_epi32(dims);
           for (int j = 0; j < 4; ++j) sums[i][j] = _mm512_dpbf16_ps(sums[i][j], keys[j], query);
+        }
+      }
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(scores + (row + i) * l.keys64 + first + 16 * j, sums[i][j]);
+    }
+  }
+}
+
+// The same in float32, for the first `rows` queries (rounded up to 4): per 4 queries and 64 keys,
+// 16 sums in registers; per dim, each query's value broadcast against four 16-key vectors of it.
+VTOKEN_AVX512_TARGET void tile_scores_fma(const Layout& l, int64_t head_dim, const float* queries,
+                                          const float* packed, int64_t width, int64_t rows, float* scores) {
+  const int64_t b_stride = head_dim * 16;
+  for (int64_t first = 0; first < width; first += kSuperBlock) {
+    const float* b = packed + (first / 16) * b_stride;
+    for (int64_t row = 0; row < rows; row += 4) {
+      __m512 sums[4][4];
+      for (auto& per_query : sums)
+        for (__m512& sum : per_query) sum = _mm512_setzero_ps();
+      for (int64_t d = 0; d < head_dim; ++d) {
+        __m512 keys[4];
+        for (int j = 0; j < 4; ++j) keys[j] = _mm512_loadu_ps(b + j * b_stride + d * 16);
+        for (int i = 0; i < 4; ++i) {
+          const __m512 query = _mm512_set1_ps(queries[(row + i) * head_dim + d]);
+          for (int j = 0; j < 4; ++j) sums[i][j] = _mm512_fmadd_ps(query, keys[j], sums[i][j]);
         }
       }
       for (int i = 0; i < 4; ++i)
@@ -159,12 +253,12 @@ VTOKEN_AVX512_TARGET float softmax_row(float* s, int64_t seen, int64_t width, fl
   return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
-VTOKEN_AVX512_TARGET void one_kv_head(const PrefillMassArgs& a, const Layout& l, int64_t kv_head, bool amx,
+VTOKEN_AVX512_TARGET void one_kv_head(const PrefillMassArgs& a, const Layout& l, Scorer scorer, int64_t kv_head,
                                       uint8_t* region, float* partial) {
-  uint16_t* packed = reinterpret_cast<uint16_t*>(region);
+  uint8_t* packed = region;
   float* scores = reinterpret_cast<float*>(region + l.packed_bytes);
-  uint16_t* queries = reinterpret_cast<uint16_t*>(region + l.packed_bytes + l.scores_bytes);
-  pack_keys(a, l, kv_head, packed);
+  uint8_t* queries = region + l.packed_bytes + l.scores_bytes;
+  pack_keys(a, l, scorer, kv_head, packed);
   std::memset(partial, 0, l.keys16 * 4);
   const int64_t group = a.num_heads / a.num_kv_heads;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.head_dim)));
@@ -172,15 +266,16 @@ VTOKEN_AVX512_TARGET void one_kv_head(const PrefillMassArgs& a, const Layout& l,
   for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
     for (int64_t first = a.first_query; first < a.num_tokens; first += kTileRows) {
       const int64_t rows = std::min(kTileRows, a.num_tokens - first);
-      std::memset(queries, 0, l.queries_bytes);
-      for (int64_t r = 0; r < rows; ++r)
-        std::memcpy(queries + r * l.chunks * kChunk,
-                    a.q.data + (first + r) * a.q.token_stride + head * a.q.head_stride, a.head_dim * 2);
+      pack_queries(a, l, scorer, head, first, rows, queries);
       const int64_t width = a.num_past + first + rows;  // the tile's last query sees every key before it
-      if (amx)
-        tile_scores(l, queries, packed, width, scores);
+      if (scorer == Scorer::kAmx)
+        tile_scores(l, reinterpret_cast<uint16_t*>(queries), reinterpret_cast<uint16_t*>(packed), width, scores);
+      else if (scorer == Scorer::kDotBf16)
+        tile_scores_dot(l, reinterpret_cast<uint16_t*>(queries), reinterpret_cast<uint16_t*>(packed), width, rows,
+                        scores);
       else
-        tile_scores_dot(l, queries, packed, width, scores);
+        tile_scores_fma(l, a.head_dim, reinterpret_cast<float*>(queries), reinterpret_cast<float*>(packed), width,
+                        rows, scores);
       const int64_t width16 = round_up(width, 16);
       for (int64_t r = 0; r < rows; ++r)
         inverse[r] = softmax_row(scores + r * l.keys64, a.num_past + first + r + 1, width16, scale);
@@ -195,9 +290,9 @@ VTOKEN_AVX512_TARGET void one_kv_head(const PrefillMassArgs& a, const Layout& l,
 }
 
 // Thread `thread`'s KV heads (every `threads`-th), with the tiles configured around them where they score.
-VTOKEN_AMX_TARGET void worker(const PrefillMassArgs& a, const Layout& l, int64_t thread, int64_t threads, bool amx,
-                              uint8_t* region, float* partials) {
-  if (amx) {
+VTOKEN_AMX_TARGET void worker(const PrefillMassArgs& a, const Layout& l, Scorer scorer, int64_t thread,
+                              int64_t threads, uint8_t* region, float* partials) {
+  if (scorer == Scorer::kAmx) {
     TileConfig config;
     for (int t = 0; t < 6; ++t) {
       config.colsb[t] = 64;
@@ -206,8 +301,8 @@ VTOKEN_AMX_TARGET void worker(const PrefillMassArgs& a, const Layout& l, int64_t
     _tile_loadconfig(&config);
   }
   for (int64_t h = thread; h < a.num_kv_heads; h += threads)
-    one_kv_head(a, l, h, amx, region, partials + h * l.keys16);
-  if (amx) _tile_release();
+    one_kv_head(a, l, scorer, h, region, partials + h * l.keys16);
+  if (scorer == Scorer::kAmx) _tile_release();
 }
 
 #endif
@@ -227,25 +322,32 @@ void check_args(const PrefillMassArgs& a) {
 
 }  // namespace
 
-int64_t prefill_mass_workspace_bytes(int64_t num_keys, int64_t num_kv_heads, int64_t head_dim, int64_t threads) {
-  if (num_keys < 1 || num_kv_heads < 1 || head_dim < 1 || threads < 1)
-    throw std::invalid_argument("prefill mass workspace: keys, kv heads, head_dim and threads must be positive");
-  return Layout(num_keys, num_kv_heads, head_dim).total(threads_used(threads, num_kv_heads));
+const char* prefill_mass_kind(Element element) {
+  const char* bf16 = element == Element::kBf16 ? bf16_mass_kind() : nullptr;
+  return bf16 != nullptr ? bf16 : avx512_supported() ? "avx512" : nullptr;
 }
 
-void prefill_mass_bf16(const PrefillMassArgs& a, uint8_t* workspace, int64_t workspace_bytes, int64_t threads,
-                       float* mass) {
+int64_t prefill_mass_workspace_bytes(int64_t num_keys, int64_t num_kv_heads, int64_t head_dim, int64_t threads,
+                                     Element element) {
+  if (num_keys < 1 || num_kv_heads < 1 || head_dim < 1 || threads < 1)
+    throw std::invalid_argument("prefill mass workspace: keys, kv heads, head_dim and threads must be positive");
+  const Layout l(num_keys, num_kv_heads, head_dim, scorer_of(prefill_mass_kind(element)));
+  return l.total(threads_used(threads, num_kv_heads));
+}
+
+void prefill_mass(const PrefillMassArgs& a, uint8_t* workspace, int64_t workspace_bytes, int64_t threads,
+                  float* mass) {
   check_args(a);
   const int64_t num_keys = a.num_past + a.num_tokens;
-  const int64_t needed = prefill_mass_workspace_bytes(num_keys, a.num_kv_heads, a.head_dim, threads);
-  const char* kind = require_workspace_and_kind("prefill mass", workspace_bytes, needed);
+  require_workspace("prefill mass", workspace_bytes,
+                    prefill_mass_workspace_bytes(num_keys, a.num_kv_heads, a.head_dim, threads, a.element));
+  const Scorer scorer = scorer_of(require_kind("prefill mass", prefill_mass_kind(a.element), "AVX-512"));
 #if VTOKEN_AMX
-  const Layout l(num_keys, a.num_kv_heads, a.head_dim);
+  const Layout l(num_keys, a.num_kv_heads, a.head_dim, scorer);
   const int64_t n = threads_used(threads, a.num_kv_heads);
-  const bool amx = std::string(kind) == "amx";
   uint8_t* base = aligned_start(workspace);
   float* partials = reinterpret_cast<float*>(base + n * l.per_thread);
-  run_workers(n, [&](int64_t t) { worker(a, l, t, n, amx, base + t * l.per_thread, partials); });
+  run_workers(n, [&](int64_t t) { worker(a, l, scorer, t, n, base + t * l.per_thread, partials); });
   for (int64_t j = 0; j < num_keys; ++j) {  // head order: the same sum for any thread count
     float sum = 0.0f;
     for (int64_t h = 0; h < a.num_kv_heads; ++h) sum += partials[h * l.keys16 + j];
@@ -254,7 +356,7 @@ void prefill_mass_bf16(const PrefillMassArgs& a, uint8_t* workspace, int64_t wor
 #else
   (void)workspace;
   (void)mass;
-  (void)kind;
+  (void)scorer;
 #endif
 }
 

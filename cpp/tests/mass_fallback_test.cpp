@@ -25,17 +25,20 @@ bool throws(Pass pass) {
 }
 
 int prefill() {
-  if (vtoken::prefill_mass_workspace_bytes(100, 2, 64, 4) <= 0) { std::puts("FAIL: prefill workspace"); return 1; }
+  if (vtoken::prefill_mass_workspace_bytes(100, 2, 64, 4, vtoken::Element::kF32) <= 0) {
+    std::puts("FAIL: prefill workspace");
+    return 1;
+  }
   std::vector<uint16_t> q(10 * 4 * 64), k(10 * 2 * 64);
   vtoken::PrefillMassArgs a;
   a.q = {q.data(), 4 * 64, 64};
   a.k = {k.data(), 2 * 64, 64};
   a.num_tokens = 10, a.num_heads = 4, a.num_kv_heads = 2, a.head_dim = 64;
-  const int64_t bytes = vtoken::prefill_mass_workspace_bytes(10, 2, 64, 1);
+  const int64_t bytes = vtoken::prefill_mass_workspace_bytes(10, 2, 64, 1, vtoken::Element::kBf16);
   std::vector<uint8_t> workspace(bytes);
   std::vector<float> mass(10, 7.0f);
-  auto run = [&] { vtoken::prefill_mass_bf16(a, workspace.data(), bytes, 1, mass.data()); };
-  if (!throws<std::runtime_error>(run)) { std::puts("FAIL: prefill ran without AMX or AVX-512 BF16"); return 1; }
+  auto run = [&] { vtoken::prefill_mass(a, workspace.data(), bytes, 1, mass.data()); };
+  if (!throws<std::runtime_error>(run)) { std::puts("FAIL: prefill ran without AVX-512"); return 1; }
   a.num_heads = 3;  // not a multiple of the KV heads: a caller's error, told before anything else
   if (!throws<std::invalid_argument>(run)) { std::puts("FAIL: prefill took 3 heads over 2 KV heads"); return 1; }
   for (float m : mass)
@@ -72,7 +75,8 @@ int decode() {
 }  // namespace
 
 int main() {
-  if (vtoken::amx_bf16_supported() || vtoken::avx512_bf16_supported() || vtoken::bf16_mass_kind()) {
+  if (vtoken::amx_bf16_supported() || vtoken::avx512_bf16_supported() || vtoken::avx512_supported() ||
+      vtoken::bf16_mass_kind() || vtoken::prefill_mass_kind(vtoken::Element::kF32)) {
     std::puts("FAIL: supported without AMX intrinsics");
     return 1;
   }

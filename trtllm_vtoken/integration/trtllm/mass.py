@@ -5,8 +5,8 @@
     decode_mass    a batch's decode rows, all layers of one pool, in ``update_resources``
 
 CUDA tensors with Triton 3.2 or later installed take the Triton kernels (``mass_triton.py``);
-bf16 context rows and bf16 pools' decode rows on a CPU with AMX-BF16 or AVX-512 BF16, the C++
-passes (``mass_cpp.py``);
+CPU context rows (bf16, fp16, float32) on a CPU with AVX-512, and bf16 pools' decode rows on one
+with AMX-BF16 or AVX-512 BF16, the C++ passes (``mass_cpp.py``);
 everything else the bounded torch passes (``mass_torch.py``). All compute ``scores.py``'s specification and hold at most
 ``cap_bytes`` of workspace (``VTokenSettings.mass_workspace_mib``).
 """
@@ -24,8 +24,8 @@ from trtllm_vtoken.integration.trtllm.mass_cpp import (
     bf16_kind,
     decode_bf16_plan,
     decode_mass_bf16,
-    prefill_bf16_plan,
-    prefill_mass_bf16,
+    prefill_mass_cpp,
+    prefill_plan,
 )
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch, prefill_mass_torch
@@ -70,18 +70,19 @@ def describe_cuda() -> str:
 
 def mass_backend(device: torch.device | str) -> str:
     """"triton" for CUDA tensors where a usable Triton is installed (``triton_usable``), else
-    "torch": the family of passes a device takes (on CPU, bf16 rows and pools may take "amx" or
-    "avx512-bf16": ``prefill_pass`` and ``decode_pass`` name the pass of given tensors)."""
+    "torch": the family of passes a device takes (on CPU, rows and pools may take the C++ passes,
+    "amx", "avx512-bf16" or "avx512": ``prefill_pass`` and ``decode_pass`` name the pass of given tensors)."""
     return "triton" if torch.device(device).type == "cuda" and triton_usable() else "torch"
 
 
 def prefill_pass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None,
                  cap_bytes: int = DEFAULT_CAP_BYTES) -> str:
-    """The pass ``prefill_mass`` runs for this context row: "triton", "amx", "avx512-bf16" or
-    "torch" (what it decides, named; ``prefill_mass`` decides once, by trying the C++ pass)."""
+    """The pass ``prefill_mass`` runs for this context row: "triton", "amx", "avx512-bf16",
+    "avx512" or "torch" (what it decides, named; ``prefill_mass`` decides once, by trying the C++ pass)."""
     if mass_backend(q.device) == "triton":
         return "triton"
-    return bf16_kind() if prefill_bf16_plan(q, k, past_k, cap_bytes) is not None else "torch"
+    plan = prefill_plan(q, k, past_k, cap_bytes)
+    return "torch" if plan is None else plan[0]
 
 
 def prefill_mass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None = None, window: int | None = None,
@@ -91,7 +92,7 @@ def prefill_mass(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None =
         from trtllm_vtoken.integration.trtllm.mass_triton import prefill_mass_triton
 
         return prefill_mass_triton(q, k, past_k, window, cap_bytes=cap_bytes)
-    mass = prefill_mass_bf16(q, k, past_k, window, cap_bytes)  # None where it does not apply (prefill_bf16_plan)
+    mass = prefill_mass_cpp(q, k, past_k, window, cap_bytes)  # None where it does not apply (prefill_plan)
     return mass if mass is not None else prefill_mass_torch(q, k, past_k, window, cap_bytes)
 
 

@@ -1,25 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The C++ mass passes for bf16 rows and pools on x86 CPUs (``cpp/core``), scoring with AMX-BF16
-tiles or, without AMX, AVX-512 BF16 pair dot products (AMD Zen 4, Intel Cooper Lake): ``bf16_kind``.
+"""The C++ mass passes on x86 CPUs with AVX-512 (``cpp/core``).
 
-Prefill (``prefill_mass.cpp``): the bounded torch pass (``mass_torch.py``) converts bf16 queries
-and keys to float32 first: torch has no CPU product of bf16 matrices with float32 results, and a
-bf16 result would round the scores before the softmax. This pass packs each KV head's keys once
-and multiplies the bf16 rows with float32 sums (as the attention's own kernels do on these CPUs),
-then runs the same exact float32 softmax and column sums.
+Prefill (``prefill_mass.cpp``), any of bf16, fp16 and float32 rows: the bounded torch pass
+(``mass_torch.py``) runs the scores as one matrix product per tile, written to memory and read back
+by each of the softmax's steps; this pass packs each KV head's keys once and keeps 4 queries x 64
+keys of scores in registers, then runs the same exact float32 softmax and column sums on them while
+they are in cache. bf16 rows are multiplied as they are, with float32 sums (AMX-BF16 tiles or
+AVX-512 BF16 pair dot products, as the attention's own kernels do on these CPUs: torch has no CPU
+product of bf16 matrices with float32 results); fp16 and float32 rows (and bf16 ones on a CPU
+without BF16) are converted exactly to float32 and multiplied with float32 FMAs. ``prefill_kind``
+names the kind.
 
 Its workspace is one tensor, sized by the kernel's own count (``prefill_mass_workspace_bytes``)
 and allocated here, so the cap bounds it as it bounds the torch pass; threads (torch's count, at
 most one per KV head) are given up one by one until it fits. Where it does not apply (another
-dtype, a CPU or OS with neither instruction set, the package built without its C++ core, a
-prompt whose workspace exceeds the cap with one thread) the caller takes the torch pass.
+dtype or device, mixed dtypes, a CPU or OS without AVX-512, the package built without its C++
+core, a prompt whose workspace exceeds the cap with one thread) the caller takes the torch pass.
 
-Decode (``decode_mass.cpp``): the torch pass gathers each layer's keys through the block table
-and converts them to float32 before scoring them (the keys cross memory about four times). This
-pass reads each block's keys where the pool holds them (as AMX tiles, or key by key for the dot
-products), scores a KV head's queries with float32 sums, and adds each query head's float32
-softmax into the row's mass: the keys are read once, in bf16. Threads take whole rows; its
-workspace (one row's scores per thread) is allocated here under the cap, as above.
+Decode (``decode_mass.cpp``), bf16 pools on a CPU with AMX-BF16 or AVX-512 BF16 (``bf16_kind``):
+the torch pass gathers each layer's keys through the block table and converts them to float32
+before scoring them (the keys cross memory about four times). This pass reads each block's keys
+where the pool holds them (as AMX tiles, or key by key for the dot products), scores a KV head's
+queries with float32 sums, and adds each query head's float32 softmax into the row's mass: the
+keys are read once, in bf16. Threads take whole rows; its workspace (one row's scores per thread)
+is allocated here under the cap, as above.
 """
 
 from __future__ import annotations
@@ -32,36 +36,47 @@ from trtllm_vtoken.core import native
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES, padded_block_table
 
 
+PREFILL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+"""The row dtypes the C++ prefill pass takes, by the name its binding knows them by."""
+
+
 def bf16_kind() -> str | None:
-    """"amx" or "avx512-bf16": what the C++ passes score with on this CPU; None without them (no
-    core, a core built before them, or neither instruction set)."""
+    """"amx" or "avx512-bf16": what the C++ passes score bf16 rows and pools with on this CPU;
+    None without (no core, a core built before them, or neither instruction set)."""
     kind = getattr(native.load(), "bf16_mass_kind", None)
     return None if kind is None else kind()
+
+
+def prefill_kind(dtype: torch.dtype) -> str | None:
+    """"amx", "avx512-bf16" or "avx512": what the C++ prefill pass scores CPU rows of ``dtype``
+    with here; None where it does not take them (another dtype, no core or one built before the
+    pass, no AVX-512)."""
+    kind = getattr(native.load(), "prefill_mass_kind", None)
+    name = PREFILL_DTYPES.get(dtype)
+    return None if kind is None or name is None else kind(name)
 
 
 def describe() -> str:
     """One line for ``vtoken info``: which passes a CPU row's mass takes here."""
     if native.load() is None:
         return "torch (the C++ core is not built)"
-    if not hasattr(native.load(), "bf16_mass_kind"):
-        return "torch (the C++ core was built without the bf16 passes: reinstall the package)"
-    kind = bf16_kind()
-    if kind is None:
-        return "torch (this CPU or OS has neither AMX-BF16 nor AVX-512 BF16)"
-    how = "AMX-BF16 tiles" if kind == "amx" else "AVX-512 BF16 dot products, no AMX-BF16 here"
-    return f"{kind} for bf16 context rows and pools' decode rows (C++ core, {how}), torch for other dtypes"
+    if not hasattr(native.load(), "prefill_mass_kind"):
+        return "torch (the C++ core was built without these passes: reinstall the package)"
+    prefill = ", ".join(f"{name} {prefill_kind(dtype) or 'torch'}" for dtype, name in PREFILL_DTYPES.items())
+    decode = bf16_kind() or "torch"
+    return f"context rows: {prefill}; decode rows: bf16 pools {decode}, other dtypes torch (C++ core where not torch)"
 
 
-def prefill_workspace_bytes(num_keys: int, num_kv_heads: int, head_dim: int, cap_bytes: int,
+def prefill_workspace_bytes(num_keys: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cap_bytes: int,
                             threads: int | None = None) -> tuple[int, int] | None:
-    """(threads, bytes) of the prefill pass over ``num_keys`` keys within ``cap_bytes``: the most
-    threads up to ``threads`` (default torch's count) whose workspace fits; None if one thread's
-    does not or this CPU has no C++ pass (``bf16_kind``)."""
-    if bf16_kind() is None:
+    """(threads, bytes) of the prefill pass over ``num_keys`` keys of ``dtype`` within ``cap_bytes``:
+    the most threads up to ``threads`` (default torch's count) whose workspace fits; None if one
+    thread's does not or the pass does not take ``dtype`` here (``prefill_kind``)."""
+    if prefill_kind(dtype) is None:
         return None
     return _most_threads_within(cap_bytes, min(threads or torch.get_num_threads(), num_kv_heads),
-                                lambda count: native.load().prefill_mass_workspace_bytes(num_keys, num_kv_heads,
-                                                                                          head_dim, count))
+                                lambda count: native.load().prefill_mass_workspace_bytes(
+                                    num_keys, num_kv_heads, head_dim, count, PREFILL_DTYPES[dtype]))
 
 
 def _most_threads_within(cap_bytes: int, most: int, workspace_bytes) -> tuple[int, int] | None:
@@ -74,26 +89,29 @@ def _most_threads_within(cap_bytes: int, most: int, workspace_bytes) -> tuple[in
     return None
 
 
-def prefill_bf16_plan(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, cap_bytes: int,
-                      threads: int | None = None) -> tuple[int, int] | None:
-    """(threads, workspace bytes) of the prefill pass for a context row, or None where it does not
-    apply: not every tensor bf16 on CPU, no C++ pass here, or one thread's workspace over ``cap_bytes``."""
+def prefill_plan(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, cap_bytes: int,
+                 threads: int | None = None) -> tuple[str, int, int] | None:
+    """(kind, threads, workspace bytes) of the prefill pass for a context row, or None where it
+    does not apply: not every tensor on CPU in one dtype the pass takes here (``prefill_kind``), or
+    one thread's workspace over ``cap_bytes``."""
     tensors = (q, k) if past_k is None else (q, k, past_k)
-    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
+    if any(t.dtype != q.dtype or t.device.type != "cpu" for t in tensors):
         return None
+    kind = prefill_kind(q.dtype)
     num_keys = q.shape[0] + (0 if past_k is None else past_k.shape[0])
-    return prefill_workspace_bytes(num_keys, k.shape[1], q.shape[2], cap_bytes, threads)
+    fits = None if kind is None else prefill_workspace_bytes(num_keys, k.shape[1], q.shape[2], q.dtype, cap_bytes,
+                                                             threads)
+    return None if fits is None else (kind, *fits)
 
 
-def prefill_mass_bf16(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, window: int | None,
-                      cap_bytes: int, threads: int | None = None) -> torch.Tensor | None:
+def prefill_mass_cpp(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, window: int | None,
+                     cap_bytes: int, threads: int | None = None) -> torch.Tensor | None:
     """``scores.prefill_attention_mass`` (same arguments, same result to float32 rounding) of a
-    bf16 CPU row, or None where this pass does not apply (``prefill_bf16_plan``; the caller takes
-    the torch pass)."""
-    plan = prefill_bf16_plan(q, k, past_k, cap_bytes, threads)
+    CPU row, or None where this pass does not apply (``prefill_plan``; the caller takes the torch pass)."""
+    plan = prefill_plan(q, k, past_k, cap_bytes, threads)
     if plan is None:
         return None
-    count, size = plan
+    _, count, size = plan
     num_tokens = q.shape[0]
     num_keys = num_tokens + (0 if past_k is None else past_k.shape[0])
     first = 0 if window is None else max(0, num_tokens - window)
@@ -101,7 +119,7 @@ def prefill_mass_bf16(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | N
         return torch.zeros(num_keys, dtype=torch.float32)
     workspace = torch.empty(size, dtype=torch.uint8)
     mass = torch.empty(num_keys, dtype=torch.float32)
-    native.load().prefill_mass_bf16(q, k, past_k, first, workspace, count, mass)
+    native.load().prefill_mass(q, k, past_k, first, workspace, count, mass)
     return mass
 
 
