@@ -14,7 +14,7 @@ from trtllm_vtoken.bench.trtllm_mass import TrtllmMassBenchConfig
 from trtllm_vtoken.bench.variants import VariantsBenchConfig
 from trtllm_vtoken.cli import main
 from trtllm_vtoken.core.native import load
-from trtllm_vtoken.integration.trtllm.mass_cpp import bf16_kind
+from trtllm_vtoken.integration.trtllm.mass_cpp import bf16_kind, prefill_kind
 
 
 def test_host_bench_times_every_operation_warm_and_after_a_sleep():
@@ -55,6 +55,9 @@ def test_the_cli_writes_both_micro_benches_with_the_mass_passes_against_the_atte
         assert summary["ratio_min"] <= summary["ratio"] <= summary["ratio_max"]  # the spread, and its verdict
         assert summary["verdict"] in ("<= 1x", "> 1x", "within the spread")
     assert [r["tokens"] for r in mass["prefill"]] == [256, 512]
+    for row in mass["prefill"]:  # the prefill pass here, and the torch pass beside it where that is another
+        assert row["pass"] == (prefill_kind(getattr(torch, row["dtype"])) or "torch")
+        assert (row["torch_pass_to_attention"] is None) == (row["pass"] == "torch") == ("torch pass" not in row["ms"])
     assert decode["peak_transient_bytes"]["mass pass"] < decode["peak_transient_bytes"]["specification"]
     with pytest.raises(ValueError, match="batch"):
         TrtllmMassBenchConfig(batch=0)

@@ -14,9 +14,11 @@ the attention it observes, on the same tensors, in one run.
                               the block table, then torch's fused attention (SDPA)
     prefill  one context row of T tokens, one layer:
                specification  scores.prefill_attention_mass (T <= 2,048: it is slow)
-               mass pass      mass.prefill_mass (on CPU: the AMX tile pass for bf16 where the
-                              CPU has it, else the bounded torch pass; the row names it);
-                              and with H2O's prefill_window of 64 queries
+               mass pass      mass.prefill_mass (on CPU: the C++ pass where the CPU has AVX-512,
+                              else the bounded torch pass; the row names it); and with H2O's
+                              prefill_window of 64 queries
+               torch pass     mass_torch.prefill_mass_torch, where the mass pass is another
+                              (what CPUs without AVX-512 run)
                attention      torch's fused causal attention (SDPA) of the same q, k, v
 
 Every way runs once untimed, then ``rounds`` times in alternating order; each ratio to the attention is given as the
@@ -42,7 +44,7 @@ from trtllm_vtoken.bench.repeats import at_most_verdict
 from trtllm_vtoken.config_base import require_positive
 from trtllm_vtoken.integration.trtllm.mass import decode_mass, decode_pass, mass_backend, prefill_mass, prefill_pass
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
-from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch
+from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch, prefill_mass_torch
 from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass, prefill_attention_mass
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, TOKENS_PER_BLOCK = 30, 9, 3, 64, 32
@@ -154,15 +156,20 @@ def prefill_section(cfg: TrtllmMassBenchConfig, tokens: int, dtype: torch.dtype,
             "attention": lambda: torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
                 enable_gqa=True)}
+    chosen = prefill_pass(q, k)
+    if chosen not in ("torch", "triton"):
+        ways["torch pass"] = lambda: prefill_mass_torch(q, k)
     difference = None
     if tokens <= SPEC_LONGEST_PROMPT:
         ways["specification"] = lambda: prefill_attention_mass(q, k)
         difference = (ways["mass pass"]() - ways["specification"]()).abs().max().item()
     times = time_ways(ways, cfg.rounds, sync, progress)
-    return {"tokens": tokens, "dtype": str(dtype).removeprefix("torch."), "pass": prefill_pass(q, k), "ms": times,
+    return {"tokens": tokens, "dtype": str(dtype).removeprefix("torch."), "pass": chosen, "ms": times,
             "max_abs_difference": difference,
             "mass_pass_to_attention": ratio_summary(times["mass pass"], times["attention"]),
             "windowed_to_attention": ratio_summary(times[f"mass pass, window {WINDOW}"], times["attention"]),
+            "torch_pass_to_attention": (ratio_summary(times["torch pass"], times["attention"])
+                                        if "torch pass" in times else None),
             "peak_transient_bytes": {name: peak_transient_bytes(ways[name], q.device)
                                      for name in ways if name != "attention"}}
 

@@ -96,11 +96,13 @@ def run_trtllm_mass(args: argparse.Namespace) -> int:
     window = next(name for name in result["prefill"][0]["ms"] if "window" in name)
     print(format_table(
         ["tokens", "dtype", "pass", "mass ms", f"{window.split(', ')[1]} ms", "attention ms", "specification ms",
-         "mass / attention", f"{window.split(', ')[1]} / attention", "peak MiB (mass, spec)"],
+         "mass / attention", f"{window.split(', ')[1]} / attention", "torch pass / attention",
+         "peak MiB (mass, spec)"],
         [[row["tokens"], row["dtype"], row["pass"], statistics.median(row["ms"]["mass pass"]), statistics.median(row["ms"][window]),
           statistics.median(row["ms"]["attention"]),
           statistics.median(row["ms"]["specification"]) if "specification" in row["ms"] else "-",
           _ratio(row["mass_pass_to_attention"]), _ratio(row["windowed_to_attention"]),
+          "-" if row["torch_pass_to_attention"] is None else _ratio(row["torch_pass_to_attention"]),
           f"{_mib(row['peak_transient_bytes']['mass pass'])}, {_mib(row['peak_transient_bytes'].get('specification'))}"]
          for row in result["prefill"]]))
     print(f"the passes' cap: {result['cap_bytes'] / 2**20:.0f} MiB of workspace")
