@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// amx_bf16_supported, avx512_bf16_supported, avx512_supported and bf16_mass_kind (amx.h): CPUID for the instructions,
-// XCR0 and Linux's arch_prctl for the state.
+// amx_bf16_supported, avx512_bf16_supported, avx512_supported and bf16_mass_kind (amx.h): CPUID for
+// the instructions, XCR0 and Linux's arch_prctl for the state.
 #include "amx.h"
 
 #include <stdexcept>

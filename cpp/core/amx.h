@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// What the bf16 mass passes (prefill_mass.cpp, decode_mass.cpp) share: whether this build, CPU and
-// OS run AMX-BF16 tiles or AVX-512 BF16 dot products, the tiles' configuration record, and a float32 exp for softmax rows.
+// What the C++ mass passes (prefill_mass.cpp, decode_mass.cpp) share: whether this build, CPU and
+// OS run AVX-512, AVX-512 BF16 dot products or AMX-BF16 tiles; the tiles' configuration record; a
+// float32 exp for softmax rows; workspace alignment and worker threads.
 //
 // AMX intrinsics come with GCC 11 and Clang 12 onwards on x86-64 Linux; elsewhere (or with
 // -DVTOKEN_AMX=0) the passes compile, report themselves unsupported, and callers take the
