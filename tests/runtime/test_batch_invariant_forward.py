@@ -1,11 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``EngineConfig(batch_invariant=True)``: a request's logits and its decode steps' attention mass
-are bitwise the same alone and in any batch (``runtime/batch_invariance.py``).
+"""``EngineConfig(batch_invariant=True)``: a request's logits and attention mass are bitwise the
+same alone and in any batch, and its prefill's mass over any cached prefix as with caching off
+(``runtime/batch_invariance.py``).
 
 Without the mode they are not on this project's CPU build: SmolLM2's six chat prompts served one
 at a time and together differ in every cumulative logprob (by up to 2.6e-5, ``vtoken bench
 invariance``), and with ``batch_invariant=False`` the SmolLM2 tests below fail but the 124-token
-cached-prefix case (it checks that keys padded to another length change nothing)."""
+cached-prefix case (it checks that keys padded to another length change nothing). With the mode
+on and a prefill's mass summed as a whole and added to its cached prefix's, the prefill-mass tests
+fail but the windowed one."""
 
 from __future__ import annotations
 
@@ -173,3 +176,83 @@ def test_smollm2_logprobs_are_bitwise_the_same_over_a_prefix_another_prompt_cach
         assert engine.stats.cached_prompt_tokens == (32 if caching else 0)
         results.append(engine.pop_finished(req_id))
     assert results[0].output_ids == results[1].output_ids and results[0].logprobs == results[1].logprobs
+
+
+@pytest.mark.parametrize("policy", ["h2o", "scissorhands"])
+def test_smollm2_prefill_mass_is_bitwise_the_same_over_a_prefix_another_prompt_cached(smollm2, policy):
+    """The mass a prompt's policy observes at its prefill (what decides its first evictions): over
+    two blocks another prompt left cached with their payload, and with prefix caching off. The
+    prefill sums its blocks' mass onto the payload in block order, as one prefill over the whole
+    prompt does (``fold_blocks``); summed as a whole and added to the payload, the two differed in
+    their last bits."""
+    from trtllm_vtoken.runtime.engine import Engine
+    from trtllm_vtoken.runtime.sampling import SamplingParams
+
+    model, tokenizer = smollm2
+    text = "Write a long story about a lighthouse keeper who finds a message in a bottle, with many details."
+    tokens = tokenizer.encode(" ".join([text] * 4), chat=True)[:70]
+    observed = []
+    for caching in (True, False):
+        engine = Engine(model, EngineConfig(variant="vtoken", policy=policy, budget=0.5, tokens_per_block=16,
+                                            num_blocks=32, max_batch_size=2, max_seq_len=160, batch_invariant=True,
+                                            prefix_caching=caching))
+        if caching:
+            engine.add_request(tokens[:40], SamplingParams(max_tokens=1))
+            while engine.has_unfinished():
+                engine.step()
+        run, masses = engine.forwards.run, []
+
+        def recording(*args, **kwargs):
+            logits, mass = run(*args, **kwargs)
+            if kwargs.get("prefill"):
+                masses.append(mass.clone())
+            return logits, mass
+
+        engine.forwards.run = recording
+        engine.add_request(tokens, SamplingParams(max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.stats.cached_prompt_tokens == (32 if caching else 0) and len(masses) == 1
+        observed.append(masses[0])
+    assert observed[0].shape == observed[1].shape and observed[0][0, :70].sum() > 0
+    assert torch.equal(observed[0], observed[1])
+
+
+@pytest.mark.parametrize("options", [{}, {"prefill_window": 6}])
+def test_a_prefill_mass_folds_onto_any_cached_prefix_to_the_same_bits(tiny_model, options):
+    """Prompts of one stem, 9 to 41 tokens, served one after another: each takes the blocks the one
+    before left cached (their payloads attached by prefills that took shorter prefixes; with H2O's
+    prefill_window, none reaching the window), and the mass its policy observes at its prefill
+    is bitwise the mass with prefix caching off."""
+    from trtllm_vtoken.runtime.engine import Engine
+    from trtllm_vtoken.runtime.sampling import SamplingParams
+
+    stem = torch.randint(3, 128, (41,), generator=torch.Generator().manual_seed(1)).tolist()
+    observed = {}
+    for caching in (True, False):
+        # a budget no prompt reaches: blocks a request evicts inside are not cached for later ones
+        engine = Engine(tiny_model, EngineConfig(variant="vtoken", policy="h2o", budget=48, policy_options=options,
+                                                 tokens_per_block=TPB, num_blocks=64, max_seq_len=64,
+                                                 batch_invariant=True, prefix_caching=caching))
+        run, masses = engine.forwards.run, []
+
+        def recording(*args, **kwargs):
+            logits, mass = run(*args, **kwargs)
+            if kwargs.get("prefill"):
+                masses.append(mass.clone())
+            return logits, mass
+
+        engine.forwards.run = recording
+        cached = []
+        for length in (9, 17, 25, 33, 41):
+            before = engine.stats.cached_prompt_tokens
+            engine.add_request(stem[:length], SamplingParams(max_tokens=2, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+            cached.append(engine.stats.cached_prompt_tokens - before)
+        observed[caching] = masses
+        if caching:  # every prompt but the first took a cached prefix (short of the window's queries)
+            assert cached[0] == 0 and all(n > 0 for n in cached[1:]), cached
+    assert len(observed[True]) == len(observed[False]) == 5
+    for with_cache, without in zip(observed[True], observed[False]):
+        assert torch.equal(with_cache, without)

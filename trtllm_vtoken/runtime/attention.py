@@ -28,6 +28,7 @@ def paged_attention(
     mass_cuts: torch.Tensor | None = None,
     mass_from: torch.Tensor | None = None,
     row_multiple: int = 0,
+    mass_blocks: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """
     Args:
@@ -47,17 +48,28 @@ def paged_attention(
         row_multiple: > 0: batch-invariant (``runtime/batch_invariance.py``): each row attends
             alone, over its own keys padded to a multiple of ``KEY_MULTIPLE``, with its queries
             padded so that each KV head's products run on a multiple of ``row_multiple`` rows.
+        mass_blocks: (offset, tokens_per_block), batch-invariant forwards only: the mass per block
+            of ``tokens_per_block`` query positions, query 0 at ``offset`` in its block, each a
+            chain of elementwise adds (heads in order, then the block's queries in order) that no
+            shape changes: [B, 2, blocks, max_blocks * tokens_per_block], every query's weights
+            then the ones ``mass_from`` counts. ``mass_cuts`` is not taken (``fold_blocks`` gives
+            the mass up to any block end).
     Returns:
         out [B, Tq, num_heads, head_dim] and the mass (or None).
     """
     k, v = cache.gather(layer, q.shape[0])  # [B, Hkv, L, D]
     kv_lens = cache.kv_lens[: q.shape[0]].long()
     if row_multiple:
-        return _attend_each_row(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from, row_multiple)
+        return _attend_each_row(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from, row_multiple,
+                                mass_blocks)
+    if mass_blocks is not None:
+        raise ValueError("mass_blocks sums the mass in an order no shape changes: batch-invariant forwards only "
+                         "(row_multiple > 0)")
     return _attend(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from)
 
 
-def _attend_each_row(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from, row_multiple):
+def _attend_each_row(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from, row_multiple,
+                     mass_blocks=None):
     """``_attend`` for each row alone, with shapes that depend on the row alone: its keys
     [0, kv_len) padded with masked ones to a multiple of KEY_MULTIPLE, its queries with padding
     ones to a multiple of ``row_multiple / gcd(row_multiple, group)``. Same results as the whole
@@ -74,7 +86,8 @@ def _attend_each_row(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, ma
         row_out, row_mass = _attend(
             _resized(q[row, :q_len], queries, dim=1), _resized(k[row], keys, dim=2), _resized(v[row], keys, dim=2),
             kv_lens[row], q_lens[row], None if valid is None else _resized(valid[row], keys, dim=1), return_mass,
-            None if mass_cuts is None else mass_cuts[row], None if mass_from is None else mass_from[row])
+            None if mass_cuts is None else mass_cuts[row], None if mass_from is None else mass_from[row],
+            mass_blocks)
         out[b, :q_len] = row_out[0, :q_len]
         if row_mass is not None:
             if mass is None:
@@ -82,6 +95,31 @@ def _attend_each_row(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, ma
             width = min(keys, k.shape[2])
             mass[b, ..., :width] = row_mass[0, ..., :width]
     return out, mass
+
+
+def _block_mass(probs: torch.Tensor, qi: torch.Tensor, mass_from: torch.Tensor | None, offset: int,
+                tokens_per_block: int) -> torch.Tensor:
+    """``paged_attention``'s ``mass_blocks``: probs [B, Hkv, group, Tq, L] -> [B, 2, blocks, L]."""
+    batch, _, _, tq, length = probs.shape
+    heads = probs.reshape(batch, -1, tq, length)
+    per_query = heads[:, 0].clone()  # [B, Tq, L]
+    for head in range(1, heads.shape[1]):
+        per_query += heads[:, head]
+    observed = per_query if mass_from is None else \
+        per_query * (qi[None, :] >= mass_from.to(probs.device)[:, None])[:, :, None]
+    blocks = -(-(offset + tq) // tokens_per_block)
+    sums = []
+    for weights in (per_query, observed):
+        # zero queries before query 0 and after the last: 0 + x is x, so each block sums its own
+        # queries alone, in order, wherever the forward's queries begin and end
+        rows = torch.cat([weights.new_zeros(batch, offset, length), weights,
+                          weights.new_zeros(batch, blocks * tokens_per_block - offset - tq, length)], dim=1)
+        rows = rows.view(batch, blocks, tokens_per_block, length)
+        total = rows[:, :, 0].clone()
+        for query in range(1, tokens_per_block):
+            total += rows[:, :, query]
+        sums.append(total)
+    return torch.stack(sums, dim=1)
 
 
 def _resized(t: torch.Tensor, count: int, dim: int) -> torch.Tensor:
@@ -94,7 +132,7 @@ def _resized(t: torch.Tensor, count: int, dim: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
 
 
-def _attend(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from):
+def _attend(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from, mass_blocks=None):
     """Attention of queries [B, Tq, Hq, D] over keys and values [B, Hkv, L, D] (the arguments
     of ``paged_attention``)."""
     batch, tq, num_heads, head_dim = q.shape
@@ -121,6 +159,8 @@ def _attend(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from):
     out = out.view(batch, num_heads, tq, head_dim).permute(0, 2, 1, 3).to(q.dtype)
     if not return_mass:
         return out, None
+    if mass_blocks is not None:
+        return out, _block_mass(probs, qi, mass_from, *mass_blocks)
     if mass_cuts is None and mass_from is None:
         return out, probs.sum(dim=(1, 2, 3))
     per_query = probs.sum(dim=(1, 2))  # [B, Tq, L]

@@ -19,11 +19,13 @@ With ``row_multiple`` = P > 0 every product of the forward runs on a multiple of
 
 Then a row is always computed by the full-panel kernel at a position that does not depend on the
 batch, and its logits are bitwise the same alone, in any batch, after a cached prefix or without
-one; so is a decode step's attention mass. A prefill over a cached prefix adds the prefix's stored
-mass (``runtime/prefix_caching.py``) to what its own queries paid, summed in another grouping than
-one prefill over the whole prompt: that mass may differ in its last bits, and a prompt's eviction
-on a float near-tie can follow whether the prefix was cached. ``find_row_multiple`` measures P for the model's shapes on the machine at
-hand (it depends on the BLAS, its build and the thread count).
+one; so is a decode step's attention mass. A prompt's mass at its prefill is summed per block of
+its positions (heads, then the block's queries, as chains of elementwise adds: ``paged_attention``'s
+``mass_blocks``), over layers, then folded block after block (``fold_blocks``) onto the mass a
+cached prefix keeps, which is itself that fold's state at the prefix's end
+(``runtime/prefix_caching.py``): the same bits whatever prefix was cached, or with caching off.
+``find_row_multiple`` measures P for the model's shapes on the machine at hand (it depends on the
+BLAS, its build and the thread count).
 """
 
 from __future__ import annotations
@@ -47,6 +49,17 @@ PROBE_MULTIPLES = (1, 2, 3, 4, 8, 16)
 def padded(count: int, multiple: int) -> int:
     """``count`` rounded up to a multiple of ``multiple`` (0: ``count``)."""
     return -(-count // multiple) * multiple if multiple else count
+
+
+def fold_blocks(start: torch.Tensor, blocks: torch.Tensor) -> list[torch.Tensor]:
+    """The running sums ``start + blocks[0]``, ``(start + blocks[0]) + blocks[1]``, ...: ``start``
+    [L] and ``blocks`` [n, L] -> n states [L]. A prompt's mass after its block j is the same bits
+    whether the blocks before it were summed in this forward or kept with a cached prefix."""
+    states, total = [], start
+    for block in blocks:
+        total = total + block
+        states.append(total)
+    return states
 
 
 def project(linear: nn.Module, x: torch.Tensor, row_multiple: int) -> torch.Tensor:

@@ -92,15 +92,21 @@ class Forwards:
             slots[i, : len(row)] = torch.tensor(kv.staged_slots(req_id))
         valid = kv.set_batch(req_ids)
         self._layout_fixed()
-        # A prefill that stores prompt blocks also cuts its mass at their ends (prefix caching
-        # keeps what a cached prefix's queries paid, see runtime/prefix_caching.py).
-        cuts = kv.mass_cuts(req_ids[0]) if prefill and first_prefill and kv.needs_attention else []
+        # A batch-invariant prompt's mass comes per block of its positions, folded onto its cached
+        # prefix's in block order (kv.prefill_mass_blocks); otherwise a prefill that stores prompt
+        # blocks cuts its mass at their ends (prefix caching keeps what a cached prefix's queries
+        # paid, see runtime/prefix_caching.py).
+        tpb = kv.config.tokens_per_block
+        mass_blocks = (first % tpb, tpb) if self.row_multiple() and prefill and first_prefill and \
+            kv.needs_attention else None
+        cuts = kv.mass_cuts(req_ids[0]) if prefill and first_prefill and kv.needs_attention and \
+            mass_blocks is None else []
         if verify and kv.needs_attention:  # the mass of the first 1 .. T queries, T the row's own at most
             cuts = [[min(j, len(row)) for j in range(1, longest + 1)] for row in tokens]
         start = time.perf_counter()
         # Graphs captured without the mass serve no batch once a request's own policy needs it, nor
         # a one-token prefill whose mass is cut at a block it stores (the graphs return no cuts).
-        if self.graphs is not None and longest == 1 and not cuts and \
+        if self.graphs is not None and longest == 1 and not cuts and mass_blocks is None and \
                 (self.graphs.return_mass or not kv.needs_attention):
             logits, mass = self.graphs.run(input_ids, positions, slots, valid)
         else:
@@ -111,7 +117,7 @@ class Forwards:
                 kv.cache, valid, return_mass=kv.needs_attention, logits_at=None if verify else q_lens - 1,
                 carry_mass=self.consistency.carry, mass_cuts=mass_cuts,
                 mass_from=self._mass_from(req_ids, tokens, prompt_after) if prefill and kv.needs_attention else None,
-                row_multiple=self.row_multiple(),
+                row_multiple=self.row_multiple(), mass_blocks=mass_blocks,
             )
         mass = self.consistency.reduce_mass(mass)  # every rank's heads: identical decisions
         # One device-to-host copy per forward for all rows (the policy reads each row on the host);
@@ -122,6 +128,8 @@ class Forwards:
         cut_mass = None
         if verify:
             return last[: len(req_ids)], None if mass is None else mass[: len(req_ids), :-1]
+        if mass_blocks is not None:  # [1, 2, blocks, L]: every query's, the observed ones'
+            return last[:1], kv.prefill_mass_blocks(req_ids[0], mass[0, 0], mass[0, 1])[None]
         if cuts:
             mass, cut_mass = mass[:, -1], mass[0, :-1]
         if prefill and first_prefill and mass is not None:

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from trtllm_vtoken.runtime.batch_invariance import fold_blocks
+
 
 class KVPrefixCalls:
     """Prefix-caching calls of ``KVCacheManager`` (a mixin: it reads the manager's ``prefix``,
@@ -48,3 +50,11 @@ class KVPrefixCalls:
         if self.prefix is None:
             return mass
         return self.prefix.prefill_mass(req_id, self.writes.staged_blocks(req_id)[0], mass, cut_mass)
+
+    def prefill_mass_blocks(self, req_id: int, every: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
+        """``prefill_mass`` of a batch-invariant prefill, whose mass comes per block of its
+        positions ([blocks, L]: every query's, and the ones its policy observes): folded in block
+        order onto its cached prefix's (``fold_blocks``)."""
+        if self.prefix is None:
+            return fold_blocks(torch.zeros_like(observed[0]), observed)[-1]
+        return self.prefix.prefill_mass_blocks(req_id, self.writes.staged_blocks(req_id)[0], every, observed)

@@ -180,6 +180,7 @@ class LlamaForCausalLM(nn.Module):
         mass_cuts: torch.Tensor | None = None,
         mass_from: torch.Tensor | None = None,
         row_multiple: int = 0,
+        mass_blocks: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step over a batch whose block tables and lengths are already in ``cache``.
 
@@ -187,8 +188,8 @@ class LlamaForCausalLM(nn.Module):
             input_ids, positions, slots: [B, T] new tokens, their logical positions and the flat
                 slots to store their K/V in; rows padded beyond ``q_lens`` (padding slots: -1).
             q_lens: [B] new tokens per row.
-            valid, return_mass, mass_cuts, mass_from: see ``paged_attention``; the mass is summed over
-                layers.
+            valid, return_mass, mass_cuts, mass_from, mass_blocks: see ``paged_attention``; the
+                mass is summed over layers (elementwise, in layer order).
             logits_at: [B] one query index per row: compute logits there only (a prefill needs
                 its last token's, and [T, vocab] logits of a long prompt are large).
             carry_mass: Given the mass once every layer's attention has added to it, before the
@@ -207,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
             q, k, v = layer.self_attn.qkv(h, positions, row_multiple)
             cache.write(layer_idx, slots.flatten(), k.flatten(0, 1), v.flatten(0, 1))
             out, mass = paged_attention(q, cache, layer_idx, q_lens, valid, return_mass, mass_cuts, mass_from,
-                                        row_multiple)
+                                        row_multiple, mass_blocks)
             if mass is not None:
                 mass_total = mass if mass_total is None else mass_total + mass
                 if carry_mass is not None and layer_idx == len(self.model.layers) - 1:

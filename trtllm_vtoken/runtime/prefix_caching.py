@@ -44,6 +44,7 @@ import torch
 
 from trtllm_vtoken.core.block_pool import BlockPool
 from trtllm_vtoken.core.prefix_cache import PrefixCache
+from trtllm_vtoken.runtime.batch_invariance import fold_blocks
 
 
 class PrefixCaching:
@@ -232,6 +233,31 @@ class PrefixCaching:
         # A policy observing the prompt's last queries only (H2O's prefill_window) took no cached
         # prefix reaching them (``probe``): the prefix's own queries are not its to observe.
         return mass if self._windowed.get(req_id) else mass + prefix
+
+    def prefill_mass_blocks(self, req_id: int, block_ids: Sequence[int], every: torch.Tensor,
+                            observed: torch.Tensor) -> torch.Tensor:
+        """``prefill_mass`` of a batch-invariant prefill (``runtime/batch_invariance.py``): its
+        mass per block of its positions [blocks, L] (``every`` query's, and the ones its policy
+        ``observed``) folded in block order onto the cached prefix's payload; the payloads it
+        keeps are that fold's states at their block ends, so a later prompt folding onto one gets
+        the bits a prefill of the whole prompt gets."""
+        cached, tpb = self._cached[req_id], self.tokens_per_block
+        start = torch.zeros_like(every[0])
+        if cached:
+            payload = self._taken.get(req_id)
+            if payload is None and req_id not in self._private:  # attached by a prefill after its admission
+                payload = self.cache.payload.get(block_ids[cached // tpb - 1])
+            if payload is None:  # stored without a payload: the request observes its own queries only
+                return fold_blocks(start, observed)[-1]
+            start[:cached] = torch.from_numpy(payload)
+        states = fold_blocks(start, every)
+        for j, block_id, key in self._paying.get(req_id, ()):
+            # still holding those tokens (a cached block no request holds may have been reused)
+            if self.cache.key_of.get(block_id) == key and block_id not in self.cache.payload:
+                end = (j + 1) * tpb
+                self.cache.attach(block_id, states[j - cached // tpb][:end].numpy().astype(np.float32))
+        # A policy observing the prompt's last queries only took no cached prefix reaching them.
+        return fold_blocks(torch.zeros_like(start), observed)[-1] if self._windowed.get(req_id) else states[-1]
 
 
 def computed_tail(prompt_len: int, prefill_window: int | None, decides_at: int | None) -> int:
