@@ -89,6 +89,10 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Releases the tiles a thread configured (its own function, so that the AVX-512 loop calling it
+// is not compiled for AMX).
+VTOKEN_AMX_TARGET inline void release_tiles() { _tile_release(); }
+
 // exp(x) for x <= 0 (and tiny positive x) in float32: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
 // degree-7 series (relative error under 2e-7), times 2^n. Below -87 the result is clamped at
 // e^-87 (~1.6e-38), which no softmax sum can tell from the true value.

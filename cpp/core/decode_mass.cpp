@@ -247,12 +247,12 @@ void rows_of_thread(const DecodeMassArgs& a, const Layout& l, int64_t thread, in
   }
 }
 
-VTOKEN_AMX_TARGET void worker(const DecodeMassArgs& a, const Layout& l, int64_t thread, int64_t threads,
-                              uint8_t* region, bool amx, float* mass, int64_t mass_width) {
+VTOKEN_AVX512_TARGET void worker(const DecodeMassArgs& a, const Layout& l, int64_t thread, int64_t threads,
+                                 uint8_t* region, bool amx, float* mass, int64_t mass_width) {
   Heads heads(l, region, amx);
   if (amx) configure_tiles(l);
   rows_of_thread(a, l, thread, threads, heads, mass, mass_width);
-  if (amx) _tile_release();
+  if (amx) release_tiles();
 }
 #endif
 

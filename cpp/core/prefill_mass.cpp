@@ -289,20 +289,23 @@ VTOKEN_AVX512_TARGET void one_kv_head(const PrefillMassArgs& a, const Layout& l,
   }
 }
 
-// Thread `thread`'s KV heads (every `threads`-th), with the tiles configured around them where they score.
-VTOKEN_AMX_TARGET void worker(const PrefillMassArgs& a, const Layout& l, Scorer scorer, int64_t thread,
-                              int64_t threads, uint8_t* region, float* partials) {
-  if (scorer == Scorer::kAmx) {
-    TileConfig config;
-    for (int t = 0; t < 6; ++t) {
-      config.colsb[t] = 64;
-      config.rows[t] = kTileRows;
-    }
-    _tile_loadconfig(&config);
+// The tiles of tile_scores: 16 rows of 64 bytes each.
+VTOKEN_AMX_TARGET void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 6; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = kTileRows;
   }
+  _tile_loadconfig(&config);
+}
+
+// Thread `thread`'s KV heads (every `threads`-th), with the tiles configured around them where they score.
+VTOKEN_AVX512_TARGET void worker(const PrefillMassArgs& a, const Layout& l, Scorer scorer, int64_t thread,
+                                 int64_t threads, uint8_t* region, float* partials) {
+  if (scorer == Scorer::kAmx) configure_tiles();
   for (int64_t h = thread; h < a.num_kv_heads; h += threads)
     one_kv_head(a, l, scorer, h, region, partials + h * l.keys16);
-  if (scorer == Scorer::kAmx) _tile_release();
+  if (scorer == Scorer::kAmx) release_tiles();
 }
 
 #endif

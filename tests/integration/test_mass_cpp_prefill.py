@@ -82,6 +82,9 @@ def test_context_rows_take_it_where_it_applies(dtype):
     assert prefill_mass_cpp(q.to(other), k, past_k, window, DEFAULT_CAP_BYTES) is None  # mixed dtypes
     assert prefill_pass(q.double(), k.double()) == "torch" and prefill_mass_cpp(q.double(), k.double(), None, None,
                                                                                   DEFAULT_CAP_BYTES) is None
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, dims not contiguous
+    assert prefill_pass(strided, k, past_k) == "torch" and prefill_mass_cpp(strided, k, past_k, window,
+                                                                             DEFAULT_CAP_BYTES) is None
     if past_k is not None:  # e.g. a dequantized FP8 prefix in another dtype
         assert prefill_mass_cpp(q, k, past_k.to(other), window, DEFAULT_CAP_BYTES) is None
     # a cap below one thread's workspace: the torch pass runs, with its own tiles

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from trtllm_vtoken.runtime.attention import paged_attention
-from trtllm_vtoken.runtime.batch_invariance import CANDIDATES, find_row_multiple, padded, project
+from trtllm_vtoken.runtime.batch_invariance import CANDIDATES, find_row_multiple, fold_blocks, padded, project
 from trtllm_vtoken.runtime.config import EngineConfig
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
 from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
@@ -88,6 +88,32 @@ def test_each_row_alone_equals_the_batched_attention_and_keeps_its_bits_in_any_b
         assert torch.equal(out[0], got[0][b, : q_lens[b]])
         width = mass.shape[-1]
         assert torch.equal(mass[0], got[1][b, :, :width]) and not got[1][b, :, width:].any()
+
+
+def test_block_mass_equals_the_mass_and_its_cuts_and_takes_one_row(tiny_model):
+    """``mass_blocks``: a prefill row's mass per block of its positions, summed, is its mass; the
+    running sums at block ends are its cuts (float rounding); windowed, the observed half is the
+    total from ``mass_from``. Batches of rows, or forwards that are not batch-invariant, are refused."""
+    multiple = find_row_multiple(tiny_model)
+    row, q_len, offset = ([3, 9, 4, 6, 1, 7], 23), 10, 1  # queries at positions 13 .. 22: blocks 3 .. 5
+    q = torch.randn(1, q_len, 4, 16, generator=torch.Generator().manual_seed(2))
+    cache, valid = _cache_with_rows([row], seed=3)
+    lens, mass_from = torch.tensor([q_len]), torch.tensor([4])
+    cuts = torch.tensor([[TPB - offset, 2 * TPB - offset]])  # the ends of the row's first two blocks
+    _, blocks = paged_attention(q, cache, 0, lens, valid, True, None, mass_from, multiple, (offset, TPB))
+    _, want = paged_attention(q, cache, 0, lens, valid, True, cuts, None, multiple)
+    _, windowed = paged_attention(q, cache, 0, lens, valid, True, None, mass_from, multiple)
+    assert blocks.shape[:3] == (1, 2, 3)  # every query's and the observed ones', 3 blocks
+    states = torch.stack(fold_blocks(torch.zeros(blocks.shape[-1]), blocks[0, 0]))
+    torch.testing.assert_close(states[:2], want[0, :2])
+    torch.testing.assert_close(states[-1], want[0, -1])
+    torch.testing.assert_close(blocks[0, 1].sum(dim=0), windowed[0])
+    two_rows, two_valid = _cache_with_rows([row, row], seed=3)
+    with pytest.raises(ValueError, match="one row only"):
+        paged_attention(q.expand(2, -1, -1, -1), two_rows, 0, lens.expand(2), two_valid, True, None, None, multiple,
+                        (offset, TPB))
+    with pytest.raises(ValueError, match="one row only"):
+        paged_attention(q, cache, 0, lens, valid, True, None, None, 0, (offset, TPB))
 
 
 def test_padded_rounds_up_to_a_multiple():

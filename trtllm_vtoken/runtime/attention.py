@@ -51,20 +51,22 @@ def paged_attention(
         mass_blocks: (offset, tokens_per_block), batch-invariant forwards only: the mass per block
             of ``tokens_per_block`` query positions, query 0 at ``offset`` in its block, each a
             chain of elementwise adds (heads in order, then the block's queries in order) that no
-            shape changes: [B, 2, blocks, max_blocks * tokens_per_block], every query's weights
-            then the ones ``mass_from`` counts. ``mass_cuts`` is not taken (``fold_blocks`` gives
-            the mass up to any block end).
+            shape changes: [1, 2, blocks, max_blocks * tokens_per_block], every query's weights
+            then the ones ``mass_from`` counts, blocks up to the row's last query. ``mass_cuts`` is
+            not taken (``fold_blocks`` gives the mass up to any block end). One row (a prefill)
+            with ``row_multiple`` only: ValueError otherwise.
     Returns:
         out [B, Tq, num_heads, head_dim] and the mass (or None).
     """
     k, v = cache.gather(layer, q.shape[0])  # [B, Hkv, L, D]
     kv_lens = cache.kv_lens[: q.shape[0]].long()
+    if mass_blocks is not None and (not row_multiple or q.shape[0] != 1):
+        raise ValueError("mass_blocks sums one prefill row's mass in an order no shape changes: batch-invariant "
+                         f"forwards (row_multiple > 0) of one row only, got row_multiple {row_multiple} and "
+                         f"{q.shape[0]} rows")
     if row_multiple:
         return _attend_each_row(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from, row_multiple,
                                 mass_blocks)
-    if mass_blocks is not None:
-        raise ValueError("mass_blocks sums the mass in an order no shape changes: batch-invariant forwards only "
-                         "(row_multiple > 0)")
     return _attend(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from)
 
 
@@ -160,7 +162,8 @@ def _attend(q, k, v, kv_lens, q_lens, valid, return_mass, mass_cuts, mass_from, 
     if not return_mass:
         return out, None
     if mass_blocks is not None:
-        return out, _block_mass(probs, qi, mass_from, *mass_blocks)
+        real = int(q_lens[0])  # one row: its padding queries would only add zero blocks
+        return out, _block_mass(probs[..., :real, :], qi[:real], mass_from, *mass_blocks)
     if mass_cuts is None and mass_from is None:
         return out, probs.sum(dim=(1, 2, 3))
     per_query = probs.sum(dim=(1, 2))  # [B, Tq, L]

@@ -92,10 +92,10 @@ def _most_threads_within(cap_bytes: int, most: int, workspace_bytes) -> tuple[in
 def prefill_plan(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, cap_bytes: int,
                  threads: int | None = None) -> tuple[str, int, int] | None:
     """(kind, threads, workspace bytes) of the prefill pass for a context row, or None where it
-    does not apply: not every tensor on CPU in one dtype the pass takes here (``prefill_kind``), or
-    one thread's workspace over ``cap_bytes``."""
+    does not apply: not every tensor on CPU in one dtype the pass takes here (``prefill_kind``) with
+    a contiguous last dimension, or one thread's workspace over ``cap_bytes``."""
     tensors = (q, k) if past_k is None else (q, k, past_k)
-    if any(t.dtype != q.dtype or t.device.type != "cpu" for t in tensors):
+    if any(t.dtype != q.dtype or t.device.type != "cpu" or (t.shape[-1] > 1 and t.stride(-1) != 1) for t in tensors):
         return None
     kind = prefill_kind(q.dtype)
     num_keys = q.shape[0] + (0 if past_k is None else past_k.shape[0])
