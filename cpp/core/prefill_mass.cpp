@@ -172,6 +172,18 @@ VTOKEN_AMX_TARGET void tile_scores(const Layout& l, const uint16_t* queries, con
   }
 }
 
+// The register block of the two kernels below: 4 queries x 4 vectors of 16 keys' float32 sums.
+VTOKEN_AVX512_TARGET inline void zero_sums(__m512 (&sums)[4][4]) {
+  for (auto& per_query : sums)
+    for (__m512& sum : per_query) sum = _mm512_setzero_ps();
+}
+
+// Query i's 64 sums to out[i * stride, i * stride + 64).
+VTOKEN_AVX512_TARGET inline void store_sums(const __m512 (&sums)[4][4], float* out, int64_t stride) {
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + i * stride + 16 * j, sums[i][j]);
+}
+
 // The same scores without AMX, for the first `rows` queries (rounded up to 4): per 4 queries and
 // 64 keys, 16 float32 sums in registers; per dim pair, each query's pair (one 32-bit broadcast)
 // against four 16-key vectors of that pair.
@@ -182,8 +194,7 @@ VTOKEN_AVX512_BF16_TARGET void tile_scores_dot(const Layout& l, const uint16_t* 
     const uint16_t* b = packed + (first / 16) * b_stride;
     for (int64_t row = 0; row < rows; row += 4) {
       __m512 sums[4][4];
-      for (auto& per_query : sums)
-        for (__m512& sum : per_query) sum = _mm512_setzero_ps();
+      zero_sums(sums);
       for (int64_t pair = 0; pair < l.chunks * 16; ++pair) {  // pair p of chunk c lies at c * 512 + (p % 16) * 32
         const int64_t at = (pair / 16) * kChunk * 16 + (pair % 16) * 32;
         __m512bh keys[4];
@@ -195,8 +206,7 @@ VTOKEN_AVX512_BF16_TARGET void tile_scores_dot(const Layout& l, const uint16_t* 
           for (int j = 0; j < 4; ++j) sums[i][j] = _mm512_dpbf16_ps(sums[i][j], keys[j], query);
         }
       }
-      for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(scores + (row + i) * l.keys64 + first + 16 * j, sums[i][j]);
+      store_sums(sums, scores + row * l.keys64 + first, l.keys64);
     }
   }
 }
@@ -210,8 +220,7 @@ VTOKEN_AVX512_TARGET void tile_scores_fma(const Layout& l, int64_t head_dim, con
     const float* b = packed + (first / 16) * b_stride;
     for (int64_t row = 0; row < rows; row += 4) {
       __m512 sums[4][4];
-      for (auto& per_query : sums)
-        for (__m512& sum : per_query) sum = _mm512_setzero_ps();
+      zero_sums(sums);
       for (int64_t d = 0; d < head_dim; ++d) {
         __m512 keys[4];
         for (int j = 0; j < 4; ++j) keys[j] = _mm512_loadu_ps(b + j * b_stride + d * 16);
@@ -220,8 +229,7 @@ VTOKEN_AVX512_TARGET void tile_scores_fma(const Layout& l, int64_t head_dim, con
           for (int j = 0; j < 4; ++j) sums[i][j] = _mm512_fmadd_ps(query, keys[j], sums[i][j]);
         }
       }
-      for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(scores + (row + i) * l.keys64 + first + 16 * j, sums[i][j]);
+      store_sums(sums, scores + row * l.keys64 + first, l.keys64);
     }
   }
 }

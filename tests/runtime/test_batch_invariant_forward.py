@@ -204,8 +204,21 @@ def test_smollm2_logprobs_are_bitwise_the_same_over_a_prefix_another_prompt_cach
     assert results[0].output_ids == results[1].output_ids and results[0].logprobs == results[1].logprobs
 
 
-@pytest.mark.parametrize("policy", ["h2o", "scissorhands"])
-def test_smollm2_prefill_mass_is_bitwise_the_same_over_a_prefix_another_prompt_cached(smollm2, policy):
+def _record_prefill_masses(engine) -> list[torch.Tensor]:
+    """The list each of ``engine``'s prefill forwards adds the mass its policy observes to."""
+    run, masses = engine.forwards.run, []
+
+    def recording(*args, **kwargs):
+        logits, mass = run(*args, **kwargs)
+        if kwargs.get("prefill"):
+            masses.append(mass.clone())
+        return logits, mass
+
+    engine.forwards.run = recording
+    return masses
+
+
+def test_smollm2_prefill_mass_is_bitwise_the_same_over_a_prefix_another_prompt_cached(smollm2):
     """The mass a prompt's policy observes at its prefill (what decides its first evictions): over
     two blocks another prompt left cached with their payload, and with prefix caching off. The
     prefill sums its blocks' mass onto the payload in block order, as one prefill over the whole
@@ -219,22 +232,14 @@ def test_smollm2_prefill_mass_is_bitwise_the_same_over_a_prefix_another_prompt_c
     tokens = tokenizer.encode(" ".join([text] * 4), chat=True)[:70]
     observed = []
     for caching in (True, False):
-        engine = Engine(model, EngineConfig(variant="vtoken", policy=policy, budget=0.5, tokens_per_block=16,
+        engine = Engine(model, EngineConfig(variant="vtoken", policy="h2o", budget=0.5, tokens_per_block=16,
                                             num_blocks=32, max_batch_size=2, max_seq_len=160, batch_invariant=True,
                                             prefix_caching=caching))
         if caching:
             engine.add_request(tokens[:40], SamplingParams(max_tokens=1))
             while engine.has_unfinished():
                 engine.step()
-        run, masses = engine.forwards.run, []
-
-        def recording(*args, **kwargs):
-            logits, mass = run(*args, **kwargs)
-            if kwargs.get("prefill"):
-                masses.append(mass.clone())
-            return logits, mass
-
-        engine.forwards.run = recording
+        masses = _record_prefill_masses(engine)
         engine.add_request(tokens, SamplingParams(max_tokens=4, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
@@ -244,8 +249,8 @@ def test_smollm2_prefill_mass_is_bitwise_the_same_over_a_prefix_another_prompt_c
     assert torch.equal(observed[0], observed[1])
 
 
-@pytest.mark.parametrize("options", [{}, {"prefill_window": 6}])
-def test_a_prefill_mass_folds_onto_any_cached_prefix_to_the_same_bits(tiny_model, options):
+@pytest.mark.parametrize("policy, options", [("h2o", {}), ("h2o", {"prefill_window": 6}), ("scissorhands", {})])
+def test_a_prefill_mass_folds_onto_any_cached_prefix_to_the_same_bits(tiny_model, policy, options):
     """Prompts of one stem, 9 to 41 tokens, served one after another: each takes the blocks the one
     before left cached (their payloads attached by prefills that took shorter prefixes; with H2O's
     prefill_window, none reaching the window), and the mass its policy observes at its prefill
@@ -257,18 +262,10 @@ def test_a_prefill_mass_folds_onto_any_cached_prefix_to_the_same_bits(tiny_model
     observed = {}
     for caching in (True, False):
         # a budget no prompt reaches: blocks a request evicts inside are not cached for later ones
-        engine = Engine(tiny_model, EngineConfig(variant="vtoken", policy="h2o", budget=48, policy_options=options,
+        engine = Engine(tiny_model, EngineConfig(variant="vtoken", policy=policy, budget=48, policy_options=options,
                                                  tokens_per_block=TPB, num_blocks=64, max_seq_len=64,
                                                  batch_invariant=True, prefix_caching=caching))
-        run, masses = engine.forwards.run, []
-
-        def recording(*args, **kwargs):
-            logits, mass = run(*args, **kwargs)
-            if kwargs.get("prefill"):
-                masses.append(mass.clone())
-            return logits, mass
-
-        engine.forwards.run = recording
+        masses = _record_prefill_masses(engine)
         cached = []
         for length in (9, 17, 25, 33, 41):
             before = engine.stats.cached_prompt_tokens
