@@ -40,14 +40,15 @@ def test_flat_index_and_chunked_array_agree_with_std_containers(tmp_path):
 
 
 @pytest.mark.skipif(not shutil.which("g++"), reason="needs g++")
-def test_the_amx_mass_passes_build_and_step_aside_without_amx(tmp_path):
-    """cpp/core's AMX mass passes where the compiler or target has no AMX (-DVTOKEN_AMX=0): they
+def test_the_mass_passes_build_and_step_aside_without_amx(tmp_path):
+    """cpp/core's mass passes where the compiler or target has no AMX intrinsics (-DVTOKEN_AMX=0): they
     compile, say they are unsupported, and refuse to run (the package then takes the torch passes)."""
     binary = tmp_path / "mass_fallback_test"
     compiled = subprocess.run(["g++", "-O1", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-DVTOKEN_AMX=0", "-o",
                                str(binary), str(ROOT / "cpp" / "tests" / "mass_fallback_test.cpp"),
                                *(str(ROOT / "cpp" / "core" / name) for name in ("amx.cpp", "prefill_mass.cpp",
-                                                                                 "decode_mass.cpp")), "-pthread"],
+                                                                                 "prefill_pack.cpp", "decode_mass.cpp")),
+                               "-pthread"],
                               capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stderr
     ran = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)

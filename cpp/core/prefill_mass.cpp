@@ -14,7 +14,7 @@
 //                pairs (vdpbf16ps), 4 queries x 64 keys in 16 registers
 //   avx512       float32: each query's dim broadcast against a 16-key vector of that dim (FMA),
 //                4 queries x 64 keys in 16 registers
-// Softmax and sums are shared.
+// Softmax and sums are shared. The keys and queries are laid out for them by prefill_pack.cpp.
 //
 // Workspace, per thread, then the partials (64-byte aligned regions):
 //   packed keys  bf16 pairs: [keys/16][chunks][16 pairs][16 keys][2]   (keys padded to 64, dims to 32)
@@ -29,120 +29,15 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
-#include "amx.h"
+#include "prefill_layout.h"
 
 namespace vtoken {
 namespace {
 
-constexpr int64_t kTileRows = 16;   // queries per tile (an AMX tile's rows)
-constexpr int64_t kChunk = 32;      // bf16 dims per tile row (64 bytes)
-constexpr int64_t kSuperBlock = 64; // keys scored at once (four C tiles, or 4 x 16 lanes)
-
-int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
-
-enum class Scorer { kAmx, kDotBf16, kFma };
-
-Scorer scorer_of(const char* kind) {
-  const std::string name = kind == nullptr ? "avx512" : kind;
-  return name == "amx" ? Scorer::kAmx : name == "avx512-bf16" ? Scorer::kDotBf16 : Scorer::kFma;
-}
-
-struct Layout {
-  int64_t keys64, keys16, chunks;
-  int64_t packed_bytes, scores_bytes, queries_bytes, per_thread, partials_bytes;
-
-  Layout(int64_t num_keys, int64_t num_kv_heads, int64_t head_dim, Scorer scorer)
-      : keys64(round_up(num_keys, kSuperBlock)), keys16(round_up(num_keys, 16)),
-        chunks(round_up(head_dim, kChunk) / kChunk) {
-    const bool pairs = scorer != Scorer::kFma;
-    packed_bytes = round_up(pairs ? keys64 * chunks * kChunk * 2 : keys64 * head_dim * 4, kWorkspaceAlign);
-    scores_bytes = round_up(kTileRows * keys64 * 4, kWorkspaceAlign);
-    queries_bytes = round_up(pairs ? kTileRows * chunks * kChunk * 2 : kTileRows * head_dim * 4, kWorkspaceAlign);
-    per_thread = packed_bytes + scores_bytes + queries_bytes;
-    partials_bytes = round_up(num_kv_heads * keys16 * 4, kWorkspaceAlign);
-  }
-  int64_t total(int64_t threads) const { return kWorkspaceAlign + threads * per_thread + partials_bytes; }
-};
+using namespace prefill;
 
 #if VTOKEN_AMX
-int64_t element_bytes(Element e) { return e == Element::kF32 ? 4 : 2; }
-
-// IEEE half to float, exactly (subnormals, infinities and NaN included).
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-  if (exponent == 0) {
-    const float value = std::ldexp(static_cast<float>(mantissa), -24);
-    return sign ? -value : value;
-  }
-  const uint32_t bits = sign | (exponent == 0x1f ? 0x7f800000u : (exponent + 112) << 23) | (mantissa << 13);
-  float value;
-  std::memcpy(&value, &bits, 4);
-  return value;
-}
-
-// n elements of `element` from src as float32 into dst (exact for all three types).
-void to_float(const void* src, Element element, int64_t n, float* dst) {
-  const auto* halves = static_cast<const uint16_t*>(src);
-  if (element == Element::kF32) {
-    std::memcpy(dst, src, n * 4);
-  } else if (element == Element::kBf16) {
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(halves[i]) << 16;
-      std::memcpy(dst + i, &bits, 4);
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(halves[i]);
-  }
-}
-
-const void* row_at(const Rows& rows, Element element, int64_t token, int64_t head) {
-  return static_cast<const uint8_t*>(rows.data) +
-         (token * rows.token_stride + head * rows.head_stride) * element_bytes(element);
-}
-
-const void* key_row(const PrefillMassArgs& a, int64_t key, int64_t kv_head) {
-  return key < a.num_past ? row_at(a.past_k, a.element, key, kv_head)
-                          : row_at(a.k, a.element, key - a.num_past, kv_head);
-}
-
-// Pairs: packed[block][chunk][pair][key in block][2], one 64-key pass reads four 1 KiB B tiles per
-// chunk. Float32: packed[block][dim][key in block].
-void pack_keys(const PrefillMassArgs& a, const Layout& l, Scorer scorer, int64_t kv_head, uint8_t* packed) {
-  std::memset(packed, 0, l.packed_bytes);
-  const int64_t num_keys = a.num_past + a.num_tokens;
-  float* floats = reinterpret_cast<float*>(packed);
-  std::vector<float> row(scorer == Scorer::kFma ? a.head_dim : 0);
-  for (int64_t key = 0; key < num_keys; ++key) {
-    if (scorer == Scorer::kFma) {
-      to_float(key_row(a, key, kv_head), a.element, a.head_dim, row.data());
-      float* block = floats + (key / 16) * a.head_dim * 16 + key % 16;
-      for (int64_t d = 0; d < a.head_dim; ++d) block[d * 16] = row[d];
-      continue;
-    }
-    const auto* src = static_cast<const uint16_t*>(key_row(a, key, kv_head));
-    uint16_t* block = reinterpret_cast<uint16_t*>(packed) + (key / 16) * l.chunks * kChunk * 16;
-    for (int64_t d = 0; d < a.head_dim; ++d) {
-      const int64_t chunk = d / kChunk, pair = (d % kChunk) / 2;
-      block[((chunk * 16 + pair) * 16 + key % 16) * 2 + d % 2] = src[d];
-    }
-  }
-}
-
-// The tile's `rows` queries of head `head` from `first` on: bf16 rows as they are (pairs), else as float32.
-void pack_queries(const PrefillMassArgs& a, const Layout& l, Scorer scorer, int64_t head, int64_t first, int64_t rows,
-                  uint8_t* queries) {
-  std::memset(queries, 0, l.queries_bytes);
-  for (int64_t r = 0; r < rows; ++r) {
-    const void* src = row_at(a.q, a.element, first + r, head);
-    if (scorer == Scorer::kFma)
-      to_float(src, a.element, a.head_dim, reinterpret_cast<float*>(queries) + r * a.head_dim);
-    else
-      std::memcpy(queries + r * l.chunks * kChunk * 2, src, a.head_dim * 2);
-  }
-}
-
 // scores[r, 0 : width rounded up to 64] = queries[r] . keys, for the tile's 16 rows.
 VTOKEN_AMX_TARGET void tile_scores(const Layout& l, const uint16_t* queries, const uint16_t* packed, int64_t width,
                                    float* scores) {
