@@ -38,36 +38,31 @@ bool cpu_and_os_support_amx() {
   constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;  // Linux: ask for the tile state
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
 }
+
+// What this CPU and OS run, asked once (AMX's tile state is requested from the OS then).
+struct Support {
+  bool amx = cpu_and_os_support_amx();
+  bool avx512_bf16 = cpu_and_os_support_avx512(true, 0);
+  bool avx512 = cpu_and_os_support_avx512(false, 0);
+};
+#else
+struct Support {
+  bool amx = false, avx512_bf16 = false, avx512 = false;
+};
 #endif
+
+const Support& support() {
+  static const Support asked;
+  return asked;
+}
 
 }  // namespace
 
-bool amx_bf16_supported() {
-#if VTOKEN_AMX
-  static const bool supported = cpu_and_os_support_amx();
-  return supported;
-#else
-  return false;
-#endif
-}
+bool amx_bf16_supported() { return support().amx; }
 
-bool avx512_bf16_supported() {
-#if VTOKEN_AMX
-  static const bool supported = cpu_and_os_support_avx512(true, 0);
-  return supported;
-#else
-  return false;
-#endif
-}
+bool avx512_bf16_supported() { return support().avx512_bf16; }
 
-bool avx512_supported() {
-#if VTOKEN_AMX
-  static const bool supported = cpu_and_os_support_avx512(false, 0);
-  return supported;
-#else
-  return false;
-#endif
-}
+bool avx512_supported() { return support().avx512; }
 
 const char* bf16_mass_kind() {
   return amx_bf16_supported() ? "amx" : avx512_bf16_supported() ? "avx512-bf16" : nullptr;

@@ -96,11 +96,10 @@ class Forwards:
         # prefix's in block order (kv.prefill_mass_blocks); otherwise a prefill that stores prompt
         # blocks cuts its mass at their ends (prefix caching keeps what a cached prefix's queries
         # paid, see runtime/prefix_caching.py).
+        row_multiple, observes_prompt = self.row_multiple(), prefill and first_prefill and kv.needs_attention
         tpb = kv.config.tokens_per_block
-        mass_blocks = (first % tpb, tpb) if self.row_multiple() and prefill and first_prefill and \
-            kv.needs_attention else None
-        cuts = kv.mass_cuts(req_ids[0]) if prefill and first_prefill and kv.needs_attention and \
-            mass_blocks is None else []
+        mass_blocks = (first % tpb, tpb) if row_multiple and observes_prompt else None
+        cuts = kv.mass_cuts(req_ids[0]) if observes_prompt and mass_blocks is None else []
         if verify and kv.needs_attention:  # the mass of the first 1 .. T queries, T the row's own at most
             cuts = [[min(j, len(row)) for j in range(1, longest + 1)] for row in tokens]
         start = time.perf_counter()
@@ -117,7 +116,7 @@ class Forwards:
                 kv.cache, valid, return_mass=kv.needs_attention, logits_at=None if verify else q_lens - 1,
                 carry_mass=self.consistency.carry, mass_cuts=mass_cuts,
                 mass_from=self._mass_from(req_ids, tokens, prompt_after) if prefill and kv.needs_attention else None,
-                row_multiple=self.row_multiple(), mass_blocks=mass_blocks,
+                row_multiple=row_multiple, mass_blocks=mass_blocks,
             )
         mass = self.consistency.reduce_mass(mass)  # every rank's heads: identical decisions
         # One device-to-host copy per forward for all rows (the policy reads each row on the host);

@@ -215,21 +215,11 @@ class PrefixCaching:
         ``mass`` plus the cached prefix's payload; keeps the payload of the cached blocks of its
         prompt that lack one (``cut_mass``: the rows at ``mass_cuts``). Shapes: [L] and
         [len(mass_cuts), L]. A later chunk's forward observes its own queries' mass only."""
-        cached, tpb = self._cached[req_id], self.tokens_per_block
-        prefix = torch.zeros_like(mass)
-        if cached:
-            payload = self._taken.get(req_id)
-            if payload is None and req_id not in self._private:  # attached by a prefill after its admission
-                payload = self.cache.payload.get(block_ids[cached // tpb - 1])
-            if payload is None:  # stored without a payload: the request observes its own queries only
-                return mass
-            prefix[:cached] = torch.from_numpy(payload)
+        prefix = self._prefix_mass(req_id, block_ids, mass)
+        if prefix is None:  # stored without a payload: the request observes its own queries only
+            return mass
         if cut_mass is not None:
-            for row, (j, block_id, key) in enumerate(self._paying.get(req_id, ())):
-                # still holding those tokens (a cached block no request holds may have been reused)
-                if self.cache.key_of.get(block_id) == key and block_id not in self.cache.payload:
-                    end = (j + 1) * tpb
-                    self.cache.attach(block_id, (prefix[:end] + cut_mass[row, :end]).numpy().astype(np.float32))
+            self._attach_payloads(req_id, lambda row, _: prefix + cut_mass[row])
         # A policy observing the prompt's last queries only (H2O's prefill_window) took no cached
         # prefix reaching them (``probe``): the prefix's own queries are not its to observe.
         return mass if self._windowed.get(req_id) else mass + prefix
@@ -241,24 +231,37 @@ class PrefixCaching:
         ``observed``) folded in block order onto the cached prefix's payload; the payloads it
         keeps are that fold's states at their block ends, so a later prompt folding onto one gets
         the bits a prefill of the whole prompt gets."""
-        cached, tpb = self._cached[req_id], self.tokens_per_block
-        start = torch.zeros_like(every[0])
+        prefix = self._prefix_mass(req_id, block_ids, every[0])
+        if prefix is not None:
+            states = fold_blocks(prefix, every)
+            first_block = self._cached[req_id] // self.tokens_per_block  # the block of the row's query 0
+            self._attach_payloads(req_id, lambda _, j: states[j - first_block])
+        if prefix is None or self._windowed.get(req_id):  # its own queries' mass only (as above)
+            return fold_blocks(torch.zeros_like(every[0]), observed)[-1]
+        return states[-1]
+
+    def _prefix_mass(self, req_id: int, block_ids: Sequence[int], like: torch.Tensor) -> torch.Tensor | None:
+        """[L] like ``like``: the request's cached prefix's payload, zeros past it (all zeros
+        without a cached prefix); None where the prefix was stored without a payload."""
+        cached, prefix = self._cached[req_id], torch.zeros_like(like)
         if cached:
             payload = self._taken.get(req_id)
             if payload is None and req_id not in self._private:  # attached by a prefill after its admission
-                payload = self.cache.payload.get(block_ids[cached // tpb - 1])
-            if payload is None:  # stored without a payload: the request observes its own queries only
-                return fold_blocks(start, observed)[-1]
-            start[:cached] = torch.from_numpy(payload)
-        states = fold_blocks(start, every)
-        for j, block_id, key in self._paying.get(req_id, ()):
+                payload = self.cache.payload.get(block_ids[cached // self.tokens_per_block - 1])
+            if payload is None:
+                return None
+            prefix[:cached] = torch.from_numpy(payload)
+        return prefix
+
+    def _attach_payloads(self, req_id: int, through: Callable[[int, int], torch.Tensor]) -> None:
+        """Keeps with each prompt block the request pays for (``store_prompt``) that still holds
+        its tokens and has no payload yet ``through(row, j)[:end]``: the mass the prompt's queries
+        up to the end of block j (row ``row`` of ``mass_cuts``) paid each other."""
+        for row, (j, block_id, key) in enumerate(self._paying.get(req_id, ())):
             # still holding those tokens (a cached block no request holds may have been reused)
             if self.cache.key_of.get(block_id) == key and block_id not in self.cache.payload:
-                end = (j + 1) * tpb
-                self.cache.attach(block_id, states[j - cached // tpb][:end].numpy().astype(np.float32))
-        # A policy observing the prompt's last queries only took no cached prefix reaching them.
-        return fold_blocks(torch.zeros_like(start), observed)[-1] if self._windowed.get(req_id) else states[-1]
-
+                end = (j + 1) * self.tokens_per_block
+                self.cache.attach(block_id, through(row, j)[:end].numpy().astype(np.float32))
 
 def computed_tail(prompt_len: int, prefill_window: int | None, decides_at: int | None) -> int:
     """Prompt tokens a request leaves out of the cached prefix it takes (``PrefixCache.match``):

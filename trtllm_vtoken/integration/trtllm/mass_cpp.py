@@ -69,11 +69,9 @@ def describe() -> str:
 
 def prefill_workspace_bytes(num_keys: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cap_bytes: int,
                             threads: int | None = None) -> tuple[int, int] | None:
-    """(threads, bytes) of the prefill pass over ``num_keys`` keys of ``dtype`` within ``cap_bytes``:
-    the most threads up to ``threads`` (default torch's count) whose workspace fits; None if one
-    thread's does not or the pass does not take ``dtype`` here (``prefill_kind``)."""
-    if prefill_kind(dtype) is None:
-        return None
+    """(threads, bytes) of the prefill pass over ``num_keys`` keys of ``dtype`` within ``cap_bytes``,
+    where the pass takes ``dtype`` (``prefill_kind``): the most threads up to ``threads`` (default
+    torch's count) whose workspace fits; None if one thread's does not."""
     return _most_threads_within(cap_bytes, min(threads or torch.get_num_threads(), num_kv_heads),
                                 lambda count: native.load().prefill_mass_workspace_bytes(
                                     num_keys, num_kv_heads, head_dim, count, PREFILL_DTYPES[dtype]))
@@ -98,9 +96,10 @@ def prefill_plan(q: torch.Tensor, k: torch.Tensor, past_k: torch.Tensor | None, 
     if any(t.dtype != q.dtype or t.device.type != "cpu" or (t.shape[-1] > 1 and t.stride(-1) != 1) for t in tensors):
         return None
     kind = prefill_kind(q.dtype)
+    if kind is None:
+        return None
     num_keys = q.shape[0] + (0 if past_k is None else past_k.shape[0])
-    fits = None if kind is None else prefill_workspace_bytes(num_keys, k.shape[1], q.shape[2], q.dtype, cap_bytes,
-                                                             threads)
+    fits = prefill_workspace_bytes(num_keys, k.shape[1], q.shape[2], q.dtype, cap_bytes, threads)
     return None if fits is None else (kind, *fits)
 
 
