@@ -38,6 +38,17 @@ def test_quality_pairs_are_identical_on_a_few_prompts(model, smollm2_tokenizer):
     assert result["mean_paired_rouge_l_difference"] == 0.0 and result["output_length_ratio"] == 1.0
 
 
+def test_quality_plain_order_row_equals_the_overlap_order_for_a_count_based_policy(model, smollm2_tokenizer):
+    """StreamingLLM decides before the next forward in both orders, so the plain-order run must
+    give every answer the overlap run gives (H2O's may differ: it decides one iteration late)."""
+    result = run_quality_bench(QualityBenchConfig(prompts=2, max_tokens=6, max_prompt_tokens=160, num_blocks=64,
+                                                  policy="streaming_llm"), model, smollm2_tokenizer)
+    plain = result["plain_order"]
+    assert result["exact_match_rate"] == 1.0 and plain["same_answer_rate"] == 1.0
+    assert plain["rouge_l_vs_native"] == result["rouge_l_vs_native"]["vtoken"]
+    assert plain["mean_paired_rouge_l_difference"] == 0.0
+
+
 def test_overhead_runs_every_row_and_splits_host_time(model, smollm2_tokenizer):
     from trtllm_vtoken.bench.overhead import RUNS, OverheadBenchConfig, run_overhead_bench
 
