@@ -30,23 +30,18 @@ def test_utilization_vtoken_keeps_fewer_blocks_than_naive_evict(model, smollm2_t
         assert row["utilization_gain_pp"] > 0 and runs["vtoken"]["invariant_checks"] > 0
 
 
-def test_quality_pairs_are_identical_on_a_few_prompts(model, smollm2_tokenizer):
-    # a pool that holds the four prompts (the default's 4,096 blocks took 40% of the test zeroing them)
-    result = run_quality_bench(QualityBenchConfig(prompts=4, max_tokens=8, max_prompt_tokens=160, num_blocks=128),
-                               model, smollm2_tokenizer)
+def test_quality_pairs_are_identical_and_a_count_based_policy_does_not_lag(model, smollm2_tokenizer):
+    """vtoken says what naive-evict says; StreamingLLM decides before the next forward in both
+    orders, so the plain-order run gives every answer the overlap run gives (H2O's may differ: it
+    decides one iteration late under overlap). A pool that holds the four prompts (the default's
+    4,096 blocks took 40% of the test zeroing them)."""
+    result = run_quality_bench(QualityBenchConfig(prompts=4, max_tokens=8, max_prompt_tokens=160, num_blocks=128,
+                                                  policy="streaming_llm"), model, smollm2_tokenizer)
     assert result["pairs"] == 4 and result["exact_match_rate"] == 1.0
     assert result["mean_paired_rouge_l_difference"] == 0.0 and result["output_length_ratio"] == 1.0
-
-
-def test_quality_plain_order_row_equals_the_overlap_order_for_a_count_based_policy(model, smollm2_tokenizer):
-    """StreamingLLM decides before the next forward in both orders, so the plain-order run must
-    give every answer the overlap run gives (H2O's may differ: it decides one iteration late)."""
-    result = run_quality_bench(QualityBenchConfig(prompts=2, max_tokens=6, max_prompt_tokens=160, num_blocks=64,
-                                                  policy="streaming_llm"), model, smollm2_tokenizer)
     plain = result["plain_order"]
-    assert result["exact_match_rate"] == 1.0 and plain["same_answer_rate"] == 1.0
+    assert plain["same_answer_rate"] == 1.0 and plain["mean_paired_rouge_l_difference"] == 0.0
     assert plain["rouge_l_vs_native"] == result["rouge_l_vs_native"]["vtoken"]
-    assert plain["mean_paired_rouge_l_difference"] == 0.0
 
 
 def test_overhead_runs_every_row_and_splits_host_time(model, smollm2_tokenizer):
