@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -53,3 +54,55 @@ def test_the_mass_passes_build_and_step_aside_without_amx(tmp_path):
     assert compiled.returncode == 0, compiled.stderr
     ran = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)
     assert ran.returncode == 0 and "PASS" in ran.stdout, ran.stdout + ran.stderr
+
+
+# Bytes a store writes: by the register it stores (AT&T names), or for an immediate by the suffix.
+_NUMBERED = [f"r{n}" for n in range(8, 16)]
+_REGISTER_BYTES = {
+    **{f"r{r}": 8 for r in ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp")}, **{r: 8 for r in _NUMBERED},
+    **{f"e{r}": 4 for r in ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp")}, **{f"{r}d": 4 for r in _NUMBERED},
+    **{r: 2 for r in ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp")}, **{f"{r}w": 2 for r in _NUMBERED},
+    **{r: 1 for r in ("al", "bl", "cl", "dl", "ah", "bh", "ch", "dh", "sil", "dil", "bpl", "spl")},
+    **{f"{r}b": 1 for r in _NUMBERED}}
+_STORE = re.compile(r"^(v?mov\w*)\s+(\S+),(-?0x[0-9a-f]+|-?\d+)?\(%(\w+)\)$")
+
+
+def _store_bytes(mnemonic: str, source: str) -> int | None:
+    if source.startswith("$"):
+        return {"b": 1, "w": 2, "l": 4, "q": 8}.get(mnemonic[-1])
+    register = source.lstrip("%")
+    vector = {"zmm": 64, "ymm": 32, "xmm": 16}.get(register[:3])
+    return vector or _REGISTER_BYTES.get(register)
+
+
+@pytest.mark.skipif(not shutil.which("objdump"), reason="needs objdump")
+def test_every_byte_of_a_tile_configuration_is_stored_before_ldtilecfg():
+    """ldtilecfg reads a 64-byte record. GCC 11 and 12's _tile_loadconfig names 8 of them as its
+    operand, and GCC 12.2 at -O3 dropped the stores of every tile's rows and bytes per row: on an AMX
+    CPU the tiles would fault or be empty. In the built core, the instructions before each
+    ldtilecfg (back to the function's start) must store all 64 bytes of its operand."""
+    import trtllm_vtoken._native._core as core
+
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", core.__file__], capture_output=True, text=True,
+                             check=True).stdout
+    configurations, function = 0, []
+    for line in listing.splitlines():
+        instruction = line.split("\t", 1)[1].strip() if "\t" in line else ""
+        if instruction.startswith("ldtilecfg"):
+            offset, base = re.fullmatch(r"ldtilecfg\s+(-?0x[0-9a-f]+|-?\d+)?\(%(\w+)\)", instruction).groups()
+            record = int(offset or "0", 0)
+            stored = set()
+            for earlier in function:
+                store = _STORE.match(earlier)
+                if store and store.group(4) == base:
+                    width = _store_bytes(store.group(1), store.group(2))
+                    assert width, f"a store this test cannot size: {earlier!r}"
+                    start = int(store.group(3) or "0", 0)
+                    stored.update(range(start, start + width))
+            missing = sorted(set(range(record, record + 64)) - stored)
+            assert not missing, f"bytes {[m - record for m in missing]} of a tile configuration are never stored"
+            configurations += 1
+        function = [] if instruction.startswith("ret") else function + [instruction]
+    if configurations == 0:
+        pytest.skip("this build has no AMX tile code")
+    assert configurations == 2  # prefill_mass.cpp's and decode_mass.cpp's configure_tiles

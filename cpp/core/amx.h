@@ -68,7 +68,12 @@ inline int64_t threads_used(int64_t threads, int64_t units) {
 template <class Work>
 void run_workers(int64_t n, const Work& work) {
   std::vector<std::thread> others;
-  for (int64_t t = 1; t < n; ++t) others.emplace_back([&work, t] { work(t); });
+  try {
+    for (int64_t t = 1; t < n; ++t) others.emplace_back([&work, t] { work(t); });
+  } catch (...) {  // a thread could not start: those that did finish, then the caller hears why
+    for (std::thread& thread : others) thread.join();
+    throw;
+  }
   work(0);
   for (std::thread& thread : others) thread.join();
 }
@@ -88,6 +93,20 @@ struct TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads a 64-byte record");
+
+// Loads the calling thread's tile configuration. Not _tile_loadconfig: GCC 11 and 12 give
+// ldtilecfg an 8-byte operand there, so the compiler may drop the stores to the record's other 56
+// bytes (GCC 12.2 at -O3 did: no tile's rows or colsb were written, and ldtilecfg then faults or
+// configures empty tiles). Here the whole record is the instruction's operand.
+VTOKEN_AMX_TARGET inline void load_tile_config(const TileConfig& config) {
+  __asm__ volatile("ldtilecfg %0" : : "m"(config));
+}
+
+// A compiler barrier before a pass's tile loads: GCC's _tile_loadd names no memory operand, so
+// without it the stores that packed the rows it reads could be ordered after it.
+inline void before_tile_loads() { __asm__ volatile("" : : : "memory"); }
 
 // Releases the tiles a thread configured (its own function, so that the AVX-512 loop calling it
 // is not compiled for AMX).

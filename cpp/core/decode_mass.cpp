@@ -74,7 +74,7 @@ VTOKEN_AMX_TARGET void configure_tiles(const Layout& l) {
     config.rows[4] = static_cast<uint8_t>(l.tail / 2);
     config.colsb[4] = 64;
   }
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 // packed[chunk][pair][lane][2] = query head (first_head + lane)'s dims 2 pair and 2 pair + 1 of
@@ -142,6 +142,7 @@ VTOKEN_AMX_TARGET void score_keys(const DecodeMassArgs& a, const Layout& l, cons
                                   float* scores) {
   const int64_t tpb = a.tokens_per_block, key_bytes = a.token_stride * 2;
   const int64_t num_blocks = (kv_len + tpb - 1) / tpb;
+  before_tile_loads();
   const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(kLanes));
   for (int64_t first = 0; first < kv_len; first += l.rows) {

@@ -42,6 +42,7 @@ using namespace prefill;
 VTOKEN_AMX_TARGET void tile_scores(const Layout& l, const uint16_t* queries, const uint16_t* packed, int64_t width,
                                    float* scores) {
   const int64_t b_stride = l.chunks * kChunk * 16;  // elements between consecutive 16-key blocks
+  before_tile_loads();
   for (int64_t first = 0; first < width; first += kSuperBlock) {
     _tile_zero(0);
     _tile_zero(1);
@@ -199,7 +200,7 @@ VTOKEN_AMX_TARGET void configure_tiles() {
     config.colsb[t] = 64;
     config.rows[t] = kTileRows;
   }
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 // Thread `thread`'s KV heads (every `threads`-th), with the tiles configured around them where they score.
