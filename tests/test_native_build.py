@@ -56,6 +56,27 @@ def test_the_mass_passes_build_and_step_aside_without_amx(tmp_path):
     assert ran.returncode == 0 and "PASS" in ran.stdout, ran.stdout + ran.stderr
 
 
+@pytest.mark.skipif(not shutil.which("g++"), reason="needs g++")
+def test_the_amx_kind_computes_the_mass_in_software_tiles(tmp_path):
+    """The AMX kind of both bf16 mass passes, on a CPU without AMX: cpp/tests/tile_emulation.h
+    stands in for the tile instructions (with the hardware's shape checks), and each kind must
+    equal a double-precision softmax to 2e-4 on 300 random prefill and decode cases
+    (cpp/tests/amx_emulation_test.cpp). -Wno-maybe-uninitialized: GCC 12 warns inside its own
+    _mm512_undefined_ps."""
+    binary = tmp_path / "amx_emulation_test"
+    compiled = subprocess.run(["g++", "-O2", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-Wno-maybe-uninitialized",
+                               "-include", str(ROOT / "cpp" / "tests" / "tile_emulation.h"), "-o", str(binary),
+                               str(ROOT / "cpp" / "tests" / "amx_emulation_test.cpp"),
+                               *(str(ROOT / "cpp" / "core" / name) for name in ("amx.cpp", "prefill_mass.cpp",
+                                                                                 "prefill_pack.cpp", "decode_mass.cpp")),
+                               "-pthread"], capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stderr
+    ran = subprocess.run([str(binary), "150"], capture_output=True, text=True, timeout=120)
+    if ran.stdout.startswith("SKIP"):
+        pytest.skip(ran.stdout.strip())
+    assert ran.returncode == 0 and "PASS" in ran.stdout, ran.stdout + ran.stderr
+
+
 # Bytes a store writes: by the register it stores (AT&T names), or for an immediate by the suffix.
 _NUMBERED = [f"r{n}" for n in range(8, 16)]
 _REGISTER_BYTES = {

@@ -58,7 +58,13 @@ const Support& support() {
 
 }  // namespace
 
-bool amx_bf16_supported() { return support().amx; }
+bool amx_bf16_supported() {
+#ifdef VTOKEN_TILE_EMULATION  // the tests' software tiles (cpp/tests/tile_emulation.h) stand in for AMX
+  return tile_emulation::enabled() && support().avx512_bf16;
+#else
+  return support().amx;
+#endif
+}
 
 bool avx512_bf16_supported() { return support().avx512_bf16; }
 

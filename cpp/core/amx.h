@@ -101,7 +101,11 @@ static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads a 64-byte record");
 // bytes (GCC 12.2 at -O3 did: no tile's rows or colsb were written, and ldtilecfg then faults or
 // configures empty tiles). Here the whole record is the instruction's operand.
 VTOKEN_AMX_TARGET inline void load_tile_config(const TileConfig& config) {
+#ifdef VTOKEN_TILE_EMULATION  // the tests' software tiles (cpp/tests/tile_emulation.h)
+  tile_emulation::load_config(&config);
+#else
   __asm__ volatile("ldtilecfg %0" : : "m"(config));
+#endif
 }
 
 // A compiler barrier before a pass's tile loads: GCC's _tile_loadd names no memory operand, so
