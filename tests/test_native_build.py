@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""cpp/ configures and compiles wherever nvcc and cmake are present (nothing runs without a GPU)."""
+"""cpp/ configures and compiles wherever nvcc and cmake are present (the CUDA kernels are not run
+without a GPU); the mass passes' fallback build, their AMX kind in software tiles and the built
+core's tile configurations."""
 
 from __future__ import annotations
 
@@ -77,7 +79,8 @@ def test_the_amx_kind_computes_the_mass_in_software_tiles(tmp_path):
     assert ran.returncode == 0 and "PASS" in ran.stdout, ran.stdout + ran.stderr
 
 
-# Bytes a store writes: by the register it stores (AT&T names), or for an immediate by the suffix.
+# Bytes a store writes: by the mnemonic where it says (scalar and half-register moves), else by the
+# register it stores (AT&T names), or for an immediate by the size suffix.
 _NUMBERED = [f"r{n}" for n in range(8, 16)]
 _REGISTER_BYTES = {
     **{f"r{r}": 8 for r in ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp")}, **{r: 8 for r in _NUMBERED},
@@ -85,10 +88,15 @@ _REGISTER_BYTES = {
     **{r: 2 for r in ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp")}, **{f"{r}w": 2 for r in _NUMBERED},
     **{r: 1 for r in ("al", "bl", "cl", "dl", "ah", "bh", "ch", "dh", "sil", "dil", "bpl", "spl")},
     **{f"{r}b": 1 for r in _NUMBERED}}
+_MNEMONIC_BYTES = {"movd": 4, "movss": 4, "movq": 8, "movsd": 8, "movlps": 8, "movhps": 8, "movlpd": 8, "movhpd": 8}
 _STORE = re.compile(r"^(v?mov\w*)\s+(\S+),(-?0x[0-9a-f]+|-?\d+)?\(%(\w+)\)$")
+_OPERAND = re.compile(r"ldtilecfg\s+(-?0x[0-9a-f]+|-?\d+)?\(%(\w+)\)")
 
 
 def _store_bytes(mnemonic: str, source: str) -> int | None:
+    named = _MNEMONIC_BYTES.get(mnemonic.removeprefix("v"))
+    if named is not None:
+        return named
     if source.startswith("$"):
         return {"b": 1, "w": 2, "l": 4, "q": 8}.get(mnemonic[-1])
     register = source.lstrip("%")
@@ -100,20 +108,25 @@ def _store_bytes(mnemonic: str, source: str) -> int | None:
 def test_every_byte_of_a_tile_configuration_is_stored_before_ldtilecfg():
     """ldtilecfg reads a 64-byte record. GCC 11 and 12's _tile_loadconfig names 8 of them as its
     operand, and GCC 12.2 at -O3 dropped the stores of every tile's rows and bytes per row: on an AMX
-    CPU the tiles would fault or be empty. In the built core, the instructions before each
-    ldtilecfg (back to the function's start) must store all 64 bytes of its operand."""
+    CPU the tiles would fault or be empty. In the built core, the stores before each ldtilecfg
+    (back to the function's start, its label or ret, or the ldtilecfg before) must cover all 64
+    bytes of its operand. A store this test cannot size, or an operand it cannot read, fails it."""
+    import torch
+
     import trtllm_vtoken._native._core as core
+    from trtllm_vtoken.integration.trtllm.mass_cpp import prefill_kind
 
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", core.__file__], capture_output=True, text=True,
                              check=True).stdout
-    configurations, function = 0, []
+    configurations, since = 0, []
     for line in listing.splitlines():
         instruction = line.split("\t", 1)[1].strip() if "\t" in line else ""
         if instruction.startswith("ldtilecfg"):
-            offset, base = re.fullmatch(r"ldtilecfg\s+(-?0x[0-9a-f]+|-?\d+)?\(%(\w+)\)", instruction).groups()
-            record = int(offset or "0", 0)
+            operand = _OPERAND.fullmatch(instruction)
+            assert operand, f"an ldtilecfg operand this test cannot read: {instruction!r}"
+            record, base = int(operand.group(1) or "0", 0), operand.group(2)
             stored = set()
-            for earlier in function:
+            for earlier in since:
                 store = _STORE.match(earlier)
                 if store and store.group(4) == base:
                     width = _store_bytes(store.group(1), store.group(2))
@@ -123,7 +136,10 @@ def test_every_byte_of_a_tile_configuration_is_stored_before_ldtilecfg():
             missing = sorted(set(range(record, record + 64)) - stored)
             assert not missing, f"bytes {[m - record for m in missing]} of a tile configuration are never stored"
             configurations += 1
-        function = [] if instruction.startswith("ret") else function + [instruction]
-    if configurations == 0:
-        pytest.skip("this build has no AMX tile code")
-    assert configurations == 2  # prefill_mass.cpp's and decode_mass.cpp's configure_tiles
+        if not instruction or instruction.startswith(("ret", "ldtilecfg")):
+            since.clear()  # a label, a function's end or the record before: the next record starts here
+        else:
+            since.append(instruction)
+    if configurations == 0 and prefill_kind(torch.float32) is None:
+        pytest.skip("this core was built without the AVX-512 and AMX code")  # -DVTOKEN_AMX=0, or not x86-64
+    assert configurations >= 2  # prefill_mass.cpp's and decode_mass.cpp's configure_tiles, perhaps inlined twice

@@ -65,17 +65,17 @@ inline int64_t threads_used(int64_t threads, int64_t units) {
 
 // work(t) for t in [0, n): t = 0 on the calling thread, each other on a thread of its own
 // (a pass runs once per step or context row, so threads are not kept between calls).
+// If a thread cannot start (or work(0) throws), those started finish before the caller hears why.
 template <class Work>
 void run_workers(int64_t n, const Work& work) {
-  std::vector<std::thread> others;
-  try {
-    for (int64_t t = 1; t < n; ++t) others.emplace_back([&work, t] { work(t); });
-  } catch (...) {  // a thread could not start: those that did finish, then the caller hears why
-    for (std::thread& thread : others) thread.join();
-    throw;
-  }
+  struct JoinAll {
+    std::vector<std::thread> threads;
+    ~JoinAll() {
+      for (std::thread& thread : threads) thread.join();
+    }
+  } others;
+  for (int64_t t = 1; t < n; ++t) others.threads.emplace_back([&work, t] { work(t); });
   work(0);
-  for (std::thread& thread : others) thread.join();
 }
 
 #if VTOKEN_AMX
@@ -85,7 +85,7 @@ void run_workers(int64_t n, const Work& work) {
 #define VTOKEN_AVX512_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define VTOKEN_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
-// The 64-byte record _tile_loadconfig reads (palette 1): per tile, its rows and bytes per row.
+// The 64-byte record ldtilecfg reads (palette 1): per tile, its rows and bytes per row.
 struct TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -100,7 +100,7 @@ static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads a 64-byte record");
 // ldtilecfg an 8-byte operand there, so the compiler may drop the stores to the record's other 56
 // bytes (GCC 12.2 at -O3 did: no tile's rows or colsb were written, and ldtilecfg then faults or
 // configures empty tiles). Here the whole record is the instruction's operand.
-VTOKEN_AMX_TARGET inline void load_tile_config(const TileConfig& config) {
+VTOKEN_AMX_TARGET __attribute__((always_inline)) inline void load_tile_config(const TileConfig& config) {
 #ifdef VTOKEN_TILE_EMULATION  // the tests' software tiles (cpp/tests/tile_emulation.h)
   tile_emulation::load_config(&config);
 #else
@@ -109,7 +109,8 @@ VTOKEN_AMX_TARGET inline void load_tile_config(const TileConfig& config) {
 }
 
 // A compiler barrier before a pass's tile loads: GCC's _tile_loadd names no memory operand, so
-// without it the stores that packed the rows it reads could be ordered after it.
+// without it the stores that packed the rows it reads could be ordered after it. One at a pass's
+// start serves its loop: _tile_stored clobbers memory, which orders each later iteration's loads.
 inline void before_tile_loads() { __asm__ volatile("" : : : "memory"); }
 
 // Releases the tiles a thread configured (its own function, so that the AVX-512 loop calling it

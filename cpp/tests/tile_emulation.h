@@ -5,14 +5,16 @@
 // amx.h and amx.cpp see VTOKEN_TILE_EMULATION and load the tile configuration here, and report
 // AMX while tile_emulation::enabled() is true.
 //
-// What the hardware checks, it checks (Intel SDM vol. 2, LDTILECFG, TILELOADD, TILESTORED,
-// TILEZERO, TDPBF16PS; the tile configuration record in vol. 1, "Intel AMX"), and aborts where the
-// hardware raises #GP or #UD: palette 1 only, start_row and reserved bytes zero, tiles 8-15 not
-// configured, rows <= 16 and colsb <= 64 and zero together; a tile instruction before LDTILECFG on
-// its thread; TDPBF16PS with dst.colsb != src2.colsb, src1.colsb / 4 != src2.rows or
-// dst.rows != src1.rows. A load zeroes the row bytes past colsb, as TILELOADD does. TDPBF16PS adds
-// each pair's two float32 products to the float32 sum in that order (the hardware's rounding of
-// the pair may differ in the last bit: the tests compare to 2e-4).
+// It checks the shape rules the passes could break (Intel SDM vol. 2: LDTILECFG, TILELOADD,
+// TILESTORED, TILEZERO, TDPBF16PS; the configuration record in vol. 1, "Intel AMX") and aborts where
+// the hardware raises #GP or #UD, and it holds the passes to the configuration they mean to load:
+// palette 1, start_row and reserved bytes zero, tiles 8-15 unused, rows <= 16 and colsb <= 64 and
+// zero together; no tile instruction before the thread's LDTILECFG, none on a tile not configured
+// or past the eighth; TDPBF16PS with distinct tiles, dst.colsb == src2.colsb,
+// src1.colsb / 4 == src2.rows and dst.rows == src1.rows. A load zeroes the row bytes past colsb,
+// as TILELOADD does. TDPBF16PS adds each pair's two float32 products to the float32 sum one after
+// the other; where the hardware rounds or flushes denormals otherwise, the low bits differ (the
+// test compares to 2e-4).
 #pragma once
 
 #include <immintrin.h>
@@ -71,7 +73,7 @@ inline void load_config(const void* record) {
 
 inline void check(int t) {
   if (!tiles.configured) fault("a tile instruction before ldtilecfg", t);
-  if (tiles.rows[t] == 0) fault("an unconfigured tile", t);
+  if (t < 0 || t >= 8 || tiles.rows[t] == 0) fault("an unconfigured tile", t);
 }
 
 inline void release() { tiles = Tiles{}; }
@@ -106,6 +108,7 @@ inline float bf16_at(const uint8_t* p) {
 // c[m, n] += sum over k of a[m, 2k] b[k, 2n] + a[m, 2k + 1] b[k, 2n + 1] (b in VNNI pairs).
 inline void dot_bf16(int c, int a, int b) {
   check(c), check(a), check(b);
+  if (c == a || c == b || a == b) fault("a tile named twice", c);
   if (tiles.colsb[c] != tiles.colsb[b]) fault("dst.colsb != src2.colsb", c);
   if (tiles.colsb[a] % 4 != 0 || tiles.colsb[a] / 4 != tiles.rows[b]) fault("src1.colsb / 4 != src2.rows", a);
   if (tiles.rows[c] != tiles.rows[a]) fault("dst.rows != src1.rows", c);
@@ -116,7 +119,8 @@ inline void dot_bf16(int c, int a, int b) {
       for (int k = 0; k < tiles.colsb[a] / 4; ++k) {
         const uint8_t* pa = tiles.data[a] + m * 64 + k * 4;
         const uint8_t* pb = tiles.data[b] + k * 64 + n * 4;
-        sum += bf16_at(pa) * bf16_at(pb) + bf16_at(pa + 2) * bf16_at(pb + 2);
+        sum += bf16_at(pa) * bf16_at(pb);
+        sum += bf16_at(pa + 2) * bf16_at(pb + 2);
       }
       std::memcpy(tiles.data[c] + m * 64 + n * 4, &sum, 4);
     }

@@ -40,7 +40,9 @@ def test_quality_pairs_are_identical_and_a_count_based_policy_does_not_lag(model
     assert result["pairs"] == 4 and result["exact_match_rate"] == 1.0
     assert result["mean_paired_rouge_l_difference"] == 0.0 and result["output_length_ratio"] == 1.0
     plain = result["plain_order"]
-    assert plain["same_answer_rate"] == 1.0 and plain["mean_paired_rouge_l_difference"] == 0.0
+    assert plain["same_answer_rate"] == 1.0 and plain["mean_paired_rouge_l_overlap_minus_plain"] == 0.0
+    assert result["overlap_scheduler"] == {"native": True, "naive-evict": True, "vtoken": True,
+                                           "vtoken, plain order": False}
     assert plain["rouge_l_vs_native"] == result["rouge_l_vs_native"]["vtoken"]
 
 

@@ -70,6 +70,7 @@ def run_quality_bench(cfg: QualityBenchConfig, model, tokenizer, progress=None) 
     items = make_workload("sharegpt", cfg.prompts, tokenizer, seed=cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens)
     prompts = [tokenizer.encode(item.prompt, chat=True) for item in items]
     outputs: dict[str, list] = {}
+    overlap_of: dict[str, bool] = {}  # each run's order, as its engine took it
     for label, variant, overlap in RUNS:
         engine = Engine(model, EngineConfig(
             variant=variant, mode="dense", overlap_scheduler=overlap, policy=cfg.policy, budget=cfg.budget,
@@ -81,6 +82,7 @@ def run_quality_bench(cfg: QualityBenchConfig, model, tokenizer, progress=None) 
             if progress is not None:
                 progress.update(finished)
         outputs[label] = [engine.pop_finished(i) for i in ids]
+        overlap_of[label] = engine.config.overlap_scheduler
     native, naive, vtoken, plain = (outputs[label] for label, _, _ in RUNS)
     exact = [a.output_ids == b.output_ids for a, b in zip(naive, vtoken)]
     rouge_naive = np.array([rouge_l(n.text, r.text) for n, r in zip(naive, native)])
@@ -96,8 +98,9 @@ def run_quality_bench(cfg: QualityBenchConfig, model, tokenizer, progress=None) 
         "plain_order": {
             "same_answer_rate": float(np.mean([v.output_ids == p.output_ids for v, p in zip(vtoken, plain)])),
             "rouge_l_vs_native": float(rouge_plain.mean()),
-            "mean_paired_rouge_l_difference": float((rouge_vtoken - rouge_plain).mean()),
+            "mean_paired_rouge_l_overlap_minus_plain": float((rouge_vtoken - rouge_plain).mean()),
         },
+        "overlap_scheduler": overlap_of,
         "examples": [{"prompt": items[i].prompt[:200], "native": native[i].text, "naive-evict": naive[i].text,
                       "vtoken": vtoken[i].text} for i in range(min(3, len(items)))],
     }

@@ -167,12 +167,7 @@ def run_core(args: argparse.Namespace) -> int:
 def run_variants(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.variants import (
-        VARIANT_RUNS,
-        VariantsBenchConfig,
-        plot_variants,
-        run_variants_bench,
-    )
+    from trtllm_vtoken.bench.variants import VARIANT_RUNS, VariantsBenchConfig, plot_variants, run_variants_bench
     from trtllm_vtoken.report import format_table
 
     sizes = dict(requests=args.requests, max_prompt_tokens=args.max_prompt_tokens,
@@ -210,12 +205,7 @@ def run_variants(args: argparse.Namespace) -> int:
 def run_capacity(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.capacity import (
-        PAPER_SETTINGS,
-        VARIANTS,
-        plot_capacity,
-        run_capacity_bench,
-    )
+    from trtllm_vtoken.bench.capacity import PAPER_SETTINGS, VARIANTS, plot_capacity, run_capacity_bench
     from trtllm_vtoken.report import format_table
 
     scale = args.scale
@@ -253,12 +243,7 @@ def run_all(args: argparse.Namespace) -> int:
 def run_quality(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.quality import (
-        RUNS,
-        QualityBenchConfig,
-        plot_quality,
-        run_quality_bench,
-    )
+    from trtllm_vtoken.bench.quality import RUNS, QualityBenchConfig, plot_quality, run_quality_bench
     from trtllm_vtoken.report import format_table
 
     cfg = QualityBenchConfig(prompts=args.prompts, max_tokens=args.max_tokens, policy=args.policy, budget=args.budget)
@@ -275,11 +260,10 @@ def run_quality(args: argparse.Namespace) -> int:
           f"{result['output_length_ratio']:.4f}"]]))
     plain = result["plain_order"]
     print("vtoken under the overlap scheduler (the default, as above) against the plain order (each decision before "
-          "the next forward)")
-    print(format_table(
-        ["same answer %", "ROUGE-L overlap", "ROUGE-L plain order", "paired diff (overlap - plain)"],
-        [[100 * plain["same_answer_rate"], f"{rouge['vtoken']:.4f}", f"{plain['rouge_l_vs_native']:.4f}",
-          f"{plain['mean_paired_rouge_l_difference']:+.4f}"]]))
+          "the next forward)\n" + format_table(
+              ["same answer %", "ROUGE-L overlap", "ROUGE-L plain order", "paired diff (overlap - plain)"],
+              [[100 * plain["same_answer_rate"], f"{rouge['vtoken']:.4f}", f"{plain['rouge_l_vs_native']:.4f}",
+                f"{plain['mean_paired_rouge_l_overlap_minus_plain']:+.4f}"]]))
     publish(args.out, "quality", result, plot_quality)
     return 0
 
@@ -287,12 +271,8 @@ def run_quality(args: argparse.Namespace) -> int:
 def run_utilization(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.utilization import (
-        VARIANTS,
-        UtilizationBenchConfig,
-        plot_utilization,
-        run_utilization_bench,
-    )
+    from trtllm_vtoken.bench.utilization import (VARIANTS, UtilizationBenchConfig, plot_utilization,
+                                                 run_utilization_bench)
     from trtllm_vtoken.report import format_table
 
     sizes = dict(requests=args.requests, max_prompt_tokens=args.max_prompt_tokens,
