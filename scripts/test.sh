@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: sets up .venv on first use, then runs the whole suite, its tests
 # spread over pytest-xdist workers (one per usable core, at most 4; VTOKEN_TEST_WORKERS=N to
-# choose, 0 for one process; a later -n on the command line wins).
+# choose, 0 for one process; a later -n on the command line wins). Work stealing: an idle worker
+# takes tests queued for the other, so the slow real-model tests do not leave one waiting at the end.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup_env.sh"
@@ -10,4 +11,4 @@ python="$root/.venv/bin/python"
 workers="${VTOKEN_TEST_WORKERS:-$("$python" -c 'from trtllm_vtoken.threads import usable_cores; print(min(4, usable_cores()))')}"
 # The real model is converted once here, not by every worker at the same time.
 "$python" -c 'from trtllm_vtoken.runtime.checkpoint import ensure_default_model; ensure_default_model()'
-exec "$python" -m pytest -n "$workers" "$@"
+exec "$python" -m pytest -n "$workers" --dist worksteal "$@"

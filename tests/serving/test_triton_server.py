@@ -76,18 +76,18 @@ def run_local(local_engine, prompt: str, max_tokens: int, eviction=None):
 
 def test_generate_endpoints_answer_what_the_engine_generates(triton_server, local_engine):
     for prompt in PROMPTS[:3]:
-        expected = run_local(local_engine, prompt, 24)
-        status, body = generate(triton_server, "ensemble", {"text_input": prompt, "max_tokens": 24})
+        expected = run_local(local_engine, prompt, 16)
+        status, body = generate(triton_server, "ensemble", {"text_input": prompt, "max_tokens": 16})
         assert status == 200 and body["text_output"] == expected.text
         status, body = generate(triton_server, "tensorrt_llm", {
-            "text_input": prompt, "sampling_param_max_tokens": 24, "return_finish_reason": True,
+            "text_input": prompt, "sampling_param_max_tokens": 16, "return_finish_reason": True,
             "return_stop_reason": True, "return_cumulative_logprob": True})
         assert status == 200 and body["text_output"] == expected.text
         assert body["finish_reason"] == expected.finish_reason and body["stop_reason"] == ""
         assert body["cumulative_logprob"] == pytest.approx(expected.cumulative_logprob, rel=1e-5)
     stop = expected.text.split()[2]
     status, body = generate(triton_server, "tensorrt_llm", {
-        "text_input": PROMPTS[2], "sampling_param_max_tokens": 24, "sampling_param_stop": [stop],
+        "text_input": PROMPTS[2], "sampling_param_max_tokens": 16, "sampling_param_stop": [stop],
         "return_finish_reason": True, "return_stop_reason": True})
     assert body["text_output"] == expected.text[: expected.text.index(stop)]
     assert (body["finish_reason"], body["stop_reason"]) == ("stop", stop)
@@ -251,8 +251,8 @@ def test_metrics_agree_with_the_engines_own_counters(triton_server, local_engine
     local_before = _local_counters(engine)
     server_before = metrics(triton_server)
     for prompt in PROMPTS:  # one at a time: every counter is then independent of batching
-        run_local(local_engine, prompt, 20)
-        assert generate(triton_server, "ensemble", {"text_input": prompt, "max_tokens": 20})[0] == 200
+        run_local(local_engine, prompt, 12)
+        assert generate(triton_server, "ensemble", {"text_input": prompt, "max_tokens": 12})[0] == 200
     server_after, local_after = metrics(triton_server), _local_counters(engine)
     for name in counters:
         assert server_after[name] - server_before[name] == local_after[name] - local_before[name], name
