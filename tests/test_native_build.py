@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# The C++ mass passes' sources, for the test builds that compile them on their own.
+MASS_SOURCES = [str(ROOT / "cpp" / "core" / name)
+                for name in ("amx.cpp", "prefill_mass.cpp", "prefill_pack.cpp", "decode_mass.cpp")]
 
 
 @pytest.mark.skipif(not (shutil.which("nvcc") and shutil.which("cmake")), reason="needs nvcc and cmake")
@@ -49,8 +52,7 @@ def test_the_mass_passes_build_and_step_aside_without_amx(tmp_path):
     binary = tmp_path / "mass_fallback_test"
     compiled = subprocess.run(["g++", "-O1", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-DVTOKEN_AMX=0", "-o",
                                str(binary), str(ROOT / "cpp" / "tests" / "mass_fallback_test.cpp"),
-                               *(str(ROOT / "cpp" / "core" / name) for name in ("amx.cpp", "prefill_mass.cpp",
-                                                                                 "prefill_pack.cpp", "decode_mass.cpp")),
+                               *MASS_SOURCES,
                                "-pthread"],
                               capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stderr
@@ -69,8 +71,7 @@ def test_the_amx_kind_computes_the_mass_in_software_tiles(tmp_path):
     compiled = subprocess.run(["g++", "-O2", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-Wno-maybe-uninitialized",
                                "-include", str(ROOT / "cpp" / "tests" / "tile_emulation.h"), "-o", str(binary),
                                str(ROOT / "cpp" / "tests" / "amx_emulation_test.cpp"),
-                               *(str(ROOT / "cpp" / "core" / name) for name in ("amx.cpp", "prefill_mass.cpp",
-                                                                                 "prefill_pack.cpp", "decode_mass.cpp")),
+                               *MASS_SOURCES,
                                "-pthread"], capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stderr
     ran = subprocess.run([str(binary), "150"], capture_output=True, text=True, timeout=120)

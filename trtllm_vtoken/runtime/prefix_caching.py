@@ -263,6 +263,7 @@ class PrefixCaching:
                 end = (j + 1) * self.tokens_per_block
                 self.cache.attach(block_id, through(row, j)[:end].numpy().astype(np.float32))
 
+
 def computed_tail(prompt_len: int, prefill_window: int | None, decides_at: int | None) -> int:
     """Prompt tokens a request leaves out of the cached prefix it takes (``PrefixCache.match``):
     its last token (its logits are needed), the last ``prefill_window`` (a policy observing them
