@@ -270,6 +270,10 @@ def test_the_engine_options_turn_the_overlap_scheduler_off():
     add_engine_args(parser)
     assert EngineConfig(**engine_settings(parser.parse_args([]))).overlap_scheduler
     assert not EngineConfig(**engine_settings(parser.parse_args(["--no-overlap-scheduler"]))).overlap_scheduler
+    assert EngineConfig(**engine_settings(parser.parse_args([]))).decode_decision == "at_once"
+    assert EngineConfig(**engine_settings(parser.parse_args(["--decode-decision", "lagged"]))).decode_decision == "lagged"
+    with pytest.raises(ValueError, match="only the overlap scheduler runs"):
+        EngineConfig(**engine_settings(parser.parse_args(["--no-overlap-scheduler", "--decode-decision", "lagged"])))
 
 
 def test_engine_flags_for_chunked_prefill_and_drafting_reach_the_engine_config():

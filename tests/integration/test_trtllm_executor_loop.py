@@ -47,15 +47,16 @@ class Mix:
 
 def build_executor(policy: str, mix: Mix, overlap: bool = False, block_reuse: bool = True,
                    chunked: tuple[int, str] | None = None, policy_options: dict | None = None,
-                   copy_on_partial_reuse: bool = True, **llm_args):
+                   copy_on_partial_reuse: bool = True, decode_decision: str = "at_once", **llm_args):
     """The executor the worker builds, vToken armed through the environment. ``chunked``:
-    chunked prefill with (``max_num_tokens``, ``context_chunking_policy``); ``llm_args``: more
-    ``TorchLlmArgs`` fields (``speculative_config``, ...)."""
+    chunked prefill with (``max_num_tokens``, ``context_chunking_policy``); ``decode_decision``:
+    ``VTokenSettings.decode_decision``; ``llm_args``: more ``TorchLlmArgs`` fields
+    (``speculative_config``, ...)."""
     import os
 
     options = POLICY_OPTIONS.get(policy, {}) if policy_options is None else policy_options
     settings = VTokenSettings(policy=policy, budget=BUDGET, policy_options=options,
-                              check_invariants=True)
+                              check_invariants=True, decode_decision=decode_decision)
     os.environ.update(settings.worker_environment())
     from tensorrt_llm._torch.pyexecutor.py_executor_creator import create_py_executor
     from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
@@ -101,7 +102,8 @@ class KVWitness:
 
     def __init__(self, executor, token_ahead: bool | None = None) -> None:
         """``token_ahead``: TensorRT-LLM may hold the next batch's token beyond the table's (default:
-        for count-based policies, which take it in before that batch's forward)."""
+        for count-based policies, which take it in before that batch's forward, and for
+        attention-observing ones deciding at once, whose requests that may evict do)."""
         self.executor = executor
         self.token_ahead = token_ahead
         self.manager = executor.resources["kv_cache_manager"]
@@ -139,9 +141,12 @@ class KVWitness:
             # Beyond the table's tokens TensorRT-LLM holds the prompt's chunks still to come
             # (allocated at the first chunk) and, for a count-based policy, the next batch's
             # token, which that policy takes in before that batch's forward (prepare_resources);
-            # so does any policy for a batch stepped there (one with a prompt chunk to continue).
+            # so does any policy for a batch stepped there (one with a prompt chunk to continue,
+            # or, deciding at once, a request whose step may evict).
             unwritten = max(0, requests[req_id].prompt_len - step.num_tokens(req_id)) if req_id in requests else 0
-            extra = int(not step.policy.observes_attention() if self.token_ahead is None else self.token_ahead)
+            ahead_by_default = not step.policy.observes_attention() or \
+                self.manager.vtoken.settings.decode_decision == "at_once"
+            extra = int(ahead_by_default if self.token_ahead is None else self.token_ahead)
             ahead = self.manager.num_tokens_in_sequence(req_id) - kv_len
             assert held[: len(blocks)] == blocks and unwritten <= ahead <= unwritten + extra, \
                 f"request {req_id}: TensorRT-LLM holds {held} ({ahead} tokens ahead), vToken {blocks}"
@@ -214,7 +219,8 @@ def drive(executor, requests, witness: KVWitness, overlap: bool = False) -> dict
                 held_prefix = req.prompt_len // TPB * TPB  # its prompt's full blocks, protected (block reuse)
                 known = step.num_tokens(req.py_request_id)  # under overlap: and the next forward's token
                 lags = overlap and step.policy.observes_attention() and req.py_request_id in executor_next()
-                assert known == req.prompt_len + lags
+                at_once = witness.manager.vtoken.settings.decode_decision == "at_once"  # if it may evict
+                assert known == req.prompt_len + lags or (at_once and known == req.prompt_len)
                 assert step.num_live(req.py_request_id) <= step.policy.budget.target(known - held_prefix) + held_prefix
                 seen["prefilled_again"] += 1
 
@@ -278,13 +284,15 @@ def test_random_request_mixes_through_the_executor_loop(trtllm121, policy, loop)
     assert totals["iterations"] > 300 and totals["checks"] > 3000
 
 
-@pytest.mark.parametrize("policy", ["streaming_llm", "sliding_window", "random"])
-def test_count_based_policies_decide_in_the_overlap_loop_as_in_the_plain_loop(trtllm121, policy):
+@pytest.mark.parametrize("policy", ["streaming_llm", "sliding_window", "random", "h2o", "scissorhands"])
+def test_every_policy_decides_in_the_overlap_loop_as_in_the_plain_loop(trtllm121, policy):
     """StreamingLLM, sliding window and Random decide from counts: under _executor_loop_overlap
     the manager takes batch N's tokens in at prepare_resources(N+1), before _forward_step(N+1)
-    (no lag), so every request's victims, registration by registration, are the plain loop's.
-    The same mix in both loops, a pool that pauses nobody; cancelled requests are left out (the
-    loops cancel at the same iteration, not the same token)."""
+    (no lag). H2O and Scissorhands (``decode_decision="at_once"``, the default) step there the
+    requests whose step may evict with N+1's token, from forward N's mass, and the others in
+    update_resources(N), where they evict nothing. So every request's victims, registration by
+    registration, are the plain loop's. The same mix in both loops, a pool that pauses nobody;
+    cancelled requests are left out (the loops cancel at the same iteration, not the same token)."""
     decisions = {}
     for loop in ("plain", "overlap"):
         mix = Mix(2, num_blocks=120)
@@ -295,7 +303,11 @@ def test_count_based_policies_decide_in_the_overlap_loop_as_in_the_plain_loop(tr
         assert seen["paused"] == 0
         cancelled = {req.py_request_id for req, _, _ in requests
                      if executor.responses[req.py_request_id].finish_reason.name == "CANCELLED"}
-        decisions[loop] = {r: t for r, t in trace.items() if r not in cancelled and r >= 100}
+        # The observing policies' steps that evict nothing take in N+1's token beside forward
+        # N+1: their registrations differ, the steps that evict do not.
+        observing = executor.resources["kv_cache_manager"].vtoken.needs_attention
+        decisions[loop] = {r: [(n, v) for n, v in t if v or not observing] for r, t in trace.items()
+                           if r not in cancelled and r >= 100}
     plain, overlap = decisions["plain"], decisions["overlap"]
     for req_id, got in overlap.items():
         # A request that finishes with batch N was prepared for N+1 already: its N-th tokens are
@@ -307,6 +319,19 @@ def test_count_based_policies_decide_in_the_overlap_loop_as_in_the_plain_loop(tr
     assert sum(len(v) for t in decisions["plain"].values() for _, v in t) > 0
 
 
+def test_h2o_lagged_in_the_overlap_loop_decides_a_batch_late(trtllm121):
+    """``decode_decision="lagged"``: every step in update_resources(N), which counts forward
+    N+1's token already: the victims move against the plain loop's (the lag is real)."""
+    traces = {}
+    for loop, decision in (("plain", "at_once"), ("overlap", "lagged")):
+        mix = Mix(2, num_blocks=120)
+        executor = build_executor("h2o", mix, overlap=loop == "overlap", decode_decision=decision)
+        traces[loop] = trace_victims(executor.resources["kv_cache_manager"])
+        drive(executor, random_requests(mix), KVWitness(executor), overlap=loop == "overlap")
+    common = traces["plain"].keys() & traces["overlap"].keys()
+    assert any(traces["plain"][r] != traces["overlap"][r] for r in common if r >= 100)
+
+
 class StreamDouble:
     """The execution stream as the loop's thread sees it (a double of ``torch.cuda``'s current
     stream, which ``_executor_loop_overlap`` relies on: ``model_engine.forward`` and vToken's work
@@ -315,6 +340,7 @@ class StreamDouble:
     in order, and every host wait records how far the host waited and who waited."""
 
     def __init__(self) -> None:
+        self.launched = 0  # forwards launched (batch objects' ids are reused once they are freed)
         self.work: list[tuple[str, int]] = []  # ("forward", k) or ("vtoken mass", k)
         self.waits: list[tuple[int, int]] = []  # (forward whose batch the waiting update takes, items waited for)
         self.full_waits = 0  # waits for everything enqueued (a blocking copy)
@@ -322,19 +348,25 @@ class StreamDouble:
         self.forwards: dict[int, int] = {}  # id(batch) -> its forward
 
     def forward(self, batch) -> None:
-        self.forwards[id(batch)] = len(self.forwards)
-        self.work.append(("forward", self.forwards[id(batch)]))
+        self.forwards[id(batch)] = self.launched
+        self.work.append(("forward", self.launched))
+        self.launched += 1
 
     def mark(self) -> int:
-        self.work.append(("vtoken mass", len(self.forwards) - 1))
+        self.work.append(("vtoken mass", self.launched - 1))
         return len(self.work)
 
     def wait(self, mark: int) -> None:
-        self.waits.append((self.updating, mark))
+        self.waits.append((self._waiting_for(), mark))
 
     def wait_all(self) -> None:
-        self.waits.append((self.updating, len(self.work)))
+        self.waits.append((self._waiting_for(), len(self.work)))
         self.full_waits += 1
+
+    def _waiting_for(self) -> int:
+        """The forward whose batch the host is stepping: update_resources' batch, else (a step in
+        prepare_resources of the next batch) the batch in flight, whose forward is the newest."""
+        return self.updating if self.updating is not None else self.launched - 1
 
     def later_forwards_waited_for(self) -> list[tuple[int, int]]:
         """(forward updated, a later forward its update waited for)."""
@@ -342,17 +374,19 @@ class StreamDouble:
                 if kind == "forward" and k > updated]
 
 
+@pytest.mark.parametrize("decision", ["at_once", "lagged"])
 @pytest.mark.parametrize("loop", ["plain", "overlap"])
 @pytest.mark.parametrize("policy", ["h2o", "scissorhands"])
-def test_no_update_waits_for_a_later_forward_and_decisions_stay(trtllm121, policy, loop):
+def test_no_update_waits_for_a_later_forward_and_decisions_stay(trtllm121, policy, loop, decision):
     """Attention-observing policies under both loops: each batch's mass is enqueued before the
-    next forward is launched (prepare_resources of the next batch) and update_resources waits
-    for that copy only, never for a forward launched after its batch's. Its decisions are those
-    of computing the mass in update_resources (the mass copy switched off), victim for victim."""
+    next forward is launched (prepare_resources of the next batch) and the steps that read it
+    wait for that copy only, never for a forward launched after their batch's: update_resources,
+    and, deciding at once, prepare_resources for the requests that may evict. Their decisions are
+    those of computing the mass where the step runs (the mass copy switched off), victim for victim."""
     traces, streams = {}, {}
     for enqueue in (True, False):
         mix = Mix(1, num_blocks=120)
-        executor = build_executor(policy, mix, overlap=loop == "overlap")
+        executor = build_executor(policy, mix, overlap=loop == "overlap", decode_decision=decision)
         manager, engine = executor.resources["kv_cache_manager"], executor.model_engine
         stream = streams[enqueue] = StreamDouble()
         manager._vtoken_stream = stream
@@ -378,8 +412,10 @@ def test_no_update_waits_for_a_later_forward_and_decisions_stay(trtllm121, polic
     assert traces[True] == traces[False] and sum(len(v) for t in traces[True].values() for _, v in t) > 0
     assert streams[True].waits and not streams[True].later_forwards_waited_for()
     marks = sum(kind == "vtoken mass" for kind, _ in streams[True].work)
-    if loop == "overlap":  # every update took an enqueued copy; computed at the update, it waits for N+1
-        assert marks >= len(streams[True].waits) > 0 and streams[True].full_waits == 0
+    if loop == "overlap":  # every step took an enqueued copy; computed at the update, it waits for N+1
+        assert marks > 0 and streams[True].full_waits == 0
+        if decision == "lagged":  # one read of each copy (deciding at once: a prepare's and an update's)
+            assert marks >= len(streams[True].waits)
         assert streams[False].later_forwards_waited_for()
     else:  # nothing is in flight at an update: it computes the mass then
         assert marks == 0 and streams[True].full_waits == len(streams[True].waits)

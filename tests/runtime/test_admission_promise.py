@@ -2,7 +2,8 @@
 """Peak admission's promise (``reclaim/admission.py``): a request it admits reaches its peak
 without anyone being preempted. Held against what the engine really holds, in the pools just big
 enough, where a block too few shows: lazy compaction in the background under memory pressure, and
-the overlap scheduler's deferred first decode step (``KVAdmission.decode_lags``)."""
+the overlap scheduler's deferred first decode step (``KVAdmission.decode_lags``, with
+``decode_decision="lagged"``)."""
 
 from __future__ import annotations
 
@@ -84,16 +85,18 @@ def test_a_budget_given_up_a_block_at_a_time_reserves_its_most_on_the_way(sharp_
     assert engine.stats.preemptions == 0 and len(engine.pop_finished(req).output_ids) == 24
 
 
-@pytest.mark.parametrize(("policy", "overlap", "decision", "blocks"), [
-    ("streaming_llm", False, "at_once", 8), ("streaming_llm", True, "at_once", 8),
-    ("h2o", False, "at_once", 8), ("h2o", True, "lagged", 8),
-    ("h2o", True, "at_once", 9),  # the deferred first decode step: one token more
+@pytest.mark.parametrize(("policy", "overlap", "decisions", "blocks"), [
+    ("streaming_llm", False, ("at_once", "at_once"), 8), ("streaming_llm", True, ("at_once", "at_once"), 8),
+    ("h2o", False, ("at_once", "at_once"), 8), ("h2o", True, ("at_once", "at_once"), 8),
+    ("h2o", True, ("lagged", "lagged"), 8), ("h2o", True, ("lagged", "at_once"), 8),
+    ("h2o", True, ("at_once", "lagged"), 9),  # the deferred first decode step: one token more
 ])
-def test_the_smallest_pool_is_the_peak_the_request_reaches(sharp_tiny_model, monkeypatch, policy, overlap, decision,
+def test_the_smallest_pool_is_the_peak_the_request_reaches(sharp_tiny_model, monkeypatch, policy, overlap, decisions,
                                                           blocks):
     """Dense, 1-token blocks, budget 7, prompt 7: the pool a request needs is its budget plus the
-    tokens written before an eviction, one more only where the first decode step is deferred;
-    and the request does fill it (the most blocks in use, read at each allocation)."""
+    tokens written before an eviction, one more only where the first decode step is deferred
+    (``decisions``: the prefill's and the decode steps'); and the request does fill it (the most
+    blocks in use, read at each allocation)."""
     in_use = []
     allocate = BlockPool.allocate
 
@@ -104,7 +107,8 @@ def test_the_smallest_pool_is_the_peak_the_request_reaches(sharp_tiny_model, mon
 
     monkeypatch.setattr(BlockPool, "allocate", counted)
     engine, _ = smallest_engine(sharp_tiny_model, [5] * 7, 11, policy=policy, budget=7, tokens_per_block=1,
-                                overlap_scheduler=overlap, prefill_decision=decision, prefix_caching=False)
+                                overlap_scheduler=overlap, prefill_decision=decisions[0],
+                                decode_decision=decisions[1], prefix_caching=False)
     assert engine.kv.pool.num_blocks == blocks
     drain(engine)
     assert max(in_use) == blocks and engine.stats.preemptions == 0

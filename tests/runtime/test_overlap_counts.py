@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Under the engine's overlap scheduler, policies that decide from counts alone (StreamingLLM,
 sliding window, Random) take their step before the next forward: no lag, the plain order's
-decisions and tokens. Attention-observing policies (H2O, Scissorhands) keep the one-step lag,
+decisions and tokens. Attention-observing policies (H2O, Scissorhands) do too where their step may
+evict (``decode_decision="at_once"``, the default); with ``"lagged"`` they keep the one-step lag,
 and a batch mixing both does each request its own way. Tiny random model, fp32."""
 
 from __future__ import annotations
@@ -60,30 +61,37 @@ def test_count_based_policies_decide_under_overlap_as_in_the_plain_order(tiny, p
 
 def test_a_mixed_batch_does_each_request_its_own_way(tiny):
     """StreamingLLM and sliding-window rows decide as in the plain order; H2O and Scissorhands
-    rows one iteration late, as in a batch of their own kind under overlap."""
+    rows as well by default, and one iteration late with ``decode_decision="lagged"``, as in a
+    batch of their own kind under overlap."""
     settings = [EvictionSettings(policy="streaming_llm", n_sink=2), EvictionSettings(policy="h2o"),
                 EvictionSettings(policy="sliding_window"), EvictionSettings(policy="scissorhands", recent_window=2)]
     params = [SamplingParams(max_tokens=16, ignore_eos=True, eviction=s) for s in settings]
     plain = generate(tiny, params, overlap_scheduler=False, budget=8)
-    overlapped = generate(tiny, params, budget=8)
+    at_once = generate(tiny, params, budget=8)
+    assert [r.evictions for r in at_once] == [r.evictions for r in plain]
+    assert [r.output_ids for r in at_once] == [r.output_ids for r in plain]
+    lagged = generate(tiny, params, budget=8, decode_decision="lagged")
     for i in (0, 2):
-        assert overlapped[i].evictions == plain[i].evictions and overlapped[i].output_ids == plain[i].output_ids
-    assert any(overlapped[i].evictions != plain[i].evictions for i in (1, 3)), "the observing rows lag"
-    observing_only = generate(tiny, [params[1], params[1], params[3], params[3]], budget=8)
+        assert lagged[i].evictions == plain[i].evictions and lagged[i].output_ids == plain[i].output_ids
+    assert any(lagged[i].evictions != plain[i].evictions for i in (1, 3)), "the observing rows lag"
+    observing_only = generate(tiny, [params[1], params[1], params[3], params[3]], budget=8, decode_decision="lagged")
     for i in (1, 3):
-        assert overlapped[i].evictions == observing_only[i].evictions
+        assert lagged[i].evictions == observing_only[i].evictions
 
 
+@pytest.mark.parametrize("decision", ["at_once", "lagged"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_budgets_hold_after_every_iteration_under_overlap(tiny, seed):
-    """Random mixes of policies, budgets and arrivals: after every iteration a count-based request
-    holds at most its budget of tokens (registered live ones plus those written and not yet taken
-    in); an attention-observing one at most its budget plus that iteration's new tokens."""
+def test_budgets_hold_after_every_iteration_under_overlap(tiny, seed, decision):
+    """Random mixes of policies, budgets and arrivals: after every iteration a request holds at
+    most its budget of tokens (registered live ones plus those written and not yet taken in); with
+    ``decode_decision="lagged"`` an attention-observing one at most its budget plus that
+    iteration's new tokens."""
     rng = np.random.default_rng(seed)
     names = ["streaming_llm", "sliding_window", "random", "h2o", "scissorhands"]
     for mode in ("dense", "lazy"):
         engine = Engine(tiny, EngineConfig(variant="vtoken", mode=mode, tokens_per_block=TPB, num_blocks=96,
-                                           max_batch_size=6, max_seq_len=64, check_invariants=True))
+                                           max_batch_size=6, max_seq_len=64, check_invariants=True,
+                                           decode_decision=decision))
         budgets: dict[int, int] = {}
         arrivals = sorted(rng.integers(0, 12, size=8).tolist())
         for it in range(60):
@@ -105,7 +113,7 @@ def test_budgets_hold_after_every_iteration_under_overlap(tiny, seed):
             for r, (_, num_tokens, pending) in zip(running, pending_rows(engine.kv.layout, engine.kv.writes, running)):
                 held = engine.kv.layout.num_live(r) + pending
                 bound = budgets[r]
-                if not engine.kv.decides_from_counts(r):  # the tokens this iteration wrote wait a step
+                if decision == "lagged" and not engine.kv.decides_from_counts(r):  # this iteration's tokens wait
                     bound += num_tokens + pending - before.get(r, 0)
                 assert held <= bound, f"{mode} iteration {it}: request {r} holds {held} > {bound}"
         assert not arrivals

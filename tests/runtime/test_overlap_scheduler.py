@@ -67,7 +67,7 @@ def test_step_n_starts_after_forward_n_plus_1_has_its_tables_and_copies_after_it
     monkeypatch.setattr(DecodeStep, "start", spy_start)
     monkeypatch.setattr(DecodeStep, "finish", spy_finish)
     monkeypatch.setattr(LlamaForCausalLM, "forward", spy_forward)
-    engine = Engine(tiny, config(step_impl=step_impl, prefill_decision="lagged"))
+    engine = Engine(tiny, config(step_impl=step_impl, prefill_decision="lagged", decode_decision="lagged"))
     ids = [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in PROMPTS]
     engine.step()  # three prefills, no step yet
     assert events == [("model", 1)] * 3
@@ -79,7 +79,7 @@ def test_step_n_starts_after_forward_n_plus_1_has_its_tables_and_copies_after_it
     assert events == [("start", tuple(ids), True), ("model", 3), ("finish",)]
 
     events.clear()
-    engine = Engine(tiny, config(step_impl=step_impl))  # prefill_decision="at_once", the default
+    engine = Engine(tiny, config(step_impl=step_impl, decode_decision="lagged"))  # prefill_decision="at_once"
     ids = [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in PROMPTS]
     engine.step()  # three prefills, then their step before the first decode forward
     assert events == [("model", 1)] * 3 + [("start", tuple(ids), False), ("finish",)]
@@ -99,16 +99,45 @@ def test_native_outputs_do_not_change_with_overlap(tiny):
 
 @pytest.mark.parametrize("policy", ["h2o", "streaming_llm", "sliding_window", "scissorhands", "random"])
 @pytest.mark.parametrize("mode", ["dense", "lazy"])
-def test_vtoken_decides_and_decodes_as_naive_evict_with_the_same_lag(tiny, policy, mode):
-    """Both variants see each decision one iteration late: the same victims at every step and
-    the same tokens. Against the plain order the decisions move (the lag is real)."""
+@pytest.mark.parametrize("decision", ["at_once", "lagged"])
+def test_vtoken_decides_and_decodes_as_naive_evict_in_either_order(tiny, policy, mode, decision):
+    """Both variants take each decision at the same point: the same victims at every step and
+    the same tokens. With ``decode_decision="at_once"`` (the default) those are the plain
+    order's, for every policy; lagged, H2O and Scissorhands decide one iteration late."""
     opts = {"streaming_llm": {"n_sink": 2}, "scissorhands": {"history_window": 4, "recent_window": 2}}.get(policy, {})
-    naive = generate(tiny, config(variant="naive-evict", policy=policy, policy_options=opts))
-    vtoken = generate(tiny, config(policy=policy, mode=mode, policy_options=opts))
+    common = dict(policy=policy, policy_options=opts, decode_decision=decision)
+    naive = generate(tiny, config(variant="naive-evict", **common))
+    vtoken = generate(tiny, config(mode=mode, **common))
     for a, b in zip(naive, vtoken):
         assert a.evictions == b.evictions, f"request {a.req_id} evicted differently"
         assert a.output_ids == b.output_ids
     assert any(any(e) for r in vtoken for e in r.evictions), "nothing was evicted"
+    if decision == "at_once":
+        plain = generate(tiny, config(mode=mode, overlap_scheduler=False, policy=policy, policy_options=opts))
+        assert evicting_steps(plain) == evicting_steps(vtoken)
+        assert [r.output_ids for r in plain] == [r.output_ids for r in vtoken]
+
+
+def evicting_steps(requests) -> list[list[tuple[int, ...]]]:
+    """Each request's victims, step by step, of the steps that evicted: deciding at once, a step
+    beside the next forward takes two tokens in and the next step none, so the steps that evict
+    nothing fall otherwise than in the plain order."""
+    return [[e for e in r.evictions if e] for r in requests]
+
+
+@pytest.mark.parametrize("unit", [1, TPB])
+@pytest.mark.parametrize("budget", [12, 16, 18])
+@pytest.mark.parametrize("policy", ["h2o", "scissorhands"])
+def test_observing_policies_deciding_at_once_are_the_plain_order_at_every_budget(tiny, policy, budget, unit):
+    """Budgets that leave rows below them for several steps (their steps beside the next forward
+    take that forward's token in, which Scissorhands must not count before it is attended), and
+    whole-block units (a row may evict every few steps)."""
+    opts = {"history_window": 8, "recent_window": 2} if policy == "scissorhands" else {}
+    common = dict(policy=policy, policy_options=opts, budget=budget, eviction_unit=unit)
+    plain = generate(tiny, config(overlap_scheduler=False, **common), max_tokens=24)
+    at_once = generate(tiny, config(**common), max_tokens=24)
+    assert evicting_steps(plain) == evicting_steps(at_once) and any(evicting_steps(plain))
+    assert [r.output_ids for r in plain] == [r.output_ids for r in at_once]
 
 
 def test_prefill_decisions_at_once_are_the_plain_orders(tiny):
@@ -122,17 +151,26 @@ def test_prefill_decisions_at_once_are_the_plain_orders(tiny):
 
 
 def test_the_lag_shows_in_the_decisions(tiny):
-    """With the overlap scheduler the step of iteration N registers forward N+1's token too, so
-    a request's k-th decision counts one more token than in the plain order."""
+    """With ``decode_decision="lagged"`` the step of iteration N registers forward N+1's token
+    too, so a request's k-th decision counts one more token than in the plain order; at once (the
+    default) the decisions are the plain order's."""
     plain = generate(tiny, config(overlap_scheduler=False, budget=8))
-    overlapped = generate(tiny, config(budget=8))
+    overlapped = generate(tiny, config(budget=8, decode_decision="lagged"))
     assert [r.evictions for r in plain] != [r.evictions for r in overlapped]
+    assert evicting_steps(generate(tiny, config(budget=8))) == evicting_steps(plain)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_simulated_device_forward_is_waited_for_after_the_step_only_under_overlap(overlap, monkeypatch):
+@pytest.mark.parametrize(("overlap", "decision", "budget", "order"), [
+    (False, "at_once", 10, ["wait", "step"]),
+    (True, "lagged", 10, ["step", "wait"]),
+    (True, "at_once", 10, ["wait", "step"]),  # the step evicts: it waits for the forward's mass
+    (True, "at_once", 40, ["step", "wait"]),  # nothing to evict: the step takes the tokens in beside it
+])
+def test_a_simulated_device_forward_is_waited_for_after_the_step_only_where_it_may_not_evict(
+        overlap, decision, budget, order, monkeypatch):
     """The simulated backend's device time: the engine waits for it before the step reads the
-    forward (plain order) or after the step, before sampling (overlap: the step in its shadow)."""
+    forward (plain order, or a step that may evict decided at once) or after the step, before
+    sampling (overlap: the step in its shadow)."""
     import time
 
     from trtllm_vtoken.runtime.forward import Forwards
@@ -143,7 +181,7 @@ def test_a_simulated_device_forward_is_waited_for_after_the_step_only_under_over
     monkeypatch.setattr(DecodeStep, "start", lambda step, *a, **k: (events.append("step"), start(step, *a, **k))[1])
     monkeypatch.setattr(Forwards, "wait", lambda forwards: (events.append("wait"), wait(forwards))[1])
     engine = Engine(SimulatedModel(MODEL_SHAPES["smollm2-135m"], device_forward_us=20_000),
-                    config(overlap_scheduler=overlap, prefix_caching=False))
+                    config(overlap_scheduler=overlap, decode_decision=decision, budget=budget, prefix_caching=False))
     engine.add_request([1] * 9, SamplingParams(max_tokens=8, ignore_eos=True))
     engine.step()  # the prefill (and, overlapped or not, its step)
     engine.step()  # the first decode forward (overlapped: nothing beside it)
@@ -151,7 +189,7 @@ def test_a_simulated_device_forward_is_waited_for_after_the_step_only_under_over
     begun = time.perf_counter()
     engine.step()
     assert time.perf_counter() - begun >= 0.02  # one forward's device time
-    assert events == (["step", "wait"] if overlap else ["wait", "step"])
+    assert events == order
 
 
 @pytest.mark.slow

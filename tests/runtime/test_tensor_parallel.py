@@ -105,9 +105,11 @@ def test_two_ranks_decide_as_one_process(llm, whole_model, smollm2_tokenizer, pr
 
 def test_without_the_protocol_ranks_diverge_and_the_check_stops_them_that_step(llm, prompts):
     """Each rank scores from its own heads only (2 KV heads vs 1): their H2O victims differ at some
-    step; the table check raises in that same step, on both ranks, before anything else runs."""
+    step; the table check raises in that same step, on both ranks, before anything else runs.
+    Decode steps lagged, so an iteration checks one step at most, as counted below (deciding at
+    once, an iteration may check two: the deferred rows' and those that may evict)."""
     config = EngineConfig(**{**BASE, "variant": "vtoken", "policy": "h2o", "tensor_parallel_size": 2,
-                             "reduce_attention_mass": False})
+                             "reduce_attention_mass": False, "decode_decision": "lagged"})
     with pytest.raises(RankDivergenceError) as caught:
         llm.ranks.run(Job(config, prompts, PARAMS, trace=True))
     step, reports = caught.value.step, caught.value.reports

@@ -2,8 +2,10 @@
 """Throughput of the reference engine with and without its overlap scheduler, on the real model.
 
     rows       native, naive-evict and vtoken (H2O, dense), each with the overlap scheduler
-               (the step of iteration N beside forward N+1) and without (each iteration's step
-               before the next forward, its native call beside sampling)
+               (the step of iteration N beside forward N+1, but where it may evict: before it)
+               and without (each iteration's step before the next forward, its native call
+               beside sampling); vtoken under overlap with its prompt decision, or its decode
+               decisions, lagged (beside the next forward: one iteration late)
     one run    a fresh engine serves the same ShareGPT batch to the end (greedy, EOS ignored)
     repeats    in alternating order (``bench/repeats.py``): median and range per row
 
@@ -41,16 +43,18 @@ class OverlapBenchConfig:
         if not 0.0 < self.budget <= 1.0:
             raise ValueError(f"budget must lie in (0, 1], got {self.budget}")
 
-    def rows(self) -> list[tuple[str, tuple[str, bool, str]]]:
-        """(label, (variant, overlap scheduler, prefill_decision)): every variant in both orders,
-        and vtoken's H2O prompt decision lagged beside the first decode forward."""
-        rows = [(f"{variant}{' overlap' if overlap else ''}", (variant, overlap, "at_once"))
+    def rows(self) -> list[tuple[str, tuple[str, bool, str, str]]]:
+        """(label, (variant, overlap scheduler, prefill_decision, decode_decision)): every variant
+        in both orders, and vtoken's H2O decisions lagged beside the next forward: the prompt's, or
+        the decode steps'."""
+        rows = [(f"{variant}{' overlap' if overlap else ''}", (variant, overlap, "at_once", "at_once"))
                 for variant in VARIANTS for overlap in (False, True)]
-        return rows + [("vtoken overlap, prefill lagged", ("vtoken", True, "lagged"))]
+        return rows + [("vtoken overlap, prefill lagged", ("vtoken", True, "lagged", "at_once")),
+                       ("vtoken overlap, decode lagged", ("vtoken", True, "at_once", "lagged"))]
 
 
 def serve_once(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: OverlapBenchConfig, variant: str,
-               overlap: bool, prefill_decision: str = "at_once") -> dict[str, Any]:
+               overlap: bool, prefill_decision: str = "at_once", decode_decision: str = "at_once") -> dict[str, Any]:
     """One fresh engine serves ``prompts`` to the end; its speed and its thread's time split."""
     from trtllm_vtoken.runtime.config import EngineConfig
     from trtllm_vtoken.runtime.engine import Engine
@@ -62,6 +66,7 @@ def serve_once(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: Overla
                                         num_blocks=per_request * len(prompts), max_batch_size=len(prompts),
                                         max_seq_len=cfg.max_prompt_tokens + cfg.new_tokens + tpb,
                                         overlap_scheduler=overlap, prefill_decision=prefill_decision,
+                                        decode_decision=decode_decision,
                                         prefix_caching=False), tokenizer)
     params = SamplingParams(max_tokens=cfg.new_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
@@ -92,6 +97,7 @@ def run_overlap_bench(cfg: OverlapBenchConfig, model: Any, tokenizer: Any, progr
                            lambda label, spec: serve_once(model, tokenizer, prompts, cfg, *spec), progress,
                            spread=("forward_s", "step_here_s", "waited_s"))
     for row in rows:
-        variant, overlap, prefill_decision = dict(cfg.rows())[row["label"]]
-        row.update(variant=variant, overlap=overlap, prefill_decision=prefill_decision)
+        variant, overlap, prefill_decision, decode_decision = dict(cfg.rows())[row["label"]]
+        row.update(variant=variant, overlap=overlap, prefill_decision=prefill_decision,
+                   decode_decision=decode_decision)
     return {"config": asdict(cfg), "prompt_tokens": [len(p) for p in prompts], "rows": rows}

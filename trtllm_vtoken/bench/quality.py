@@ -8,11 +8,13 @@ must say what naive-evict says: the exact-match rate, the mean paired ROUGE-L di
 output-length ratio measure how far apart they are. The paper reports -0.0016 for ROUGE-L.
 
 Those three run in the engine's default order, TensorRT-LLM's overlap scheduler, where a policy
-that reads the forward's attention (H2O, Scissorhands) decides one iteration late. A fourth run,
-vtoken in the plain order (``overlap_scheduler=False``: each iteration's decision before the next
-forward, as the published policies decide), says what that lag changes: how many answers are the
-same, and each order's ROUGE-L against native. Count-based policies make the plain order's
-decisions under overlap too, so for them every answer is the same.
+that reads the forward's attention (H2O, Scissorhands) takes a step that may evict before the next
+forward (``decode_decision="at_once"``). A fourth run, vtoken in the plain order
+(``overlap_scheduler=False``: each iteration's decision before the next forward, as the published
+policies decide), checks that the default's answers are the plain order's; a fifth, vtoken with
+``decode_decision="lagged"`` (each decision beside the next forward, one iteration late), says
+what the lag would change: how many answers are the plain order's, and its ROUGE-L against
+native. Count-based policies decide as in the plain order in every overlap mode.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from typing import Any
 
 import numpy as np
 
-# (label, variant, overlap scheduler): the default order, and vtoken in the plain order.
-RUNS = (("native", "native", True), ("naive-evict", "naive-evict", True), ("vtoken", "vtoken", True),
-        ("vtoken, plain order", "vtoken", False))
+# (label, variant, overlap scheduler, decode_decision): the default order, vtoken in the plain
+# order, and vtoken deciding a step late.
+RUNS = (("native", "native", True, "at_once"), ("naive-evict", "naive-evict", True, "at_once"),
+        ("vtoken", "vtoken", True, "at_once"), ("vtoken, plain order", "vtoken", False, "at_once"),
+        ("vtoken, lagged", "vtoken", True, "lagged"))
 
 
 @dataclass(frozen=True)
@@ -70,10 +74,11 @@ def run_quality_bench(cfg: QualityBenchConfig, model, tokenizer, progress=None) 
     items = make_workload("sharegpt", cfg.prompts, tokenizer, seed=cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens)
     prompts = [tokenizer.encode(item.prompt, chat=True) for item in items]
     outputs: dict[str, list] = {}
-    overlap_of: dict[str, bool] = {}  # each run's order, as its engine took it
-    for label, variant, overlap in RUNS:
+    order_of: dict[str, dict[str, Any]] = {}  # each run's order, as its engine took it
+    for label, variant, overlap, decision in RUNS:
         engine = Engine(model, EngineConfig(
-            variant=variant, mode="dense", overlap_scheduler=overlap, policy=cfg.policy, budget=cfg.budget,
+            variant=variant, mode="dense", overlap_scheduler=overlap, decode_decision=decision, policy=cfg.policy,
+            budget=cfg.budget,
             num_blocks=cfg.num_blocks, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_prompt_tokens + cfg.max_tokens + 64,
             check_invariants=True), tokenizer)
         ids = [engine.add_request(p, SamplingParams(max_tokens=cfg.max_tokens)) for p in prompts]
@@ -82,12 +87,14 @@ def run_quality_bench(cfg: QualityBenchConfig, model, tokenizer, progress=None) 
             if progress is not None:
                 progress.update(finished)
         outputs[label] = [engine.pop_finished(i) for i in ids]
-        overlap_of[label] = engine.config.overlap_scheduler
-    native, naive, vtoken, plain = (outputs[label] for label, _, _ in RUNS)
+        order_of[label] = {"overlap_scheduler": engine.config.overlap_scheduler,
+                           "decode_decision": engine.config.decode_decision}
+    native, naive, vtoken, plain, lagged = (outputs[label] for label, *_ in RUNS)
     exact = [a.output_ids == b.output_ids for a, b in zip(naive, vtoken)]
     rouge_naive = np.array([rouge_l(n.text, r.text) for n, r in zip(naive, native)])
     rouge_vtoken = np.array([rouge_l(v.text, r.text) for v, r in zip(vtoken, native)])
     rouge_plain = np.array([rouge_l(p.text, r.text) for p, r in zip(plain, native)])
+    rouge_lagged = np.array([rouge_l(g.text, r.text) for g, r in zip(lagged, native)])
     length_ratio = sum(len(v.output_ids) for v in vtoken) / sum(len(n.output_ids) for n in naive)
     return {
         "config": asdict(cfg), "pairs": len(exact),
@@ -100,23 +107,29 @@ def run_quality_bench(cfg: QualityBenchConfig, model, tokenizer, progress=None) 
             "rouge_l_vs_native": float(rouge_plain.mean()),
             "mean_paired_rouge_l_overlap_minus_plain": float((rouge_vtoken - rouge_plain).mean()),
         },
-        "overlap_scheduler": overlap_of,
+        "lagged": {
+            "same_answer_as_plain_rate": float(np.mean([g.output_ids == p.output_ids for g, p in zip(lagged, plain)])),
+            "rouge_l_vs_native": float(rouge_lagged.mean()),
+            "mean_paired_rouge_l_lagged_minus_plain": float((rouge_lagged - rouge_plain).mean()),
+        },
+        "order": order_of,
         "examples": [{"prompt": items[i].prompt[:200], "native": native[i].text, "naive-evict": naive[i].text,
                       "vtoken": vtoken[i].text} for i in range(min(3, len(items)))],
     }
 
 
 def plot_quality(result: dict[str, Any], path) -> None:
-    """ROUGE-L against native for both evicting variants and for vtoken in the plain order, with
-    the exact-match rate."""
+    """ROUGE-L against native for both evicting variants, vtoken in the plain order and vtoken
+    lagged, with the exact-match rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rouge = dict(result["rouge_l_vs_native"], **{"vtoken, plain order": result["plain_order"]["rouge_l_vs_native"]})
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(list(rouge), list(rouge.values()), color=["tab:orange", "tab:green", "tab:blue"])
+    rouge = dict(result["rouge_l_vs_native"], **{"vtoken, plain order": result["plain_order"]["rouge_l_vs_native"],
+                                                 "vtoken, lagged": result["lagged"]["rouge_l_vs_native"]})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(list(rouge), list(rouge.values()), color=["tab:orange", "tab:green", "tab:blue", "tab:gray"])
     ax.set(ylim=(0, 1), ylabel="ROUGE-L F1 vs native (full KV)",
            title=f"{result['pairs']} prompts: vtoken = naive-evict in {100 * result['exact_match_rate']:.1f}%, "
                  f"paired diff {result['mean_paired_rouge_l_difference']:+.4f}")

@@ -16,7 +16,8 @@ def register(bench) -> None:
         "overlap", help="tokens/s with and without the overlap scheduler (real model, CPU)",
         description="A fresh reference engine serves the same ShareGPT batch to the end, greedy, for native, "
                     "naive-evict and vtoken (H2O, dense), each with the overlap scheduler (the step of "
-                    "iteration N beside forward N+1) and without; alternating order, the median of --repeats "
+                    "iteration N beside forward N+1, before it where it may evict) and without, and vtoken "
+                    "with its prompt or decode decisions lagged; alternating order, the median of --repeats "
                     "runs with the range.")
     overlap.add_argument("--model", default=None, help="Hugging Face Llama folder (default: SmolLM2-135M)")
     overlap.add_argument("--requests", action=Size, type=int, default=16, help="requests in the batch (default 16)")
@@ -49,9 +50,10 @@ def run_overlap(args: argparse.Namespace) -> int:
           f"tokens each, H2O {cfg.budget}; median [min-max] of {cfg.repeats} alternating runs; seconds of the "
           "engine's thread per run")
     print(format_table(
-        ["variant", "overlap", "prefill decision", "tok/s", "forward s", "step here s", "waited s", "other s",
-         "evicted"],
+        ["variant", "overlap", "prefill decision", "decode decision", "tok/s", "forward s", "step here s",
+         "waited s", "other s", "evicted"],
         [[r["variant"], "on" if r["overlap"] else "off", r["prefill_decision"] if r["overlap"] else "-",
+          r["decode_decision"] if r["overlap"] else "-",
           f"{r['tokens_per_s']:.1f} [{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}]",
           f"{r['forward_s']:.2f}", f"{r['step_here_s']:.3f}", f"{r['waited_s']:.3f}", f"{r['other_s']:.2f}",
           r["tokens_evicted"]] for r in result["rows"]]))

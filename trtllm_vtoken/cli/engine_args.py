@@ -49,10 +49,14 @@ def add_engine_args(parser: argparse.ArgumentParser, variant: bool = True) -> No
                         "after every step)")
     g.add_argument("--no-overlap-scheduler", dest="overlap_scheduler", action="store_false",
                    help="step each iteration before the next forward (default: as TensorRT-LLM's overlap scheduler "
-                        "orders it; H2O's and Scissorhands' decode decisions then take effect one iteration later)")
+                        "orders it, the plain order's decisions unless --decode-decision lagged)")
     g.add_argument("--prefill-decision", choices=["at_once", "lagged"], default="at_once",
                    help="overlap scheduler, H2O / Scissorhands: a new prompt's eviction before its first decode "
                         "forward (at_once, the default) or beside it (lagged)")
+    g.add_argument("--decode-decision", choices=["at_once", "lagged"], default="at_once",
+                   help="overlap scheduler, H2O / Scissorhands: a decode step that may evict before the next forward, "
+                        "waiting for its own forward's attention (at_once, the default: the plain order's decisions), "
+                        "or every step beside the next forward, deciding one iteration late (lagged)")
     g.add_argument("--prefix-reuse", choices=["copy", "share"], default="copy",
                    help="how a request that may evict reuses a cached prefix: copy (default; its answer does not "
                         "depend on the batch) or share (fewer blocks; protected while shared, answers depend on "
@@ -85,6 +89,7 @@ def engine_settings(args: argparse.Namespace, **overrides) -> dict:
         check_invariants=args.check_invariants, tensor_parallel_size=args.tp,
         overlap_scheduler=getattr(args, "overlap_scheduler", True),
         prefill_decision=getattr(args, "prefill_decision", "at_once"),
+        decode_decision=getattr(args, "decode_decision", "at_once"),
         prefix_reuse=getattr(args, "prefix_reuse", "copy"), prefix_caching=getattr(args, "prefix_caching", True),
         max_num_tokens=getattr(args, "max_num_tokens", None),
         enable_chunked_prefill=getattr(args, "enable_chunked_prefill", False),

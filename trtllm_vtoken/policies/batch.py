@@ -42,6 +42,9 @@ class BatchView:
     stats: dict[str, np.ndarray] = field(default_factory=dict)
     """name -> [B, L]: the statistics the policy declared in ``slot_stats``; policies update them in
     place in ``observe_batch``."""
+    observed_below: np.ndarray | None = None
+    """[B] int64: the mass covers the live ids below this (the newest tokens of a step beside the
+    next forward were written after the forward it is of); None: every live token."""
 
     @property
     def size(self) -> int:
@@ -51,11 +54,19 @@ class BatchView:
         """The sub-view of rows ``index`` (copies; statistics are read-only there)."""
         return BatchView(self.req_ids[index], self.num_tokens[index], self.num_live[index], self.tokens[index],
                          None if self.protected is None else self.protected[index],
-                         {name: values[index] for name, values in self.stats.items()})
+                         {name: values[index] for name, values in self.stats.items()},
+                         None if self.observed_below is None else self.observed_below[index])
 
     def live(self) -> np.ndarray:
         """[B, L] bool: positions holding a live token."""
         return self.tokens >= 0
+
+    def observed(self) -> np.ndarray:
+        """[B, L] bool: positions holding a live token the forward of this step's mass attended
+        (``observed_below``): what an observing policy counts."""
+        if self.observed_below is None:
+            return self.live()
+        return (self.tokens >= 0) & (self.tokens < self.observed_below[:, None])
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ class ScissorhandsPolicy(ScorePolicy):
             self._counts.add(req_id, expired, -np.ones(len(expired)))
 
     def observe_batch(self, view: BatchView, mass: np.ndarray) -> None:
-        live = view.live()
+        live = view.observed()  # a token the forward did not attend is neither counted nor scored
         attention = np.where(live, np.asarray(mass, dtype=np.float64), 0.0)
         counts = live.sum(axis=1)
         total = np.cumsum(attention, axis=1)[:, -1] if attention.shape[1] else np.zeros(len(counts))

@@ -108,6 +108,13 @@ class EngineConfig:
     (its prompt's eviction) before its first decode forward, as the plain order does (the engine
     has every forward's mass on the host already: it waits for nothing more); "lagged": beside
     that forward, one iteration late like its decode steps."""
+    decode_decision: Literal["at_once", "lagged"] = "at_once"
+    """Overlap scheduler, policies that observe attention, decode rows: "at_once" takes a row's
+    step before the next forward wherever its counts say it may evict with the next token
+    (``DecodeStep.may_evict``; the engine waits for that forward's mass), and beside the next
+    forward where they say it cannot (the step then only takes tokens and mass in): the plain
+    order's decisions and tokens. "lagged": every step beside the next forward, deciding from the
+    mass of the forward before it (one iteration late)."""
     max_num_tokens: int | None = None
     """Tokens one iteration computes at most: one per decode row, the rest prefill (TensorRT-LLM's
     name). Admission stops for the iteration when the next prompt (or, with chunked prefill, its
@@ -154,9 +161,11 @@ class EngineConfig:
             raise ValueError(f"positions must be 'keep' or 'shift', got {self.positions!r}")
         if self.prefill_decision not in ("at_once", "lagged"):
             raise ValueError(f"prefill_decision must be 'at_once' or 'lagged', got {self.prefill_decision!r}")
-        if self.prefill_decision == "lagged" and not self.overlap_scheduler:
-            raise ValueError("prefill_decision='lagged' decides beside the next forward, which only the overlap "
-                             "scheduler runs: with overlap_scheduler=False the prompt's decision is taken at once")
+        if self.decode_decision not in ("at_once", "lagged"):
+            raise ValueError(f"decode_decision must be 'at_once' or 'lagged', got {self.decode_decision!r}")
+        if "lagged" in (self.prefill_decision, self.decode_decision) and not self.overlap_scheduler:
+            raise ValueError("a 'lagged' decision is taken beside the next forward, which only the overlap "
+                             "scheduler runs: with overlap_scheduler=False every decision is taken at once")
         if self.prefix_reuse not in ("copy", "share"):
             raise ValueError(f"prefix_reuse must be 'copy' or 'share', got {self.prefix_reuse!r}")
         if self.admission not in ("peak", "greedy"):

@@ -141,10 +141,11 @@ class KVAdmission:
         (``runtime/overlap.py``); its prompt, decided at once (``prefill_decision="at_once"``),
         is evicted before the first decode, so that decode's step runs after the second decode's
         slot is reserved. From then on each deferred step takes in the next forward's token too:
-        one token a step again (``KVCacheManager.update``)."""
+        one token a step again (``KVCacheManager.update``). With ``decode_decision="at_once"`` a
+        decode step that may evict runs before the next reservation, as in the plain order."""
         cfg = self.config
-        return (cfg.overlap_scheduler and cfg.prefill_decision == "at_once" and policy is not None
-                and policy.observes_attention())
+        return (cfg.overlap_scheduler and cfg.prefill_decision == "at_once" and cfg.decode_decision == "lagged"
+                and policy is not None and policy.observes_attention())
 
     def new_iteration(self) -> None:
         """Before an iteration's prefill forwards are scheduled (prefix caching: what earlier

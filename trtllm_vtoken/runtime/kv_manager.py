@@ -208,7 +208,7 @@ class KVCacheManager(KVAdmission, KVPrefixCalls):
         return self.finish_step()
 
     def start_step(self, req_ids: list[int], mass=None, overlap: bool = False, forward_between: bool = False,
-                   prompt_goes_on: bool = False) -> None:
+                   prompt_goes_on: bool = False, unobserved: list[int] | None = None) -> None:
         """The iteration's end for the requests the forward ran: their written tokens join
         (native: the block lists); the step evicts and compacts (one copy for all). ``overlap``:
         the step's native call may run beside the engine's next work (``DecodeStep.start``)
@@ -222,6 +222,8 @@ class KVCacheManager(KVAdmission, KVPrefixCalls):
         Args:
             mass: attention per physical position [B, >= L] (or the step's ``Mass`` function),
                 when the policy observes it.
+            unobserved: per request, its newest tokens the mass does not cover
+                (``StepInput.unobserved``: a step beside the next forward takes that forward's in).
         """
         self.finish_step()  # a step begun before and not finished
         if not req_ids:
@@ -241,6 +243,7 @@ class KVCacheManager(KVAdmission, KVPrefixCalls):
         # two calls, and the next reservation is for all of them.
         pressure = self.pool.num_free < self._next_decode_blocks() + self.config.evacuation_headroom
         self.step.start(StepInput.of_lists(req_ids, num_new, fresh_lists, mass=mass if self.needs_attention else None,
+                                           unobserved=unobserved if self.needs_attention else None,
                                            pressure=pressure, commit_at_once=prompt_goes_on,
                                            stream=torch.cuda.current_stream() if on_cuda else None),
                         overlap=overlap, forward_between=forward_between)

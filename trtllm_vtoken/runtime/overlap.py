@@ -12,12 +12,15 @@ With ``EngineConfig.overlap_scheduler`` the engine orders one iteration as Tenso
                                             returned; CUDA: the side stream waits for it)
                     sample N+1, release the requests that finished, defer step N+1
 
-This is the order for rows whose policy observes attention (H2O, Scissorhands). Step N
-registers every token reserved for its rows, N+1's included, so its plan counts them as present;
-its decision reads forward N's attention mass; its evictions take effect in forward N+2: a
-one-step lag, the same for naive-evict and vtoken, which therefore still decode alike. Rows whose
-policy decides from counts (StreamingLLM, sliding window, Random) take step N at the end of
-iteration N instead, before N+1's slots are reserved: no lag, the plain order's decisions.
+This is the order for rows whose policy observes attention (H2O, Scissorhands) and whose step
+N, by their counts, evicts nothing (``EngineConfig.decode_decision="at_once"``, the default), or
+every such row with ``"lagged"``. Step N registers every token reserved for its rows, N+1's
+included, so its plan counts them as present; its decision reads forward N's attention mass;
+lagged, its evictions take effect in forward N+2: a one-step lag, the same for naive-evict and
+vtoken, which therefore still decode alike. Rows whose policy decides from counts (StreamingLLM,
+sliding window, Random), and deciding at once the observing rows whose step may evict
+(``may_evict_next``), take step N at the end of iteration N instead, before N+1's slots are
+reserved: no lag, the plain order's decisions.
 
 Forward N's mass is laid out by the positions forward N saw, and step N-1 may have moved tokens
 since (compaction, or a dead block dropped): ``DeferredStep`` keeps the logical id at each of
@@ -97,6 +100,15 @@ def widened(mass: np.ndarray, layout: Any, writes: Any, req_ids: list[int]) -> n
     return out
 
 
+def may_evict_next(kv: Any, req_ids: list[int]) -> list[bool]:
+    """Per request: could its step evict once the tokens it has written and not taken in yet, and
+    its next decode step's, have joined its table (``DecodeStep.may_evict``)? False for native."""
+    if kv.step is None or not req_ids:
+        return [False] * len(req_ids)
+    drafts, writes = kv.step_drafts, kv.writes
+    return kv.step.may_evict(req_ids, [writes.pending_tokens(r) + 1 + drafts.get(r, 0) for r in req_ids]).tolist()
+
+
 def remap_mass(mass: np.ndarray, old_ids: np.ndarray, new_ids: np.ndarray) -> np.ndarray:
     """``mass`` [B, >= W_old] laid out by ``old_ids`` [B, W_old], laid out again by ``new_ids``
     [B, W_new]: each token's mass moves to its position now; positions of tokens the old layout
@@ -139,32 +151,62 @@ class OverlapIteration:
                 reported.append(self._advance(request, logits))
         self._end_step(self._stepped, out, reported, stepped=deferred is not None)
         rows = [request.req_id for request, *_ in results]
-        # Rows whose policy decides from counts alone (StreamingLLM, sliding window, Random) take
-        # this iteration's step now, before the next forward's slots and tables: their decisions
-        # land in the next forward, as in the plain order; so do this iteration's prefills with
-        # ``prefill_decision="at_once"`` (their mass is on the host). The other rows, whose policy
-        # observes attention, wait for the next iteration, their step beside its forward.
-        at_once = [i for i, (request, *_) in enumerate(results)
-                   if self.kv.decides_from_counts(request.req_id) or (
-                       request.req_id in prefill and self.config.prefill_decision == "at_once")]
+        at_once = self._taken_at_once(rows, prefill)
         taken_now = set(at_once)
         lagged = [i for i in range(len(rows)) if i not in taken_now]
         queries = [r[2] for r in results]
         mass = None if self.simulated or not rows else self.forwards.batch_mass(rows, masses, queries)
+        ids = self._layout_now
+        moved = out is not None and bool(out.num_evicted or out.num_changed)  # the step beside these forwards
         if lagged:
-            ids = self._layout_now[lagged] if self._layout_now is not None else None
-            moved = out is not None and bool(out.num_evicted or out.num_changed)  # the step beside these forwards
-            self._deferred = DeferredStep([rows[i] for i in lagged], rows_of(mass, lagged, len(rows)), ids,
-                                          [queries[i] for i in lagged], moved)
+            self._deferred = DeferredStep([rows[i] for i in lagged], rows_of(mass, lagged, len(rows)),
+                                          None if ids is None else ids[lagged], [queries[i] for i in lagged], moved)
         now = [i for i in at_once if self.requests[rows[i]].status is Status.RUNNING]
-        if now:  # nothing of the device to wait for: the copy follows this iteration's forwards
+        if now:  # the copy follows this iteration's forwards; the mass is theirs (on the host)
             stepped = [rows[i] for i in now]
-            now_mass = self.forwards.batch_mass(stepped, [], [queries[i] for i in now]) if self.simulated else \
-                rows_of(mass, now, len(rows))
+            if self.simulated:
+                now_mass = self.forwards.batch_mass(stepped, [], [queries[i] for i in now])
+            else:
+                now_mass = self._as_the_step_sees(rows_of(mass, now, len(rows)), None if ids is None else ids[now],
+                                                  moved, stepped)
             self.kv.start_step(stepped, now_mass, overlap=self.config.step_overlap,
                                prompt_goes_on=bool(self.scheduler.prefilling))
             self._end_step(stepped, self.kv.finish_step(), reported, iteration=False)
         return reported
+
+    def _taken_at_once(self, rows: list[int], prefill: list[int]) -> list[int]:
+        """The indices of ``rows`` whose step this iteration runs now, before the next forward's
+        slots and tables, so that their decisions land in the next forward as in the plain order:
+        rows whose policy decides from counts alone (StreamingLLM, sliding window, Random); with
+        ``prefill_decision="at_once"`` this iteration's prefills; with ``decode_decision="at_once"``
+        the decode rows whose step may evict with the next token (``may_evict_next``). The other
+        rows, whose policy observes attention, wait for the next iteration, their step beside its
+        forward: it takes the next forward's tokens in too, and evicts nothing where the counts
+        said so (the plain order's steps exactly), or decides one iteration late ("lagged")."""
+        kv, cfg = self.kv, self.config
+        at_once, observing = [], []
+        for i, req_id in enumerate(rows):
+            if kv.decides_from_counts(req_id) or (req_id in prefill and cfg.prefill_decision == "at_once"):
+                at_once.append(i)
+            elif req_id not in prefill and cfg.decode_decision == "at_once" and \
+                    self.requests[req_id].status is Status.RUNNING:  # a finished one has left the step
+                observing.append(i)
+        if observing:
+            evicts = may_evict_next(kv, [rows[i] for i in observing])
+            at_once = sorted(at_once + [i for i, e in zip(observing, evicts) if e])
+        return at_once
+
+    def _as_the_step_sees(self, mass: Any, ids: np.ndarray | None, moved: bool, rows: list[int]) -> Any:
+        """A forward's ``mass`` [B, >= W] over ``rows``, laid out by the positions it saw (``ids``
+        [B, W]), as the rows' step sees them now: laid out again (``remap_mass``) where a step since
+        the forward changed a layout (``moved``), else widened to the layout's width. A mass that
+        is not a host array, or one no policy reads, as it is."""
+        kv = self.kv
+        if not kv.needs_attention or self.simulated or not rows or not isinstance(mass, np.ndarray):
+            return mass
+        if ids is not None and moved:
+            return remap_mass(mass, ids, layout_ids(kv.layout, kv.writes, rows))
+        return widened(mass, kv.layout, kv.writes, rows)
 
     def _launch_deferred(self, deferred: DeferredStep | None, rows_now: list[int], prefill: list[int]) -> None:
         """Starts the previous iteration's step for its requests still running (not preempted and
@@ -180,10 +222,15 @@ class OverlapIteration:
         rows, mass = [deferred.rows[i] for i in keep], deferred.mass
         if self.simulated:  # its attention is a function of the layout the step sees
             mass = self.forwards.batch_mass(rows, [], [deferred.queries[i] for i in keep])
-        elif remaps and rows and isinstance(mass, np.ndarray) and deferred.ids is not None and deferred.moved:
-            mass = remap_mass(mass[keep], deferred.ids[keep], layout_ids(kv.layout, kv.writes, rows))
-        elif remaps and rows and isinstance(mass, np.ndarray):  # positions as the forward saw them
-            mass = widened(mass[keep] if len(keep) < len(deferred.rows) else mass, kv.layout, kv.writes, rows)
+        else:
+            ids = deferred.ids
+            if isinstance(mass, np.ndarray) and len(keep) < len(deferred.rows):
+                mass, ids = mass[keep], None if ids is None else ids[keep]
+            mass = self._as_the_step_sees(mass, ids, deferred.moved, rows)
+        # The step takes in this iteration's tokens too, which forward N+1 writes and the mass,
+        # forward N's, does not cover: policies observe only what forward N attended.
+        now = set(rows_now)
+        unobserved = [kv.writes.latest_tokens(r) if r in now else 0 for r in rows]
         kv.start_step(rows, mass, overlap=self.config.step_overlap, forward_between=True,
-                      prompt_goes_on=bool(self.scheduler.prefilling))
+                      prompt_goes_on=bool(self.scheduler.prefilling), unobserved=unobserved)
         self._stepped = rows

@@ -161,6 +161,16 @@ class PendingWrites:
         tpb, start = self.tokens_per_block, total - self.latest.get(req_id, self.staged[req_id][1])
         return [blocks[p // tpb] * tpb + p % tpb for p in range(start, total)]
 
+    def pending_tokens(self, req_id: int) -> int:
+        """Tokens written or reserved for the request and not yet in its layout (a cached prefix's,
+        then every staged reservation's)."""
+        return self.prefix.get(req_id, NOTHING)[1] + self.staged.get(req_id, NOTHING)[1]
+
+    def latest_tokens(self, req_id: int) -> int:
+        """Tokens of the request's latest reservation (this iteration's forward's): every staged
+        one unless tokens of an earlier forward wait too (0: none staged)."""
+        return self.latest.get(req_id, self.staged.get(req_id, NOTHING)[1])
+
     def earlier_tokens(self, req_id: int) -> int:
         """Tokens reserved before the latest reservation and not taken yet (the overlap scheduler:
         the previous forward's, whose step has not run)."""
@@ -171,12 +181,13 @@ class PendingWrites:
     def take(self, req_ids: list[int]) -> tuple[tuple[list[int], ...], tuple[int, ...]]:
         """The batch's blocks and tokens that join the layouts this step (request i: ``blocks[i]``,
         ``num_new[i]``): what ``reserve`` staged, after a cached prefix the first time (it joins
-        as written tokens). Forgets them here."""
+        as written tokens); none for a request whose tokens an earlier step took in (a step that
+        only observes a forward's mass). Forgets them here."""
         if self.latest:
             for req_id in req_ids:
                 self.latest.pop(req_id, None)
         if not self.prefix:
-            return tuple(zip(*map(self.staged.pop, req_ids)))  # type: ignore[return-value]
+            return tuple(zip(*(self.staged.pop(r, NOTHING) for r in req_ids)))  # type: ignore[return-value]
         return tuple(zip(*map(self._take_one, req_ids)))  # type: ignore[return-value]
 
     def drop(self, req_id: int) -> list[int]:
@@ -191,6 +202,6 @@ class PendingWrites:
                 sum(len(fresh) for fresh, _ in self.staged.values()))
 
     def _take_one(self, req_id: int) -> tuple[list[int], int]:
-        fresh, num_new = self.staged.pop(req_id)
+        fresh, num_new = self.staged.pop(req_id, NOTHING)
         cached_blocks, cached = self.prefix.pop(req_id, NOTHING)
         return cached_blocks + fresh, cached + num_new

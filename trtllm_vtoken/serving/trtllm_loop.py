@@ -188,7 +188,8 @@ def make_trtllm_loop(settings, on_stats: Callable[[dict[str, float]], None] | No
                          "reduction order per batch shape")
     stats_file = Path(tempfile.mkdtemp(prefix="vtoken-trtllm-")) / "stats.json"
     args = vtoken_llm_args(policy=engine.policy, budget=engine.budget, tokens_per_block=engine.tokens_per_block,
-                           policy_options=dict(engine.policy_options), stats_file=str(stats_file))
+                           policy_options=dict(engine.policy_options), stats_file=str(stats_file),
+                           decode_decision=engine.decode_decision)
     options = trtllm_options(engine)
     import tensorrt_llm
 

@@ -102,7 +102,7 @@ class BatchDecision:
         self._last: Decision | None = None  # the last decision without mass, to reuse
 
     def victims(self, req_ids: np.ndarray, rows: np.ndarray, mass: Any,
-                shared: Collection[int]) -> tuple[np.ndarray, np.ndarray]:
+                shared: Collection[int], unobserved: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Victims of the batch: (batch index, position) pairs sorted by index, then logical id.
 
         One call per policy of the batch: the policy's ``select_batch`` over the gathered batch
@@ -110,7 +110,9 @@ class BatchDecision:
         (``ScorePolicy.scores_are_ids`` / ``score_stat``), one native pass over the slots
         (``cpp/core/select.h``, the same victims, no copies). ``shared``: the blocks shared now
         (their tokens are protected). RuntimeError (``BadMass``) if a mass function's result does
-        not fit the batch."""
+        not fit the batch. ``unobserved``: [B] each request's newest tokens the mass does not
+        cover (``StepInput.unobserved``): a policy's ``observe_batch`` sees them as not attended
+        (``BatchView.observed``); the mass there is 0, so a policy that adds it needs nothing."""
         slots = self.slots
         index = slots.policy[rows]
         groups: dict[int, np.ndarray] = {}  # policy -> the batch rows it decides for
@@ -160,8 +162,10 @@ class BatchDecision:
                 if added is not None:
                     stats[added] = self.add_mass(slots.stats[added], group_blocks, slots.kv_len[rows[group]],
                                                  mass_rows[group])
-                view = BatchView(req_ids[group], slots.num_tokens[rows[group]], slots.num_live[rows[group]],
-                                 tokens()[group], None if protected is None else protected[group], stats)
+                num_tokens = slots.num_tokens[rows[group]]
+                view = BatchView(req_ids[group], num_tokens, slots.num_live[rows[group]],
+                                 tokens()[group], None if protected is None else protected[group], stats,
+                                 None if unobserved is None else num_tokens - unobserved[group])
                 if policy_index in observing and not adds_mass:
                     policy.observe_batch(view, mass_rows[group])
                     for name, values in view.stats.items():

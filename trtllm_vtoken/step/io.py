@@ -39,6 +39,12 @@ class StepInput:
     """Attention each physical position received this iteration, summed over layers, heads and
     queries: [B, >= L] (numpy or torch; L covers every row's length after the new tokens), or a
     ``Mass`` function, or None when no policy of the batch observes attention."""
+    unobserved: Sequence[int] | None = None
+    """[B] how many of each request's new tokens the mass does not cover (the newest ones: a
+    forward launched after the one the mass is of wrote them, as the overlap scheduler's step
+    beside the next forward takes them in). Policies observe the tokens the forward attended
+    only, so a token's statistics start with the first forward that saw it, as in the plain
+    order. None: the mass covers every token."""
     pressure: bool = False
     """The pool is short of free blocks: lazy compaction runs whatever the fragmentation, and
     background compaction commits at once."""

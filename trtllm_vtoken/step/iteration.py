@@ -7,6 +7,7 @@ between its start and its end.
     requests     every request added to the step                         KeyError
     mass         present when a policy of the batch observes attention,
                  [B, >= the longest length after the new tokens]         ValueError
+    unobserved   none, or one count in [0, num_new] per request          ValueError
     new blocks   ``check_new``: the Python core runs it; the C++ core runs its mirror
     and tokens   (``cpp/core/slots.h`` ``check_new``, the same words) in its registration
 """
@@ -28,7 +29,7 @@ class Iteration:
     """A step between its start and its end. Arrays [B] unless said."""
 
     __slots__ = ("_index_of", "at_once", "before", "block_lists", "blocks", "decision", "host_ids", "num_new",
-                 "offsets", "pressure", "registered", "req_ids", "rows", "stream")
+                 "offsets", "pressure", "registered", "req_ids", "rows", "stream", "unobserved")
 
     def __init__(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray | None,
                  blocks: np.ndarray | Any, stream: Any, host_ids: np.ndarray | None = None,
@@ -44,6 +45,7 @@ class Iteration:
         self.before: Any = None  # the invariant checks' state before the call
         self.block_lists: tuple[np.ndarray, np.ndarray] | None = None  # rows' blocks, counts, before a worker's call
         self._index_of: dict[int, int] | None = None  # request id -> its index, made when first asked
+        self.unobserved: np.ndarray | None = None  # new tokens the mass does not cover (``StepInput.unobserved``)
 
     def again(self, blocks: Any, stream: Any, block_lists: tuple[np.ndarray, np.ndarray] | None) -> Iteration:
         """This iteration once more, for a repeated call (``step/beside.py``): the same batch and
@@ -106,11 +108,18 @@ class InputChecks:
                                  f"got {len(num_new)} and {len(offsets)}")
         rows = self.slots.rows(listed)
         self.check_mass(inp.mass, rows, num_new)
+        unobserved = None if inp.unobserved is None else int64_vector(inp.unobserved)
+        if unobserved is not None and (len(unobserved) != batch or (unobserved < 0).any() or
+                                       (unobserved > num_new).any()):
+            raise ValueError(f"step: unobserved must give each of the {batch} requests a count in [0, num_new], "
+                             f"got {unobserved.tolist()[:8]}")
         if self.checks_new:
             self.check_new(req_ids, rows, num_new, offsets, blocks)
         # The step may hand the same array to the next batch (``LastList``): the host gets a view.
-        return Iteration(req_ids, rows, num_new, offsets, blocks, inp.stream, self._req_ids.read_only(req_ids),
-                         inp.pressure, inp.commit_at_once)
+        it = Iteration(req_ids, rows, num_new, offsets, blocks, inp.stream, self._req_ids.read_only(req_ids),
+                       inp.pressure, inp.commit_at_once)
+        it.unobserved = unobserved if unobserved is not None and unobserved.any() else None
+        return it
 
     def check_new(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray,
                   blocks: np.ndarray) -> None:

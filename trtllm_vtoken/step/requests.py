@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+import numpy as np
+
 from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.step.checks import StepChecks
 from trtllm_vtoken.step.config import StepStats
@@ -89,6 +91,23 @@ class StepRequests(TableQueries):
         if req_ids is None:
             return any(p.observes_attention() for p in self._policies)
         return any(self._policies[self._policy_of[r]].observes_attention() for r in req_ids if r in self._policy_of)
+
+    def may_evict(self, req_ids: Sequence[int], num_new: Sequence[int]) -> np.ndarray:
+        """[B] bool: could each request's next step evict once ``num_new`` more tokens have joined
+        its table? Its policy's ``wants_to_evict`` over the counters after them (a superset of the
+        rows whose step evicts: False means it evicts nothing); False for a request without a
+        policy. A host that learns a forward's mass late takes the step at once where this says
+        True (``EngineConfig.decode_decision``)."""
+        self.settle()
+        rows = self.slots.rows(req_ids)
+        extra = np.asarray(num_new, dtype=np.int64)
+        num_tokens, num_live = self.slots.num_tokens[rows] + extra, self.slots.num_live[rows] + extra
+        index = self.slots.policy[rows]
+        out = np.zeros(len(rows), dtype=bool)
+        for policy_index in set(index.tolist()) - {-1}:
+            mine = np.flatnonzero(index == policy_index)
+            out[mine] = self._policies[policy_index].wants_to_evict(num_tokens[mine], num_live[mine])
+        return out
 
     def check_integrity(self, idle_blocks: Sequence[int] = ()) -> None:
         """I2 over every request, and the batch layout against the table; the slots of

@@ -181,7 +181,7 @@ class DecodeStep(StepRequests):
             if decision is None:  # decided here
                 if not it.registered:
                     new_slots = self._register(it)
-                decision = given(*self.decision.victims(it.req_ids, it.rows, mass, shared))
+                decision = given(*self.decision.victims(it.req_ids, it.rows, mass, shared, it.unobserved))
         except BadMass as exc:  # the new tokens are registered already: the step cannot go on
             self._broken = str(exc)
             raise

@@ -132,7 +132,10 @@ def build_manager_class(base: type) -> type:
             # loop update_resources has stepped them already: nothing is left to do here.)
             # A policy that observes attention: the batches in flight get their mass enqueued now,
             # behind their forwards and before this batch's, so that their updates wait for it and
-            # not for this batch's forward (mass_copy.py).
+            # not for this batch's forward (mass_copy.py). With decode_decision="at_once" their
+            # requests whose step may evict once this batch's token joins take it now, from that
+            # mass (the host waits for their own batch's forward): this batch's forward reads the
+            # plain loop's layout. The others evict nothing: their update may run beside it.
             # A prompt chunk that is not its prompt's last (chunked prefill) takes its step now
             # with any policy: its next chunk, in this batch, must be written after the compacted
             # layout of the ones before it (the host waits for that batch's forward, as the plain
@@ -149,6 +152,11 @@ def build_manager_class(base: type) -> type:
                     prepared.stepped.update(now)
                 if prepared.mass is None:
                     self._vtoken_enqueue_mass(prepared)
+                evicting = self._vtoken_may_evict(prepared) if self.vtoken.settings.decode_decision == "at_once" \
+                    else None
+                if evicting:
+                    self._vtoken_step(prepared, through_only=False, only=evicting)
+                    prepared.stepped.update(evicting)
             super().prepare_resources(scheduled_batch)
             self._vtoken_held.update(r.py_request_id for r in scheduled_batch.all_requests())
             self._vtoken_batches.prepared(scheduled_batch)

@@ -40,6 +40,17 @@ class ManagerMass:
             written.append((req_id, self.get_cache_indices(r), new, attended))
         return written
 
+    def _vtoken_may_evict(self, prepared) -> set[int]:
+        """The batch's requests, held and not stepped yet, whose step may evict once the next
+        batch's token has joined their tables (``VTokenState.may_evict``): with
+        ``decode_decision="at_once"`` the overlap loop steps them before the next forward."""
+        allocated = self._vtoken_batches.allocated
+        req_ids = [r.py_request_id for r in prepared.batch.context_requests + prepared.batch.generation_requests
+                   if r.py_request_id in self._vtoken_held and r.py_request_id not in prepared.stepped
+                   and r.py_request_id != CUDA_GRAPH_DUMMY_REQUEST_ID]
+        evicts = self.vtoken.may_evict([(r, allocated[r] + 1) for r in req_ids])
+        return {r for r, e in zip(req_ids, evicts) if e}
+
     def _vtoken_enqueue_mass(self, prepared) -> None:
         """Enqueues the batch's mass behind its forward (called before the next forward is
         launched) and its copy to the host: ``prepared.mass``."""

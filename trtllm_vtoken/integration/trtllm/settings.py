@@ -62,6 +62,14 @@ class VTokenSettings:
     stats_interval_s: float = 0.5
     step_impl: str = "auto"
     """The step's token table: "cpp" (the C++ core), "python", or "auto" (cpp where built)."""
+    decode_decision: str = "at_once"
+    """TensorRT-LLM's overlap loop, policies that observe attention: "at_once" steps a batch's
+    requests whose step may evict with the next batch's token (``DecodeStep.may_evict``) in the
+    next batch's ``prepare_resources``, before its forward (the host waits for the batch's own
+    forward and mass, not the next one's); the others in ``update_resources`` beside the next
+    forward, where they evict nothing: the plain loop's decisions. "lagged": every step in
+    ``update_resources``, one iteration late (the host never waits on a forward's mass before
+    launching the next forward). The plain loop decides at once either way."""
     mass_workspace_mib: int = 64
     """The most transient memory one attention-mass pass (H2O, Scissorhands) holds, in MiB: in the
     forward's prefill hook (and so in ``KvCacheCreator``'s estimation forward) and in
@@ -73,6 +81,8 @@ class VTokenSettings:
             raise ValueError(f"step_impl must be one of {IMPLS}, got {self.step_impl!r}")
         if self.positions not in ("keep", "shift"):
             raise ValueError(f"positions must be 'keep' or 'shift', got {self.positions!r}")
+        if self.decode_decision not in ("at_once", "lagged"):
+            raise ValueError(f"decode_decision must be 'at_once' or 'lagged', got {self.decode_decision!r}")
         require_positive_ints(mass_workspace_mib=self.mass_workspace_mib)
         if self.stats_interval_s <= 0:
             raise ValueError(f"stats_interval_s must be positive, got {self.stats_interval_s}")

@@ -110,6 +110,10 @@ class VTokenState:
         if not rows:
             return None
         step = self.step
+        # The tokens written after the forward the mass is of (the overlap loop's update takes
+        # the next batch's token in too): past the positions that forward attended.
+        unobserved = [n - attended + (step.kv_len(r) if r in step else 0) for r, _, n, attended in rows] \
+            if self.needs_attention else None
         for req_id, *_ in rows:
             if req_id not in step:
                 step.add_request(req_id)
@@ -126,7 +130,20 @@ class VTokenState:
             width = max(step.kv_len(r) + n for r, _, n, _ in rows)
             mass = self.attention_mass([(r, attended, blocks) for r, blocks, _, attended in rows], batch, width)
         return step.run(StepInput.of_lists([r for r, *_ in rows], [n for _, _, n, _ in rows], fresh, mass=mass,
-                                           stream=stream))
+                                           unobserved=unobserved, stream=stream))
+
+    def may_evict(self, totals: Sequence[tuple[int, int]]) -> list[bool]:
+        """Per (request id, its tokens written so far and in the next batch): could its step
+        evict once they have all joined its table (``DecodeStep.may_evict``; a request the table
+        does not know yet joins empty)? False means the step evicts nothing."""
+        step = self.step
+        known = [(r, n) for r, n in totals if r in step]
+        out = dict(zip([r for r, _ in known], step.may_evict([r for r, _ in known],
+                                                             [n - step.num_tokens(r) for r, n in known])))
+        new = np.array([n for r, n in totals if r not in out], dtype=np.int64)
+        if len(new):  # empty tables: every token live
+            out.update(zip([r for r, _ in totals if r not in out], self.policy.wants_to_evict(new, new)))
+        return [bool(out[r]) for r, _ in totals]
 
     def num_evicted(self, req_id: int) -> int:
         """Logical minus physical tokens: what attention metadata subtracts from the cached count."""
