@@ -215,14 +215,19 @@ def test_real_model_vtoken_equals_naive_evict_under_overlap_and_native_is_unchan
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["dense", "lazy"])
-def test_on_cuda_vtoken_decides_and_decodes_as_naive_evict_with_the_same_lag(tiny, mode):
-    """On CUDA the step's copy is enqueued after forward N+1 (its side stream waits for the
-    compute stream): the same decisions and tokens as naive-evict, and as on the CPU."""
+@pytest.mark.parametrize("decision", ["at_once", "lagged"])
+def test_on_cuda_vtoken_decides_and_decodes_as_naive_evict_and_as_on_the_cpu(tiny, mode, decision):
+    """On CUDA the copy of a step beside forward N+1 is enqueued after it (its side stream waits
+    for the compute stream), that of a step taken at once before it: the same decisions and
+    tokens as naive-evict, and as on the CPU; deciding at once, as the plain order on CUDA."""
     import copy
 
     model = copy.deepcopy(tiny)
-    naive = generate(model, config(variant="naive-evict", device="cuda"))
-    vtoken = generate(model, config(mode=mode, device="cuda"))
-    cpu = generate(tiny, config(mode=mode))
+    naive = generate(model, config(variant="naive-evict", device="cuda", decode_decision=decision))
+    vtoken = generate(model, config(mode=mode, device="cuda", decode_decision=decision))
+    cpu = generate(tiny, config(mode=mode, decode_decision=decision))
     assert [r.evictions for r in naive] == [r.evictions for r in vtoken] == [r.evictions for r in cpu]
     assert [r.output_ids for r in naive] == [r.output_ids for r in vtoken] == [r.output_ids for r in cpu]
+    if decision == "at_once":
+        plain = generate(model, config(mode=mode, device="cuda", overlap_scheduler=False))
+        assert evicting_steps(plain) == evicting_steps(vtoken)
