@@ -73,9 +73,10 @@ def test_prompt_chunks_decide_in_the_overlap_loop_as_in_the_plain_loop(trtllm121
     one before is in flight; its batch's step is taken at prepare_resources of the next batch,
     before that forward, so each chunk is decided alone, with its own mass, as in the plain loop:
     every request's steps over its prompt's chunks but the last (tokens known, victims) are the
-    same in both loops. (The last chunk's step, like a whole prompt's, takes the next batch's
-    token in with it under overlap when the policy observes attention: the decode lag.) Three
-    long prompts at once, 16 tokens an iteration, block reuse off."""
+    same in both loops. (The last chunk's step, like a whole prompt's, runs there too where it may
+    evict; where it cannot, it takes the next batch's token in with it under overlap, so its
+    registration differs and it is not compared.) Three long prompts at once, 16 tokens an
+    iteration, block reuse off."""
     from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, SamplingConfig
 
     rng, traces = random.Random(5), {}

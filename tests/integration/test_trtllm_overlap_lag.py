@@ -11,7 +11,9 @@ slots), so the overlap order decides as the plain one. They differ only at a req
 TensorRT-LLM's plain loop frees a finished request before ``update_resources`` (its last step
 never runs), the plain engine starts the step before sampling and the overlap manager prepares
 the request for one more batch before it learns it finished: one step more, no forward reads it.
-(Attention-observing policies keep the lag: ``tests/runtime/test_overlap_scheduler.py``.)"""
+(Attention-observing policies read each host's own model's attention, so they are held to the
+plain order per host: ``tests/runtime/test_overlap_scheduler.py`` and the loop double's
+``test_every_policy_decides_in_the_overlap_loop_as_in_the_plain_loop``.)"""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The engine's overlap scheduler (``EngineConfig.overlap_scheduler``, ``runtime/overlap.py``):
 the step of iteration N starts once forward N+1's tables are written, runs beside it, and its
-copy comes after it. Proved by the order of the calls, by the one-step lag it gives the policies
-(naive-evict and vtoken alike, so they still decide alike), and by native's outputs, which it
-does not change."""
+copy comes after it; a step that may evict runs before it (``decode_decision="at_once"``).
+Proved by the order of the calls, by the decisions (the plain order's deciding at once, one
+iteration late lagged; naive-evict and vtoken alike either way), and by native's outputs, which
+it does not change."""
 
 from __future__ import annotations
 
@@ -156,7 +157,7 @@ def test_the_lag_shows_in_the_decisions(tiny):
     default) the decisions are the plain order's."""
     plain = generate(tiny, config(overlap_scheduler=False, budget=8))
     overlapped = generate(tiny, config(budget=8, decode_decision="lagged"))
-    assert [r.evictions for r in plain] != [r.evictions for r in overlapped]
+    assert evicting_steps(plain) != evicting_steps(overlapped)
     assert evicting_steps(generate(tiny, config(budget=8))) == evicting_steps(plain)
 
 

@@ -29,6 +29,11 @@ def steps(impl: str, policy: str) -> tuple:
 
 
 OPTIONS = {"scissorhands": {"history_window": 4, "recent_window": 1}, "h2o": {}}
+MASS = {5: np.array([[0.15, 0.3, 0.15, 0.15, 0.1, 0.15, 0.0]]), 6: np.array([[0.2, 0.1, 0.1, 0.3, 0.1, 0.1, 0.1]]),
+        7: np.array([[0.1, 0.1, 0.2, 0.1, 0.2, 0.1, 0.1, 0.1]])}
+"""Forward k's mass over positions 0-k, zero past them. Forward 5's sums to 1 and gives four tokens
+0.15: below the mean over the 6 tokens it attended (1/6), above it over 7 (1/7), where a token it did
+not attend would count."""
 
 
 def decode_input(host: Host, step, num_new: int, mass: np.ndarray, unobserved=None):
@@ -48,8 +53,7 @@ def test_tokens_taken_in_before_their_forward_are_observed_as_in_the_plain_order
     and 6 with forward 5's mass (6 not attended), then forward 6's mass alone (its step may evict
     with the next token: at once), then token 7 with its forward's."""
     (host_a, plain), (host_b, beside) = steps(impl, policy)
-    mass = {5: np.array([[0.15, 0.3, 0.15, 0.15, 0.1, 0.15, 0.0]]), 6: np.array([[0.2, 0.1, 0.1, 0.3, 0.1, 0.1, 0.1]]),
-            7: np.array([[0.1, 0.1, 0.2, 0.1, 0.2, 0.1, 0.1, 0.1]])}
+    mass = MASS
     for k in (5, 6):
         plain.run(decode_input(host_a, plain, 1, mass[k][:, : k + 1]))
     beside.run(decode_input(host_b, beside, 2, mass[5], unobserved=[1]))
@@ -62,13 +66,14 @@ def test_tokens_taken_in_before_their_forward_are_observed_as_in_the_plain_order
     assert [a.tolist() for a in plain.token_stats(0, stat)] == [a.tolist() for a in beside.token_stats(0, stat)]
 
 
-def test_without_unobserved_a_token_seen_early_changes_scissorhands_statistics():
-    """The test above would not hold without ``unobserved``: the early token counts in the mean."""
+def test_without_unobserved_a_token_taken_in_early_changes_scissorhands_statistics():
+    """The same two steps beside forward 6 as above, ``unobserved`` left out: the token forward 5
+    did not attend counts in its mean, and the statistics part from the plain order's."""
     (host_a, plain), (host_b, beside) = steps("python", "scissorhands")
-    mass_5 = np.array([[0.1, 0.3, 0.2, 0.2, 0.1, 0.1, 0.0]])
-    plain.run(decode_input(host_a, plain, 1, mass_5[:, :6]))
-    beside.run(decode_input(host_b, beside, 2, mass_5))
-    plain.run(decode_input(host_a, plain, 1, np.zeros((1, 7))))
+    for k in (5, 6):
+        plain.run(decode_input(host_a, plain, 1, MASS[k][:, : k + 1]))
+    beside.run(decode_input(host_b, beside, 2, MASS[5]))
+    beside.run(decode_input(host_b, beside, 0, MASS[6]))
     assert [a.tolist() for a in plain.token_stats(0, "history")] != \
         [a.tolist() for a in beside.token_stats(0, "history")]
 

@@ -78,9 +78,8 @@ def run_quality_bench(cfg: QualityBenchConfig, model, tokenizer, progress=None) 
     for label, variant, overlap, decision in RUNS:
         engine = Engine(model, EngineConfig(
             variant=variant, mode="dense", overlap_scheduler=overlap, decode_decision=decision, policy=cfg.policy,
-            budget=cfg.budget,
-            num_blocks=cfg.num_blocks, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_prompt_tokens + cfg.max_tokens + 64,
-            check_invariants=True), tokenizer)
+            budget=cfg.budget, num_blocks=cfg.num_blocks, max_batch_size=cfg.max_batch_size,
+            max_seq_len=cfg.max_prompt_tokens + cfg.max_tokens + 64, check_invariants=True), tokenizer)
         ids = [engine.add_request(p, SamplingParams(max_tokens=cfg.max_tokens)) for p in prompts]
         while engine.has_unfinished():
             finished = sum(o.finished for o in engine.step())

@@ -67,8 +67,8 @@ per-request marks the engine's rows run without.
     worker                                               | decide, table step, layout |
 
 "-overlap" rows run the engine's overlap scheduler (``docs/overlap.md``), the order of TensorRT-LLM's
-overlap loop: the step of iteration N starts after forward N+1 was launched and ends before N+1 is
-sampled. With ``forward_us`` the simulated forward takes that much device time, as a GPU's: it is
+overlap loop, with H2O deciding lagged (``decode_decision``): the step of iteration N starts after
+forward N+1 was launched and ends before N+1 is sampled. With ``forward_us`` the simulated forward takes that much device time, as a GPU's: it is
 launched and returns at once, and the engine's thread waits for it only when it samples, so the
 step's host work (on the engine's thread "at once", as TensorRT-LLM's ``update_resources``, or on
 the worker) runs in its shadow; their native partners run the same order and device time.
@@ -179,6 +179,9 @@ class StepBenchConfig:
             max_seq_len=length, seed=self.seed, admission="greedy",  # the pool holds every request
             prefix_caching=False,  # identical placeholder prompts must not share blocks
             overlap_scheduler=row.get("overlap", False),  # else each iteration's step before the next forward
+            # Every step evicts here: deciding at once, H2O's would all run before the next forward,
+            # as the plain rows time them; lagged, each runs beside it, the work the overlap hides.
+            decode_decision="lagged" if row.get("overlap", False) else "at_once",
             variant="native" if row["variant"] == "native" else "vtoken")
         if row["variant"] != "native":
             values.update(mode=row["mode"], policy=row["policy"], step_impl=row["impl"].split("-")[0],

@@ -99,22 +99,24 @@ class EngineConfig:
     sampling, on the engine's thread (for comparing both)."""
     overlap_scheduler: bool = True
     """The step of iteration N runs beside the forward of N+1, as TensorRT-LLM's overlap scheduler
-    orders it (``runtime/overlap.py``, docs/overlap.md): the evictions of policies that observe
-    attention take effect one iteration later (naive-evict and vtoken alike); count-based policies
-    decide before the next forward. False: each iteration's step ends it (beside sampling).
+    orders it (``runtime/overlap.py``, docs/overlap.md); every policy decides as in the plain
+    order unless ``decode_decision`` / ``prefill_decision`` say "lagged" (naive-evict and vtoken
+    alike). False: each iteration's step ends it (beside sampling).
     Speculative decoding turns it off, as TensorRT-LLM's executor creator does for NGram."""
     prefill_decision: Literal["at_once", "lagged"] = "at_once"
     """Overlap scheduler, policies that observe attention: "at_once" takes a new request's step
     (its prompt's eviction) before its first decode forward, as the plain order does (the engine
     has every forward's mass on the host already: it waits for nothing more); "lagged": beside
-    that forward, one iteration late like its decode steps."""
+    that forward, one iteration late."""
     decode_decision: Literal["at_once", "lagged"] = "at_once"
     """Overlap scheduler, policies that observe attention, decode rows: "at_once" takes a row's
     step before the next forward wherever its counts say it may evict with the next token
     (``DecodeStep.may_evict``; the engine waits for that forward's mass), and beside the next
     forward where they say it cannot (the step then only takes tokens and mass in): the plain
     order's decisions and tokens. "lagged": every step beside the next forward, deciding from the
-    mass of the forward before it (one iteration late)."""
+    mass of the forward before it (one iteration late). Either way a step beside the next forward
+    takes that forward's tokens in unobserved (``StepInput.unobserved``): Scissorhands counts only
+    the tokens the mass's forward attended."""
     max_num_tokens: int | None = None
     """Tokens one iteration computes at most: one per decode row, the rest prefill (TensorRT-LLM's
     name). Admission stops for the iteration when the next prompt (or, with chunked prefill, its

@@ -33,7 +33,7 @@ class Iteration:
 
     def __init__(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray | None,
                  blocks: np.ndarray | Any, stream: Any, host_ids: np.ndarray | None = None,
-                 pressure: bool = False, at_once: bool = False) -> None:
+                 pressure: bool = False, at_once: bool = False, unobserved: np.ndarray | None = None) -> None:
         """``offsets`` None: ``blocks`` holds the host's list of new blocks per request, which the
         C++ core takes as they are (``new_blocks_csr`` for the rest)."""
         self.req_ids, self.rows, self.num_new, self.offsets, self.blocks = req_ids, rows, num_new, offsets, blocks
@@ -45,7 +45,7 @@ class Iteration:
         self.before: Any = None  # the invariant checks' state before the call
         self.block_lists: tuple[np.ndarray, np.ndarray] | None = None  # rows' blocks, counts, before a worker's call
         self._index_of: dict[int, int] | None = None  # request id -> its index, made when first asked
-        self.unobserved: np.ndarray | None = None  # new tokens the mass does not cover (``StepInput.unobserved``)
+        self.unobserved = unobserved  # [B] new tokens the mass does not cover, or None (``StepInput.unobserved``)
 
     def again(self, blocks: Any, stream: Any, block_lists: tuple[np.ndarray, np.ndarray] | None) -> Iteration:
         """This iteration once more, for a repeated call (``step/beside.py``): the same batch and
@@ -116,10 +116,10 @@ class InputChecks:
         if self.checks_new:
             self.check_new(req_ids, rows, num_new, offsets, blocks)
         # The step may hand the same array to the next batch (``LastList``): the host gets a view.
-        it = Iteration(req_ids, rows, num_new, offsets, blocks, inp.stream, self._req_ids.read_only(req_ids),
-                       inp.pressure, inp.commit_at_once)
-        it.unobserved = unobserved if unobserved is not None and unobserved.any() else None
-        return it
+        if unobserved is not None and not unobserved.any():
+            unobserved = None  # the mass covers every new token: nothing for the decision to mask
+        return Iteration(req_ids, rows, num_new, offsets, blocks, inp.stream, self._req_ids.read_only(req_ids),
+                         inp.pressure, inp.commit_at_once, unobserved)
 
     def check_new(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray,
                   blocks: np.ndarray) -> None:

@@ -152,8 +152,8 @@ def build_manager_class(base: type) -> type:
                     prepared.stepped.update(now)
                 if prepared.mass is None:
                     self._vtoken_enqueue_mass(prepared)
-                evicting = self._vtoken_may_evict(prepared) if self.vtoken.settings.decode_decision == "at_once" \
-                    else None
+                evicting = self._vtoken_may_evict_with_next(prepared) \
+                    if self.vtoken.settings.decode_decision == "at_once" else None
                 if evicting:
                     self._vtoken_step(prepared, through_only=False, only=evicting)
                     prepared.stepped.update(evicting)

@@ -27,10 +27,9 @@ class ManagerMass:
         know yet, positions the batch's forward attended to) of the batch's requests still held
         and not stepped yet (``only``: of these)."""
         step, allocated, written = self.vtoken.step, self._vtoken_batches.allocated, []
-        for r in prepared.batch.context_requests + prepared.batch.generation_requests:
+        for r in self._vtoken_unstepped(prepared):
             req_id = r.py_request_id
-            if req_id not in self._vtoken_held or req_id in prepared.stepped or \
-                    (only is not None and req_id not in only):
+            if only is not None and req_id not in only:
                 continue
             known = step.num_tokens(req_id) if req_id in step else 0
             new = (prepared.through[req_id] if through_only else allocated[req_id]) - known
@@ -40,15 +39,19 @@ class ManagerMass:
             written.append((req_id, self.get_cache_indices(r), new, attended))
         return written
 
-    def _vtoken_may_evict(self, prepared) -> set[int]:
+    def _vtoken_unstepped(self, prepared) -> list:
+        """The batch's requests (TensorRT-LLM's objects) still held and not stepped yet."""
+        return [r for r in prepared.batch.context_requests + prepared.batch.generation_requests
+                if r.py_request_id in self._vtoken_held and r.py_request_id not in prepared.stepped]
+
+    def _vtoken_may_evict_with_next(self, prepared) -> set[int]:
         """The batch's requests, held and not stepped yet, whose step may evict once the next
-        batch's token has joined their tables (``VTokenState.may_evict``): with
+        batch's token has joined their tables (``VTokenState.may_evict_at``): with
         ``decode_decision="at_once"`` the overlap loop steps them before the next forward."""
         allocated = self._vtoken_batches.allocated
-        req_ids = [r.py_request_id for r in prepared.batch.context_requests + prepared.batch.generation_requests
-                   if r.py_request_id in self._vtoken_held and r.py_request_id not in prepared.stepped
-                   and r.py_request_id != CUDA_GRAPH_DUMMY_REQUEST_ID]
-        evicts = self.vtoken.may_evict([(r, allocated[r] + 1) for r in req_ids])
+        req_ids = [r.py_request_id for r in self._vtoken_unstepped(prepared)
+                   if r.py_request_id != CUDA_GRAPH_DUMMY_REQUEST_ID]
+        evicts = self.vtoken.may_evict_at([(r, allocated[r] + 1) for r in req_ids])
         return {r for r, e in zip(req_ids, evicts) if e}
 
     def _vtoken_enqueue_mass(self, prepared) -> None:

@@ -110,9 +110,9 @@ class VTokenState:
         if not rows:
             return None
         step = self.step
-        # The tokens written after the forward the mass is of (the overlap loop's update takes
-        # the next batch's token in too): past the positions that forward attended.
-        unobserved = [n - attended + (step.kv_len(r) if r in step else 0) for r, _, n, attended in rows] \
+        # The new tokens past the positions the mass's forward attended: the overlap loop's update
+        # takes the next batch's token in too. Once joined, a row's KV spans kv_len + n positions.
+        unobserved = [(step.kv_len(r) if r in step else 0) + n - attended for r, _, n, attended in rows] \
             if self.needs_attention else None
         for req_id, *_ in rows:
             if req_id not in step:
@@ -132,7 +132,7 @@ class VTokenState:
         return step.run(StepInput.of_lists([r for r, *_ in rows], [n for _, _, n, _ in rows], fresh, mass=mass,
                                            unobserved=unobserved, stream=stream))
 
-    def may_evict(self, totals: Sequence[tuple[int, int]]) -> list[bool]:
+    def may_evict_at(self, totals: Sequence[tuple[int, int]]) -> list[bool]:
         """Per (request id, its tokens written so far and in the next batch): could its step
         evict once they have all joined its table (``DecodeStep.may_evict``; a request the table
         does not know yet joins empty)? False means the step evicts nothing."""
