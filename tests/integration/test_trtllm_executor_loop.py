@@ -27,7 +27,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 import torch
 
@@ -219,13 +218,10 @@ def drive(executor, requests, witness: KVWitness, overlap: bool = False) -> dict
             if req.py_request_id in paused_ids and req.py_request_id in step and not req.is_context_init_state():
                 held_prefix = req.prompt_len // TPB * TPB  # its prompt's full blocks, protected (block reuse)
                 known = step.num_tokens(req.py_request_id)  # under overlap: and the next forward's token
-                # Under overlap an observing policy's step takes the next batch's token in too,
-                # unless, deciding at once, the prompt and that token may evict: then the step ran
-                # in prepare_resources, before the token existed.
-                lags = overlap and step.policy.observes_attention() and req.py_request_id in executor_next()
-                if lags and witness.manager.vtoken.settings.decode_decision == "at_once":
-                    with_next = np.array([req.prompt_len + 1])
-                    lags = not step.policy.wants_to_evict(with_next, with_next)[0]
+                # Under overlap an observing policy deciding lagged takes the next batch's token in
+                # too; deciding at once, its steps take in the batch's own tokens only.
+                lags = overlap and step.policy.observes_attention() and req.py_request_id in executor_next() \
+                    and witness.manager.vtoken.settings.decode_decision == "lagged"
                 assert known == req.prompt_len + lags
                 assert step.num_live(req.py_request_id) <= step.policy.budget.target(known - held_prefix) + held_prefix
                 seen["prefilled_again"] += 1
@@ -309,11 +305,7 @@ def test_every_policy_decides_in_the_overlap_loop_as_in_the_plain_loop(trtllm121
         assert seen["paused"] == 0
         cancelled = {req.py_request_id for req, _, _ in requests
                      if executor.responses[req.py_request_id].finish_reason.name == "CANCELLED"}
-        # The observing policies' steps that evict nothing take in N+1's token beside forward
-        # N+1: their registrations differ, the steps that evict do not.
-        observing = executor.resources["kv_cache_manager"].vtoken.needs_attention
-        decisions[loop] = {r: [(n, v) for n, v in t if v or not observing] for r, t in trace.items()
-                           if r not in cancelled and r >= 100}
+        decisions[loop] = {r: t for r, t in trace.items() if r not in cancelled and r >= 100}
     plain, overlap = decisions["plain"], decisions["overlap"]
     for req_id, got in overlap.items():
         # A request that finishes with batch N was prepared for N+1 already: its N-th tokens are

@@ -133,9 +133,9 @@ def build_manager_class(base: type) -> type:
             # A policy that observes attention: the batches in flight get their mass enqueued now,
             # behind their forwards and before this batch's, so that their updates wait for it and
             # not for this batch's forward (mass_copy.py). With decode_decision="at_once" their
-            # requests whose step may evict once this batch's token joins take it now, from that
-            # mass (the host waits for their own batch's forward): this batch's forward reads the
-            # plain loop's layout. The others evict nothing: their update may run beside it.
+            # requests whose step may evict take it now, from that mass (the host waits for their
+            # own batch's forward): this batch's forward reads the plain loop's layout. The others
+            # evict nothing: their update, without this batch's token, runs beside it.
             # A prompt chunk that is not its prompt's last (chunked prefill) takes its step now
             # with any policy: its next chunk, in this batch, must be written after the compacted
             # layout of the ones before it (the host waits for that batch's forward, as the plain
@@ -152,8 +152,8 @@ def build_manager_class(base: type) -> type:
                     prepared.stepped.update(now)
                 if prepared.mass is None:
                     self._vtoken_enqueue_mass(prepared)
-                evicting = self._vtoken_may_evict_with_next(prepared) \
-                    if self.vtoken.settings.decode_decision == "at_once" else None
+                evicting = self._vtoken_may_evict(prepared) if self.vtoken.settings.decode_decision == "at_once" \
+                    else None
                 if evicting:
                     self._vtoken_step(prepared, through_only=False, only=evicting)
                     prepared.stepped.update(evicting)
@@ -172,9 +172,12 @@ def build_manager_class(base: type) -> type:
                 if rewind > 0 and req.py_request_id in self._vtoken_held and \
                         req.state.name not in ("GENERATION_COMPLETE", "CONTEXT_INIT"):
                     self._vtoken_batches.rewound(prepared, req.py_request_id, rewind)
-            # Count-based policies take in the tokens up to this batch's own only (a later batch's
-            # were or will be taken in by its successor's prepare_resources, before its forward).
-            self._vtoken_step(prepared, through_only=not self.vtoken.needs_attention)
+            # Count-based policies, and observing ones deciding at once, take in the tokens up to
+            # this batch's own only (a later batch's were or will be taken in by its successor's
+            # step): so a step here never counts the next batch's token, and evicts nothing where
+            # prepare_resources found that this batch's tokens alone evict nothing.
+            self._vtoken_step(prepared, through_only=not self.vtoken.needs_attention or
+                              self.vtoken.settings.decode_decision == "at_once")
             self._vtoken_publish(force=False)
 
         def _vtoken_step(self, prepared, through_only: bool, only: set[int] | None = None) -> None:

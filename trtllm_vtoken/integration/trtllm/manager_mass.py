@@ -44,14 +44,16 @@ class ManagerMass:
         return [r for r in prepared.batch.context_requests + prepared.batch.generation_requests
                 if r.py_request_id in self._vtoken_held and r.py_request_id not in prepared.stepped]
 
-    def _vtoken_may_evict_with_next(self, prepared) -> set[int]:
-        """The batch's requests, held and not stepped yet, whose step may evict once the next
-        batch's token has joined their tables (``VTokenState.may_evict_at``): with
-        ``decode_decision="at_once"`` the overlap loop steps them before the next forward."""
+    def _vtoken_may_evict(self, prepared) -> set[int]:
+        """The batch's requests, held and not stepped yet, whose step may evict once the tokens
+        the launched forwards wrote have joined their tables (``VTokenState.may_evict_at``; called
+        before the next batch allocates its tokens): with ``decode_decision="at_once"`` the
+        overlap loop steps them before the next forward, the others in ``update_resources``
+        without the next batch's token, where they evict nothing."""
         allocated = self._vtoken_batches.allocated
         req_ids = [r.py_request_id for r in self._vtoken_unstepped(prepared)
                    if r.py_request_id != CUDA_GRAPH_DUMMY_REQUEST_ID]
-        evicts = self.vtoken.may_evict_at([(r, allocated[r] + 1) for r in req_ids])
+        evicts = self.vtoken.may_evict_at([(r, allocated[r]) for r in req_ids])
         return {r for r, e in zip(req_ids, evicts) if e}
 
     def _vtoken_enqueue_mass(self, prepared) -> None:

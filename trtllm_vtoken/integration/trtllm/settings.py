@@ -64,12 +64,12 @@ class VTokenSettings:
     """The step's token table: "cpp" (the C++ core), "python", or "auto" (cpp where built)."""
     decode_decision: str = "at_once"
     """TensorRT-LLM's overlap loop, policies that observe attention: "at_once" steps a batch's
-    requests whose step may evict with the next batch's token (``DecodeStep.may_evict``) in the
-    next batch's ``prepare_resources``, before its forward (the host waits for the batch's own
-    forward and mass, not the next one's); the others in ``update_resources`` beside the next
-    forward, where they evict nothing: the plain loop's decisions. "lagged": every step in
-    ``update_resources``, one iteration late (the host never waits on a forward's mass before
-    launching the next forward). The plain loop decides at once either way."""
+    requests whose step may evict (``DecodeStep.may_evict``) in the next batch's
+    ``prepare_resources``, before its forward (the host waits for the batch's own forward and
+    mass, not the next one's); the others in ``update_resources`` beside the next forward, with
+    the batch's own tokens only, where they evict nothing: the plain loop's decisions. "lagged":
+    every step in ``update_resources``, one iteration late (the host never waits on a forward's
+    mass before launching the next forward). The plain loop decides at once either way."""
     mass_workspace_mib: int = 64
     """The most transient memory one attention-mass pass (H2O, Scissorhands) holds, in MiB: in the
     forward's prefill hook (and so in ``KvCacheCreator``'s estimation forward) and in
