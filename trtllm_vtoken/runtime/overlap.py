@@ -102,11 +102,11 @@ def widened(mass: np.ndarray, layout: Any, writes: Any, req_ids: list[int]) -> n
 
 def may_evict_next(kv: Any, req_ids: list[int]) -> list[bool]:
     """Per request: could its step evict once the tokens it has written and not taken in yet, and
-    its next decode step's, have joined its table (``DecodeStep.may_evict``)? False for native."""
+    its next decode token, have joined its table (``DecodeStep.may_evict``)? False for native.
+    (No drafts: speculative decoding turns the overlap scheduler off.)"""
     if kv.step is None or not req_ids:
         return [False] * len(req_ids)
-    drafts, writes = kv.step_drafts, kv.writes
-    return kv.step.may_evict(req_ids, [writes.pending_tokens(r) + 1 + drafts.get(r, 0) for r in req_ids]).tolist()
+    return kv.step.may_evict(req_ids, [kv.writes.pending_tokens(r) + 1 for r in req_ids]).tolist()
 
 
 def remap_mass(mass: np.ndarray, old_ids: np.ndarray, new_ids: np.ndarray) -> np.ndarray:
