@@ -154,16 +154,21 @@ def test_guarded_script_generates_as_one_process_and_exits_silently_without_clos
 
 def fail_on_rank_1(ranks, how: str) -> None:
     """Run on every rank (``RankProcesses.call``): rank 1 fails, rank 0 waits in an all-reduce
-    that rank 1 never joins."""
+    that rank 1 never joins. ``exit_late``: rank 0's error reaches the launcher before rank 1's
+    exit does (as a collective's reset connection can), and the exit is still what is reported."""
     if ranks.rank == 1:
-        if how == "exit":
+        if how == "exit_late":
+            time.sleep(0.3)  # well inside the launcher's grace (FAILURE_GRACE_S)
+        if how in ("exit", "exit_late"):
             os._exit(3)
         raise ValueError("injected failure on rank 1")
+    if how == "exit_late":
+        raise ConnectionResetError("rank 0 lost its peer")
     ranks.all_reduce_sum(torch.zeros(4))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["raise", "exit"])
+@pytest.mark.parametrize("how", ["raise", "exit", "exit_late"])
 def test_a_failing_rank_is_reported_at_once_and_the_others_are_stopped(tiny_llm_folder, how):
     ranks = RankProcesses(tiny_llm_folder, 2, threads=1)
     pids = ranks.pids

@@ -183,16 +183,18 @@ class RankProcesses:
                     message = conn.recv()
                 except EOFError:
                     del pending[rank]
-                    self._abort({rank: self._exited(rank, during)}, pending, failure)
+                    self._abort({rank: self._exited(rank, during)}, pending, failure, during)
                 if message[0] != "step":
                     del pending[rank]
                     error = failure(message)
                     if error is not None:
-                        self._abort({rank: str(error)}, pending, failure)
+                        self._abort({rank: str(error)}, pending, failure, during)
                 yield rank, message
 
-    def _abort(self, failures: dict[int, str], pending: dict, failure: Failure) -> NoReturn:
-        """Collects for a moment what the other ranks still report, stops every rank, raises."""
+    def _abort(self, failures: dict[int, str], pending: dict, failure: Failure, during: str) -> NoReturn:
+        """Collects for a moment what the other ranks still report, stops every rank, raises. A
+        rank found exited here is reported as one found first would be: its peers' errors (a
+        collective's reset connection) often reach the pipes before its exit does."""
         deadline = time.monotonic() + FAILURE_GRACE_S
         while pending and time.monotonic() < deadline:
             for conn in wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic())):
@@ -201,7 +203,7 @@ class RankProcesses:
                     message = conn.recv()
                 except EOFError:
                     del pending[rank]
-                    failures[rank] = self._exited(rank, "")
+                    failures[rank] = self._exited(rank, during)
                     continue
                 if message[0] != "step":
                     del pending[rank]
