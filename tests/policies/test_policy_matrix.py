@@ -121,6 +121,11 @@ def test_random_is_seeded_per_request():
         (lambda: make_policy("h2o", 1.5), ValueError, r"ratio must lie in \(0, 1\]"),
         (lambda: make_policy("h2o", "lots"), ValueError, "neither a token count nor a ratio"),
         (lambda: make_policy("h2o", 8, windw=3), ValueError, r"unknown option\(s\) \['windw'\]"),
+        # private state and class constants are not options (nor listed as known ones)
+        (lambda: make_policy("h2o", 8, _mass=None), ValueError,
+         r"unknown option\(s\) \['_mass'\] for policy 'h2o'; known: \['n_sink', 'prefill_window', 'recent_ratio', "
+         r"'recent_window'\]$"),
+        (lambda: make_policy("scissorhands", 8, slot_stats={}), ValueError, r"unknown option\(s\) \['slot_stats'\]"),
         (lambda: make_policy("streaming_llm", 8, n_sink=-1), ValueError, "must be >= 0"),
     ],
 )

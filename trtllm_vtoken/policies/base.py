@@ -16,7 +16,7 @@ protected tokens, bottom-k selection, both forms); a concrete policy only scores
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 from typing import ClassVar
 
 import numpy as np
@@ -289,13 +289,20 @@ def row_view(view: BatchView, row: int) -> PolicyView:
     return PolicyView(int(view.req_ids[row]), int(view.num_tokens[row]), live_ids, protected)
 
 
+def option_fields(name: str) -> dict[str, Field]:
+    """A registered policy's options by name: its init fields but the budget (class constants and
+    private state are not options). Unknown names raise KeyError."""
+    return {f.name: f for f in fields(POLICIES.get(name))
+            if f.init and not f.name.startswith("_") and f.name != "budget"}
+
+
 def make_policy(name: str, budget: Budget | int | float | str, **kwargs) -> EvictionPolicy:
     """Builds a registered policy. Unknown names raise KeyError, unknown options ValueError."""
+    known = option_fields(name)
     cls = POLICIES.get(name)
     if not isinstance(budget, Budget):
         budget = Budget.parse(budget)
-    known = set(cls.__dataclass_fields__) - {"budget"}
-    unknown = sorted(set(kwargs) - known)
+    unknown = sorted(set(kwargs) - set(known))
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for policy {name!r}; known: {sorted(known)}")
     return cls(budget=budget, **kwargs)

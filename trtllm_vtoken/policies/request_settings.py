@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trtllm_vtoken.policies.base import POLICIES, EvictionPolicy, make_policy
+from trtllm_vtoken.policies.base import POLICIES, EvictionPolicy, make_policy, option_fields
 from trtllm_vtoken.policies.budget import Budget
 
 NATIVE = "native"
@@ -154,8 +154,7 @@ def _known_policy(name: str) -> str:
 def _check_option_types(name: str, options: tuple[tuple[str, Any], ...]) -> None:
     """Each option must be a public field of the policy, of its default's type (a float field
     takes an int too)."""
-    fields = {f.name: f for f in dataclasses.fields(POLICIES.get(name))
-              if not f.name.startswith("_") and f.name != "budget"}
+    fields = option_fields(name)
     for key, value in options:
         if key not in fields:
             raise ValueError(f"unknown option {key!r} for policy {name!r}; known: {sorted(fields)}")
