@@ -10,13 +10,17 @@ same code runs on the real class inside the executor worker and on the test doub
     _pause_requests        a paused request is freed (free_resources below)
     prepare_resources(N)   first, for the batches still in flight (the overlap loop's N-1): a
                            count-based policy's step, or an attention policy's mass enqueued behind
-                           their forwards and copied to the host without blocking (mass_copy.py);
-                           then super (add_sequence / add_token on the physical length); the rows
-                           of the recorded queries follow the batch
+                           their forwards and copied to the host without blocking (mass_copy.py)
+                           and, deciding at once (decode_decision), the step of the requests whose
+                           tokens up to N-1's may evict, reading their rows of that copy; then
+                           super (add_sequence / add_token on the physical length); the rows of
+                           the recorded queries follow the batch
     ... forward N, sampling, _handle_responses: requests that finished with N are freed ...
-    update_resources(N)    super; then ONE step for the requests of N still held (finished ones are
-                           gone: a stop / EOS token or max_tokens on the first token, every dummy of
-                           KvCacheCreator's estimation run at LLM() start): the tables learn the
+    update_resources(N)    super; then ONE step for the requests of N still held and not stepped
+                           above (finished ones are gone: a stop / EOS token or max_tokens on the
+                           first token, every dummy of KvCacheCreator's estimation run at LLM()
+                           start), with their tokens up to N's own (lagged: every token allocated,
+                           N+1's included): the tables learn the
                            prompts and new tokens, the policy decides for all at once (prefill mass
                            summed in the forward; decode mass from the recorded queries, one pass
                            for all decode rows and one copy of the batch's [B, L] mass to the host,
@@ -185,11 +189,12 @@ def build_manager_class(base: type) -> type:
             finished with a batch (_handle_responses, a stop or EOS token, max_tokens reached:
             KvCacheCreator's estimation requests finish on their first token) BEFORE it calls
             update_resources with the whole batch: those are gone from TensorRT-LLM's manager and
-            from vToken's tables, and are skipped. Attention-observing policies take in every token
-            TensorRT-LLM allocated for a request: under the overlap loop that includes the token
-            the next batch's forward (already launched) writes, so the plan counts its slot as
-            taken; the decode queries of this batch attended to the tokens up to its own
-            (``through``). ``through_only``: only those, and requests with none new are skipped.
+            from vToken's tables, and are skipped. Without ``through_only`` (attention-observing
+            policies deciding lagged) a step takes in every token TensorRT-LLM allocated for a
+            request: under the overlap loop that includes the token the next batch's forward
+            (already launched) writes, so the plan counts its slot as taken; the decode queries of
+            this batch attended to the tokens up to its own (``through``). ``through_only``: only
+            those, and requests with none new are skipped.
             ``only``: these requests of the batch; the batch's requests stepped already are left out."""
             scheduled_batch, step = prepared.batch, self.vtoken.step
             written = self._vtoken_written(prepared, through_only, only)
