@@ -126,6 +126,14 @@ def test_settings_from_parameters():
     assert ServingSettings.from_parameters({"max_num_tokens": "none"}).engine.max_num_tokens is None
     with pytest.raises(ValueError, match="must be a JSON object"):
         ServingSettings.from_parameters({"overlap_scheduler": "false", "speculative_config": "3"})
+    # the engine's policy options (H2O's prefill window), checked as EngineConfig checks them
+    windowed = ServingSettings.from_parameters({"policy": "h2o", "policy_options": '{"prefill_window": 64}'})
+    assert windowed.engine.policy_options == {"prefill_window": 64}
+    assert windowed.engine.make_policy().prefill_window == 64
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        ServingSettings.from_parameters({"policy": "h2o", "policy_options": "64"})
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['window'\] for policy 'h2o'"):
+        ServingSettings.from_parameters({"policy": "h2o", "policy_options": '{"window": 64}'})
 
 
 def test_non_finite_temperature_is_refused_by_sampling_params_too():

@@ -69,10 +69,10 @@ class ServingSettings:
         for key, raw in parameters.items():
             if key in own_fields:
                 own_values[key] = _convert(key, raw, typing.get_type_hints(cls)[key])
-            elif key in engine_fields and key != "policy_options":
+            elif key in engine_fields:
                 engine_values[key] = _convert(key, raw, typing.get_type_hints(EngineConfig)[key])
             else:
-                known = sorted({*engine_fields, *own_fields} - {"policy_options"})
+                known = sorted({*engine_fields, *own_fields})
                 raise ValueError(f"unknown model parameter {key!r}; known: {known}")
         return cls(engine=EngineConfig(**engine_values), **own_values)
 
@@ -84,7 +84,8 @@ def _convert(key: str, raw: str, hint: Any) -> Any:
         return None
     if options and int in options and not options - {int, type(None)}:
         hint = int  # int | None
-    if dict in options or any(dataclasses.is_dataclass(o) for o in options):  # a JSON object
+    if typing.get_origin(hint) is dict or dict in options or any(dataclasses.is_dataclass(o) for o in options):
+        # a JSON object: policy_options, speculative_config
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
