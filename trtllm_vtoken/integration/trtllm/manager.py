@@ -20,14 +20,14 @@ same code runs on the real class inside the executor worker and on the test doub
                            above (finished ones are gone: a stop / EOS token or max_tokens on the
                            first token, every dummy of KvCacheCreator's estimation run at LLM()
                            start), with their tokens up to N's own (lagged: every token allocated,
-                           N+1's included): the tables learn the
-                           prompts and new tokens, the policy decides for all at once (prefill mass
-                           summed in the forward; decode mass from the recorded queries, one pass
-                           for all decode rows and one copy of the batch's [B, L] mass to the host,
-                           enqueued at the next prepare when there is one), dense compaction copies every request's moves in one launch on the
-                           side stream, the execution stream waits on it (I3), and rewind_kv_cache
-                           returns each request's freed tail before the scheduler of N+1 counts
-                           free blocks
+                           N+1's included): the tables learn the prompts and new tokens, the
+                           policy decides for all at once (prefill mass summed in the forward;
+                           decode mass from the recorded queries, one pass for all decode rows
+                           and one copy of the batch's [B, L] mass to the host, enqueued at the
+                           next prepare when there is one), dense compaction copies every
+                           request's moves in one launch on the side stream, the execution stream
+                           waits on it (I3), and rewind_kv_cache returns each request's freed
+                           tail before the scheduler of N+1 counts free blocks
     free_resources         drop the token table (and empty the step's slots of its prompt blocks
                            past its row: chunked prefill with block reuse), then super
     (both)                 publish vToken's counters for the Triton model's metrics (stats.py)
