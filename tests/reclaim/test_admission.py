@@ -21,6 +21,15 @@ def test_peak_blocks_per_variant(variant, mode, expected):
     assert ctl.peak_blocks(state) == expected
 
 
+def test_lazy_peak_never_exceeds_what_the_tokens_fill():
+    # 12 tokens, all live, 2 more to come, budget 10: dense ceil(13/4) = 4 = native's ceil(14/4);
+    # lazy's threshold of 2 would make 6, but compaction takes no block of its own
+    state = RequestState(logical_len=12, live=12, remaining=2, budget=10)
+    peaks = {mode: AdmissionController(BlockPool(64, 4), AdmissionConfig(mode=mode, fragmentation_threshold=2))
+             .peak_blocks(state) for mode in ("dense", "lazy")}
+    assert peaks == {"dense": 4, "lazy": 4}
+
+
 def test_vtoken_admits_more_requests_than_native_in_the_same_pool():
     def count_admitted(variant: str) -> int:
         ctl = AdmissionController(BlockPool(40, 4), AdmissionConfig(variant=variant))

@@ -73,6 +73,25 @@ def test_a_request_alone_in_the_smallest_pool_that_takes_it_finishes_unpreempted
     assert len(engine.pop_finished(req).output_ids) == 24
 
 
+@pytest.mark.parametrize(("prompt_len", "max_tokens", "tokens_per_block"), [(18, 3, 16), (9, 2, 4), (30, 20, 4)])
+@pytest.mark.parametrize("mode", ["dense", "lazy"])
+def test_no_vtoken_request_needs_a_larger_pool_than_native(sharp_tiny_model, mode, prompt_len, max_tokens,
+                                                           tokens_per_block):
+    """Compaction takes no block of its own, so a request holds no more blocks than its tokens
+    fill, whatever lazy mode's fragmentation threshold allows. Before, lazy mode added the
+    threshold to a peak already capped at the whole request: a request that evicts little (its
+    budget about its length) was refused in the pool native, naive-evict and dense ran it in."""
+    prompt = [(i * 5) % 100 + 1 for i in range(prompt_len)]
+    pools = {}
+    for variant, m in (("native", "dense"), ("naive-evict", "dense"), ("vtoken", mode)):
+        engine, req = smallest_engine(sharp_tiny_model, prompt, max_tokens, variant=variant, mode=m, policy="h2o",
+                                      budget=0.5, tokens_per_block=tokens_per_block, prefix_caching=False)
+        drain(engine)
+        assert engine.stats.preemptions == 0 and len(engine.pop_finished(req).output_ids) == max_tokens
+        pools[variant] = engine.config.num_blocks
+    assert pools["vtoken"] <= pools["naive-evict"] == pools["native"], pools
+
+
 @pytest.mark.parametrize("policy", ["streaming_llm", "h2o", "scissorhands", "random"])
 def test_a_budget_given_up_a_block_at_a_time_reserves_its_most_on_the_way(sharp_tiny_model, policy):
     """``eviction_unit=tokens_per_block`` (the TensorRT-LLM hosts' unit): budget 10 in 4-token units

@@ -227,6 +227,41 @@ def test_a_request_the_pool_holds_only_without_drafts_runs_without_them(model):
     assert len(engine.pop_finished(req_id).output_ids) == 20 and engine.speculation.stats.drafted == 0
 
 
+@pytest.mark.parametrize("mode", ["dense", "lazy"])
+def test_vtoken_drafts_in_every_pool_where_naive_evict_drafts(model, mode):
+    """A request's drafts are fixed when it is added, from its peak blocks alone: vToken's peak
+    never exceeds naive-evict's, so in no pool does naive-evict draft and vToken not (lazy mode's
+    fragmentation threshold once made it draft nothing there, and decide at other steps)."""
+    values = dict(policy="streaming_llm", policy_options={"n_sink": 2}, budget=8, eviction_unit=4, tokens_per_block=4,
+                  max_seq_len=96, prefix_caching=False, overlap_scheduler=False, speculative_config={"max_draft_len": 4,
+                                                                            "max_matching_ngram_size": 2})
+    prompt, params = [(i * 37) % 128 for i in range(18)], SamplingParams(max_tokens=3, ignore_eos=True)
+
+    def drafts(variant: str, num_blocks: int) -> int | None:
+        engine = Engine(model, EngineConfig(variant=variant, mode="dense" if variant != "vtoken" else mode,
+                                            num_blocks=num_blocks, **values))
+        try:
+            return engine.requests[engine.add_request(prompt, params)].draft_tokens
+        except ValueError:  # the pool cannot hold it at all
+            return None
+
+    for num_blocks in range(1, 12):
+        naive = drafts("naive-evict", num_blocks)
+        if naive is not None:
+            assert drafts("vtoken", num_blocks) >= naive, num_blocks
+    traces = []
+    for variant in ("naive-evict", "vtoken"):  # the smallest pool where naive-evict drafts 4
+        pool = next(n for n in range(1, 12) if drafts("naive-evict", n) == 4)
+        engine = Engine(model, EngineConfig(variant=variant, mode="dense" if variant != "vtoken" else mode,
+                                            num_blocks=pool, check_invariants=True, **values), record_trace=True)
+        req_id = engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        done = engine.pop_finished(req_id)
+        traces.append((done.draft_tokens, done.output_ids, done.evictions))
+    assert traces[0] == traces[1] and traces[0][0] == 4 and any(traces[0][2])
+
+
 def test_a_token_limit_leaving_no_draft_per_row_is_said():
     with pytest.warns(UserWarning, match=r"drafts nothing: max_num_tokens \(12\) leaves no draft token per row"):
         config = EngineConfig(max_num_tokens=12, max_batch_size=8, speculative_config=SPEC, overlap_scheduler=False)

@@ -11,8 +11,10 @@ Each running request ``r`` reserves ``max(0, peak(r) - held(r))`` blocks of the 
                           the step's eviction: 1 while decoding, a chunk while a prompt is
                           prefilled in chunks, 2 before a first decode step the overlap
                           scheduler defers; compaction keeps exactly ceil(live / B) blocks)
-    vtoken lazy           as dense + fragmentation_threshold blocks
-                          (holes are tolerated up to the threshold before compaction runs)
+    vtoken lazy           as dense + fragmentation_threshold blocks, and never more than
+                          native's: holes are tolerated up to the threshold before compaction
+                          runs, but compaction takes no block of its own, so a request holds no
+                          more blocks than its tokens, evicted ones included, fill
 
 plus ``evacuation_headroom`` blocks kept free for the whole pool, so a relocation never needs a
 block that is not there. With prefix caching, cached blocks no request holds count as free (they
@@ -158,11 +160,12 @@ def peak_blocks(tokens_per_block: int, logical_len: int, live: int, remaining: i
         extra_blocks: lazy compaction's tolerance (its fragmentation threshold).
         step_tokens: most tokens written in one step before an eviction (a prefill chunk, else 1).
     """
+    whole = _ceil(logical_len + remaining, tokens_per_block)  # every token it ever writes
     if budget is None:
-        return _ceil(logical_len + remaining, tokens_per_block)
+        return whole
     # At least the whole prompt: prefill writes it before the first eviction.
     peak_live = min(live + remaining, max(live, budget) + step_tokens)
-    return _ceil(peak_live, tokens_per_block) + extra_blocks
+    return min(whole, _ceil(peak_live, tokens_per_block) + extra_blocks)
 
 
 def _ceil(a: int, b: int) -> int:
