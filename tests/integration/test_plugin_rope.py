@@ -31,11 +31,11 @@ def test_the_plugin_table_is_its_own_float32_arithmetic():
     assert np.abs(angles.astype(np.float64) - 4999 * spec.inv_freq().double().numpy()).max() > 0
 
 
-@pytest.mark.parametrize(("position", "documented"), [(4096, "3.2e-05"), (32768, "3.8e-04"), (131072, "8.8e-04")])
+@pytest.mark.parametrize(("position", "documented"), [(4096, 3.2e-5), (32768, 3.8e-4), (131072, 8.8e-4)])
 def test_rerotation_error_against_the_plugin_table(position, documented):
-    """The largest relative error of a key turned back by SHIFT, to the two digits
-    docs/trtllm_engine.md gives (seeded keys: the same every run), each far below a bfloat16
-    rounding's 3.9e-3."""
+    """The largest relative error of a key turned back by SHIFT is what docs/trtllm_engine.md
+    gives, to its two digits (within 3%: seeded keys, so only another library's float rounding
+    moves it), each far below a bfloat16 rounding's 3.9e-3."""
     spec = RopeSpec.from_scaling(128, 500000.0, LLAMA31)
     table = PluginRope(position + SHIFT + 1, 128, 500000.0, LLAMA31)
     keys = torch.randn(256, 1, 128, generator=torch.Generator().manual_seed(position))
@@ -45,4 +45,4 @@ def test_rerotation_error_against_the_plugin_table(position, documented):
     want = table.rotate(keys, torch.full((256,), position))
     error = float(((turned - want).norm(dim=-1) / keys.norm(dim=-1)).max())
     print(f"\nposition {position}: re-rotated key vs the plugin's, largest relative error {error:.2e}")
-    assert 0 < error < 3.9e-3 and f"{error:.1e}" == documented
+    assert 0 < error < 3.9e-3 and error == pytest.approx(documented, rel=0.03)

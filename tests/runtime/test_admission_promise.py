@@ -79,8 +79,9 @@ def test_no_vtoken_request_needs_a_larger_pool_than_native(sharp_tiny_model, mod
                                                            tokens_per_block):
     """Compaction takes no block of its own, so a request holds no more blocks than its tokens
     fill, whatever lazy mode's fragmentation threshold allows. Before, lazy mode added the
-    threshold to a peak already capped at the whole request: a request that evicts little (its
-    budget about its length) was refused in the pool native, naive-evict and dense ran it in."""
+    threshold to a peak already capped at the whole request: a request with few tokens left to
+    write past its prompt (less than a block) was refused in the pool native, naive-evict and
+    dense ran it in. The dense cases and the long request are controls."""
     prompt = [(i * 5) % 100 + 1 for i in range(prompt_len)]
     pools = {}
     for variant, m in (("native", "dense"), ("naive-evict", "dense"), ("vtoken", mode)):

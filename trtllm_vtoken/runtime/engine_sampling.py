@@ -16,8 +16,8 @@ from trtllm_vtoken.runtime.sampling import sample
 
 class RequestSampling:
     """Sampling calls of ``Engine`` (a mixin: it reads the engine's ``running``, ``kv``, ``stats``,
-    ``eos_token_ids``, ``record_trace`` and the per-request ``_texts``, ``_generators`` and
-    ``_specs``)."""
+    ``eos_token_ids``, ``record_trace``, the shared ``_generator`` and the per-request ``_texts``,
+    ``_generators`` and ``_specs``)."""
 
     def _advance(self, request: Request, logits: torch.Tensor) -> RequestDelta:
         """Samples the request's next token from ``logits`` [vocab], or its next tokens from

@@ -19,9 +19,10 @@ from trtllm_vtoken.step import StepInput, StepOutput
 
 
 class KVStepCalls:
-    """Step calls of ``KVCacheManager`` (a mixin: it reads the manager's ``cache``, ``writes``,
-    ``step`` or ``lists``, ``pool``, ``prefix``, ``admission`` and counters, and keeps the step in
-    flight in ``_stepping`` / ``_finished``)."""
+    """Step calls of ``KVCacheManager`` (a mixin: it reads the manager's ``config``, ``cache``,
+    ``writes``, ``step`` or ``lists``, ``layout``, ``pool``, ``prefix``, ``admission``,
+    ``needs_attention``, ``lag_start``, ``step_drafts``, ``stats`` and ``evictions``, and keeps the
+    step in flight in ``_stepping`` / ``_finished``)."""
 
     def set_batch(self, req_ids: list[int]) -> torch.Tensor | None:
         """Writes the rows' block lists and lengths (with their reserved tokens) into the cache's
