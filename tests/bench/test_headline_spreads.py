@@ -10,7 +10,8 @@ import pytest
 
 from trtllm_vtoken.bench.repeats import at_most_verdict
 from trtllm_vtoken.bench.sla import compare
-from trtllm_vtoken.bench.step import StepBenchConfig, run_step_bench
+from trtllm_vtoken.bench.step import run_step_bench
+from trtllm_vtoken.bench.step_config import StepBenchConfig
 from trtllm_vtoken.bench.trtllm_mass import ratio_summary
 
 VERDICTS = ("within the spread",)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from trtllm_vtoken.bench.step import StepBenchConfig
+from trtllm_vtoken.bench.step_config import StepBenchConfig
 from trtllm_vtoken.bench.step_alone import CACHES, ROWS, time_step_alone
 from trtllm_vtoken.core.native import load
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from trtllm_vtoken.bench import step as step_bench
-from trtllm_vtoken.bench.step import StepBenchConfig
+from trtllm_vtoken.bench.step_config import StepBenchConfig
 
 
 def test_a_paired_run_alternates_the_order_and_reads_the_per_step_differences(monkeypatch):

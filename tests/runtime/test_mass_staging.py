@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.runtime.test_engine import LONG, config, prompts, run
-from trtllm_vtoken.bench.step import StepBenchConfig
+from tests.runtime.test_engine import LONG, config, prompts
+from trtllm_vtoken.bench.step_config import StepBenchConfig
 from trtllm_vtoken.bench.step_mass import buffer_mass
 from trtllm_vtoken.core import native
 from trtllm_vtoken.runtime.engine import Engine

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from trtllm_vtoken.bench.h2o_pass import FLUSH_BYTES
-from trtllm_vtoken.bench.step import SPLIT, StepBenchConfig
+from trtllm_vtoken.bench.step_config import SPLIT, StepBenchConfig
 from trtllm_vtoken.core.native import compaction_timed
 from trtllm_vtoken.step.config import CORE_PARTS
 

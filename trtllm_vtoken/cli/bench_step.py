@@ -55,7 +55,8 @@ def register(bench) -> None:
 def run_step(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from trtllm_vtoken.bench.step import IMPLS, StepBenchConfig, plot_step, run_step_bench
+    from trtllm_vtoken.bench.step import plot_step, run_step_bench
+    from trtllm_vtoken.bench.step_config import IMPLS, StepBenchConfig
     from trtllm_vtoken.cli.info import machine
     from trtllm_vtoken.core.native import load as load_native
     from trtllm_vtoken.report import format_table
