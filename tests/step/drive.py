@@ -68,15 +68,21 @@ def random_policies(rng: np.random.Generator) -> list:
     return [make_policy(name, budget, **options) for name, budget, options in POLICY_SPECS] + [None]
 
 
+RUNNING_NEW = (1, 1, 1, 1, 1, 1, 0, 2, 3)
+"""A running row's new tokens, drawn with these weights. Rows of 0 and 2 in one batch sum to the
+row count as a decode step's ones do: the Python core once took them for one token each."""
+
+
 def random_batch(rng: np.random.Generator, step: DecodeStep, host: Host, new_requests: list[int]) -> StepInput:
-    """A batch of some running requests (one token each) and the new ones (a prompt each), with
-    the blocks the host allocates for them and a random attention mass."""
+    """A batch of some running requests (one token each, now and then none or a few: a row that
+    takes nothing in, accepted drafts) and the new ones (a prompt each), with the blocks the host
+    allocates for them and a random attention mass."""
     running = [r for r in step.request_ids() if r not in new_requests]
     rows = [r for r in running if rng.random() < 0.8] + new_requests
     rows = [rows[i] for i in rng.permutation(len(rows))]
     num_new, blocks = [], []
     for req in rows:
-        n = int(rng.integers(1, 4 * host.tpb)) if req in new_requests else 1
+        n = int(rng.integers(1, 4 * host.tpb)) if req in new_requests else int(rng.choice(RUNNING_NEW))
         need = -(-(step.kv_len(req) + n) // host.tpb) - step.num_blocks(req)
         num_new.append(n)
         blocks.append(host.allocate(max(need, 0) + int(rng.random() < 0.05)))

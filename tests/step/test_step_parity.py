@@ -148,3 +148,17 @@ def test_id_scored_victims_from_the_table_include_this_steps_new_tokens(compacti
         evicted.append([outs[1].victims_of(0), outs[1].victims_of(1)])
     assert evicted[0] == [[3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5, 6]]  # the prompt beyond the sinks / window
     assert evicted[1] == [[9], [7]]  # the newest token itself goes: no recent window is left
+
+
+@pytest.mark.parametrize("impl", ["python", "cpp"])
+def test_a_row_of_none_and_a_row_of_two_are_not_a_decode_step(impl):
+    """New tokens [0, 2] sum to the row count as a decode step's [1, 1] do: row 0 registers
+    nothing and row 1 both its tokens, checked against the table (I1/I2)."""
+    from trtllm_vtoken.step import DecodeStep, StepConfig, StepInput
+
+    step = DecodeStep(StepConfig("dense", impl=impl, check_invariants=True), 16, 4)
+    step.add_request(0), step.add_request(1)
+    step.run(StepInput.of_lists([0, 1], [4, 3], [[0], [1]]))
+    step.run(StepInput.of_lists([0, 1], [0, 2], [[], [2]]))
+    assert step.batch_tokens([0, 1]).tolist() == [[0, 1, 2, 3, -1, -1, -1, -1], [0, 1, 2, 3, 4, -1, -1, -1]]
+    assert (step.slots.tokens[16 * 4:] == -1).all()  # nothing written past the pool (the padding block)

@@ -183,7 +183,7 @@ class SlotMap:
         if not total:
             return np.zeros(0, dtype=np.int64)
         tpb = self.tokens_per_block
-        if total == len(rows):  # a decode step: one token each
+        if total == len(rows) and int(num_new.max()) == 1:  # a decode step: one token each (0 + 2 also sums to 2)
             positions = self.kv_len[rows]
             slots = self.block_table[rows, positions // tpb].astype(np.int64) * tpb + positions % tpb
             self.tokens[slots] = self.num_tokens[rows]
