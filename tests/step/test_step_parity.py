@@ -101,6 +101,10 @@ def bad_input_errors(impl: str) -> list[str]:
            StepInput([0, 1], [1, 1], [0, 1, 2], spare + spare, mass=np.ones((2, 9))),  # an unshared block twice
            StepInput([0], [1], [0], [], mass=np.ones((1, 9))),  # offsets of the wrong size
            StepInput([7], [1], [0, 0], [], mass=np.ones((1, 9)))]  # an unknown request
+    # New blocks one list per request: an array, a range or a bare id per request, or ids that are
+    # no int64 integers (the spare block as a float would be truncated to it)
+    bad += [StepInput.of_lists([0], [1], [blocks], mass=np.ones((1, 9)))
+            for blocks in (np.array(spare), range(spare[0], spare[0] + 1), spare[0], [float(spare[0])], ["a"], [2**63])]
     errors = []
     for inp in bad:
         with pytest.raises((ValueError, KeyError)) as caught:
@@ -118,6 +122,7 @@ def test_bad_input_changes_nothing_and_both_cores_refuse_it_alike():
     python, native = bad_input_errors("python"), bad_input_errors("cpp")
     assert python == native
     assert "step: num_new must be >= 0, got [-1, -2]" in python[6]
+    assert python[-6:] == ["ValueError: slots: new blocks must be one sequence of block ids per request"] * 6
 
 
 @pytest.mark.parametrize("compaction", ["dense", "lazy"])

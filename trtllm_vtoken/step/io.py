@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from operator import index
 from typing import Any
 
 import numpy as np
@@ -83,10 +84,21 @@ def csr(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, list[int]]:
     return offsets, [value for values in lists for value in values]
 
 
+NEW_BLOCKS_REFUSED = "slots: new blocks must be one sequence of block ids per request"
+
+
 def csr_arrays(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """``csr`` with the values as an int64 array too."""
-    offsets, flat = csr(lists)
-    return offsets, np.asarray(flat, dtype=np.int64)
+    """A batch's new blocks given one list or tuple of ids per request, as ``csr`` with the values
+    an int64 array too. Taken as the C++ core takes them (``cpp/core/slot_args.h``
+    ``listed_blocks``): anything else per request (an array, a range), or an id that is no integer
+    (``operator.index``) or lies outside int64, is a ValueError, before anything changed."""
+    try:
+        if not all(type(values) in (list, tuple) for values in lists):
+            raise TypeError(NEW_BLOCKS_REFUSED)
+        offsets, flat = csr(lists)
+        return offsets, np.array([index(block) for block in flat], dtype=np.int64)
+    except (TypeError, OverflowError):
+        raise ValueError(NEW_BLOCKS_REFUSED) from None
 
 
 INT64 = np.dtype(np.int64)
