@@ -26,6 +26,8 @@ class Host:
         self.kv = torch.randn(num_blocks, 2, 2, 1, tpb, 4, generator=gen)
 
     def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"the test's pool has {len(self.free)} free blocks, {n} asked for: make it larger")
         taken, self.free = self.free[:n], self.free[n:]
         return taken
 

@@ -44,7 +44,7 @@ class StepBenchConfig:
     threads: int = 0
     """The step's native H2O pass threads (``EngineConfig.step_threads``; 0: automatic, the default)."""
     forward_us: float = 0.0
-    """Device time of the simulated forward (see the module); 0: none."""
+    """Device time of the simulated forward (see ``bench/step.py``); 0: none."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -84,7 +84,7 @@ class StepBenchConfig:
         return rows
 
     def budget(self, row: dict[str, Any]) -> int:
-        """Live tokens an evicting row keeps: mid-block, or at a block boundary (see the module)."""
+        """Live tokens an evicting row keeps: mid-block, or at a block boundary (see ``bench/step.py``)."""
         tpb = self.tokens_per_block
         return self.context - tpb - (0 if row.get("boundary") else tpb // 2)
 

@@ -93,7 +93,7 @@ def csr_arrays(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     ``listed_blocks``): anything else per request (an array, a range), or an id that is no integer
     (``operator.index``) or lies outside int64, is a ValueError, before anything changed."""
     try:
-        if not all(type(values) in (list, tuple) for values in lists):
+        if not all(isinstance(values, (list, tuple)) for values in lists):
             raise TypeError(NEW_BLOCKS_REFUSED)
         offsets, flat = csr(lists)
         return offsets, np.array([index(block) for block in flat], dtype=np.int64)
