@@ -8,7 +8,6 @@ up to 9.6e-4 (benchmarks/shift/shift_exactness.json; benchmarks/RESULTS.md, posi
 from __future__ import annotations
 
 import pytest
-import torch
 
 from trtllm_vtoken.policies import POLICIES
 from trtllm_vtoken.policies.request_settings import EvictionSettings
