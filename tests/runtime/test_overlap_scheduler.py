@@ -201,9 +201,9 @@ def test_real_model_vtoken_equals_naive_evict_under_overlap_and_native_is_unchan
     from trtllm_vtoken.workloads import make_workload
 
     model = smollm2_model
-    items = make_workload("sharegpt", 6, smollm2_tokenizer, max_prompt_tokens=200)
+    items = make_workload("sharegpt", 4, smollm2_tokenizer, max_prompt_tokens=200)
     prompts = [smollm2_tokenizer.encode(item.prompt, chat=True) for item in items]
-    real = dict(tokens_per_block=16, num_blocks=256, max_batch_size=6, max_seq_len=512, budget=0.5)
+    real = dict(tokens_per_block=16, num_blocks=256, max_batch_size=4, max_seq_len=512, budget=0.5)
     naive = generate(model, config(variant="naive-evict", **real), prompts, 12, smollm2_tokenizer)
     vtoken = generate(model, config(**real), prompts, 12, smollm2_tokenizer)
     assert [r.evictions for r in naive] == [r.evictions for r in vtoken]
