@@ -3,13 +3,12 @@
 // there) and ReclaimBackend._commit with validate_plan's O(1) checks.
 #include <algorithm>
 
+#include "table_common.h"
 #include "token_table.h"
 
 namespace vtoken {
 
-namespace {
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-}  // namespace
+using table_common::ceil_div;
 
 // Turns out.src_slots / out.dst_slots, which hold positions on entry, into the plan's fields.
 void TokenTable::fill_plan(const Sequence& s, int64_t req_id, bool dense, int64_t new_kv_len, Plan& out) const {
@@ -232,6 +231,7 @@ bool TokenTable::fill_single_hole(int64_t req_id, int64_t& num_moves, std::vecto
     released.push_back(s.block_ids[i]);
     s.block_index.erase(s.block_ids[i]);
   }
+  holders_.let_go(s.block_ids.data() + keep_blocks, num_blocks - keep_blocks);
   s.block_ids.resize(keep_blocks);
   s.token_at.resize(keep_blocks * tpb_);
   s.live_per_block.resize(keep_blocks);

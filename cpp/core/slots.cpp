@@ -32,6 +32,12 @@ std::string check_new(const SlotArrays& a, const int64_t* req_ids, const int64_t
         return "step: a new block is given twice (only a shared block may join several requests)";
       }
     }
+    for (int64_t k = 0; k < num_given; ++k) {
+      if (table.held_unshared(blocks[k])) {
+        return "step: new block " + std::to_string(blocks[k]) +
+               " is held by a request already (only a shared block may join several requests)";
+      }
+    }
   }
   const int64_t tpb = a.tokens_per_block;
   for (int64_t i = 0; i < batch; ++i) {

@@ -1,21 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
 // The token table's mutations and queries; each mirrors the Python method of the same name in
-// trtllm_vtoken/core/token_table.py (validation order and messages included).
+// trtllm_vtoken/core/token_table.py (validation order and messages included). Its block release
+// (truncate, release_blocks): release.cpp; its planners: planner.cpp.
 #include "token_table.h"
+
+#include "table_common.h"
 
 #include <algorithm>
 
 namespace vtoken {
 
+using table_common::ceil_div;
+using table_common::fail;
+using table_common::has_repeats;
+
 namespace {
-
-std::string req_prefix(int64_t req_id) { return "request " + std::to_string(req_id) + ": "; }
-
-[[noreturn]] void fail(int64_t req_id, const std::string& what) {
-  throw std::invalid_argument(req_prefix(req_id) + what);
-}
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 std::string int128_to_string(__int128 value) {
   if (value >= INT64_MIN && value <= INT64_MAX) return std::to_string(static_cast<int64_t>(value));
@@ -23,10 +22,6 @@ std::string int128_to_string(__int128 value) {
   std::string digits;
   for (; magnitude; magnitude /= 10) digits.insert(digits.begin(), static_cast<char>('0' + magnitude % 10));
   return value < 0 ? "-" + digits : digits;
-}
-
-bool has_repeats(const std::vector<int64_t>& values) {
-  return IdSet(values).distinct() != values.size();
 }
 
 }  // namespace
@@ -87,6 +82,7 @@ void TokenTable::add_request(int64_t req_id) {
 
 std::vector<int64_t> TokenTable::remove_request(int64_t req_id) {
   std::vector<int64_t> blocks = seq(req_id).block_ids;
+  holders_.let_go(blocks.data(), static_cast<int64_t>(blocks.size()));
   const int64_t slot = slot_of_request_.find(req_id);
   seqs_[slot].reset();
   free_seq_slots_.push_back(slot);
@@ -123,6 +119,14 @@ int64_t TokenTable::append(int64_t req_id, const int64_t* added, int64_t num_add
                        std::to_string(max_block_id()) + ") (slots are int32: block * " + std::to_string(tpb_) +
                        " + offset)");
     }
+    std::vector<int64_t> held;
+    for (int64_t b : fresh) {
+      if (held_unshared(b)) held.push_back(b);
+    }
+    if (!held.empty()) {
+      fail(req_id, "new blocks " + repr(held) + " are held by another request (only a shared block may join "
+                       "several requests)");
+    }
   }
   const int64_t known = static_cast<int64_t>(s.block_ids.size());
   const int64_t num_blocks = known + num_added;
@@ -152,6 +156,7 @@ int64_t TokenTable::append(int64_t req_id, const int64_t* added, int64_t num_add
     s.block_index.insert(added[i], static_cast<int64_t>(s.block_ids.size()));
     s.block_ids.push_back(added[i]);
   }
+  holders_.hold(added, num_added);
   s.token_at.resize(s.block_ids.size() * tpb_, kNoToken);
   s.live_per_block.resize(s.block_ids.size(), 0);
   const int64_t first_id = s.num_tokens;
@@ -268,93 +273,6 @@ void TokenTable::apply_moves(int64_t req_id, const std::vector<int64_t>& token_i
   pending.erase(std::remove_if(pending.begin(), pending.end(), [&](int64_t p) { return filled_set.count(p); }),
                 pending.end());
   pending.insert(pending.end(), src_pos.begin(), src_pos.end());
-  s.version += 1;
-}
-
-std::vector<int64_t> TokenTable::truncate(int64_t req_id, int64_t new_kv_len) {
-  Sequence& s = mut(req_id);
-  if (new_kv_len < 0 || new_kv_len > s.kv_len) {
-    fail(req_id, "new length " + std::to_string(new_kv_len) + " not in [0, " + std::to_string(s.kv_len) + "]");
-  }
-  for (int64_t p = new_kv_len; p < s.kv_len; ++p) {
-    if (s.live_at(p)) fail(req_id, "live tokens beyond new length " + std::to_string(new_kv_len));
-  }
-  if (new_kv_len % tpb_ && is_shared(s.block_ids[new_kv_len / tpb_])) {  // its next token would go there
-    fail(req_id, "new length " + std::to_string(new_kv_len) + " would end inside shared block " +
-                     std::to_string(s.block_ids[new_kv_len / tpb_]));
-  }
-  const int64_t keep_blocks = ceil_div(new_kv_len, tpb_);
-  std::vector<int64_t> released(s.block_ids.begin() + keep_blocks, s.block_ids.end());
-  std::vector<int64_t> shared;
-  for (int64_t b : released) {
-    if (is_shared(b)) shared.push_back(b);
-  }
-  if (!shared.empty()) fail(req_id, "cannot release shared blocks " + repr(shared));
-  for (int64_t p = new_kv_len; p < s.kv_len; ++p) {
-    if (s.token_at[p] != kNoToken) s.slot_of[s.token_at[p]] = kNoSlot;
-    s.token_at[p] = kNoToken;
-  }
-  for (int64_t b : released) s.block_index.erase(b);
-  s.block_ids.resize(keep_blocks);
-  s.token_at.resize(keep_blocks * tpb_);
-  s.live_per_block.resize(keep_blocks);
-  s.kv_len = new_kv_len;
-  auto& pending = s.pending_dead;
-  pending.erase(std::remove_if(pending.begin(), pending.end(), [&](int64_t p) { return p >= new_kv_len; }),
-                pending.end());
-  s.version += 1;
-  return released;
-}
-
-void TokenTable::release_blocks(int64_t req_id, const std::vector<int64_t>& block_ids) {
-  Sequence& s = mut(req_id);
-  if (has_repeats(block_ids)) fail(req_id, "blocks to release repeat: " + repr(block_ids));
-  for (int64_t b : block_ids) {
-    const int64_t index = s.block_index.find(b);
-    if (index == FlatIndex::kAbsent) fail(req_id, "block " + std::to_string(b) + " is not one of its blocks");
-    if (is_shared(b)) fail(req_id, "cannot release shared block " + std::to_string(b));
-    if (s.live_per_block[index]) fail(req_id, "block " + std::to_string(b) + " still holds live tokens");
-  }
-  if (block_ids.empty()) return;
-  const int64_t num_blocks = static_cast<int64_t>(s.block_ids.size());
-  std::vector<int64_t> drop;
-  for (int64_t b : block_ids) drop.push_back(s.block_index.find(b));
-  std::sort(drop.begin(), drop.end());
-  std::vector<bool> keep(num_blocks, true);
-  for (int64_t i : drop) keep[i] = false;
-  // Blocks before the first released one keep their place; the kept ones after it shift down in
-  // place (a row only ever moves to a lower index), their positions with them.
-  int64_t covered = 0;
-  int64_t write = drop.front();
-  for (int64_t i = drop.front(); i < num_blocks; ++i) {
-    if (keep[i]) {
-      if (write != i) {
-        for (int64_t k = 0; k < tpb_; ++k) s.token_at[write * tpb_ + k] = s.token_at[i * tpb_ + k];
-        s.live_per_block[write] = s.live_per_block[i];
-        s.block_ids[write] = s.block_ids[i];
-      }
-      ++write;
-      continue;
-    }
-    for (int64_t p = i * tpb_; p < (i + 1) * tpb_; ++p) {
-      if (s.token_at[p] != kNoToken) s.slot_of[s.token_at[p]] = kNoSlot;
-    }
-    covered += std::clamp<int64_t>(s.kv_len - i * tpb_, 0, tpb_);
-  }
-  s.token_at.resize(write * tpb_);
-  s.live_per_block.resize(write);
-  for (int64_t b : block_ids) s.block_index.erase(b);
-  s.block_ids.resize(write);
-  for (int64_t i = drop.front(); i < write; ++i) s.block_index.insert(s.block_ids[i], i);
-  s.kv_len -= covered;
-  std::vector<int64_t> pending;
-  for (int64_t p : s.pending_dead) {
-    const int64_t block = p / tpb_;
-    if (!keep[block]) continue;
-    const int64_t shift = std::upper_bound(drop.begin(), drop.end(), block) - drop.begin();
-    pending.push_back(p - shift * tpb_);
-  }
-  s.pending_dead = std::move(pending);
   s.version += 1;
 }
 

@@ -29,6 +29,7 @@
 #include <memory>
 #include <vector>
 
+#include "block_holders.h"
 #include "chunked_array.h"
 #include "flat_index.h"
 
@@ -79,6 +80,9 @@ class TokenTable {
   // Shared blocks (prefix caching): tokens in them can be neither evicted nor moved.
   void set_shared(int64_t block_id, bool shared);
   bool is_shared(int64_t block_id) const { return !shared_.empty() && shared_.count(block_id); }
+  // Whether a request holds the block and it is not shared: no further request may take it.
+  bool held_unshared(int64_t block_id) const { return holders_.contains(block_id) && !is_shared(block_id); }
+  int64_t holders_of(int64_t block_id) const { return holders_.count(block_id); }
 
   // ---- requests and the contract (token_table.py) ----
   // Request ids lie in [0, 2**63): -2**63 marks the request index's empty entries.
@@ -138,6 +142,7 @@ class TokenTable {
   std::vector<int64_t> free_seq_slots_;
   std::vector<int64_t> order_;  // insertion order, as a Python dict
   std::unordered_set<int64_t> shared_;
+  BlockHolders holders_;  // block id -> requests holding it
 };
 
 // Python's repr of a list of ints, for error messages identical to the specification's.

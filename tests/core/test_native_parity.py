@@ -59,6 +59,9 @@ class Pair:
         for req in self.py.request_ids():
             assert self.state(req) == tuple(self.cpp.state(req)), f"request {req} differs"
         assert self.py.metadata_bytes_per_token() == pytest.approx(self.cpp.metadata_bytes_per_token())
+        blocks = range(-1, self.next_block + 1)
+        assert [self.py.holders_of(b) for b in blocks] == [self.cpp.holders_of(b) for b in blocks]
+        self.py.check_integrity()
 
 
 def plan_and_commit(pair: Pair, req: int, mode: str) -> None:
@@ -128,6 +131,9 @@ def apply(pair: Pair, op: str, r: np.random.Generator) -> None:
         pair.next_block += len(fresh)
         if r.random() < 0.1:  # invalid: a block the request holds, or a negative one
             fresh.append(pair.py.block_ids(req)[0] if req in pair.py and pair.py.num_blocks(req) else -1)
+        elif r.random() < 0.15:  # another request's block: taken only where it is shared
+            others = [q for q in reqs if q != req and pair.py.num_blocks(q)]
+            fresh += [pair.py.block_ids(int(r.choice(others)))[-1]] if others else []
         num_new = int(r.integers(-1, 2 * tpb))
         pair.both(lambda: pair.py.append_tokens(req, fresh, num_new).start,
                   lambda: pair.cpp.append_tokens(req, fresh, num_new))
@@ -281,3 +287,32 @@ def test_a_lazy_plan_without_moves_is_refused_alike_the_second_time():
     pair.check()
     cpp_plan = pair.cpp.plan_lazy(0)
     assert cpp_plan is None and plan_lazy(pair.py, 0) is None
+
+
+@pytest.mark.parametrize("impl", ["python", "cpp"])
+def test_a_block_another_request_holds_joins_it_only_when_shared(impl):
+    """Two requests writing one unshared block would read each other's KV: the table refuses the
+    second, changing nothing; a shared block (a cached prefix) joins both; a block its holders
+    gave back joins anyone."""
+    shared: set[int] = set()
+    table = TokenTable(4, shared.__contains__) if impl == "python" else load().TokenTable(4)
+    share = shared.add if impl == "python" else (lambda b: table.set_shared(b, True))
+    for req in (0, 1, 2):
+        table.add_request(req)
+    table.sync_new_tokens(0, [5, 6], 5)
+    with pytest.raises(ValueError, match=r"^request 1: new blocks \[6\] are held by another request"):
+        table.append_tokens(1, [3, 6], 8)
+    with pytest.raises(ValueError, match="held by another request"):
+        table.sync_new_tokens(1, [6], 1)
+    assert (table.block_ids(1), table.kv_len(1), table.holders_of(3), table.holders_of(6)) == ([], 0, 0, 1)
+    share(5)
+    table.append_tokens(1, [5], 4)  # block 5 whole: a shared prefix
+    assert [table.holders_of(b) for b in (5, 6)] == [2, 1]
+    table.evict_tokens(0, [4])
+    assert table.truncate(0, 4) == [6]  # request 0 gives block 6 back: anyone may take it
+    table.append_tokens(2, [6], 1)
+    assert [table.holders_of(b) for b in (5, 6)] == [2, 1]
+    assert table.remove_request(0) == [5]
+    assert [table.holders_of(b) for b in (5, 6)] == [1, 1]
+    if impl == "python":
+        table.check_integrity()  # the count agrees with the block lists

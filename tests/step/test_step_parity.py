@@ -35,6 +35,9 @@ def tables_equal(a, b) -> None:
     held = a.slots.tokens >= 0  # statistics of slots without a live token are never read
     for name in a.slots.stats:
         assert np.array_equal(a.slots.stats[name][held], b.slots.stats[name][held]), name
+    num_blocks = a.slots.num_blocks
+    assert [a.core.table.holders_of(k) for k in range(num_blocks)] == \
+        [b.core.table.holders_of(k) for k in range(num_blocks)]
     for req in a.request_ids():
         sa, sb = a.core.sequence(req), b.core.sequence(req)
         nb = len(sa.block_ids) * a.tokens_per_block
@@ -89,6 +92,7 @@ def bad_input_errors(impl: str) -> list[str]:
     step = make_step(host, impl, "dense", policy=make_policy("h2o", 6))
     step.add_request(0), step.add_request(1)
     step.run(StepInput([0, 1], [6, 2], [0, 2, 3], host.allocate(3), mass=np.ones((2, 6))))
+    held = [step.block_ids(0), step.block_ids(1)]
     before = (step.table_digest(), step.slots.tokens.copy(), step.slots.block_table.copy(), step.kv_len(0))
     spare = host.allocate(1)
     bad = [StepInput([0], [1], [0, 0], [], mass=None),  # H2O needs the mass
@@ -99,6 +103,8 @@ def bad_input_errors(impl: str) -> list[str]:
            StepInput([0], [1], [0, 2], spare, mass=np.ones((1, 9))),  # offsets past the blocks
            StepInput([0, 1], [-1, -2], [0, 0, 0], [], mass=np.ones((2, 9))),  # negative counts
            StepInput([0, 1], [1, 1], [0, 1, 2], spare + spare, mass=np.ones((2, 9))),  # an unshared block twice
+           StepInput([0], [1], [0, 1], [held[1][0]], mass=np.ones((1, 9))),  # request 1's block
+           StepInput([0], [1], [0, 1], [held[0][0]], mass=np.ones((1, 9))),  # its own block again
            StepInput([0], [1], [0], [], mass=np.ones((1, 9))),  # offsets of the wrong size
            StepInput([7], [1], [0, 0], [], mass=np.ones((1, 9)))]  # an unknown request
     # New blocks one list per request: an array, a range or a bare id per request, or ids that are
@@ -123,6 +129,8 @@ def test_bad_input_changes_nothing_and_both_cores_refuse_it_alike():
     assert python == native
     assert "step: num_new must be >= 0, got [-1, -2]" in python[6]
     assert python[-6:] == ["ValueError: slots: new blocks must be one sequence of block ids per request"] * 6
+    held = [e for e in python if "held by a request already" in e]  # a block given to a second request
+    assert len(held) == 2 and held[0].startswith("ValueError: step: new block ")
 
 
 @pytest.mark.parametrize("compaction", ["dense", "lazy"])

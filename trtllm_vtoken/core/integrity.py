@@ -3,7 +3,8 @@
 
 Every live id maps to exactly one slot inside its request's blocks and below ``kv_len``; the
 reverse map agrees; no slot is referenced twice; counters match a recount; a block appears in
-several requests only if the pool marks it shared.
+several requests only if the pool marks it shared, and the table's count of each block's
+holders agrees.
 """
 
 from __future__ import annotations
@@ -62,9 +63,12 @@ def check_sequence(req_id: int, seq: Sequence, tokens_per_block: int) -> None:
         fail(f"hole positions missing from the pending list: {sorted(missing)[:8]}")
 
 
-def check_blocks_disjoint(block_lists: dict[int, list[int]], is_shared: Callable[[int], bool]) -> None:
-    """Raises RuntimeError if a block sits in two requests' lists without being shared."""
+def check_blocks_disjoint(block_lists: dict[int, list[int]], is_shared: Callable[[int], bool],
+                          holders: dict[int, int] | None = None) -> None:
+    """Raises RuntimeError if a block sits in two requests' lists without being shared, or if
+    ``holders`` (block -> requests holding it, the table's count) disagrees with a recount."""
     owner: dict[int, int] = {}
+    recount: dict[int, int] = {}
     for req_id, blocks in block_lists.items():
         for block_id in blocks:
             other = owner.setdefault(block_id, req_id)
@@ -72,3 +76,7 @@ def check_blocks_disjoint(block_lists: dict[int, list[int]], is_shared: Callable
                 raise RuntimeError(
                     f"block {block_id} is held by requests {other} and {req_id} but not shared (I2)"
                 )
+            recount[block_id] = recount.get(block_id, 0) + 1
+    if holders is not None and holders != recount:
+        wrong = sorted(b for b in holders.keys() | recount.keys() if holders.get(b) != recount.get(b))
+        raise RuntimeError(f"the holders counted for blocks {wrong[:8]} disagree with the block lists")

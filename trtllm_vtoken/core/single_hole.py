@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from trtllm_vtoken.core.block_holders import BlockHolders
 from trtllm_vtoken.core.sequence import NO_SLOT, NO_TOKEN, Sequence
 
 
@@ -27,6 +28,7 @@ class SingleHoleCompaction:
     tokens_per_block: int
     is_shared: Callable[[int], bool]
     seq: Callable[[int], Sequence]
+    block_holders: BlockHolders
 
     def fill_single_hole(self, req_id: int) -> tuple[int, list[int]] | None:
         """Dense compaction of a request whose one hole is its one pending eviction.
@@ -67,6 +69,7 @@ class SingleHoleCompaction:
             del seq.block_index[blocks[block_idx]]
             live_per_block[block_idx] = 0
         del blocks[keep_blocks:]
+        self.block_holders.let_go(released)
         seq.kv_len = new_len
         seq.pending_dead = []
         seq.version += 2  # as apply_moves, then truncate

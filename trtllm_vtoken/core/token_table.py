@@ -24,6 +24,8 @@ from collections.abc import Sequence as SequenceOf
 import numpy as np
 
 from trtllm_vtoken.core.arguments import as_int, as_ints, as_request_id
+from trtllm_vtoken.core.block_holders import BlockHolders
+from trtllm_vtoken.core.block_release import BlockRelease
 from trtllm_vtoken.core.sequence import NO_SLOT, NO_TOKEN, Sequence
 from trtllm_vtoken.core.single_hole import SingleHoleCompaction
 from trtllm_vtoken.core.table_checks import TableChecks
@@ -32,7 +34,7 @@ from trtllm_vtoken.core.table_queries import TokenTableQueries
 __all__ = ["NO_SLOT", "NO_TOKEN", "TokenTable"]
 
 
-class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
+class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction, BlockRelease):
     """Token tables of all requests served from one block pool.
 
     Args:
@@ -50,6 +52,8 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
         self.max_block_id = 2**31 // tokens_per_block
         """Block ids lie in [0, max_block_id): a slot, block * tokens_per_block + offset, is an int32."""
         self._seqs: dict[int, Sequence] = {}
+        self.block_holders = BlockHolders()
+        """How many requests hold each block: an unshared one joins no second request."""
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, req_id: int) -> None:
@@ -62,7 +66,9 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
     def remove_request(self, req_id: int) -> list[int]:
         """Forgets the request. Returns its block list, which the caller frees in the pool."""
         self.seq(req_id)
-        return self._seqs.pop(req_id).block_ids
+        blocks = self._seqs.pop(req_id).block_ids
+        self.block_holders.let_go(blocks)
+        return blocks
 
     # ---- the contract ----------------------------------------------------------------------------
     def sync_new_tokens(self, req_id: int, block_ids: SequenceOf[int], total_len: int) -> range:
@@ -90,8 +96,8 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
         """``sync_new_tokens`` given only what changed: blocks appended to the list, tokens written.
 
         The decode path's form (no copy of the whole block list). Raises ValueError, changing
-        nothing, if a new block repeats or lies outside [0, max_block_id), if the tokens do not
-        fit the blocks, or if they would write into a shared block or end inside one (a shared
+        nothing, if a new block repeats or lies outside [0, max_block_id), if another request holds
+        it and it is not shared (prefix caching), if the tokens do not fit the blocks, or if they would write into a shared block or end inside one (a shared
         block is registered whole, as a prefix; a request whose tail block became shared has its
         length at that block's end and continues in a fresh block).
         """
@@ -111,6 +117,10 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
                 f"request {req_id}: new blocks {added} repeat a block or lie outside [0, {self.max_block_id}) "
                 f"(slots are int32: block * {tpb} + offset)"
             )
+        held = self.block_holders.held_unshared(added, self.is_shared) if added else added
+        if held:
+            raise ValueError(f"request {req_id}: new blocks {held} are held by another request (only a shared block "
+                             f"may join several requests)")
         known = len(seq.block_ids)
         num_blocks = known + len(added)
         total_len = seq.kv_len + num_new
@@ -133,6 +143,8 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
         for block_id in added:
             seq.block_index[block_id] = len(seq.block_ids)
             seq.block_ids.append(block_id)
+        if added:
+            self.block_holders.hold(added)
         if num_new == 1:  # the decode step: scalar writes beat building arrays
             pos = seq.kv_len
             block_idx = pos // tpb
@@ -230,64 +242,9 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
         seq.pending_dead = [p for p in seq.pending_dead if p not in filled] + src_pos
         seq.version += 1
 
-    def truncate(self, req_id: int, new_kv_len: int) -> list[int]:
-        """Shortens the request to positions ``[0, new_kv_len)`` and drops the blocks past it.
-
-        Dead tokens beyond the new length lose their slots. Returns the released block ids (the
-        caller frees them in the pool). Raises ValueError if a live token lies beyond the new
-        length, the new length ends inside a shared block, or a released block is shared.
-        """
-        req_id, new_kv_len = as_int(req_id), as_int(new_kv_len)
-        seq = self.seq(req_id)
-        released = self.check_truncate(req_id, new_kv_len)
-        keep_blocks = len(seq.block_ids) - len(released)
-        seq.drop_tokens_in(new_kv_len, seq.kv_len)
-        for block_id in released:
-            del seq.block_index[block_id]
-        del seq.block_ids[keep_blocks:]
-        for block_idx in range(keep_blocks, keep_blocks + len(released)):
-            seq.live_per_block_mv[block_idx] = 0
-        seq.kv_len = new_kv_len
-        if seq.pending_dead:
-            seq.pending_dead = [p for p in seq.pending_dead if p < new_kv_len]
-        seq.version += 1
-        return released
-
-    def release_blocks(self, req_id: int, block_ids: Iterable[int]) -> None:
-        """Removes blocks that hold no live token from anywhere in the request's block list.
-
-        Later positions shift down by ``tokens_per_block`` per removed block (slots do not
-        change). Used by lazy compaction with masked attention; TensorRT-LLM's V1 manager can only
-        release tail blocks, which ``truncate`` covers.
-        """
-        req_id, blocks = as_int(req_id), as_ints(block_ids)
-        seq, tpb = self.seq(req_id), self.tokens_per_block
-        self.check_release(req_id, blocks)
-        if not blocks:
-            return
-        drop = np.array(sorted(seq.block_index[b] for b in blocks))
-        positions = (drop[:, None] * tpb + np.arange(tpb)).ravel()
-        dead = seq.token_at[positions]
-        seq.slot_of[dead[dead != NO_TOKEN]] = NO_SLOT
-        old_len, num_blocks = seq.kv_len, len(seq.block_ids)
-        keep = np.ones(num_blocks, dtype=bool)
-        keep[drop] = False
-        rows = seq.token_at[: num_blocks * tpb].reshape(num_blocks, tpb)[keep].ravel().copy()
-        seq.token_at[: num_blocks * tpb] = NO_TOKEN
-        seq.token_at[: rows.size] = rows
-        counts = seq.live_per_block[:num_blocks][keep].copy()
-        seq.live_per_block[:num_blocks] = 0
-        seq.live_per_block[: counts.size] = counts
-        # Each dropped block removes the part of [0, kv_len) it covered.
-        covered = np.clip(old_len - drop * tpb, 0, tpb)
-        seq.kv_len = old_len - int(covered.sum())
-        seq.block_ids = [b for i, b in enumerate(seq.block_ids) if keep[i]]
-        seq.block_index = {b: i for i, b in enumerate(seq.block_ids)}
-        shift = np.searchsorted(drop, np.asarray(seq.pending_dead, dtype=np.int64) // tpb, side="right")
-        seq.pending_dead = [
-            int(p - s * tpb) for p, s in zip(seq.pending_dead, shift) if keep[p // tpb]
-        ]
-        seq.version += 1
+    def holders_of(self, block_id: int) -> int:
+        """How many requests hold the block now (several only if it is shared)."""
+        return self.block_holders.count(as_int(block_id))
 
     # ---- invariants ----------------------------------------------------------------------------
     def check_integrity(self, req_id: int | None = None) -> None:
@@ -298,7 +255,8 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction):
         for rid in ids:
             check_sequence(rid, self.seq(rid), self.tokens_per_block)
         if req_id is None:
-            check_blocks_disjoint({rid: s.block_ids for rid, s in self._seqs.items()}, self.is_shared)
+            check_blocks_disjoint({rid: s.block_ids for rid, s in self._seqs.items()}, self.is_shared,
+                                  self.block_holders.counts())
 
     # ---- private -------------------------------------------------------------------------------
     def _check_shared_tail(self, req_id: int, seq: Sequence, added: list[int], total_len: int) -> None:

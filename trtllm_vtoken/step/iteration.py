@@ -8,7 +8,8 @@ between its start and its end.
     mass         present when a policy of the batch observes attention,
                  [B, >= the longest length after the new tokens]         ValueError
     unobserved   none, or one count in [0, num_new] per request          ValueError
-    new blocks   ``check_new``: the Python core runs it; the C++ core runs its mirror
+    new blocks   ``check_new`` (none held by a request already unless shared): the Python
+                 core runs it; the C++ core runs its mirror
     and tokens   (``cpp/core/slots.h`` ``check_new``, the same words) in its registration
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from trtllm_vtoken.core.block_holders import BlockHolders
 from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.step.decide import Decision
 from trtllm_vtoken.step.io import StepInput, csr_arrays, int64_vector
@@ -80,9 +82,11 @@ class InputChecks:
     """Checks a step's input against its batch layout, its policies and its shared blocks."""
 
     def __init__(self, slots: SlotMap, policies: list[EvictionPolicy], is_shared: Callable[[int], bool],
-                 checks_new: bool) -> None:
-        """``checks_new``: run ``check_new`` here (False where the C++ core runs it)."""
-        self.slots, self.policies, self.is_shared, self.checks_new = slots, policies, is_shared, checks_new
+                 holders: BlockHolders | None) -> None:
+        """``holders``: the Python core's table's count of each block's holders, for ``check_new``
+        to run here (None where the C++ core runs it)."""
+        self.slots, self.policies, self.is_shared, self.holders = slots, policies, is_shared, holders
+        self.checks_new = holders is not None
         # A decode loop passes the same lists step after step: their arrays are reused.
         self._req_ids, self._num_new = LastList(), LastList()
         self._observing_of: tuple[int, list[int]] = (0, [])  # (policies seen, which of them observe)
@@ -124,8 +128,9 @@ class InputChecks:
     def check_new(self, req_ids: np.ndarray, rows: np.ndarray, num_new: np.ndarray, offsets: np.ndarray,
                   blocks: np.ndarray) -> None:
         """The batch's new blocks and tokens: each request once, CSR offsets, counts >= 0, block
-        ids in the pool (twice only if shared), every request's tokens within its blocks. The
-        specification of ``cpp/core/slots.h`` ``check_new``. ValueError naming the first problem."""
+        ids in the pool (twice, or held by a request already, only if shared), every request's
+        tokens within its blocks. The specification of ``cpp/core/slots.h`` ``check_new``.
+        ValueError naming the first problem."""
         slots = self.slots
         if len(set(req_ids.tolist())) != len(req_ids):
             raise ValueError("step: a request appears twice in the batch")
@@ -142,6 +147,10 @@ class InputChecks:
                 unique, times = np.unique(blocks, return_counts=True)
                 if not all(self.is_shared(int(b)) for b in unique[times > 1]):
                     raise ValueError("step: a new block is given twice (only a shared block may join several requests)")
+            held = self.holders.held_unshared(listed, self.is_shared)
+            if held:
+                raise ValueError(f"step: new block {held[0]} is held by a request already (only a shared block may "
+                                 f"join several requests)")
         capacity = (slots.num_blocks_of[rows] + counts) * slots.tokens_per_block
         short = np.flatnonzero(slots.kv_len[rows] + num_new > capacity)
         if len(short):

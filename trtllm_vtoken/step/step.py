@@ -5,10 +5,11 @@ is drawn in the package docstring (``step/__init__.py``); ``run`` is ``start`` t
 
 Requests in one batch may follow different policies (``add_request(req, policy)``; None: the
 request never evicts). The host owns the blocks: it allocates the new ones it passes in and frees
-the ones the output lists. Shared blocks (prefix caching) are protected: no policy evicts their
-tokens (they are kept on top of the budget), no plan moves in or out of them; several requests of
-one batch may take the same shared block as a new block (a prefix cached by a request admitted
-just before them).
+the ones the output lists; a new block that a request holds already is refused (ValueError)
+unless shared. Shared blocks (prefix caching) are protected: no policy evicts their tokens (they
+are kept on top of the budget), no plan moves in or out of them; several requests of one batch may
+take the same shared block as a new block (a prefix cached by a request admitted just before
+them).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class DecodeStep(StepRequests):
             if config.check_invariants else None
         self.background = background_for(self.core, self.slots, executor) if config.background else None
         self._policies: list[EvictionPolicy] = []
-        self.input_checks = InputChecks(self.slots, self._policies, self.is_shared, not native)
+        self.input_checks = InputChecks(self.slots, self._policies, self.is_shared,
+                                        None if native else self.core.table.block_holders)
         self.decision = BatchDecision(self.slots, self._policies, tokens_per_block,
                                       self.core.table if native else None, reduce_mass, self.stats,
                                       config.pass_threads(), config.pass_threads(beside_host=True))
