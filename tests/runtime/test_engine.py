@@ -4,6 +4,8 @@ cancellation, stops, and block accounting, exactly."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from trtllm_vtoken.runtime.engine import Engine
 from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
 from trtllm_vtoken.runtime.request import Status
 from trtllm_vtoken.runtime.sampling import SamplingParams
+from trtllm_vtoken.runtime.simulated import MODEL_SHAPES, SimulatedModel
 
 TPB = 4
 POLICY_OPTIONS = {"streaming_llm": {"n_sink": 2}}
@@ -113,6 +116,29 @@ def test_greedy_admission_preempts_and_recomputes_without_loss(model, variant, m
     assert all(len(r.output_ids) == 20 and r.finish_reason == "length" for r in squeezed)
     if variant == "native":  # recomputation reproduces the same KV, hence the same tokens
         assert [r.output_ids for r in squeezed] == [r.output_ids for r in roomy]
+
+
+def test_an_iteration_that_preempts_admits_no_one_while_others_run():
+    """As vLLM's V1 scheduler: no waiting request is admitted in an iteration that preempted one
+    while others run. Here (greedy admission, prompts in chunks sharing a cached prefix) the
+    preempted prompt, first in the queue, found its blocks cached and was admitted again at once,
+    running the pool dry for the next row: 12 preemptions instead of 8."""
+    engine = Engine(SimulatedModel(MODEL_SHAPES["llama-3.1-8b"]), EngineConfig(
+        variant="native", tokens_per_block=4, num_blocks=16, max_seq_len=96, admission="greedy",
+        enable_chunked_prefill=True, max_num_tokens=24, max_batch_size=8))
+    rng = random.Random(0)
+    shared = [rng.randrange(2) for _ in range(8)]
+    for _ in range(3):
+        engine.add_request(shared + [rng.randrange(2) for _ in range(rng.randrange(4, 40))],
+                           SamplingParams(max_tokens=rng.randrange(8, 24), ignore_eos=True))
+    preempting = 0
+    while engine.has_unfinished():
+        before, running = engine.stats.preemptions, set(engine.running)
+        engine.step()
+        if engine.stats.preemptions > before and engine.running:
+            preempting += 1
+            assert set(engine.running) <= running  # nobody joined
+    assert preempting > 0 and engine.stats.preemptions == 8
 
 
 def test_a_preempted_request_whose_recomputation_never_fits_ends_instead_of_waiting(model):

@@ -7,7 +7,8 @@ write their KV into its slots and each would read the other's tokens as its own;
 downstream notices without the invariant checks. Counting the holders lets the table and the
 step refuse such a block before anything changes, at one dictionary update per block that
 joins or leaves a list (a decode step appends a block per request every ``tokens_per_block``
-tokens).
+tokens). The count is the table's own: the host's pool (TensorRT-LLM's allocator, or
+``PrefixCache``, whose references include the cache's) is not visible to it.
 
     block_ids of request 3: [7, 2]      request 5: [7, 4]      (7 shared: a cached prefix)
     holders:                {7: 2, 2: 1, 4: 1}

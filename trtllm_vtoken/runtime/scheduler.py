@@ -35,6 +35,8 @@ class Scheduler:
         compute, and the tokens it found cached at admission (0 after its first chunk)."""
         self.prefilling: dict[int, int] = {}
         """Requests whose prompt is partly prefilled (admission order) -> its tokens done so far."""
+        self.preempted_now = False
+        """This iteration preempted a request: it admits none while others run (``schedule_prefill``)."""
 
     def unprefilled(self, req_id: int) -> int:
         """Prompt tokens the request has still to prefill in later chunks."""
@@ -50,6 +52,7 @@ class Scheduler:
         """Reserves the decode rows' slots. Usually the free blocks cover every row: one batch
         reservation. Otherwise one by one in admission order, the newest request preempted while
         the pool is dry (a preempted request leaves the batch; older ones keep their slots)."""
+        self.preempted_now = False
         running = [r for r in self.running if r not in self.prefilling]
         if self.kv.reserve_decode(running):
             return running
@@ -74,7 +77,11 @@ class Scheduler:
         iteration's tokens last. Where a chunk finds no room in the pool, the newest prompt being
         prefilled is preempted until it does (the chunk's own request last), as decode rows
         preempt the newest: the oldest prompt always goes on, so two prompts cannot take turns
-        preempting each other for ever."""
+        preempting each other for ever. An iteration that preempted admits no one while other
+        requests run, as vLLM's V1 scheduler schedules no waiting request in a step with
+        preemptions (``vllm/v1/core/sched/scheduler.py``): the preempted request, first in the
+        queue, would take the blocks just freed back at once, recomputing its prompt for the pool
+        to run dry again."""
         cfg = self.kv.config
         tokens = None if cfg.max_num_tokens is None else cfg.max_num_tokens - decode_rows
         scheduled: list[int] = []
@@ -95,6 +102,8 @@ class Scheduler:
                 self._chunk(req_id, done, end, cached=0)
                 scheduled.append(req_id)
                 tokens = None if tokens is None else tokens - (end - done)
+        if self.preempted_now and self.running:
+            return scheduled
         return scheduled + self.admit(tokens)
 
     def admit(self, tokens: int | None = None) -> list[int]:
@@ -145,4 +154,5 @@ class Scheduler:
         request.status = Status.WAITING
         request.num_preemptions += 1
         self.stats.preemptions += 1
+        self.preempted_now = True
         self.waiting.appendleft(req_id)
