@@ -4,9 +4,9 @@
 // (truncate, release_blocks): release.cpp; its planners: planner.cpp.
 #include "token_table.h"
 
-#include "table_common.h"
-
 #include <algorithm>
+
+#include "table_common.h"
 
 namespace vtoken {
 

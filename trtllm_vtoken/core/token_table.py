@@ -97,9 +97,10 @@ class TokenTable(TokenTableQueries, TableChecks, SingleHoleCompaction, BlockRele
 
         The decode path's form (no copy of the whole block list). Raises ValueError, changing
         nothing, if a new block repeats or lies outside [0, max_block_id), if another request holds
-        it and it is not shared (prefix caching), if the tokens do not fit the blocks, or if they would write into a shared block or end inside one (a shared
-        block is registered whole, as a prefix; a request whose tail block became shared has its
-        length at that block's end and continues in a fresh block).
+        it and it is not shared (prefix caching), if the tokens do not fit the blocks, or if they
+        would write into a shared block or end inside one (a shared block is registered whole, as
+        a prefix; a request whose tail block became shared has its length at that block's end and
+        continues in a fresh block).
         """
         # The decode step's arguments (an int, an empty list, 1) pass without a call; a request id
         # outside int64 is refused by ``seq`` (it names no request).
