@@ -2,6 +2,7 @@
 #include "select.h"
 
 #include <algorithm>
+#include <cmath>
 #include <exception>
 #include <limits>
 #include <stdexcept>
@@ -24,12 +25,34 @@ struct Span {
   int64_t n;      // slots
 };
 
+// Keys order as numpy sorts them (the Python specification's lexsort): -inf, the numbers, +inf,
+// then NaN (a mass a model's overflow made NaN keeps its token longest); equal keys, or two NaN,
+// by the lower id. A strict weak order even with NaN, as std::nth_element requires.
 struct Candidate {
   double key;
   int64_t id;
   int64_t position;
-  bool operator<(const Candidate& o) const { return key != o.key ? key < o.key : id < o.id; }
+  bool operator<(const Candidate& o) const {
+    const bool nan = std::isnan(key), other_nan = std::isnan(o.key);
+    if (nan || other_nan) return nan == other_nan ? id < o.id : other_nan;
+    return key != o.key ? key < o.key : id < o.id;
+  }
 };
+
+// A row whose candidates' keys are all NaN: span_minimum leaves NaN out, so no key equalled the
+// row's minimum (+inf) and every span holding a candidate was kept. The victim: the lowest id.
+[[gnu::cold, gnu::noinline]] void lowest_nan_candidate(const SlotLayout& layout, const std::vector<Span>& spans,
+                                                       int32_t low32, uint32_t width, const float* stat,
+                                                       Candidate& best) {
+  for (const Span& span : spans) {
+    const int32_t* tokens = layout.tokens + span.base;
+    for (int64_t o = 0; o < span.n; ++o) {
+      const int64_t t = tokens[o];
+      if (static_cast<uint32_t>(tokens[o] - low32) >= width || t >= best.id) continue;
+      if (std::isnan(stat[span.base + o])) best = Candidate{stat[span.base + o], t, span.start + o};
+    }
+  }
+}
 
 // One row: accumulate the mass (kMass), then find the victims among [low, high). kStat: the key is
 // the statistic, else the id. kSingle: one victim (the decode step); else every candidate is
@@ -102,6 +125,9 @@ int64_t scan_row(const SlotLayout& layout, const int32_t* blocks, int64_t length
       const double key = kStat ? stat[span.base + o] : static_cast<double>(t);
       if (key == minimum) best = Candidate{minimum, t, span.start + o};
     }
+  }
+  if (kSingle && kStat && count > 0 && best.id == std::numeric_limits<int64_t>::max()) {
+    lowest_nan_candidate(layout, spans, low32, width, stat, best);
   }
   return count;
 }

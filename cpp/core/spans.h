@@ -46,8 +46,8 @@ VTOKEN_SIMD_CLONES inline void add_mass(float* values, const Mass* mass, int64_t
 }
 
 // Over n slots: values += mass first (kMass); returns the lowest key among the candidates (ids t
-// with t - low in [0, width) as unsigned: a -1 or an id below low wraps past it), +inf if none,
-// and counts them. The key: values[o] (kStat, a float, exact as a double), else the id.
+// with t - low in [0, width) as unsigned: a -1 or an id below low wraps past it) whose key is not
+// NaN, +inf if none, and counts them all. The key: values[o] (kStat, a float, exact as a double), else the id.
 template <bool kStat, bool kMass, typename Mass>
 VTOKEN_SIMD_CLONES inline double span_minimum(float* values, const Mass* mass, const int32_t* tokens, int32_t low,
                                               uint32_t width, int64_t n, int64_t* candidates) {
@@ -66,6 +66,8 @@ VTOKEN_SIMD_CLONES inline double span_minimum(float* values, const Mass* mass, c
       key = static_cast<double>(tokens[o]);
     }
     const bool candidate = static_cast<uint32_t>(tokens[o] - low) < width;
+    // std::min(minimum, NaN) is minimum (it takes the second only if it compares less): a NaN key
+    // is left out, as it ranks after +inf. IEEE semantics kept: no -ffast-math for this target.
     minimum = std::min(minimum, candidate ? key : kNone);
     count += candidate;
   }

@@ -39,7 +39,10 @@ def batch_of(table, req_ids, stats, protected_blocks):
 @pytest.mark.parametrize("name", POLICIES.names())
 @pytest.mark.parametrize("budget", [6, 17, 0.4, 0.9])
 @pytest.mark.parametrize("seed", range(4))
-def test_batched_selection_equals_per_request_selection(name, budget, seed):
+@pytest.mark.parametrize("non_finite", [False, True])
+def test_batched_selection_equals_per_request_selection(name, budget, seed, non_finite):
+    """``non_finite``: the masses hold NaN, +inf and -inf too (an attention that overflowed), and
+    one request's are all NaN: both order them as the exact sort does (NaN after +inf)."""
     rng = np.random.default_rng(seed)
     pool, table = make_table(num_blocks=128, tokens_per_block=4)
     req_ids = list(range(6))
@@ -58,7 +61,9 @@ def test_batched_selection_equals_per_request_selection(name, budget, seed):
     stats = {k: np.zeros((len(req_ids), width), dtype=d) for k, d in batched.slot_stats.items()}
     for _ in range(3):
         # Ties on purpose: masses drawn from a few values.
-        mass = rng.choice([0.0, 0.25, 0.5, 1.0], size=(len(req_ids), width))
+        mass = rng.choice([0.0, 0.25, 0.5, 1.0] + [np.nan, np.inf, -np.inf] * non_finite, size=(len(req_ids), width))
+        if non_finite:
+            mass[3] = np.nan
         view = batch_of(table, req_ids, stats, shared)
         batched.observe_batch(view, mass)
         for i, r in enumerate(req_ids):
@@ -89,3 +94,29 @@ def test_a_policy_written_for_one_request_runs_in_a_batch():
     picks = policy.select_batch(view)
     for i in range(3):
         assert picks.of_row(view, i).tolist() == policy.select(policy_view(table, i)).tolist()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # -inf + inf is NaN, as meant
+def test_one_victim_a_row_orders_non_finite_scores_as_the_exact_sort():
+    """Rows evicting one token each (a decode step) take the vectorised path: the lowest score,
+    ties to the lower id, -inf < numbers < +inf < NaN as ``np.lexsort`` orders them, and only a
+    candidate (not a sink, a recent token or an empty slot, whatever their scores) is a victim."""
+    rows_mass = {0: [1.0, np.nan, 0.5, np.nan], 1: [np.nan] * 4, 2: [np.nan, np.inf, np.nan, np.inf],
+                 3: [np.inf] * 4, 4: [2.0, -np.inf, np.nan, -np.inf], 5: [0.25, 0.25, np.nan, 0.25]}
+    pool, table = make_table(num_blocks=32, tokens_per_block=4)
+    single, batched = (make_policy("h2o", 8, n_sink=2, recent_window=2, recent_ratio=0.0) for _ in range(2))
+    for r, middle in rows_mass.items():  # 9 tokens, 8 kept: ids 2-6 are the candidates, 6 NaN
+        add_sequence(pool, table, r, 9)
+        mass = np.array([-np.inf, -np.inf, *middle, np.nan, -np.inf, -np.inf])[None]  # sinks, recent: -inf
+        view = batch_of(table, [r], {"mass": np.zeros((1, 12), dtype=np.float32)}, set())
+        single.observe(r, np.arange(9), mass[0, :9])
+        batched.observe_batch(view, np.pad(mass, ((0, 0), (0, 3))))
+        if r == 0:
+            stats = view.stats
+        else:
+            stats = {"mass": np.concatenate([stats["mass"], view.stats["mass"]])}
+    view = batch_of(table, list(rows_mass), stats, set())
+    picks = batched.select_batch(view)
+    got = [picks.of_row(view, i).tolist() for i in range(len(rows_mass))]
+    assert got == [single.select(policy_view(table, r)).tolist() for r in rows_mass]
+    assert got == [[4], [2], [3], [2], [3], [2]]

@@ -75,10 +75,12 @@ RUNNING_NEW = (1, 1, 1, 1, 1, 1, 0, 2, 3)
 row count as a decode step's ones do: the Python core once took them for one token each."""
 
 
-def random_batch(rng: np.random.Generator, step: DecodeStep, host: Host, new_requests: list[int]) -> StepInput:
+def random_batch(rng: np.random.Generator, step: DecodeStep, host: Host, new_requests: list[int],
+                 non_finite: bool = False) -> StepInput:
     """A batch of some running requests (one token each, now and then none or a few: a row that
     takes nothing in, accepted drafts) and the new ones (a prompt each), with the blocks the host
-    allocates for them and a random attention mass."""
+    allocates for them and a random attention mass; ``non_finite``: NaN, +inf and -inf in it here
+    and there, now and then a row all NaN (an attention that overflowed)."""
     running = [r for r in step.request_ids() if r not in new_requests]
     rows = [r for r in running if rng.random() < 0.8] + new_requests
     rows = [rows[i] for i in rng.permutation(len(rows))]
@@ -93,6 +95,10 @@ def random_batch(rng: np.random.Generator, step: DecodeStep, host: Host, new_req
         mass = rng.choice([0.0, 0.5, 1.0, 2.0], size=(len(rows), width))
     else:
         mass = rng.random((len(rows), width)) * rng.lognormal(0, 2, (len(rows), width))
+    if non_finite:
+        odd = rng.random(mass.shape)
+        mass[odd < 0.03], mass[(odd >= 0.03) & (odd < 0.05)], mass[(odd >= 0.05) & (odd < 0.06)] = np.nan, np.inf, -np.inf
+        mass[rng.random(len(rows)) < 0.2] = np.nan
     if rng.random() < 0.3:
         mass = mass.astype(np.float32)  # what attention kernels return
     pressure = bool(rng.random() < 0.15)
@@ -115,10 +121,10 @@ def share_a_block(rng: np.random.Generator, steps: list[DecodeStep], hosts: list
 
 
 def same_batches(rng: np.random.Generator, steps: list[DecodeStep], hosts: list[Host],
-                 new_requests: list[int]) -> list[StepInput]:
+                 new_requests: list[int], non_finite: bool = False) -> list[StepInput]:
     """``random_batch`` once per step, from the same random state: the same batch for each."""
     state, inputs = rng.bit_generator.state, []
     for step, host in zip(steps, hosts):
         rng.bit_generator.state = state
-        inputs.append(random_batch(rng, step, host, new_requests))
+        inputs.append(random_batch(rng, step, host, new_requests, non_finite))
     return inputs

@@ -52,7 +52,8 @@ def reference(tokens, block_table, rows, kv_len, lo, hi, excess, stat, mass, sha
     picked_rows, picked_positions = [], []
     for i, row in enumerate(rows):
         slots = slots_of(block_table[row], kv_len[i])
-        stat[slots] += mass[i, : kv_len[i]]  # a row's slots are distinct: no repeated index
+        with np.errstate(invalid="ignore"):  # -inf + inf: NaN, as the pass makes it
+            stat[slots] += mass[i, : kv_len[i]]  # a row's slots are distinct: no repeated index
         if excess[i] <= 0:
             continue
         ids = tokens[slots].astype(np.int64)
@@ -66,11 +67,27 @@ def reference(tokens, block_table, rows, kv_len, lo, hi, excess, stat, mass, sha
     return np.array(picked_rows, dtype=np.int64), np.array(picked_positions, dtype=np.int64)
 
 
+def masses(rng: np.random.Generator, shape: tuple[int, int], kind: str) -> np.ndarray:
+    """A step's mass: random, from a few values (ties), or random with non-finite values mixed
+    in (a model whose attention overflowed): NaN, +inf and -inf here and there, row 2 all NaN."""
+    if kind == "ties":
+        return rng.choice([0.0, 0.5, 1.0], size=shape)
+    values = rng.random(shape)
+    if kind == "non-finite":
+        odd = rng.random(shape)
+        values[odd < 0.05] = np.nan
+        values[(odd >= 0.05) & (odd < 0.07)] = np.inf
+        values[(odd >= 0.07) & (odd < 0.08)] = -np.inf
+        values[2] = np.nan
+    return values
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("kind", ["random", "ties", "non-finite"])
 @pytest.mark.parametrize("with_shared", [False, True])
-def test_the_pass_over_spans_equals_its_statement(seed, dtype, ties, with_shared):
+def test_the_pass_over_spans_equals_its_statement(seed, dtype, kind, with_shared):
+    """Non-finite keys order as numpy's sort: -inf, the numbers, +inf, NaN (ties by id)."""
     native = load()
     rng = np.random.default_rng(seed)
     batch, longest = 12, 700
@@ -91,16 +108,19 @@ def test_the_pass_over_spans_equals_its_statement(seed, dtype, ties, with_shared
     hi[0] = lo[0]  # an empty window: no candidate
     excess = rng.choice([0, 1, 1, 1, 4], size=batch).astype(np.int64)
     excess[1] = 10_000  # more than its candidates: all of them
-    start = (np.zeros(len(tokens)) if ties else rng.random(len(tokens))).astype(np.float32)  # H2O's float32
+    if kind == "non-finite":
+        excess[2] = 1  # a row whose candidates all score NaN, one victim: the lowest id
+    start = (np.zeros(len(tokens)) if kind == "ties" else rng.random(len(tokens))).astype(np.float32)  # H2O's float32
     ours, theirs = start.copy(), start.copy()
     for _ in range(3):  # the statistic accumulates over steps
-        values = rng.choice([0.0, 0.5, 1.0], size=(batch, longest + 3)) if ties else rng.random((batch, longest + 3))
-        mass = values.astype(dtype)
+        mass = masses(rng, (batch, longest + 3), kind).astype(dtype)
         got = native.select_lowest(tokens, block_table, TPB, rows, lengths, lo, hi, excess, ours, mass, table, 1)
         want = reference(tokens, block_table, rows, lengths, lo, hi, excess, theirs, mass, shared)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
-        assert ours.tobytes() == theirs.tobytes()
+        np.testing.assert_array_equal(ours, theirs)  # NaN where NaN
+        if kind != "non-finite":
+            assert ours.tobytes() == theirs.tobytes()
     assert len(got[0]) > batch // 2
 
 

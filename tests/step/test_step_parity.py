@@ -34,7 +34,7 @@ def tables_equal(a, b) -> None:
     assert a.slots.stats.keys() == b.slots.stats.keys()
     held = a.slots.tokens >= 0  # statistics of slots without a live token are never read
     for name in a.slots.stats:
-        assert np.array_equal(a.slots.stats[name][held], b.slots.stats[name][held]), name
+        assert np.array_equal(a.slots.stats[name][held], b.slots.stats[name][held], equal_nan=True), name
     num_blocks = a.slots.num_blocks
     assert [a.core.table.holders_of(k) for k in range(num_blocks)] == \
         [b.core.table.holders_of(k) for k in range(num_blocks)]
@@ -49,8 +49,10 @@ def tables_equal(a, b) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(compaction=st.sampled_from(["dense", "lazy", "dead-blocks", "lazy-background"]), tpb=st.sampled_from([2, 4, 8]),
-       steps=st.integers(1, 25), threshold=st.integers(1, 3), seed=st.integers(0, 2**31))
-def test_cpp_step_equals_python_step(compaction, tpb, steps, threshold, seed):
+       steps=st.integers(1, 25), threshold=st.integers(1, 3), seed=st.integers(0, 2**31), non_finite=st.booleans())
+def test_cpp_step_equals_python_step(compaction, tpb, steps, threshold, seed, non_finite):
+    """``non_finite``: masses with NaN and infinities (an attention that overflowed) rank alike in
+    both cores: NaN after +inf, as numpy sorts (the C++ core once crashed on a row all NaN)."""
     rng = np.random.default_rng(seed)
     hosts = [Host(256, tpb, seed), Host(256, tpb, seed)]
     policies = [random_policies(np.random.default_rng(seed)) for _ in hosts]
@@ -66,7 +68,7 @@ def test_cpp_step_equals_python_step(compaction, tpb, steps, threshold, seed):
         if not steps_[0].request_ids():
             continue
         share_a_block(rng, steps_, hosts, 0.1)
-        inputs = same_batches(rng, steps_, hosts, joining)
+        inputs = same_batches(rng, steps_, hosts, joining, non_finite)
         outs = [step.run(inp) for step, inp in zip(steps_, inputs)]
         outputs_equal(*outs)
         for host, out in zip(hosts, outs):

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from trtllm_vtoken.policies.batch import BatchView, BatchVictims
+from trtllm_vtoken.policies.batch import BatchView, BatchVictims, lowest_score_lowest_id
 from trtllm_vtoken.policies.budget import BoundsRule, Budget
 from trtllm_vtoken.registry import Registry
 
@@ -255,16 +255,16 @@ class ScorePolicy(EvictionPolicy):
             big = np.iinfo(tokens.dtype).max
             if self.scores_are_ids:
                 keys = np.where(mask, sub.tokens, big)
-            else:
-                keys = np.where(mask, np.asarray(self.score_batch(sub), dtype=np.float64), np.inf)
+            else:  # NaN off the candidates: it equals no score, so no candidate ties a non-candidate
+                keys = np.where(mask, np.asarray(self.score_batch(sub), dtype=np.float64), np.nan)
             single = np.flatnonzero(excess[scored] == 1)
             if len(single):
                 k = keys if len(single) == len(scored) else keys[single]
                 t = sub.tokens if len(single) == len(scored) else sub.tokens[single]
                 if self.scores_are_ids:
                     best = k.argmin(axis=1)
-                else:  # the lowest score; among equal scores the lowest id
-                    best = np.where(k == k.min(axis=1)[:, None], t, big).argmin(axis=1)
+                else:
+                    best = lowest_score_lowest_id(k, t, mask if len(single) == len(scored) else mask[single])
                 rows.append(scored[single]), positions.append(best)
             for i in np.flatnonzero(excess[scored] > 1):  # several victims: the spec's exact sort
                 cand = np.flatnonzero(mask[i])

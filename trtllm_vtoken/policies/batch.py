@@ -93,6 +93,20 @@ class BatchVictims:
         return view.tokens[row, self.positions[self.rows == row]]
 
 
+def lowest_score_lowest_id(keys: np.ndarray, tokens: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+    """Per row of ``keys`` [B, L] (a score at each candidate, NaN elsewhere): the position of the
+    lowest score, among equal scores the lowest id, as the exact sort (``np.lexsort``) orders them:
+    -inf, the numbers, +inf, then NaN (a mass that overflowed to NaN keeps its token longest). Every
+    row holds a candidate."""
+    big = np.iinfo(tokens.dtype).max
+    lowest = np.fmin.reduce(keys, axis=1)  # NaN left out; NaN where every candidate's score is NaN
+    hit = keys == lowest[:, None]
+    all_nan = np.flatnonzero(np.isnan(lowest))
+    if len(all_nan):
+        hit[all_nan] = candidate[all_nan]
+    return np.where(hit, tokens, big).argmin(axis=1)
+
+
 def popcount64(values: np.ndarray) -> np.ndarray:
     """Set bits of each uint64 (numpy < 2 has no ``bitwise_count``). Shape: values.shape, int64."""
     as_bytes = np.ascontiguousarray(values, dtype=np.uint64).view(np.uint8).reshape(*values.shape, 8)
