@@ -240,6 +240,34 @@ def test_the_cross_rank_sum_is_exact_and_the_same_bits_on_every_rank():
     np.testing.assert_allclose(results[0][1], sum(parts), atol=3 / MASS_SCALE)
 
 
+def test_a_mass_that_is_not_finite_saturates_alike_on_every_rank():
+    """NaN and infinities have no fixed point: each rank saturates them alike (NaN and +inf to
+    the largest addend, -inf to the smallest), so the sum is the same bits everywhere, ranks a
+    NaN or +inf token above every real mass, and the step goes on (a refusal would stop it
+    halfway). Finite positions sum as before."""
+    comms = utils_double.ThreadCommDouble.world(3)
+    gen = np.random.default_rng(1)
+    parts = [gen.random((2, 6)) for _ in range(3)]
+    parts[0][0, 1], parts[1][0, 2], parts[2][0, 3], parts[1][1, 4] = np.nan, np.inf, -np.inf, np.nan
+    parts[2][1, 4] = -np.inf  # one rank NaN, another -inf: they cancel to a real mass
+
+    def one(r):
+        return MpiRanks(comms[r]).all_reduce_sum(torch.from_numpy(parts[r].copy())).numpy()
+
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(one, range(3)))
+    for other in results[1:]:
+        assert other.tobytes() == results[0].tobytes()
+    total = results[0]
+    assert np.isfinite(total).all()
+    finite = np.isfinite(sum(parts))
+    finite[1, 4] = False
+    np.testing.assert_allclose(total[finite], sum(parts)[finite], atol=3 / MASS_SCALE)
+    real_max = total[finite].max()
+    assert total[0, 1] > 1e9 * real_max and total[0, 2] > 1e9 * real_max and total[0, 3] < -1e9 * real_max
+    assert abs(total[1, 4]) < 3
+
+
 @pytest.mark.parametrize("layout, message", [
     (dict(world_size=2, tp_size=2, enable_attention_dp=True), "attention data parallelism"),
     (dict(world_size=2, cp_size=2), "context parallelism"),

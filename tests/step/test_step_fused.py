@@ -168,6 +168,44 @@ def test_a_bad_mass_function_stops_the_step_decided_natively_or_in_python_alike(
     assert messages[0] == messages[1]
 
 
+def test_a_failure_while_the_mass_is_read_stops_the_step_only_once_the_batch_is_registered():
+    """A mass function that raises (a device error) comes after the batch's tokens joined the
+    layout: the step then refuses to go on, as for a bad result. A cross-rank sum that raises on
+    an array's mass, with the C++ core registering in its call, comes before anything changed:
+    the step stays usable and its next batch runs as in a step that never saw the failure."""
+    def failing(tokens):
+        raise RuntimeError("device lost")
+
+    host = Host(16, 4)
+    step = make_step(host, "cpp", "dense", policy=make_policy("h2o", 6), checks=False)
+    step.add_request(0)
+    with pytest.raises(RuntimeError, match="device lost"):
+        step.run(StepInput([0], [5], [0, 2], host.allocate(2), mass=failing))
+    with pytest.raises(RuntimeError, match="unusable after an earlier failure: device lost"):
+        step.run(StepInput.decode([0], mass=np.ones((1, 8))))
+
+    failures = [RuntimeError("rank 1 is gone")]
+
+    def reduce(mass):
+        if failures:
+            raise failures.pop()
+        return mass
+
+    outputs = []
+    for reduce_mass in (reduce, None):
+        host = Host(16, 4)
+        step = make_step(host, "cpp", "dense", policy=make_policy("h2o", 6), checks=False, reduce_mass=reduce_mass)
+        step.add_request(0)
+        blocks = host.allocate(2)
+        batch = StepInput([0], [7], [0, 2], blocks, mass=np.arange(8.0)[None])
+        if reduce_mass is not None:
+            with pytest.raises(RuntimeError, match="rank 1 is gone"):
+                step.run(batch)
+        outputs.append(step.run(batch))
+    assert outputs[0].victims.tolist() == outputs[1].victims.tolist() == [0]
+    assert outputs[0].table.kv_lens.tolist() == outputs[1].table.kv_lens.tolist()
+
+
 def test_an_engine_with_prefix_caching_cuts_its_chains_inside_the_call_as_the_python_core():
     """The reference engine's default: prefix caching on, its cut inside the C++ core's call. Two
     requests with their own prompts evict (StreamingLLM, 8 sinks): their chains are cut at the

@@ -20,7 +20,7 @@ One decode step, top to bottom, each stage one module:
       4. background  lazy background compaction: the plans       background.py
                    whose copies finished commit, the new plans'
                    copy starts
-      5. end       ONE copy of every move (I3), the invariant     step.py (reclaim/copy.py, checks.py,
+      5. end       ONE copy of every move (I3), the invariant     end.py  (reclaim/copy.py, checks.py,
                    checks, the re-rotation, the counters                   reclaim/rerotate.py)
     DecodeStep.finish() -> StepOutput                             io.py
 

@@ -27,19 +27,19 @@ from trtllm_vtoken.reclaim.copy import CopyExecutor
 from trtllm_vtoken.reclaim.rerotate import KeyRerotation
 from trtllm_vtoken.step import fused, spec
 from trtllm_vtoken.step.background import background_for
-from trtllm_vtoken.step.background import output as committed_output
 from trtllm_vtoken.step.beside import BesideHost
 from trtllm_vtoken.step.checks import StepChecks
-from trtllm_vtoken.step.config import CORE_PARTS, StepConfig, StepStats
+from trtllm_vtoken.step.config import StepConfig, StepStats
 from trtllm_vtoken.step.core import TableCore, make_core
-from trtllm_vtoken.step.decide import GIVEN, BadMass, BatchDecision, given
+from trtllm_vtoken.step.decide import BadMass, BatchDecision, given
 from trtllm_vtoken.step.io import StepInput, StepOutput
 from trtllm_vtoken.step.iteration import InputChecks, Iteration
+from trtllm_vtoken.step.end import StepEnd
 from trtllm_vtoken.step.requests import StepRequests
 from trtllm_vtoken.step.slots import SlotMap
 
 
-class DecodeStep(StepRequests):
+class DecodeStep(StepRequests, StepEnd):
     """One step for every host. See the module docstring; its tables' queries: ``TableQueries``.
 
     Args:
@@ -184,8 +184,12 @@ class DecodeStep(StepRequests):
                 if not it.registered:
                     new_slots = self._register(it)
                 decision = given(*self.decision.victims(it.req_ids, it.rows, mass, shared, it.unobserved))
-        except BadMass as exc:  # the new tokens are registered already: the step cannot go on
-            self._broken = str(exc)
+        except Exception as exc:
+            # A bad mass function's result (BadMass), or a failure in the mass function or the
+            # cross-rank sum: once the new tokens are registered the step cannot go on. Before,
+            # nothing changed (the call registers them itself) and the step stays usable.
+            if it.registered or isinstance(exc, BadMass):
+                self._broken = str(exc)
             raise
         it.decision = decision
         t2 = clock()
@@ -238,65 +242,6 @@ class DecodeStep(StepRequests):
         self.stats.repeated_steps += 1
         self.stats.seconds["table"] += time.perf_counter() - started
         return True
-
-    def _end(self, it: Iteration, called: tuple[StepOutput, float]) -> StepOutput:
-        """After the call: the victims hook (a call made on the worker), 4. background
-        compaction's commits and new plans (``step/background.py``), 5. the one copy, the checks,
-        the re-rotation, the counters."""
-        clock, stats, seconds = time.perf_counter, self.stats, self.stats.seconds
-        out, seconds["core"] = called[0], seconds["core"] + called[1]
-        req_ids, background = it.req_ids, self.background
-        t4 = clock()
-        if it.before is not None:  # I1's before: the KV as the copy will find it
-            it.before = self.checks.snapshots(it.before)
-            seconds["checks"], t4 = seconds["checks"] + clock() - t4, clock()
-        if self.impl == "cpp":  # of "core": the call's own clocks
-            for name, part in zip(CORE_PARTS, out.seconds):
-                stats.core_parts[name] += part
-        if it.decision.selector != GIVEN:
-            stats.native_decisions += 1
-        if it.block_lists is not None and out.num_evicted:  # the call ran on the worker: the hook now
-            self._on_victims(req_ids, out.victim_offsets, out.victims, it.listed_before)
-        copied = out.num_moves
-        if background is not None:  # the call planned: commit what finished, copy the new plans
-            planned = copied or out.num_freed
-            handle = None
-            if it.at_once:  # the new plans too, at once: their blocks are needed by the next reservation
-                handle = background.start(req_ids, out.table, self.checks is not None) if planned else None
-                background.order_before(it.stream)
-            try:
-                committed = background.finish(req_ids, it.rows, every=it.at_once)
-            except RuntimeError as exc:  # a plan could not commit: the tables disagree now
-                self._broken = str(exc)
-                raise
-            t5 = clock()
-            if not it.at_once and planned:
-                handle = background.start(req_ids, out.table, self.checks is not None)
-            out = committed_output(out, committed)
-        else:
-            t5 = t4
-            # ONE copy of every move, ordered before the host's next forward (I3); no moves: no parts made
-            handle = self.executor.submit_before(*out.moved_slots(), it.stream) if copied and self.executor is not None else None
-        t6 = clock()
-        out.req_ids, out.copy = it.host_ids, handle
-        if self.checks:  # I1 on the relocated keys, before they turn
-            self.checks.after(out, it.before)
-        t7 = clock()
-        if self.rerotation is not None and out.lost.any():
-            self.rerotation.shift_requests(self.core, dict(zip(req_ids.tolist(), out.lost.tolist())), it.stream)
-        t8 = clock()
-        stats.steps += 1
-        stats.tokens_evicted += out.num_evicted
-        stats.compactions += out.num_changed
-        stats.moves += out.num_moves
-        stats.blocks_freed += out.num_freed
-        if copied and self.executor is not None:
-            stats.bytes_copied += copied * self.executor.bytes_per_move()
-        seconds["table"] += t5 - t4
-        seconds["copy"] += t6 - t5
-        seconds["checks"] += t7 - t6
-        seconds["rerotate"] += t8 - t7
-        return out
 
     # ---- private -------------------------------------------------------------------------------
     def _call_settings(self, req_ids: np.ndarray) -> tuple[str, np.ndarray | None]:

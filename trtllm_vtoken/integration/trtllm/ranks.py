@@ -57,9 +57,14 @@ class MpiRanks(RankGroup):
         if tensor.device.type != "cpu" or not tensor.is_floating_point():
             raise TypeError(f"the mass is summed as a CPU float tensor, got {tensor.dtype} on {tensor.device}")
         scaled = tensor.detach().double().numpy() * MASS_SCALE
-        if not np.isfinite(scaled).all() or (np.abs(scaled) >= 2.0**62 / self.world_size).any():
-            raise RuntimeError("attention mass out of the fixed-point range of the cross-rank sum "
-                               f"(|mass| < {2.0**62 / self.world_size / MASS_SCALE:.3g})")
+        # Fixed point holds no NaN or infinity, and refusing here would stop the step halfway
+        # (the mass is read after the batch's tokens joined the layout). So each rank saturates
+        # alike: NaN and +inf to the largest addend (ranked above every real mass, as a single
+        # rank ranks them after every number), -inf to the smallest; the sum of world_size of
+        # them stays within int64.
+        limit = 2.0**61 / self.world_size
+        np.nan_to_num(scaled, copy=False, nan=limit, posinf=limit, neginf=-limit)
+        np.clip(scaled, -limit, limit, out=scaled)
         mine = np.ascontiguousarray(np.rint(scaled), dtype=np.int64)
         total = np.empty_like(mine)
         self.comm.Allreduce(mine, total)  # op=SUM, mpi4py's default
