@@ -36,6 +36,7 @@ def batch_of(table, req_ids, stats, protected_blocks):
                      protected if protected.any() else None, stats)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # -inf + inf is NaN, as meant
 @pytest.mark.parametrize("name", POLICIES.names())
 @pytest.mark.parametrize("budget", [6, 17, 0.4, 0.9])
 @pytest.mark.parametrize("seed", range(4))

@@ -97,7 +97,9 @@ def random_batch(rng: np.random.Generator, step: DecodeStep, host: Host, new_req
         mass = rng.random((len(rows), width)) * rng.lognormal(0, 2, (len(rows), width))
     if non_finite:
         odd = rng.random(mass.shape)
-        mass[odd < 0.03], mass[(odd >= 0.03) & (odd < 0.05)], mass[(odd >= 0.05) & (odd < 0.06)] = np.nan, np.inf, -np.inf
+        mass[odd < 0.03] = np.nan
+        mass[(odd >= 0.03) & (odd < 0.05)] = np.inf
+        mass[(odd >= 0.05) & (odd < 0.06)] = -np.inf
         mass[rng.random(len(rows)) < 0.2] = np.nan
     if rng.random() < 0.3:
         mass = mass.astype(np.float32)  # what attention kernels return

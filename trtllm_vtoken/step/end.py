@@ -70,7 +70,9 @@ class StepEnd:
         else:
             t5 = t4
             # ONE copy of every move, ordered before the host's next forward (I3); no moves: no parts made
-            handle = self.executor.submit_before(*out.moved_slots(), it.stream) if copied and self.executor is not None else None
+            handle = None
+            if copied and self.executor is not None:
+                handle = self.executor.submit_before(*out.moved_slots(), it.stream)
         t6 = clock()
         out.req_ids, out.copy = it.host_ids, handle
         if self.checks:  # I1 on the relocated keys, before they turn
