@@ -164,14 +164,44 @@ def test_the_row_multiple_is_measured_for_the_thread_count_the_forward_runs_on(t
 
     engine = Engine(tiny_model, EngineConfig(batch_invariant=True, num_blocks=16, max_seq_len=64))
     threads = torch.get_num_threads()
-    assert engine.forwards.row_multiple() in CANDIDATES
+    assert engine.forwards.invariance()[0] in CANDIDATES
     try:
         torch.set_num_threads(1)
-        assert engine.forwards.row_multiple() in CANDIDATES
+        assert engine.forwards.invariance() in {(p, 1) for p in CANDIDATES}
         assert sorted(engine.forwards._row_multiples) == sorted({1, threads})
     finally:
         torch.set_num_threads(threads)
-    assert Engine(tiny_model, EngineConfig(num_blocks=16, max_seq_len=64)).forwards.row_multiple() == 0
+    assert Engine(tiny_model, EngineConfig(num_blocks=16, max_seq_len=64)).forwards.invariance() == (0, threads)
+
+
+def test_smollm2_is_batch_invariant_at_two_threads_too(smollm2):
+    """At two intra-op threads (a 2-core Xeon with AMX: no row multiple serves them, 16 serves
+    one) the forward runs on the threads some multiple serves: the process's, or one thread with
+    a warning. Either way the log-probabilities are bitwise the same alone and in a batch, and
+    the process's thread count is what it was."""
+    import warnings
+
+    from trtllm_vtoken.bench.invariance import CHAT, InvarianceBenchConfig, serve
+    from trtllm_vtoken.runtime.batch_invariance import invariant_products
+
+    model, tokenizer = smollm2
+    prompts = [tokenizer.encode(q, chat=True) for q in CHAT[:2]]
+    cfg = InvarianceBenchConfig(sharegpt_requests=0, new_tokens=6)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            multiple, used = invariant_products(model)
+            alone, together = (serve(model, prompts, cfg, t, variant="native", batch_invariant=True)
+                               for t in (False, True))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert multiple in CANDIDATES and used in (1, 2)
+    assert any("the forward runs on one thread" in str(w.message) for w in caught) == (used == 1)
+    for key in ("outputs", "cumulative_logprobs", "logprobs"):
+        assert alone[key] == together[key], key
 
 
 @pytest.mark.parametrize("variant, length", [("native", 35), ("vtoken", 35), ("vtoken", 124)])

@@ -25,12 +25,17 @@ its positions (heads, then the block's queries, as chains of elementwise adds: `
 cached prefix keeps, which is itself that fold's state at the prefix's end
 (``runtime/prefix_caching.py``): the same bits whatever prefix was cached, or with caching off.
 ``find_row_multiple`` measures P for the model's shapes on the machine at hand (it depends on the
-BLAS, its build and the thread count).
+BLAS, its build and the thread count). With several intra-op threads a BLAS may split a product's
+sums between threads by the row count, so that no P serves (a 2-core Xeon with AMX: none at two
+threads, 16 at one); ``invariant_products`` then runs the forward on one thread, where each
+product's order depends on its panel alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import lru_cache, partial
 
 import torch
@@ -82,6 +87,39 @@ def find_row_multiple(model: nn.Module) -> int:
                       and not isinstance(m, nn.Embedding)}, key=str)
     cfg = model.config
     return _row_multiple(tuple(weights), cfg.num_key_value_heads, cfg.head_dim, torch.get_num_threads())
+
+
+def invariant_products(model: nn.Module) -> tuple[int, int]:
+    """(P, threads): the row multiple and the intra-op threads the batch-invariant forward runs
+    on. The process's thread count where some P serves it; else one thread, with a warning (the
+    forward then runs on one thread: ``intra_op_threads``). RuntimeError if no P serves one thread."""
+    threads = torch.get_num_threads()
+    try:
+        return find_row_multiple(model), threads
+    except RuntimeError:
+        if threads == 1:
+            raise
+    with intra_op_threads(1):
+        multiple = find_row_multiple(model)
+    warnings.warn(f"batch_invariant: no row multiple of up to {CANDIDATES[-1]} gives a row the same bits at "
+                  f"{threads} intra-op threads on this machine; the forward runs on one thread (P = {multiple})",
+                  RuntimeWarning, stacklevel=2)
+    return multiple, 1
+
+
+@contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` inside, the process's count restored after
+    (nothing done where they are equal already)."""
+    before = torch.get_num_threads()
+    if before == threads:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @lru_cache(maxsize=None)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trtllm_vtoken.runtime.batch_invariance import find_row_multiple
+from trtllm_vtoken.runtime.batch_invariance import intra_op_threads, invariant_products
 from trtllm_vtoken.runtime.mass_staging import MassStaging
 
 
@@ -32,15 +32,17 @@ class Forwards:
         stats: The engine's stats (``forward_seconds`` grows).
         batch_invariant: Batch-invariant forwards (``runtime/batch_invariance.py``): every product
             on a multiple of the rows this machine's BLAS needs, measured here for the thread count
-            (RuntimeError where no multiple serves) and again if the thread count changes.
+            and again if the thread count changes; where no multiple serves it, the forward runs on
+            one thread (a warning; RuntimeError where none serves one thread either).
     """
 
     def __init__(self, model: Any, kv: Any, graphs: Any, consistency: Any, stats: Any, device: str,
                  max_batch_size: int, max_positions: int, batch_invariant: bool = False) -> None:
         self.model, self.kv, self.graphs, self.consistency, self.stats = model, kv, graphs, consistency, stats
         self.batch_invariant = batch_invariant
-        self._row_multiples: dict[int, int] = {}  # thread count -> rows every product is padded to
-        self.row_multiple()
+        self._row_multiples: dict[int, tuple[int, int]] = {}  # thread count -> (rows every product
+        # is padded to, threads the forward runs on)
+        self.invariance()
         self.device = device
         self.simulated = getattr(model, "simulated", False)
         self.mass_staging = MassStaging(max_batch_size, max_positions)
@@ -50,14 +52,16 @@ class Forwards:
         self.device_ready = 0.0
         """The simulated backend with device time: when the device finishes the forwards launched."""
 
-    def row_multiple(self) -> int:
-        """0, or (batch-invariant) the row multiple for the thread count the products run on now."""
-        if not self.batch_invariant:
-            return 0
+    def invariance(self) -> tuple[int, int]:
+        """(row multiple, threads) of a forward at the process's thread count now: (0, that
+        count) off; batch-invariant, ``invariant_products``' pair, measured once per count."""
         threads = torch.get_num_threads()
+        if not self.batch_invariant:
+            return 0, threads
         if threads not in self._row_multiples:
-            self._row_multiples[threads] = find_row_multiple(self.model)
+            self._row_multiples[threads] = invariant_products(self.model)
         return self._row_multiples[threads]
+
 
     def _layout_fixed(self) -> None:
         if self.before_model is not None:
@@ -96,7 +100,7 @@ class Forwards:
         # prefix's in block order (kv.prefill_mass_blocks); otherwise a prefill that stores prompt
         # blocks cuts its mass at their ends (prefix caching keeps what a cached prefix's queries
         # paid, see runtime/prefix_caching.py).
-        row_multiple, observes_prompt = self.row_multiple(), prefill and first_prefill and kv.needs_attention
+        (row_multiple, threads), observes_prompt = self.invariance(), prefill and first_prefill and kv.needs_attention
         tpb = kv.config.tokens_per_block
         mass_blocks = (first % tpb, tpb) if row_multiple and observes_prompt else None
         cuts = kv.mass_cuts(req_ids[0]) if observes_prompt and mass_blocks is None else []
@@ -111,13 +115,14 @@ class Forwards:
         else:
             q_lens = torch.tensor([len(t) for t in tokens]).to(device)
             mass_cuts = None if not cuts else torch.tensor(cuts if verify else [cuts])
-            logits, mass = self.model(
-                input_ids.to(device), positions.to(device), slots.to(device), q_lens,
-                kv.cache, valid, return_mass=kv.needs_attention, logits_at=None if verify else q_lens - 1,
-                carry_mass=self.consistency.carry, mass_cuts=mass_cuts,
-                mass_from=self._mass_from(req_ids, tokens, prompt_after) if prefill and kv.needs_attention else None,
-                row_multiple=row_multiple, mass_blocks=mass_blocks,
-            )
+            with intra_op_threads(threads):  # batch-invariant: one thread where no P serves more
+                logits, mass = self.model(
+                    input_ids.to(device), positions.to(device), slots.to(device), q_lens,
+                    kv.cache, valid, return_mass=kv.needs_attention, logits_at=None if verify else q_lens - 1,
+                    carry_mass=self.consistency.carry, mass_cuts=mass_cuts,
+                    mass_from=self._mass_from(req_ids, tokens, prompt_after) if prefill and kv.needs_attention
+                    else None, row_multiple=row_multiple, mass_blocks=mass_blocks,
+                )
         mass = self.consistency.reduce_mass(mass)  # every rank's heads: identical decisions
         # One device-to-host copy per forward for all rows (the policy reads each row on the host);
         # it also takes the graph's reused output buffers out of the way of the next replay.
