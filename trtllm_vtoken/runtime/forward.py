@@ -62,7 +62,6 @@ class Forwards:
             self._row_multiples[threads] = invariant_products(self.model)
         return self._row_multiples[threads]
 
-
     def _layout_fixed(self) -> None:
         if self.before_model is not None:
             hook, self.before_model = self.before_model, None
