@@ -39,21 +39,6 @@ struct Candidate {
   }
 };
 
-// A row whose candidates' keys are all NaN: span_minimum leaves NaN out, so no key equalled the
-// row's minimum (+inf) and every span holding a candidate was kept. The victim: the lowest id.
-[[gnu::cold, gnu::noinline]] void lowest_nan_candidate(const SlotLayout& layout, const std::vector<Span>& spans,
-                                                       int32_t low32, uint32_t width, const float* stat,
-                                                       Candidate& best) {
-  for (const Span& span : spans) {
-    const int32_t* tokens = layout.tokens + span.base;
-    for (int64_t o = 0; o < span.n; ++o) {
-      const int64_t t = tokens[o];
-      if (static_cast<uint32_t>(tokens[o] - low32) >= width || t >= best.id) continue;
-      if (std::isnan(stat[span.base + o])) best = Candidate{stat[span.base + o], t, span.start + o};
-    }
-  }
-}
-
 // One row: accumulate the mass (kMass), then find the victims among [low, high). kStat: the key is
 // the statistic, else the id. kSingle: one victim (the decode step); else every candidate is
 // collected for an exact partial sort. Specialised so the loops carry no branch on what is constant
@@ -113,21 +98,25 @@ int64_t scan_row(const SlotLayout& layout, const int32_t* blocks, int64_t length
   }
   // kSingle: the victim is the candidate of the lowest id among those whose key is the row's
   // minimum (best.key); only spans that reached it (once or more, as the running minimum fell)
-  // hold one.
+  // hold one. Where none does, every candidate's key is NaN (span_minimum leaves NaN out, so the
+  // minimum stayed +inf and every span holding a candidate was kept): the lowest id among them.
   const double minimum = best.key;
   best.id = std::numeric_limits<int64_t>::max();
-  for (const Span& span : spans) {
-    if (span.minimum != minimum) continue;
-    const int32_t* tokens = layout.tokens + span.base;
-    for (int64_t o = 0; o < span.n; ++o) {
-      const int64_t t = tokens[o];
-      if (static_cast<uint32_t>(tokens[o] - low32) >= width || t >= best.id) continue;
-      const double key = kStat ? stat[span.base + o] : static_cast<double>(t);
-      if (key == minimum) best = Candidate{minimum, t, span.start + o};
+  auto lowest_id_where = [&](auto matches) {
+    for (const Span& span : spans) {
+      if (span.minimum != minimum) continue;
+      const int32_t* tokens = layout.tokens + span.base;
+      for (int64_t o = 0; o < span.n; ++o) {
+        const int64_t t = tokens[o];
+        if (static_cast<uint32_t>(tokens[o] - low32) >= width || t >= best.id) continue;
+        const double key = kStat ? stat[span.base + o] : static_cast<double>(t);
+        if (matches(key)) best = Candidate{key, t, span.start + o};
+      }
     }
-  }
+  };
+  lowest_id_where([minimum](double key) { return key == minimum; });
   if (kSingle && kStat && count > 0 && best.id == std::numeric_limits<int64_t>::max()) {
-    lowest_nan_candidate(layout, spans, low32, width, stat, best);
+    lowest_id_where([](double key) { return std::isnan(key); });
   }
   return count;
 }

@@ -158,7 +158,20 @@ def run_invariance_bench(cfg: InvarianceBenchConfig, model: Any, tokenizer: Any,
         del row["outputs_together"]
     return {"config": asdict(cfg), "prompt_tokens": [len(p) for p in prompts], "batch_rows": batch_rows,
             "preemption_rows": preemption_rows, "copy_vtoken_equals_naive_evict": vtoken_equals_naive,
-            "bitwise_rows": bitwise_rows, "cost_rows": cost_rows(model, max(prompts, key=len), cfg, tick)}
+            "bitwise_rows": bitwise_rows, "cost_rows": cost_rows(model, max(prompts, key=len), cfg, tick),
+            "invariant_forward": invariant_forward(model)}
+
+
+def invariant_forward(model) -> dict[str, int]:
+    """What the batch-invariant forwards above ran on here: every product on a multiple of
+    ``row_multiple`` rows, on ``threads`` intra-op threads, the process running ``process_threads``
+    (``runtime/batch_invariance.py`` ``invariant_products``, measured once per process)."""
+    import torch
+
+    from trtllm_vtoken.runtime.batch_invariance import invariant_products
+
+    multiple, threads = invariant_products(model)
+    return {"row_multiple": multiple, "threads": threads, "process_threads": torch.get_num_threads()}
 
 
 def decode_step_seconds(model, prompt: list[int], batch: int, cfg: InvarianceBenchConfig, **config) -> float:

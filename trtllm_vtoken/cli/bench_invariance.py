@@ -77,6 +77,9 @@ def run_invariance(args: argparse.Namespace) -> int:
         [[r["batch"], _spread(r["decode_ms_off"]), _spread(r["decode_ms_on"]),
           f"{r['ratio_median']:.2f}x [{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}]"]
          for r in result["cost_rows"]]))
+    forward = result["invariant_forward"]
+    print(f"batch_invariant here: every product on a multiple of {forward['row_multiple']} rows, the forward on "
+          f"{forward['threads']} intra-op thread(s) of the process's {forward['process_threads']}")
     publish(args.out, "invariance", result)
     return 0
 

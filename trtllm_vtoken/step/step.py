@@ -31,7 +31,7 @@ from trtllm_vtoken.step.beside import BesideHost
 from trtllm_vtoken.step.checks import StepChecks
 from trtllm_vtoken.step.config import StepConfig, StepStats
 from trtllm_vtoken.step.core import TableCore, make_core
-from trtllm_vtoken.step.decide import BadMass, BatchDecision, given
+from trtllm_vtoken.step.decide import BatchDecision, given
 from trtllm_vtoken.step.io import StepInput, StepOutput
 from trtllm_vtoken.step.iteration import InputChecks, Iteration
 from trtllm_vtoken.step.end import StepEnd
@@ -185,10 +185,11 @@ class DecodeStep(StepRequests, StepEnd):
                     new_slots = self._register(it)
                 decision = given(*self.decision.victims(it.req_ids, it.rows, mass, shared, it.unobserved))
         except Exception as exc:
-            # A bad mass function's result (BadMass), or a failure in the mass function or the
-            # cross-rank sum: once the new tokens are registered the step cannot go on. Before,
-            # nothing changed (the call registers them itself) and the step stays usable.
-            if it.registered or isinstance(exc, BadMass):
+            # A bad mass function's result (BadMass: a function's mass registers the batch first),
+            # or a failure in the mass function or the cross-rank sum: once the new tokens are
+            # registered the step cannot go on. Before, nothing changed (the call registers them
+            # itself) and the step stays usable.
+            if it.registered:
                 self._broken = str(exc)
             raise
         it.decision = decision
