@@ -1,8 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // amx_bf16_supported, avx512_bf16_supported, avx512_supported and bf16_mass_kind (amx.h): CPUID for
-// the instructions, XCR0 and Linux's arch_prctl for the state.
+// the instructions, XCR0 and Linux's arch_prctl for the state, under the ceiling that
+// limit_mass_isa or $VTOKEN_MAX_CPU_ISA sets.
 #include "amx.h"
 
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -56,19 +60,57 @@ const Support& support() {
   return asked;
 }
 
+// The ceiling's levels, lowest first: a level is used only where the CPU has it and it is at or
+// under the ceiling. Index = level.
+constexpr const char* kLevels[] = {"none", "avx512", "avx512-bf16", "amx"};
+constexpr int kNone = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAmx = 3, kUnread = -1;
+
+int level_of(const char* name, const char* source) {
+  for (int level = kNone; level <= kAmx; ++level)
+    if (std::strcmp(name, kLevels[level]) == 0) return level;
+  throw std::invalid_argument(std::string(source) + " must be one of amx, avx512-bf16, avx512, none; got '" + name +
+                              "'");
+}
+
+// $VTOKEN_MAX_CPU_ISA's level, read once (unset or empty: no ceiling); a bad value throws on
+// every question until it is mended.
+int environment_level() {
+  static const int level = [] {
+    const char* env = std::getenv("VTOKEN_MAX_CPU_ISA");
+    return env == nullptr || *env == '\0' ? kAmx : level_of(env, "VTOKEN_MAX_CPU_ISA");
+  }();
+  return level;
+}
+
+std::atomic<int> set_level{kUnread};  // limit_mass_isa's; kUnread: the environment's
+
+int ceiling_level() {
+  const int level = set_level.load(std::memory_order_relaxed);
+  return level != kUnread ? level : environment_level();
+}
+
+bool allowed(int level) { return level <= ceiling_level(); }
+
 }  // namespace
 
 bool amx_bf16_supported() {
 #ifdef VTOKEN_TILE_EMULATION  // the tests' software tiles (cpp/tests/tile_emulation.h) stand in for AMX
-  return tile_emulation::enabled() && support().avx512_bf16;
+  return tile_emulation::enabled() && support().avx512_bf16 && allowed(kAmx);
 #else
-  return support().amx;
+  return support().amx && allowed(kAmx);
 #endif
 }
 
-bool avx512_bf16_supported() { return support().avx512_bf16; }
+bool avx512_bf16_supported() { return support().avx512_bf16 && allowed(kAvx512Bf16); }
 
-bool avx512_supported() { return support().avx512; }
+bool avx512_supported() { return support().avx512 && allowed(kAvx512); }
+
+const char* limit_mass_isa(const char* most) {
+  const int before = set_level.exchange(most == nullptr ? kUnread : level_of(most, "limit_mass_isa"));
+  return before == kUnread ? nullptr : kLevels[before];
+}
+
+const char* mass_isa_ceiling() { return kLevels[ceiling_level()]; }
 
 const char* bf16_mass_kind() {
   return amx_bf16_supported() ? "amx" : avx512_bf16_supported() ? "avx512-bf16" : nullptr;

@@ -26,6 +26,9 @@
 
 namespace vtoken {
 
+// Each of the next three also needs its level at or under the ceiling (mass_isa_ceiling), so that
+// one machine can run, test and time each kind of pass it has.
+//
 // True where the CPU has AMX-BF16 and AVX-512 (F, BW, BF16) and the OS grants this process the
 // tile state (asked once, on the first call); always false in a build without AMX.
 bool amx_bf16_supported();
@@ -38,6 +41,16 @@ bool avx512_bf16_supported();
 // True where the CPU has AVX-512 F, BW and VL (Intel Skylake-SP and later, AMD Zen 4 and later) and
 // the OS saves the ZMM state; false in a build without AMX intrinsics.
 bool avx512_supported();
+
+// The most the passes may use, whatever the CPU has: "amx" (no ceiling), "avx512-bf16", "avx512"
+// or "none" (every pass refuses: callers take the torch passes): limit_mass_isa's, else
+// $VTOKEN_MAX_CPU_ISA's (read on the first question; unset or empty: "amx"). limit_mass_isa(nullptr)
+// goes back to the environment's; it returns the limit it replaced (nullptr: the environment's).
+// std::invalid_argument for another name (from mass_isa_ceiling and every question above for a bad
+// $VTOKEN_MAX_CPU_ISA), nothing changed. A pass's workspace is sized for the kind it runs: one sized before the ceiling changed is
+// refused (require_workspace) where the kind it now runs needs more.
+const char* limit_mass_isa(const char* most);
+const char* mass_isa_ceiling();
 
 // What the bf16 mass passes compute their scores with here: "amx" where this CPU and OS run
 // AMX-BF16, else "avx512-bf16" where they run AVX-512 BF16 (pair dot products), else nullptr.

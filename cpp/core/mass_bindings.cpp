@@ -166,6 +166,18 @@ void bind_mass_passes(nb::module_& m) {
         return kind ? std::optional<std::string>(kind) : std::nullopt;
       },
       "\"amx\", \"avx512-bf16\" or None: what the bf16 mass passes compute their scores with here (amx.h).");
+  m.def(
+      "limit_mass_isa",
+      [](std::optional<std::string> most) -> std::optional<std::string> {
+        const char* before = vtoken::limit_mass_isa(most ? most->c_str() : nullptr);
+        return before ? std::optional<std::string>(before) : std::nullopt;
+      },
+      "most"_a.none(),
+      "Sets the most the mass passes may use (\"amx\", \"avx512-bf16\", \"avx512\", \"none\"; None: "
+      "$VTOKEN_MAX_CPU_ISA's) and returns the limit it replaced (None: the environment's); ValueError "
+      "for another name, nothing changed (amx.h).");
+  m.def("mass_isa_ceiling", &vtoken::mass_isa_ceiling,
+        "The most the mass passes may use here: limit_mass_isa's, else $VTOKEN_MAX_CPU_ISA's, else \"amx\".");
   bind_prefill_mass(m);
   bind_decode_mass(m);
 }

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The C++ bf16 decode mass pass (``mass_cpp.decode_mass_bf16``, ``cpp/core/decode_mass.cpp``), with
-AMX tiles or AVX-512 BF16 dot products (whichever this CPU runs: ``bf16_kind``), equals
-its specification (``scores.batch_decode_attention_mass``) on random pools, block tables, lengths,
+AMX tiles and with AVX-512 BF16 dot products (each kind this CPU runs, the passes limited to it:
+``isa_ceiling``), equals its specification (``scores.batch_decode_attention_mass``) on random pools, block tables, lengths,
 GQA groups and layer maps, at every edge of its tiles, and at real geometries (head dims on and off the tiles' 32 dims,
 tokens_per_block below 16, groups wider than a tile's 16 query heads) with whatever the pool holds
 past each row's length (NaN here); gives the same result for any thread count; keeps its workspace
@@ -27,10 +27,13 @@ from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass
 
 pytestmark = pytest.mark.skipif(bf16_kind() is None,
                                 reason="needs the C++ core on a CPU and OS with AMX-BF16 or AVX-512 BF16")
+KINDS = pytest.mark.parametrize("isa_ceiling", ["amx", "avx512-bf16"], indirect=True)
+"""Each test below runs once per kind of the pass this CPU has."""
 
 
+@KINDS
 @pytest.mark.parametrize("seed", range(16))
-def test_bf16_decode_pass_equals_its_specification(seed):
+def test_bf16_decode_pass_equals_its_specification(seed, isa_ceiling):
     q, pool, block_lists, kv_lens, layers = random_decode(seed, torch.bfloat16)
     want = batch_decode_attention_mass(q, pool, block_lists, kv_lens, layers)
     got = decode_mass_bf16(q, pool, block_lists, kv_lens, layers, threads=1)
@@ -65,8 +68,9 @@ def nan_filled_pool(num_blocks, layers, kv_heads, tpb, dim, block_lists, kv_lens
 GEOMETRIES = [(9, 3, 64, 32), (32, 8, 128, 64), (32, 32, 96, 16), (20, 1, 80, 8), (8, 4, 256, 128)]
 
 
+@KINDS
 @pytest.mark.parametrize("heads,kv_heads,dim,tpb", GEOMETRIES)
-def test_bf16_decode_pass_reads_real_geometries_from_a_fragmented_pool(heads, kv_heads, dim, tpb):
+def test_bf16_decode_pass_reads_real_geometries_from_a_fragmented_pool(heads, kv_heads, dim, tpb, isa_ceiling):
     """Blocks anywhere in the pool, lengths cut inside a block and on its edge, queries as a strided
     view (the manager's buffer [layers, max_batch, ...] seen per row), NaN past every length."""
     gen = torch.Generator().manual_seed(dim + tpb)
@@ -78,7 +82,7 @@ def test_bf16_decode_pass_reads_real_geometries_from_a_fragmented_pool(heads, kv
     q = buffer[:, : len(kv_lens)].transpose(0, 1)  # [rows, layers, heads, dim], not contiguous
     assert not q.is_contiguous()
     want = batch_decode_attention_mass(q, pool, block_lists, kv_lens, [2, 0])
-    assert decode_pass(q, pool, kv_lens) == bf16_kind()
+    assert decode_pass(q, pool, kv_lens) == isa_ceiling
     got = decode_mass(q, pool, block_lists, kv_lens, [2, 0])
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     assert not got.isnan().any()
@@ -86,7 +90,8 @@ def test_bf16_decode_pass_reads_real_geometries_from_a_fragmented_pool(heads, kv
     torch.testing.assert_close(sums, torch.full_like(sums, float(layers * heads)), rtol=1e-5, atol=1e-4)
 
 
-def test_bf16_decode_pass_at_the_tiles_edges():
+@KINDS
+def test_bf16_decode_pass_at_the_tiles_edges(isa_ceiling):
     """Every edge of the tiles at once: blocks of 1 to 128 tokens (tiles of 1, 2 or 16 keys),
     head dims from 2 to 160 on and off the 32-dim chunk (partial chunks of 2 to 30 dims), groups
     of 1, 2, 16 and 17 query heads (one tile of heads, or two), lengths of one position, a block
@@ -103,9 +108,10 @@ def test_bf16_decode_pass_at_the_tiles_edges():
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=lambda m: f"{tpb=} {dim=} {heads=}: {m}")
 
 
-def test_pools_and_rows_it_does_not_take_go_to_the_torch_pass():
+@KINDS
+def test_pools_and_rows_it_does_not_take_go_to_the_torch_pass(isa_ceiling):
     q, pool, block_lists, kv_lens, layers = random_decode(4, torch.bfloat16)
-    assert decode_pass(q, pool, kv_lens) == bf16_kind()
+    assert decode_pass(q, pool, kv_lens) == isa_ceiling
     for other_q, other_pool in ((q.float(), pool.float()), (q.half(), pool.half()), (q.float(), pool)):
         assert decode_bf16_plan(other_q, other_pool, kv_lens, DEFAULT_CAP_BYTES) is None
         assert decode_pass(other_q, other_pool, kv_lens) == "torch"
@@ -154,8 +160,9 @@ def test_bad_input_is_refused_before_anything_is_written():
     assert torch.equal(mass[0, 20:], torch.zeros(12)) and not torch.equal(mass[1], torch.full((32,), 7.0))
 
 
+@KINDS
 @pytest.mark.parametrize("model", sorted(SHAPES))
-def test_bf16_decode_pass_stays_under_the_cap_at_32k_tokens(model):
+def test_bf16_decode_pass_stays_under_the_cap_at_32k_tokens(model, isa_ceiling):
     heads, kv_heads, dim = SHAPES[model]
     tokens, tpb, rows, layers = 32 * 1024, 32, 3, 2
     gen = torch.Generator().manual_seed(1)

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The C++ prefill mass pass (``mass_cpp.py``, ``cpp/core/prefill_mass.cpp``), for bf16 rows with
-AMX tiles or AVX-512 BF16 dot products and for fp16 and float32 rows with float32 FMAs (whichever
-this CPU runs: ``prefill_kind``), equals its specification (``scores.py``) on random shapes, GQA
-groups, head dims off the tiles' 32, reused prefixes, windows and strided inputs; gives the same
-result for any thread count; keeps its workspace in the one tensor it allocates, under the cap at
-Llama-3.1-70B shapes and 32k tokens; and steps aside (the torch pass runs) wherever it does not
-apply. Skipped, per dtype, where the C++ core is not built or the CPU or OS has no AVX-512."""
+AMX tiles, AVX-512 BF16 dot products or float32 FMAs and for fp16 and float32 rows with float32
+FMAs (each kind this CPU runs, the passes limited to it: ``isa_ceiling``), equals its
+specification (``scores.py``) on random shapes, GQA groups, head dims off the tiles' 32, reused
+prefixes, windows and strided inputs; gives the same result for any thread count; keeps its
+workspace in the one tensor it allocates, under the cap at Llama-3.1-70B shapes and 32k tokens;
+and steps aside (the torch pass runs) wherever it does not apply. Skipped, per kind, where the
+C++ core is not built or the CPU or OS lacks it."""
 
 from __future__ import annotations
 
@@ -21,16 +22,19 @@ from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import prefill_mass_torch
 from trtllm_vtoken.integration.trtllm.scores import prefill_attention_mass
 
-DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(prefill_kind(dtype) is None,
-                                                      reason="needs the C++ core on a CPU and OS with AVX-512"))
-          for dtype in (torch.bfloat16, torch.float16, torch.float32)]
+KINDS = [(torch.bfloat16, "amx"), (torch.bfloat16, "avx512-bf16"), (torch.bfloat16, "avx512"),
+         (torch.float16, "avx512"), (torch.float32, "avx512")]
+DTYPES = pytest.mark.parametrize("dtype,isa_ceiling", [pytest.param(dtype, kind, id=f"{str(dtype)[6:]}-{kind}")
+                                                       for dtype, kind in KINDS], indirect=["isa_ceiling"])
+"""Each test below runs once per row dtype and kind of the pass this CPU has for it (the passes
+limited to that kind: bf16 rows on a CPU with AMX take each of its three kinds in turn)."""
 pytestmark = pytest.mark.skipif(prefill_kind(torch.float32) is None,
                                 reason="needs the C++ core on a CPU and OS with AVX-512")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@DTYPES
 @pytest.mark.parametrize("seed", range(16))
-def test_prefill_pass_equals_its_specification(seed, dtype):
+def test_prefill_pass_equals_its_specification(seed, dtype, isa_ceiling):
     q, k, past_k, window = random_prefill(seed, dtype)
     want = prefill_attention_mass(q, k, chunk=5, past_k=past_k, window=window)
     got = prefill_mass_cpp(q, k, past_k, window, DEFAULT_CAP_BYTES, threads=1)
@@ -55,9 +59,9 @@ def test_fp16_rows_are_converted_exactly():
     assert torch.equal(got, prefill_mass_cpp(q.float(), k.float(), past.float(), None, DEFAULT_CAP_BYTES, threads=1))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@DTYPES
 @pytest.mark.parametrize("tokens,past", [(300, 0), (129, 70)])
-def test_prefill_pass_reads_strided_rows_of_real_sizes(tokens, past, dtype):
+def test_prefill_pass_reads_strided_rows_of_real_sizes(tokens, past, dtype, isa_ceiling):
     """q and k as TensorRT-LLM's hook sees them: views into one fused qkv tensor [T, (H + 2 Hkv) D],
     SmolLM2's head dim 64 and Llama's 128, tiles of 16 queries and 64 keys cut at both ends."""
     gen = torch.Generator().manual_seed(tokens)
@@ -67,16 +71,16 @@ def test_prefill_pass_reads_strided_rows_of_real_sizes(tokens, past, dtype):
         k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
         past_k = torch.randn(past, kv_heads, dim, generator=gen).to(dtype) if past else None
         assert not q.is_contiguous()
-        assert prefill_pass(q, k, past_k) == prefill_kind(dtype)
+        assert prefill_pass(q, k, past_k) == isa_ceiling
         want = prefill_attention_mass(q, k, past_k=past_k)
         torch.testing.assert_close(prefill_mass(q, k, past_k), want, rtol=2e-5, atol=2e-4)
         assert abs(want.sum().item() - heads * tokens) < 1e-2 * tokens  # each query's weights sum to 1
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_context_rows_take_it_where_it_applies(dtype):
+@DTYPES
+def test_context_rows_take_it_where_it_applies(dtype, isa_ceiling):
     q, k, past_k, window = random_prefill(3, dtype)
-    assert prefill_pass(q, k, past_k) == prefill_kind(dtype) != "torch"
+    assert prefill_pass(q, k, past_k) == isa_ceiling != "torch"
     assert mass_backend("cpu") == "torch"
     other = torch.float32 if dtype != torch.float32 else torch.bfloat16
     assert prefill_mass_cpp(q.to(other), k, past_k, window, DEFAULT_CAP_BYTES) is None  # mixed dtypes
@@ -120,9 +124,9 @@ def test_bad_input_is_refused_before_anything_is_written():
         core.prefill_mass_workspace_bytes(20, 2, 16, 1, "float64")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@DTYPES
 @pytest.mark.parametrize("model", sorted(SHAPES))
-def test_prefill_pass_stays_under_the_cap_at_32k_tokens(model, dtype):
+def test_prefill_pass_stays_under_the_cap_at_32k_tokens(model, dtype, isa_ceiling):
     heads, kv_heads, dim = SHAPES[model]
     tokens, window = 32 * 1024, 16
     gen = torch.Generator().manual_seed(0)

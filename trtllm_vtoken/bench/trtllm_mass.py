@@ -26,7 +26,9 @@ median round's with its range over the rounds (mass of round i over attention of
 verdict that claims a side of the target only outside that range. Transient memory: the largest
 bytes each mass way holds at once beside its inputs (``PeakMemory`` on CPU, the allocator's peak
 on CUDA). Shapes: SmolLM2-135M's attention (30 layers, 9 query heads, 3 KV heads, head_dim 64),
-tokens_per_block 32, lengths staggered by up to a block.
+tokens_per_block 32, lengths staggered by up to a block. ``VTOKEN_MAX_CPU_ISA`` limits the C++
+passes (``mass_cpp.limit_isa``), not torch's attention: a CPU with AMX times its other kinds
+against the attention it runs.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from trtllm_vtoken.bench.memory import peak_transient_bytes
 from trtllm_vtoken.bench.repeats import at_most_verdict
 from trtllm_vtoken.config_base import require_positive
 from trtllm_vtoken.integration.trtllm.mass import decode_mass, decode_pass, mass_backend, prefill_mass, prefill_pass
+from trtllm_vtoken.integration.trtllm.mass_cpp import isa_ceiling
 from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES
 from trtllm_vtoken.integration.trtllm.mass_torch import decode_mass_torch, prefill_mass_torch
 from trtllm_vtoken.integration.trtllm.scores import batch_decode_attention_mass, prefill_attention_mass
@@ -182,7 +185,7 @@ def run_trtllm_mass_bench(cfg: TrtllmMassBenchConfig, progress=None) -> dict[str
         raise ValueError("vtoken bench trtllm-mass --device cuda needs a CUDA device")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     result = {"config": asdict(cfg), "device": str(device), "backend": mass_backend(device),
-              "torch_threads": torch.get_num_threads(), "cap_bytes": DEFAULT_CAP_BYTES,
+              "torch_threads": torch.get_num_threads(), "cap_bytes": DEFAULT_CAP_BYTES, "isa_ceiling": isa_ceiling(),
               "decode": decode_section(cfg, sync, progress)}
     result["prefill"] = [prefill_section(cfg, tokens, getattr(torch, name), sync, progress)
                          for name in cfg.prompt_dtypes for tokens in cfg.prompts]

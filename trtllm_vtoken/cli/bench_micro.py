@@ -29,7 +29,9 @@ def register(bench) -> None:
                     "layout; prefill: one context row, one layer) against their torch specification and against "
                     "the attention they observe on the same tensors (torch's fused SDPA), on SmolLM2-135M's "
                     "attention shapes: alternating rounds, each ratio with its range over the rounds and a "
-                    "verdict, and the peak transient bytes of each pass.")
+                    "verdict, and the peak transient bytes of each pass. VTOKEN_MAX_CPU_ISA=avx512-bf16 (or "
+                    "avx512, none) limits the C++ passes, not torch's attention, so that a CPU with AMX times "
+                    "its other kinds too.")
     mass.add_argument("--device", default="cpu", help="torch device of the tensors (default cpu)")
     mass.add_argument("--batch", action=Size, type=int, default=64, help="decode rows (default 64)")
     mass.add_argument("--context", action=Size, type=int, default=4096,
@@ -65,6 +67,10 @@ def run_host(args: argparse.Namespace) -> int:
     return 0
 
 
+def _limited(ceiling: str | None) -> str:
+    return "" if ceiling in (None, "amx") else f"; the C++ passes limited to {ceiling}: VTOKEN_MAX_CPU_ISA"
+
+
 def run_trtllm_mass(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -80,7 +86,8 @@ def run_trtllm_mass(args: argparse.Namespace) -> int:
         result = run_trtllm_mass_bench(cfg, progress=bar)
     decode = result["decode"]
     print(f"vtoken bench trtllm-mass: {result['device']} ({decode['pass']} decode pass, each prefill row's pass "
-          f"named; {result['torch_threads']} torch threads), {cfg.rounds} alternating rounds; ranges over the rounds")
+          f"named; {result['torch_threads']} torch threads{_limited(result['isa_ceiling'])}), {cfg.rounds} "
+          "alternating rounds; ranges over the rounds")
     print(f"decode: batch {cfg.batch}, context {cfg.context}, 30 layers, bf16 pool (mass pass - specification: "
           f"{decode['max_abs_difference']:.2e} at most)")
     print(format_table(["way", "ms (median)", "min", "max", "peak transient MiB"],

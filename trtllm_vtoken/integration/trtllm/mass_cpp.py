@@ -24,11 +24,16 @@ where the pool holds them (as AMX tiles, or key by key for the dot products), sc
 queries with float32 sums, and adds each query head's float32 softmax into the row's mass: the
 keys are read once, in bf16. Threads take whole rows; its workspace (one row's scores per thread)
 is allocated here under the cap, as above.
+
+A ceiling bounds what the passes use whatever the CPU has (``limit_isa``, or ``VTOKEN_MAX_CPU_ISA``
+in the environment): one machine with AMX can run, test and time the AVX-512 BF16 kind, the FMA
+kind on bf16 rows, or the torch passes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -38,6 +43,38 @@ from trtllm_vtoken.integration.trtllm.mass_plan import DEFAULT_CAP_BYTES, padded
 
 PREFILL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 """The row dtypes the C++ prefill pass takes, by the name its binding knows them by."""
+
+
+ISA_LEVELS = ("none", "avx512", "avx512-bf16", "amx")
+"""What the passes may use, least first: a ceiling at a level lets the passes use it and those before it."""
+
+
+def isa_ceiling() -> str | None:
+    """The most the passes may use here (``ISA_LEVELS``): ``limit_isa``'s, else
+    ``VTOKEN_MAX_CPU_ISA``'s, else "amx"; None without the core (or one built before the ceiling).
+    ValueError where ``VTOKEN_MAX_CPU_ISA`` names no level (every question here raises it)."""
+    ceiling = getattr(native.load(), "mass_isa_ceiling", None)
+    return None if ceiling is None else ceiling()
+
+
+def limit_isa(most: str | None) -> str | None:
+    """Sets the most the passes may use from now on, in this process (a level of ``ISA_LEVELS``;
+    None: ``VTOKEN_MAX_CPU_ISA``'s again); returns the limit it replaced (None: the environment's).
+    ValueError for another name, RuntimeError without the core; nothing changed either way."""
+    limit = getattr(native.load(), "limit_mass_isa", None)
+    if limit is None:
+        raise RuntimeError("the C++ core is not built (or was built before the ISA ceiling): reinstall the package")
+    return limit(most)
+
+
+@contextmanager
+def isa_limited(most: str | None) -> Iterator[None]:
+    """``limit_isa(most)`` for the block, the limit before restored after it."""
+    before = limit_isa(most)
+    try:
+        yield
+    finally:
+        limit_isa(before)
 
 
 def bf16_kind() -> str | None:
@@ -64,7 +101,10 @@ def describe() -> str:
         return "torch (the C++ core was built without these passes: reinstall the package)"
     prefill = ", ".join(f"{name} {prefill_kind(dtype) or 'torch'}" for dtype, name in PREFILL_DTYPES.items())
     decode = bf16_kind() or "torch"
-    return f"context rows: {prefill}; decode rows: bf16 pools {decode}, other dtypes torch (C++ core where not torch)"
+    ceiling = isa_ceiling()
+    limited = "" if ceiling in (None, "amx") else f" (limited to {ceiling}: VTOKEN_MAX_CPU_ISA or limit_isa)"
+    return (f"context rows: {prefill}; decode rows: bf16 pools {decode}, other dtypes torch (C++ core where not "
+            f"torch){limited}")
 
 
 def prefill_workspace_bytes(num_keys: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cap_bytes: int,
