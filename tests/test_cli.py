@@ -4,10 +4,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 
-from trtllm_vtoken.cli import main
+from trtllm_vtoken.cli import main, show_warning
 from trtllm_vtoken.core import native
 
 
@@ -142,6 +143,16 @@ def test_bench_step_refuses_an_unknown_core(capsys):
 def test_bad_arguments_give_one_line_error(capsys):
     assert main(["bench", "core", "--batch", "0", "--out", "/tmp/unused"]) == 2
     assert capsys.readouterr().err.strip() == "vtoken: error: batch must be positive, got 0"
+
+
+def test_a_warning_is_one_line_as_an_error_is(capsys):
+    """The engine config warns (drafting turns the overlap scheduler off), then refuses the policy."""
+    assert main(["generate", "hi", "--max-draft-len", "3", "--policy", "lru"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "vtoken: warning: speculative_config turns the overlap scheduler off (as TensorRT-LLM does for NGram: a step "
+        "beside the next forward would take its drafts in before they are verified)",
+        "vtoken: error: Unknown eviction policy 'lru'. Known: h2o, random, scissorhands, sliding_window, streaming_llm"]
+    assert warnings.showwarning is not show_warning  # Python's own display is back after the command
 
 
 def test_info_and_import_is_light():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 
 from trtllm_vtoken import __version__
@@ -33,9 +34,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line on stderr, as the command's errors are (not Python's file, line and
+    source line under it)."""
+    print(f"vtoken: warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = show_warning
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The parsed command; one line for an error the caller can mend (exit status 2) or an interruption."""
     try:
         if hasattr(args, "intra_op_threads"):  # a command that runs a model (trtllm_vtoken/threads.py)
             from trtllm_vtoken.threads import set_threads
