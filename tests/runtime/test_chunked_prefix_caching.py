@@ -133,12 +133,29 @@ def test_an_evicting_requests_chunks_are_cached_until_its_first_eviction(model):
 def test_chunked_prefill_takes_prefix_caching(model):
     config = EngineConfig(**CHUNKED)
     assert config.prefix_caching and config.prefill_chunk_tokens == CHUNK
-    # Found by fuzzing: three prompts sharing a long prefix in chunks, greedy admission, a tight
-    # pool: the oldest kept the shared blocks on top of its budget, preempted the others (which
-    # freed nothing it held), then itself, and all three were re-admitted together, for ever.
-    with pytest.raises(ValueError, match="needs admission='peak'"):
-        EngineConfig(**CHUNKED, prefix_reuse="share", admission="greedy")
-    assert EngineConfig(**CHUNKED, prefix_reuse="share").admission == "peak"
+    assert EngineConfig(**CHUNKED, prefix_reuse="share", admission="greedy").admission == "greedy"
+
+
+@pytest.mark.parametrize("policy", ["streaming_llm", "h2o"])
+def test_greedy_admission_shares_no_block_of_an_evicting_prompt_in_chunks(model, policy):
+    """Found by fuzzing (share, greedy admission and chunked prefill were refused together for
+    it): prompts of 50, 45 and 40 tokens with a common prefix, 11 blocks, budget 24. A newcomer
+    sharing the oldest prompt's blocks made them protected, on top of its budget: its next chunk
+    did not fit, it preempted the newer prompts and then itself, and greedy admission took them
+    in again, for ever (291 preemptions in 300 iterations). Now, while a prompt that may evict has
+    chunks to come, a newcomer prefills those tokens itself; all three end."""
+    engine = engine_for(model, policy=policy, policy_options={"n_sink": 2} if policy == "streaming_llm" else {},
+                        budget=24, num_blocks=11, max_seq_len=96, prefix_reuse="share", admission="greedy")
+    ids = [engine.add_request((SYSTEM * 2)[:n], SamplingParams(max_tokens=10, ignore_eos=True)) for n in (50, 45, 40)]
+    blocks, iterations = engine.kv.layout.block_ids, 0
+    while engine.has_unfinished() and iterations < 300:
+        engine.step()
+        iterations += 1
+        for i, req_id in enumerate(engine.running):  # no later request holds a block of a prompt in chunks
+            if req_id in engine.scheduler.prefilling:
+                assert set(blocks(req_id)).isdisjoint(set().union(*map(blocks, engine.running[i + 1 :])))
+    assert not engine.has_unfinished() and iterations == 36 and engine.stats.preemptions == 10
+    assert all(len(engine.pop_finished(r).output_ids) == 10 for r in ids)
 
 
 @pytest.mark.parametrize("variant", ["native", "vtoken"])

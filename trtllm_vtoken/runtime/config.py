@@ -128,9 +128,10 @@ class EngineConfig:
     chunk (and a block) of KV whatever its prompt's length, and admission counts that peak: a
     prompt longer than the KV budget runs. With prefix caching a request that may evict takes a
     cached prefix up to its first chunk's end only (it decides there, as alone; native requests
-    take all of it). In lazy mode with ``lazy_background``, plans commit at once while a prompt
-    has chunks to come. Needs ``max_num_tokens``, ``prefill_decision="at_once"`` and, with
-    ``prefix_reuse="share"``, peak admission."""
+    take all of it); with ``prefix_reuse="share"`` and greedy admission a newcomer does not share
+    the blocks of a prompt that may evict and has chunks to come (``held_by_evicting_prompts``). In
+    lazy mode with ``lazy_background``, plans commit at once while a prompt has chunks to come.
+    Needs ``max_num_tokens`` and ``prefill_decision="at_once"``."""
     speculative_config: NGramDecodingConfig | dict | None = None
     """Speculative decoding with n-gram drafts (TensorRT-LLM's ``NGramDecodingConfig`` fields, or
     a dict of them with ``decoding_type="NGram"``): greedy decode rows verify up to
@@ -213,11 +214,6 @@ class EngineConfig:
             if self.max_num_tokens - self.max_batch_size < self.tokens_per_block:
                 raise ValueError(f"max_num_tokens ({self.max_num_tokens}) must leave a block ({self.tokens_per_block} "
                                  f"tokens) for prefill chunks beside max_batch_size ({self.max_batch_size}) decode rows")
-            if self.prefix_caching and self.prefix_reuse == "share" and self.admission == "greedy":
-                raise ValueError("enable_chunked_prefill with prefix_reuse='share' needs admission='peak': a prompt "
-                                 "in chunks keeps the blocks it shares on top of its budget while others hold them, "
-                                 "and greedy admission re-admits those others beside it (prompts preempting each "
-                                 "other for ever)")
             if self.prefill_decision != "at_once":
                 raise ValueError("enable_chunked_prefill needs prefill_decision='at_once' (each chunk is taken "
                                  "in before the next one runs)")

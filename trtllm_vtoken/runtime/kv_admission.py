@@ -5,6 +5,8 @@ prefix it takes, held in common or copied into blocks of its own (``EngineConfig
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from trtllm_vtoken.core import BlockPool
 from trtllm_vtoken.policies import EvictionPolicy
 from trtllm_vtoken.policies.request_settings import PolicySpec
@@ -47,11 +49,11 @@ class KVAdmission:
                          f"tokens_per_block {cfg.tokens_per_block})")
 
     def admit(self, req_id: int, token_ids: list[int], remaining: int, spec: PolicySpec | None = None,
-              drafts: int = 0) -> int | None:
+              drafts: int = 0, in_chunks: Collection[int] = ()) -> int | None:
         """Registers the request if admission allows; its prefill writes ``token_ids``, each decode
-        step 1 + ``drafts`` tokens at most (``check_fits_alone``'s). Returns how many of them are
-        cached already (their KV is there: prefill the rest), or None if it does not fit now
-        (nothing changed)."""
+        step 1 + ``drafts`` tokens at most (``check_fits_alone``'s). ``in_chunks``: the running
+        requests whose prompts have chunks to come. Returns how many of them are cached already
+        (their KV is there: prefill the rest), or None if it does not fit now (nothing changed)."""
         cfg, prefill_len = self.config, len(token_ids)
         # A private request (it may evict; prefix_reuse="copy") copies its cached prefix into
         # blocks of its own: its decisions then depend on no other request (prefix_caching.py).
@@ -59,6 +61,8 @@ class KVAdmission:
         # A block that an in-flight background compaction touches is not shared before it commits.
         relocating = self.step.relocating_blocks() if self.step is not None and self.prefix else set()
         busy = relocating | self.prefix.busy_for(private) if self.prefix else relocating
+        if self.prefix and not private and cfg.admission == "greedy":
+            busy = busy | self.held_by_evicting_prompts(in_chunks)
         policy = None if spec is None else self._policies.setdefault(spec, spec.make())
         window = None if policy is None else policy.observed_prefill_queries()
         # A policy that adds the cached prefix's attention mass to its own takes only blocks that carry
@@ -96,6 +100,22 @@ class KVAdmission:
                                    needs_payload, take_prefix, decides_at)
         self.writes.add_prefix(req_id, blocks)
         return self.prefix.cached_tokens(req_id)
+
+    def held_by_evicting_prompts(self, in_chunks: Collection[int]) -> set[int]:
+        """The blocks of the requests of ``in_chunks`` (prompts with chunks to come) that may evict,
+        which greedy admission does not let a newcomer share. A block shared is protected for
+        each holder, on top of its budget; a prompt in chunks that cannot fit its next chunk
+        beside such blocks preempts the newer prompts and then itself, and greedy admission
+        (fits now) admits them together again, for ever. A prompt's blocks go back to being
+        shared once its last chunk is scheduled: a decode row short of room preempts the newest
+        request and goes on."""
+        held: set[int] = set()
+        for req_id in in_chunks:
+            if self.policy_of(req_id) is not None:
+                blocks = self.writes.staged_blocks(req_id) if req_id in self.writes.staged else \
+                    self.writes.written(req_id)
+                held.update(blocks[0])
+        return held
 
     def _admit_blocks(self, req_id: int, prefill_len: int, remaining: int, spec: PolicySpec | None, drafts: int,
                       lags: bool, held: int, reclaimable: int) -> bool:

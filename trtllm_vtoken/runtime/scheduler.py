@@ -120,7 +120,7 @@ class Scheduler:
             if tokens is not None and first > tokens:
                 break
             cached = self.kv.admit(request.req_id, ids, request.remaining, self.specs[request.req_id],
-                                   request.draft_tokens)
+                                   request.draft_tokens, in_chunks=self.prefilling)
             if cached is None:
                 break
             # A cached prefix ends inside a chunk: the first forward computes the rest of it, so the
