@@ -106,9 +106,9 @@ class KVAdmission:
         which greedy admission does not let a newcomer share. A block shared is protected for
         each holder, on top of its budget; a prompt in chunks that cannot fit its next chunk
         beside such blocks preempts the newer prompts and then itself, and greedy admission
-        (fits now) admits them together again, for ever. A prompt's blocks go back to being
-        shared once its last chunk is scheduled: a decode row short of room preempts the newest
-        request and goes on."""
+        (fits now) admits them together again, for ever. Its blocks may be shared again once its
+        last chunk is scheduled: a decode row short of room preempts the newest request and goes
+        on, so the oldest request always advances."""
         held: set[int] = set()
         for req_id in in_chunks:
             if self.policy_of(req_id) is not None:
