@@ -47,8 +47,9 @@ bool avx512_supported();
 // $VTOKEN_MAX_CPU_ISA's (read on the first question; unset or empty: "amx"). limit_mass_isa(nullptr)
 // goes back to the environment's; it returns the limit it replaced (nullptr: the environment's).
 // std::invalid_argument for another name (from mass_isa_ceiling and every question above for a bad
-// $VTOKEN_MAX_CPU_ISA), nothing changed. A pass's workspace is sized for the kind it runs: one sized before the ceiling changed is
-// refused (require_workspace) where the kind it now runs needs more.
+// $VTOKEN_MAX_CPU_ISA), nothing changed. A pass's workspace is sized for the kind it runs: one
+// sized before the ceiling changed is refused (require_workspace) where the kind it now runs needs
+// more.
 const char* limit_mass_isa(const char* most);
 const char* mass_isa_ceiling();
 
