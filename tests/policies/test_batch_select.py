@@ -36,7 +36,7 @@ def batch_of(table, req_ids, stats, protected_blocks):
                      protected if protected.any() else None, stats)
 
 
-@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # -inf + inf is NaN, as meant
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # -inf + inf is NaN, as meant, and silent
 @pytest.mark.parametrize("name", POLICIES.names())
 @pytest.mark.parametrize("budget", [6, 17, 0.4, 0.9])
 @pytest.mark.parametrize("seed", range(4))
@@ -97,7 +97,7 @@ def test_a_policy_written_for_one_request_runs_in_a_batch():
         assert picks.of_row(view, i).tolist() == policy.select(policy_view(table, i)).tolist()
 
 
-@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # -inf + inf is NaN, as meant
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # -inf + inf is NaN, as meant, and silent
 def test_one_victim_a_row_orders_non_finite_scores_as_the_exact_sort():
     """Rows evicting one token each (a decode step) take the vectorised path: the lowest score,
     ties to the lower id, -inf < numbers < +inf < NaN as ``np.lexsort`` orders them, and only a

@@ -47,7 +47,7 @@ def tables_equal(a, b) -> None:
         assert np.array_equal(sa.live[: sa.num_tokens], sb.live[: sb.num_tokens])
 
 
-@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # -inf + inf is NaN, as meant
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # -inf + inf is NaN, as meant, and silent
 @settings(max_examples=40, deadline=None)
 @given(compaction=st.sampled_from(["dense", "lazy", "dead-blocks", "lazy-background"]), tpb=st.sampled_from([2, 4, 8]),
        steps=st.integers(1, 25), threshold=st.integers(1, 3), seed=st.integers(0, 2**31), non_finite=st.booleans())
@@ -83,6 +83,33 @@ def test_cpp_step_equals_python_step(compaction, tpb, steps, threshold, seed, no
     for step in steps_:
         step.check_integrity()
     assert steps_[0].stats.tokens_evicted == steps_[1].stats.tokens_evicted
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize("name", ["h2o", "scissorhands"])
+def test_an_attention_that_overflowed_ranks_alike_and_silently(name):
+    """Every slot takes +inf one step, then every other slot -inf (an attention that overflowed
+    both ways): H2O's sums and Scissorhands' means become NaN in both cores, alike, and numpy
+    warns of none of it (the Python core adds the slot-wise mass itself, ``BatchDecision.add_mass``)."""
+    from trtllm_vtoken.policies import make_policy
+    from trtllm_vtoken.step import StepInput
+
+    outs = []
+    for impl in ("python", "cpp"):
+        host = Host(16, 4)
+        step = make_step(host, impl, "dense", policy=make_policy(name, 6))
+        step.add_request(0), step.add_request(1)
+        ran = [step.run(StepInput([0, 1], [9, 7], [0, 3, 5], host.allocate(5), mass=np.full((2, 9), np.inf)))]
+        for overflowed in (True, False):
+            width = max(step.kv_len(0), step.kv_len(1)) + 1
+            mass = np.where(np.arange(width) % 2, -np.inf, np.inf) if overflowed else np.ones(width)
+            blocks = [host.allocate(-(-(step.kv_len(r) + 1) // 4) - step.num_blocks(r)) for r in (0, 1)]
+            ran.append(step.run(StepInput.of_lists([0, 1], [1, 1], blocks, mass=np.stack([mass, mass]))))
+            host.release(ran[-1].table.freed)
+        outs.append(ran)
+    for a, b in zip(*outs):
+        outputs_equal(a, b)
+    assert sum(len(out.victims) for out in outs[0]) > 0
 
 
 def bad_input_errors(impl: str) -> list[str]:

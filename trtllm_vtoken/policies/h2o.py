@@ -61,7 +61,10 @@ class H2OPolicy(ScorePolicy):
         self._mass.forget(req_id)
 
     def observe_batch(self, view: BatchView, mass: np.ndarray) -> None:
-        view.stats["mass"] += mass  # accumulated per slot, float32, as the per-request accumulator
+        # Accumulated per slot, float32, as the per-request accumulator. An attention that
+        # overflowed gives +inf and -inf, whose sum is NaN: ranked last, as the exact sort ranks it.
+        with np.errstate(invalid="ignore"):
+            view.stats["mass"] += mass
 
     def score(self, view: PolicyView) -> np.ndarray:
         return self._mass.get(view.req_id, view.live_ids)

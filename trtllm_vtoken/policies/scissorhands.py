@@ -46,8 +46,10 @@ class ScissorhandsPolicy(ScorePolicy):
         if not len(token_ids):
             return
         # Summed in order (cumsum), so that the batched form, whose rows hold zeros at dead
-        # positions, gets the same mean to the last bit.
-        important = token_ids[attention > np.cumsum(attention)[-1] / len(token_ids)]
+        # positions, gets the same mean to the last bit. +inf and -inf (an attention that
+        # overflowed) sum to NaN: then no token is above the mean.
+        with np.errstate(invalid="ignore"):
+            important = token_ids[attention > np.cumsum(attention)[-1] / len(token_ids)]
         history = self._history.setdefault(req_id, deque())
         history.append(important)
         self._counts.add(req_id, important, np.ones(len(important)))
@@ -59,7 +61,8 @@ class ScissorhandsPolicy(ScorePolicy):
         live = view.observed()  # a token the forward did not attend is neither counted nor scored
         attention = np.where(live, np.asarray(mass, dtype=np.float64), 0.0)
         counts = live.sum(axis=1)
-        total = np.cumsum(attention, axis=1)[:, -1] if attention.shape[1] else np.zeros(len(counts))
+        with np.errstate(invalid="ignore"):  # +inf and -inf sum to NaN, as in observe
+            total = np.cumsum(attention, axis=1)[:, -1] if attention.shape[1] else np.zeros(len(counts))
         mean = total / np.maximum(counts, 1)
         important = live & (attention > mean[:, None])
         history = view.stats["history"]

@@ -26,7 +26,9 @@ class PerTokenAccumulator:
             grown[: len(values)] = values
             values = self._values[req_id] = grown
         amounts = np.asarray(amounts)
-        np.add.at(values, token_ids, amounts if amounts.dtype == np.float32 else np.asarray(amounts, dtype=np.float64))
+        with np.errstate(invalid="ignore"):  # +inf and -inf (an attention that overflowed) add to NaN
+            np.add.at(values, token_ids,
+                      amounts if amounts.dtype == np.float32 else np.asarray(amounts, dtype=np.float64))
 
     def get(self, req_id: int, token_ids: np.ndarray) -> np.ndarray:
         """Values of ``token_ids`` (0 for ids never observed). Shape: token_ids.shape."""
