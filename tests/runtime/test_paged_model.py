@@ -19,7 +19,7 @@ from trtllm_vtoken.policies import make_policy, policy_view
 from trtllm_vtoken.reclaim import ReclaimBackend, ReclaimConfig
 from trtllm_vtoken.reclaim.copy import TorchCopyExecutor
 from trtllm_vtoken.runtime.kv_cache import PagedKVCache
-from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM
+from trtllm_vtoken.runtime.model import LlamaConfig, LlamaForCausalLM, rotation
 
 TPB = 4
 
@@ -37,7 +37,7 @@ def reference_logits(model: LlamaForCausalLM, ids: list[int], dead_at: list[set[
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     with torch.inference_mode():
         for layer in model.model.layers:
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), pos[None])
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), rotation(pos[None], cfg.rope))
             k = k.repeat_interleave(group, dim=2)
             v = v.repeat_interleave(group, dim=2)
             scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(cfg.head_dim)

@@ -97,13 +97,14 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
-    """Applies RoPE at ``positions``. x: [..., T, H, D], positions: [..., T].
+def rotation(positions: torch.Tensor, rope: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [..., T, 1, D/2] turning a [..., T, H, D] tensor by RoPE at ``positions`` [..., T].
 
     The angles are exact (float64) and their cosines rounded once to float32, so a key rotated at
-    p and turned back by d later (shift mode) matches one rotated at p - d to float32 rounding."""
+    p and turned back by d later (shift mode) matches one rotated at p - d to float32 rounding.
+    Computed once per forward: every layer turns its queries and keys by the same angles."""
     cos, sin = rotation_at(positions, rope)  # [..., T, D/2] float32, from float64 angles
-    return apply_rotation(x, cos[..., None, :], sin[..., None, :], rope)
+    return cos[..., None, :], sin[..., None, :]
 
 
 class Attention(nn.Module):
@@ -116,15 +117,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor, row_multiple: int = 0) -> tuple[torch.Tensor, ...]:
-        """x: [B, T, hidden] -> q [B, T, Hq, D], k and v [B, T, Hkv, D], q and k rotated."""
+    def qkv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+            row_multiple: int = 0) -> tuple[torch.Tensor, ...]:
+        """x: [B, T, hidden] -> q [B, T, Hq, D], k and v [B, T, Hkv, D]; q and k turned by
+        ``cos_sin``, the tokens' RoPE cosines and sines (``rotation``)."""
         b, t, _ = x.shape
         cfg = self.cfg
         q = project(self.q_proj, x, row_multiple).view(b, t, cfg.num_attention_heads, cfg.head_dim)
         k = project(self.k_proj, x, row_multiple).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = project(self.v_proj, x, row_multiple).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        rope = cfg.rope
-        return rotate(q, positions, rope), rotate(k, positions, rope), v
+        cos, sin = cos_sin
+        return apply_rotation(q, cos, sin, cfg.rope), apply_rotation(k, cos, sin, cfg.rope), v
 
 
 class MLP(nn.Module):
@@ -203,9 +206,10 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         mass_total = None
+        cos_sin = rotation(positions, self.config.rope)
         for layer_idx, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
-            q, k, v = layer.self_attn.qkv(h, positions, row_multiple)
+            q, k, v = layer.self_attn.qkv(h, cos_sin, row_multiple)
             cache.write(layer_idx, slots.flatten(), k.flatten(0, 1), v.flatten(0, 1))
             out, mass = paged_attention(q, cache, layer_idx, q_lens, valid, return_mass, mass_cuts, mass_from,
                                         row_multiple, mass_blocks)
