@@ -109,12 +109,13 @@ class KVWitness:
         self.written: dict[tuple[int, int], list[torch.Tensor]] = {}  # (request, logical position) -> [layer K/V]
         self.checks = 0
 
-    def _slot(self, blocks: list[int], position: int) -> tuple[int, int]:
-        return blocks[position // TPB], position % TPB
-
-    def _read(self, block: int, offset: int) -> list[torch.Tensor]:
-        return [self.manager.get_buffers(layer, kv_layout="HND")[block, :, :, offset].clone()
-                for layer in self.manager.pp_layers]
+    def _read(self, blocks: list[int], positions) -> torch.Tensor:
+        """[len(positions), layers, kv, heads, head_dim]: a copy of the KV at those physical
+        positions of a request holding ``blocks`` (one gather per layer)."""
+        positions = torch.as_tensor(positions, dtype=torch.long)
+        block, offset = torch.as_tensor(blocks, dtype=torch.long)[positions // TPB], positions % TPB
+        return torch.stack([self.manager.get_buffers(layer, kv_layout="HND")[block, :, :, offset]
+                            for layer in self.manager.pp_layers], dim=1)
 
     def after_forward(self, batch) -> None:
         """Records each real row's new tokens where the forward's metadata put them."""
@@ -124,11 +125,11 @@ class KVWitness:
             kv_len, first_logical = int(metadata.kv_lens[row]), engine.row_positions[row]
             blocks = self.manager.get_cache_indices(req)
             if row < len(batch.context_requests) and req.is_first_context_chunk:  # a prefix from the reuse tree
-                for position in range(first_logical):
-                    self.written[(req.py_request_id, position)] = self._read(*self._slot(blocks, position))
-            for i in range(seq_lens[row]):
-                physical = kv_len - seq_lens[row] + i
-                self.written[(req.py_request_id, first_logical + i)] = self._read(*self._slot(blocks, physical))
+                for position, kv in enumerate(self._read(blocks, range(first_logical))):
+                    self.written[(req.py_request_id, position)] = kv
+            new = self._read(blocks, range(kv_len - seq_lens[row], kv_len))
+            for i, kv in enumerate(new):
+                self.written[(req.py_request_id, first_logical + i)] = kv
 
     def after_update(self) -> None:
         step = self.manager.vtoken.step
@@ -152,12 +153,15 @@ class KVWitness:
             self.ahead_seen = max(getattr(self, "ahead_seen", 0), unwritten)
             assert kv_len == step.num_live(req_id), f"request {req_id} is not dense"
             logical = step.batch_tokens([req_id])[0][:kv_len].tolist()
-            for position, token in enumerate(logical):
-                want = self.written[(req_id, token)]
-                got = self._read(*self._slot(blocks, position))
-                assert all(torch.equal(g, w) for g, w in zip(got, want)), \
-                    f"request {req_id}: token {token}'s KV at position {position} is not what was written"
-                self.checks += 1
+            if not logical:
+                continue
+            want = torch.stack([self.written[(req_id, token)] for token in logical])
+            got = self._read(blocks, range(kv_len))
+            if not torch.equal(got, want):
+                position = next(p for p in range(kv_len) if not torch.equal(got[p], want[p]))
+                raise AssertionError(f"request {req_id}: token {logical[position]}'s KV at position {position} "
+                                     "is not what was written")
+            self.checks += kv_len
 
 
 def trace_victims(manager) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
