@@ -250,12 +250,11 @@ class BatchDecision:
             before = values[in_repeated]
         with np.errstate(invalid="ignore"):  # +inf and -inf (an overflowed attention) add to NaN
             np.add(values, mass[:, :width], out=values, where=held)
-        slots.scatter(stat, blocks, values)
-        if not len(repeated):
-            return values
-        flat = (blocks.astype(np.int64).repeat(tpb, axis=1) * tpb + np.arange(width) % tpb)[in_repeated]
-        stat[flat] = before
-        with np.errstate(invalid="ignore"):
+            slots.scatter(stat, blocks, values)
+            if not len(repeated):
+                return values
+            flat = (blocks.astype(np.int64).repeat(tpb, axis=1) * tpb + np.arange(width) % tpb)[in_repeated]
+            stat[flat] = before
             np.add.at(stat, flat, mass[:, :width][in_repeated])
         return slots.gather(stat, blocks)
 
