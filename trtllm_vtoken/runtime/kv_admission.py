@@ -109,13 +109,8 @@ class KVAdmission:
         (fits now) admits them together again, for ever. Its blocks may be shared again once its
         last chunk is scheduled: a decode row short of room preempts the newest request and goes
         on, so the oldest request always advances."""
-        held: set[int] = set()
-        for req_id in in_chunks:
-            if self.policy_of(req_id) is not None:
-                blocks = self.writes.staged_blocks(req_id) if req_id in self.writes.staged else \
-                    self.writes.written(req_id)
-                held.update(blocks[0])
-        return held
+        return {block for req_id in in_chunks if self.policy_of(req_id) is not None
+                for block in self.writes.held_blocks(req_id)}
 
     def _admit_blocks(self, req_id: int, prefill_len: int, remaining: int, spec: PolicySpec | None, drafts: int,
                       lags: bool, held: int, reclaimable: int) -> bool:

@@ -66,12 +66,7 @@ def rows_of(mass: Any, index: list[int], batch: int) -> Any:
 def pending_rows(layout: Any, writes: Any, req_ids: list[int]) -> list[tuple[int, int, int]]:
     """Per request: (kv_len, token count, tokens reserved and not yet taken in: a cached prefix,
     earlier forwards', this one's), the layout as a forward over it sees it now."""
-    rows = []
-    for req_id in req_ids:
-        kv_len = layout.kv_len(req_id)
-        written = writes.staged_blocks(req_id)[1] if req_id in writes.staged else kv_len + writes.cached_tokens(req_id)
-        rows.append((kv_len, layout.num_tokens(req_id), written - kv_len))
-    return rows
+    return [(layout.kv_len(r), layout.num_tokens(r), writes.pending_tokens(r)) for r in req_ids]
 
 
 def layout_ids(layout: Any, writes: Any, req_ids: list[int]) -> np.ndarray:

@@ -155,6 +155,10 @@ class PendingWrites:
         blocks, start = self.written(req_id)
         return blocks + fresh, start + num_new
 
+    def held_blocks(self, req_id: int) -> list[int]:
+        """The request's blocks now: ``staged_blocks``' where a reservation is pending, else ``written``'s."""
+        return (self.staged_blocks(req_id) if req_id in self.staged else self.written(req_id))[0]
+
     def staged_slots(self, req_id: int) -> list[int]:
         """The flat slots the latest ``reserve`` handed out (this iteration's forward writes them)."""
         blocks, total = self.staged_blocks(req_id)
