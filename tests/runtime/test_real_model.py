@@ -32,7 +32,9 @@ def test_native_greedy_equals_transformers_token_for_token(smollm2_folder, smoll
     from transformers import AutoModelForCausalLM
 
     engine = Engine(model, EngineConfig(variant="native", num_blocks=128), smollm2_tokenizer)
-    prompts = [smollm2_tokenizer.encode(p, chat=True) for p in OPEN_ENDED]
+    # Two prompts of different lengths, in one batch: padding and rows of unequal length are there.
+    prompts = [smollm2_tokenizer.encode(p, chat=True) for p in OPEN_ENDED[1:3]]
+    assert len(prompts[0]) != len(prompts[1])
     ids = [engine.add_request(p, SamplingParams(max_tokens=32)) for p in prompts]
     while engine.has_unfinished():
         engine.step()
